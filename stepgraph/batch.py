@@ -1,0 +1,94 @@
+"""The decode batch handed to a model runner, and the interfaces a model runner implements.
+
+One decode step, as data (DESIGN §2). Every tensor's first dim is the batch ``bs``:
+
+    input_ids     [bs]            int64  token fed this step
+    positions     [bs]            int64  its position (= seq_len - 1)
+    seq_lens      [bs]            int32  KV length *including* this token (device)
+    seq_lens_cpu  [bs]            int32  host copy: geometry is decided without a device sync
+    block_table   [bs, max_pages] int32  page ids of each request, in order
+    out_cache_loc [bs]            int64  flat KV slot (page * page_size + offset) of the new token
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    out_cache_loc: torch.Tensor
+    mode: ForwardMode = ForwardMode.DECODE
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that live on the model's device (everything but ``seq_lens_cpu``)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("seq_lens_cpu", "mode")
+        }
+
+
+# dtype each ForwardBatch field must have; the runner checks live batches against it.
+BATCH_DTYPES: dict[str, torch.dtype] = {
+    "input_ids": torch.int64,
+    "positions": torch.int64,
+    "seq_lens": torch.int32,
+    "seq_lens_cpu": torch.int32,
+    "block_table": torch.int32,
+    "out_cache_loc": torch.int64,
+}
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """What the graph runner needs from a model's attention (sglang/pymllm names).
+
+    ``init_forward_metadata`` prepares an eager step. The ``*_cuda_graph`` hooks work on the
+    runner's static batch (views of its static buffers, first ``bs`` rows), so that whatever
+    the backend derives on the device is recorded inside the graph and refreshed per replay.
+    """
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    def init_cuda_graph_state(self, max_bs: int) -> None: ...
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, batch: ForwardBatch) -> None: ...
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, batch: ForwardBatch) -> None: ...
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int: ...
+
+
+@runtime_checkable
+class ModelRunnerLike(Protocol):
+    """Anything the ``CudaGraphRunner`` can wrap.
+
+    ``max_pages_per_request`` is the width of ``block_table``. Page 0 of the KV cache is scratch
+    owned by no request: padded rows of a replayed batch read and write only there.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    attn_backend: AttentionBackend
+    max_pages_per_request: int
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...

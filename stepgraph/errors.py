@@ -1,0 +1,27 @@
+"""One small exception hierarchy. Every message names the problem, the fix, and where there is
+one, the escape hatch (run the batch eagerly, use ``mode="graph"``, ...)."""
+
+from __future__ import annotations
+
+
+class StepGraphError(Exception):
+    """Base of every error stepgraph raises on purpose."""
+
+
+class ConfigError(StepGraphError, ValueError):
+    """A configuration or an input that cannot be served as given (shapes, dtypes, buckets)."""
+
+
+class CaptureError(StepGraphError, RuntimeError):
+    """A step could not be captured into a graph. Nothing half-captured is left behind."""
+
+
+class ReplayError(StepGraphError, RuntimeError):
+    """A batch cannot be replayed (too large, wrong dtype/device, runner shut down)."""
+
+
+class GraphUpdateError(StepGraphError, RuntimeError):
+    """A driver call failed, or a kernel node is not where the update plan expects it."""
+
+
+__all__ = ["StepGraphError", "ConfigError", "CaptureError", "ReplayError", "GraphUpdateError"]
