@@ -1,0 +1,1 @@
+"""`stepgraph bench`: timing helpers, modes, peers, rows, plots."""

@@ -1,0 +1,63 @@
+"""Timing on the device: CUDA events after warm-up, medians, and the copy-bandwidth ceiling."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def cuda_time_ms(
+    fn: Callable[[], object], *, warmup: int = 10, iters: int = 50, inner: int = 1
+) -> float:
+    """Median milliseconds of one ``fn()`` call, timed with CUDA events.
+
+    ``inner`` calls run between each pair of events (use it when one call is a few µs, so that
+    event resolution does not dominate); the result is divided back to one call.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        for _ in range(inner):
+            fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / inner
+
+
+def host_time_us(
+    fn: Callable[[], object], *, warmup: int = 100, iters: int = 2000, repeats: int = 7
+) -> float:
+    """Median over ``repeats`` of the mean host-side microseconds per ``fn()`` call.
+
+    Measures what the CPU spends issuing the call (no device synchronisation inside the loop).
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) / iters * 1e6)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30, *, device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
+
+    This is the ceiling the bandwidth floor of every benchmark divides by (about 4300 on an
+    H200), measured in the same run as the figures it is compared with.
+    """
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, iters=20)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
