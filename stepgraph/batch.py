@@ -33,6 +33,8 @@ class ForwardBatch:
     block_table: torch.Tensor
     out_cache_loc: torch.Tensor
     mode: ForwardMode = ForwardMode.DECODE
+    # Host int max(seq_lens) when the caller knows it (saves a reduction per step); else None.
+    max_seq_len: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -43,7 +45,7 @@ class ForwardBatch:
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("seq_lens_cpu", "mode")
+            if f.name not in ("seq_lens_cpu", "mode", "max_seq_len")
         }
 
 

@@ -1,0 +1,106 @@
+"""Static input buffers of a graph runner, allocated once at the largest bucket.
+
+A replay copies the live batch into rows ``[:bs]`` and keeps rows ``[bs:B]`` at padding values.
+Those values are defined here and nowhere else:
+
+    input_ids     PAD_TOKEN_ID (0)
+    positions     PAD_POSITION (0)
+    seq_lens      seq_len_fill_value (1: a padded row attends to one real slot)
+    block_table   PAD_PAGE (0: page 0 is scratch that no request owns)
+    out_cache_loc PAD_SLOT (0: so a padded row writes its K/V only into scratch)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import BATCH_DTYPES, ForwardBatch, ForwardMode
+
+PAD_TOKEN_ID = 0
+PAD_POSITION = 0
+PAD_PAGE = 0
+PAD_SLOT = 0
+
+
+@dataclass
+class GraphInputBuffers:
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    seq_lens: torch.Tensor  # [max_bs] int32
+    block_table: torch.Tensor  # [max_bs, max_pages] int32
+    out_cache_loc: torch.Tensor  # [max_bs] int64
+    seq_lens_cpu: torch.Tensor  # [max_bs] int32, host
+    seq_len_fill_value: int
+    # Rows [:dirty_rows] may hold a previous batch's live values; rows past it hold padding.
+    dirty_rows: int = 0
+
+    @classmethod
+    def allocate(
+        cls, max_bs: int, max_pages: int, device: torch.device, seq_len_fill_value: int
+    ) -> GraphInputBuffers:
+        def full(shape, value, name, dev=device):
+            return torch.full(shape, value, dtype=BATCH_DTYPES[name], device=dev)
+
+        return cls(
+            input_ids=full((max_bs,), PAD_TOKEN_ID, "input_ids"),
+            positions=full((max_bs,), PAD_POSITION, "positions"),
+            seq_lens=full((max_bs,), seq_len_fill_value, "seq_lens"),
+            block_table=full((max_bs, max_pages), PAD_PAGE, "block_table"),
+            out_cache_loc=full((max_bs,), PAD_SLOT, "out_cache_loc"),
+            seq_lens_cpu=full((max_bs,), seq_len_fill_value, "seq_lens_cpu", "cpu"),
+            seq_len_fill_value=seq_len_fill_value,
+        )
+
+    @property
+    def max_bs(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def view(self, bs: int) -> ForwardBatch:
+        """The static batch of bucket ``bs``: views of the first ``bs`` rows. A graph captured
+        with it reads exactly these addresses at every replay."""
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=self.seq_lens_cpu[:bs],
+            block_table=self.block_table[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            mode=ForwardMode.DECODE,
+        )
+
+    def copy_from(self, batch: ForwardBatch, bucket: int) -> None:
+        """Copy ``batch`` into rows ``[:bs]``; reset stale rows of ``[bs:bucket]`` to padding.
+
+        Only rows a previous, larger batch left dirty are re-padded, so a steady batch size costs
+        two grouped copies (one per dtype) and no fills.
+        """
+        bs = batch.batch_size
+        width = batch.block_table.shape[1]
+        if width == self.block_table.shape[1]:
+            torch._foreach_copy_(
+                [self.seq_lens[:bs], self.block_table[:bs]], [batch.seq_lens, batch.block_table]
+            )
+        else:  # a narrower table: columns past it are never read (seq_len bounds the pages)
+            self.seq_lens[:bs].copy_(batch.seq_lens)
+            self.block_table[:bs, :width].copy_(batch.block_table)
+        torch._foreach_copy_(
+            [self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs]],
+            [batch.input_ids, batch.positions, batch.out_cache_loc],
+        )
+        self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
+        stale_stop = min(self.dirty_rows, bucket)
+        if stale_stop > bs:
+            self.pad_rows(bs, stale_stop)
+        # Rows past ``bucket`` are not read by this graph; a larger bucket re-pads them later.
+        self.dirty_rows = self.dirty_rows if self.dirty_rows > bucket else bs
+
+    def pad_rows(self, start: int, stop: int) -> None:
+        """Set rows ``[start:stop]`` to the padding values (the one place that writes them)."""
+        self.input_ids[start:stop] = PAD_TOKEN_ID
+        self.positions[start:stop] = PAD_POSITION
+        self.seq_lens[start:stop] = self.seq_len_fill_value
+        self.seq_lens_cpu[start:stop] = self.seq_len_fill_value
+        self.block_table[start:stop] = PAD_PAGE
+        self.out_cache_loc[start:stop] = PAD_SLOT

@@ -1,0 +1,304 @@
+"""``CudaGraphRunner``: one graph per batch-size bucket, replayed for every decode step.
+
+    runner = CudaGraphRunner(model_runner, RunnerConfig(max_bs=64))   # captures every bucket
+    for step in decode_loop:
+        if runner.can_run(batch):
+            logits = runner.replay(batch)          # view into a static buffer
+        else:
+            logits = model_runner.forward(batch)   # eager fallback
+
+Capture runs largest bucket first on one side stream into one shared pool; replay pads the live
+batch to its bucket (padding values live in ``input_buffers.py``), lets the attention backend
+refresh its static metadata, optionally retunes attention nodes to the live KV length (mode
+"exact"), replays, and returns the first ``bs`` rows of the static output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .backends import CapturedGraph, make_backend
+from .batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
+from .buckets import DEFAULT_MAX_BS, default_capture_sizes, pad_to_bucket, validate_buckets
+from .capture import (
+    BucketStats,
+    CaptureStats,
+    Stopwatch,
+    freeze_gc,
+    model_capture_mode,
+    reserved_bytes,
+)
+from .errors import CaptureError, ConfigError, ReplayError
+from .exact import ExecUpdater, default_exec_updater
+from .input_buffers import GraphInputBuffers
+
+logger = logging.getLogger("stepgraph")
+
+MODES = ("graph", "exact")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How a ``CudaGraphRunner`` captures.
+
+    ``capture_bs`` defaults to ``[1, 2, 4, 8] + 16..max_bs step 16``; when given, ``max_bs`` is
+    its largest entry. ``mode="exact"`` retunes split-KV attention nodes to the live KV length
+    before each replay (needs ``stepgraph.graph_update`` and flash-decode kernels in the step).
+    """
+
+    max_bs: int = DEFAULT_MAX_BS
+    capture_bs: tuple[int, ...] | None = None
+    mode: str = "graph"
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
+    warmup_iters: int = 2
+    backend: str = "auto"  # "cuda", "cpu" (stand-in) or "auto" (by device)
+    show_progress: bool = True
+    freeze_gc: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.warmup_iters < 1:
+            raise ConfigError(
+                "warmup_iters must be >= 1: capture needs one eager warm-up "
+                "to compile kernels and settle lazy buffers."
+            )
+        if self.capture_bs is not None:
+            validate_buckets(self.capture_bs)
+        elif self.max_bs < 1:
+            raise ConfigError(f"max_bs must be >= 1, got {self.max_bs}.")
+
+    def buckets(self) -> list[int]:
+        if self.capture_bs is not None:
+            return list(self.capture_bs)
+        return default_capture_sizes(self.max_bs)
+
+
+@dataclass
+class RunnerStats:
+    capture: CaptureStats | None = None
+    replays: int = 0
+    node_edits: int = 0  # attention nodes pushed by exact mode
+    fallbacks: Counter = field(default_factory=Counter)  # reason -> batches refused by can_run
+
+
+class CudaGraphRunner:
+    """Captures and replays CUDA graphs for decode-step forward passes (seed: pymllm)."""
+
+    def __init__(
+        self,
+        model_runner: ModelRunnerLike,
+        config: RunnerConfig | None = None,
+        *,
+        exec_updater: ExecUpdater | None = None,
+        capture: bool = True,
+    ) -> None:
+        self.model_runner = model_runner
+        self.config = config = config if config is not None else RunnerConfig()
+        self.device = torch.device(model_runner.device)
+        self.capture_bs = config.buckets()
+        self.max_bs = self.capture_bs[-1]
+        self.enable_torch_compile = config.enable_torch_compile
+        self.torch_compile_max_bs = config.torch_compile_max_bs
+        self.compile_bs = [
+            bs
+            for bs in self.capture_bs
+            if self.enable_torch_compile and bs <= self.torch_compile_max_bs
+        ]
+        self.seq_len_fill_value = model_runner.attn_backend.get_cuda_graph_seq_len_fill_value()
+        self.buffers = GraphInputBuffers.allocate(
+            self.max_bs, model_runner.max_pages_per_request, self.device, self.seq_len_fill_value
+        )
+        self.graphs: dict[int, CapturedGraph] = {}
+        self.output_buffers: dict[int, torch.Tensor] = {}
+        self.stats = RunnerStats()
+        self._backend = make_backend(self.device, config.backend)
+        self._static: dict[int, ForwardBatch] = {}
+        self._updater = exec_updater
+        if config.mode == "exact" and exec_updater is None:
+            self._updater = default_exec_updater(model_runner)
+        self._plans: dict[int, object] = {}
+        self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
+        self._shut_down = False
+        if capture:
+            self.capture()
+
+    # ---------------------------------------------------------------------------------------
+    # capture
+
+    def capture(self) -> CaptureStats:
+        """Capture one graph per bucket, largest first (smaller ones reuse its pool blocks)."""
+        self._check_alive("capture")
+        self._release_graphs()
+        self.model_runner.attn_backend.init_cuda_graph_state(self.max_bs)
+        stats = CaptureStats()
+        bar = tqdm(
+            list(reversed(self.capture_bs)),
+            desc="stepgraph capture",
+            unit="bucket",
+            disable=not self.config.show_progress,
+            leave=False,
+        )
+        with freeze_gc(self.config.freeze_gc), model_capture_mode():
+            for bs in bar:
+                stats.buckets.append(self._capture_one(bs))
+                bar.set_postfix(bs=bs, pool_mib=f"{stats.pool_bytes / 2**20:.1f}")
+        self.stats.capture = stats
+        logger.info("stepgraph: %s", stats.summary())
+        if self.config.show_progress:
+            tqdm.write(f"stepgraph: {stats.summary()}")
+        return stats
+
+    def _capture_one(self, bs: int) -> BucketStats:
+        static = self._static[bs] = self.buffers.view(bs)
+        forward = self._forward_for(bs)
+        step = lambda: forward(static)  # reads only static buffers
+        with Stopwatch(self.device) as sw:
+            try:
+                self.model_runner.attn_backend.init_forward_metadata_capture_cuda_graph(bs, static)
+                self._backend.warmup(step, self.config.warmup_iters)
+                before = reserved_bytes(self.device)
+                graph = self._backend.capture(step, key=bs)
+                if self._updater is not None:
+                    self._plans[bs] = self._updater.plan(graph, bs)
+            except CaptureError:
+                self._release_graphs()
+                raise
+            except Exception as e:
+                self._release_graphs()
+                raise CaptureError(
+                    f"capturing the decode step for batch size {bs} failed: {e}. A captured "
+                    "forward must not sync with the host (.item(), .tolist(), .cpu(), printing a "
+                    "tensor, data-dependent shapes such as nonzero) nor branch on device values; "
+                    "move that work out of forward(), or run this model eagerly "
+                    "(model_runner.forward)."
+                ) from e
+        self.graphs[bs] = graph
+        self.output_buffers[bs] = graph.output
+        return BucketStats(bs, sw.seconds, before, reserved_bytes(self.device))
+
+    def _forward_for(self, bs: int) -> Callable[[ForwardBatch], torch.Tensor]:
+        if bs not in self.compile_bs:
+            return self.model_runner.forward
+        if self._compiled is None:
+            self._compiled = torch.compile(
+                self.model_runner.forward, mode="max-autotune-no-cudagraphs", dynamic=False
+            )
+        return self._compiled
+
+    # ---------------------------------------------------------------------------------------
+    # replay
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """``True`` if ``batch`` can be replayed; otherwise count the reason in ``stats``."""
+        reason = self._refusal(batch)
+        if reason is not None:
+            self.stats.fallbacks[reason] += 1
+        return reason is None
+
+    def _refusal(self, batch: ForwardBatch) -> str | None:
+        if self._shut_down:
+            return "shut_down"
+        if batch.mode is not ForwardMode.DECODE:
+            return "not_decode"
+        bs = batch.batch_size
+        if bs == 0:
+            return "empty"
+        if bs > self.max_bs:
+            return "too_large"
+        if self._input_problem(batch) is not None:
+            return "bad_input"
+        return None
+
+    def _input_problem(self, batch: ForwardBatch) -> str | None:
+        bs = batch.batch_size
+        for name, t in batch.device_tensors().items():
+            if t.dtype is not BATCH_DTYPES[name]:
+                return f"{name} has dtype {t.dtype}, expected {BATCH_DTYPES[name]}"
+            if t.device != self.device:
+                return f"{name} is on {t.device}, expected {self.device}"
+            if t.shape[0] != bs:
+                return f"{name} has {t.shape[0]} rows, expected {bs} (the batch size)"
+        width = batch.block_table.shape[1]
+        if batch.block_table.dim() != 2 or width > self.buffers.block_table.shape[1]:
+            return (
+                f"block_table has shape {tuple(batch.block_table.shape)}, expected "
+                f"[{bs}, <= {self.buffers.block_table.shape[1]}]"
+            )
+        if batch.seq_lens_cpu.device.type != "cpu" or batch.seq_lens_cpu.shape[0] != bs:
+            return f"seq_lens_cpu must be a host tensor of {bs} rows"
+        return None
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Replay the graph of the smallest bucket holding ``batch``; return its ``[bs, ...]``
+        output rows. The result is a view into a static buffer: the next replay overwrites it,
+        so copy or consume it (e.g. sample) before the next step."""
+        self._check_alive("replay")
+        if batch.mode is not ForwardMode.DECODE:
+            raise ReplayError(
+                f"replay serves decode batches, got {batch.mode.value}; run it "
+                "eagerly with model_runner.forward."
+            )
+        bs = batch.batch_size
+        bucket = pad_to_bucket(bs, self.capture_bs)
+        problem = self._input_problem(batch)
+        if problem is not None:  # checked before anything is copied
+            raise ReplayError(
+                f"cannot replay this batch: {problem}. Build the batch with "
+                "these dtypes on the model's device, or run it eagerly."
+            )
+        self.buffers.copy_from(batch, bucket)
+        self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
+            bucket, self._static[bucket]
+        )
+        graph = self.graphs[bucket]
+        if self._updater is not None:
+            t_kv = (
+                batch.max_seq_len
+                if batch.max_seq_len is not None
+                else int(batch.seq_lens_cpu.max())
+            )
+            self.stats.node_edits += self._updater.apply(self._plans[bucket], graph, t_kv)
+        graph.replay()
+        self.stats.replays += 1
+        return self.output_buffers[bucket][:bs]
+
+    # ---------------------------------------------------------------------------------------
+    # lifetime
+
+    def reinstantiate(self) -> None:
+        """Rebuild every exec from its template graph; exact-mode edits are re-applied at the
+        next replay (they live in the exec, which this replaces)."""
+        self._check_alive("reinstantiate")
+        for bs, graph in self.graphs.items():
+            graph.reinstantiate()
+            if self._updater is not None:
+                self._updater.invalidate(self._plans[bs])
+
+    def shutdown(self) -> None:
+        """Release graphs, static buffers and the pool. Any later call raises ``ReplayError``."""
+        self._release_graphs()
+        self._shut_down = True
+        self.buffers = None  # type: ignore[assignment]
+
+    def _release_graphs(self) -> None:
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        self.output_buffers.clear()
+        self._plans.clear()
+        self._backend.release()
+
+    def _check_alive(self, what: str) -> None:
+        if self._shut_down:
+            raise ReplayError(
+                f"{what}() called after shutdown(); create a new CudaGraphRunner, "
+                "or run the batch eagerly with model_runner.forward."
+            )

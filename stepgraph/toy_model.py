@@ -1,0 +1,111 @@
+"""A small paged "model" with the ModelRunner interface, for tests and runner benchmarks.
+
+Each layer does a projection, writes the new token's state into a paged cache at
+``out_cache_loc``, and runs an attention-like masked mean over the request's first ``seq_len``
+cached slots, found through ``block_table``. The lengths and tables come from the attention
+backend's metadata, exactly as a real model's attention reads them, so the runner's static
+buffers, padding and hooks are exercised for real. About ``10 * num_layers`` kernels a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .batch import ForwardBatch
+from .capture import is_capture_mode
+
+
+class ToyAttentionBackend:
+    """Holds the per-step metadata (``seq_lens``, ``block_table``) the layers read."""
+
+    def __init__(self) -> None:
+        self.seq_lens: torch.Tensor | None = None  # [bs] int32
+        self.block_table: torch.Tensor | None = None  # [bs, max_pages] int32
+        self.calls: list[tuple[str, int]] = []  # hook log, for tests
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.seq_lens, self.block_table = batch.seq_lens, batch.block_table
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self.calls.append(("state", max_bs))
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, batch: ForwardBatch) -> None:
+        self.calls.append(("capture", bs))
+        self.seq_lens, self.block_table = batch.seq_lens, batch.block_table
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, batch: ForwardBatch) -> None:
+        # Static buffers already hold the live values; re-point at this bucket's views.
+        self.seq_lens, self.block_table = batch.seq_lens, batch.block_table
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+
+class ToyModelRunner:
+    def __init__(
+        self,
+        *,
+        vocab: int = 97,
+        hidden: int = 32,
+        num_layers: int = 3,
+        num_pages: int = 64,
+        page_size: int = 4,
+        max_pages_per_request: int = 8,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        sync_in_forward: bool = False,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.page_size = page_size
+        self.max_pages_per_request = max_pages_per_request
+        self.max_context_len = max_pages_per_request * page_size
+        self.attn_backend = ToyAttentionBackend()
+        self.sync_in_forward = sync_in_forward
+        self.capture_mode_seen = False
+
+        def rand(*shape):
+            return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(self.device, dtype)
+
+        self.embed = rand(vocab, hidden)  # [vocab, hidden]
+        self.layers = [(rand(hidden, hidden), rand(hidden)) for _ in range(num_layers)]
+        self.lm_head = rand(hidden, vocab)  # [hidden, vocab]
+        # Per-layer paged cache: [num_pages * page_size, hidden]; page 0 is scratch.
+        self.kv = [
+            (torch.randn(num_pages * page_size, hidden, generator=g)).to(self.device, dtype)
+            for _ in range(num_layers)
+        ]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[bs, vocab]`` of a decode batch."""
+        # Eager steps prepare their own metadata; under capture the runner's capture hook did,
+        # pointing it at the static buffers (the sglang/pymllm convention).
+        if is_capture_mode():
+            self.capture_mode_seen = True
+        else:
+            self.attn_backend.init_forward_metadata(batch)
+        if self.sync_in_forward:
+            _ = int(batch.seq_lens.max())  # a host sync: uncapturable on purpose
+        meta = self.attn_backend
+        span = torch.arange(self.page_size, device=self.device)
+        # slots: [bs, max_pages * page_size], the request's cache slots in order
+        slots = (meta.block_table.long()[:, :, None] * self.page_size + span).flatten(1)
+        keep = torch.arange(slots.shape[1], device=self.device)[None, :] < meta.seq_lens[:, None]
+        weights = keep.to(self.dtype) / meta.seq_lens[:, None].to(self.dtype)  # [bs, S]
+        pos = torch.sin(batch.positions.to(self.dtype))[:, None]  # [bs, 1]
+        h = self.embed[batch.input_ids] + pos  # [bs, hidden]
+        for (w, b), cache in zip(self.layers, self.kv):
+            h = torch.tanh(h @ w + b)
+            cache[batch.out_cache_loc] = h  # write this token's state
+            ctx = (cache[slots] * weights[:, :, None]).sum(1)  # [bs, hidden]
+            h = h + ctx
+        return h @ self.lm_head
+
+    def clone_state(self) -> list[torch.Tensor]:
+        return [c.clone() for c in self.kv]
+
+    def load_state(self, state: list[torch.Tensor]) -> None:
+        for c, s in zip(self.kv, state):
+            c.copy_(s)

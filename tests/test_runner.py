@@ -1,0 +1,250 @@
+"""The decode graph runner on the CPU stand-in: real static-buffer semantics, every error path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.backends import CpuCapturedGraph
+from stepgraph.batch import ForwardMode
+from stepgraph.errors import CaptureError, ConfigError, ReplayError
+from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.toy_model import ToyModelRunner
+
+from .runner_helpers import random_batch
+
+CFG = RunnerConfig(max_bs=16, show_progress=False)
+
+
+def eager(mr, batch):
+    """Reference: the eager forward on a copy of the cache state; returns logits and state."""
+    saved = mr.clone_state()
+    logits = mr.forward(batch).clone()
+    after = mr.clone_state()
+    mr.load_state(saved)
+    return logits, after
+
+
+@pytest.fixture
+def mr():
+    return ToyModelRunner(num_pages=160, seed=torch.seed() % 2**31)
+
+
+def test_capture_order_buckets_and_stats(mr):
+    runner = CudaGraphRunner(mr, CFG)
+    assert runner.capture_bs == [1, 2, 4, 8, 16] and runner.max_bs == 16
+    assert runner._backend.capture_order == [16, 8, 4, 2, 1]  # largest first
+    assert [b.bs for b in runner.stats.capture.buckets] == [16, 8, 4, 2, 1]
+    assert set(runner.graphs) == set(runner.output_buffers) == {1, 2, 4, 8, 16}
+    assert mr.attn_backend.calls[0] == ("state", 16)
+    assert [c for c in mr.attn_backend.calls if c[0] == "capture"] == [
+        ("capture", b) for b in (16, 8, 4, 2, 1)
+    ]
+    assert mr.capture_mode_seen
+    assert runner.compile_bs == []
+    assert "captured 5 buckets" in runner.stats.capture.summary()
+
+
+def test_replay_equals_eager_for_every_batch_size(mr):
+    runner = CudaGraphRunner(mr, CFG)
+    g = torch.Generator().manual_seed(1234)
+    for bs in range(1, 17):
+        batch = random_batch(mr, bs, g)
+        want, want_state = eager(mr, batch)
+        got = runner.replay(batch)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # The live requests' cache equals eager's: padded rows wrote only into scratch page 0.
+        for have, ref in zip(mr.kv, want_state):
+            torch.testing.assert_close(have[mr.page_size :], ref[mr.page_size :])
+    assert runner.stats.replays == 16
+
+
+def test_output_is_a_static_view_overwritten_by_next_replay(mr):
+    runner = CudaGraphRunner(mr, CFG)
+    g = torch.Generator().manual_seed(7)
+    a, b = random_batch(mr, 3, g), random_batch(mr, 3, g)
+    out_a = runner.replay(a)
+    assert out_a.data_ptr() == runner.output_buffers[4].data_ptr()
+    kept = out_a.clone()
+    out_b = runner.replay(b)
+    assert out_b.data_ptr() == out_a.data_ptr()
+    assert not torch.allclose(out_a, kept)  # overwritten in place, as the docstring warns
+
+
+def test_padding_rows_are_reset_after_a_larger_batch(mr):
+    """A batch of 5 after one of 8 (same bucket): rows 5..7 must not keep the old requests'
+    slots, or the padded rows would write into live KV."""
+    runner = CudaGraphRunner(mr, CFG)
+    g = torch.Generator().manual_seed(11)
+    big = random_batch(mr, 8, g)
+    runner.replay(big)
+    small = random_batch(mr, 5, g)
+    state_before = mr.clone_state()
+    want, want_state = eager(mr, small)
+    mr.load_state(state_before)
+    got = runner.replay(small)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    buf = runner.buffers
+    assert buf.out_cache_loc[5:8].tolist() == [0, 0, 0]
+    assert buf.block_table[5:8].eq(0).all() and buf.seq_lens[5:8].eq(1).all()
+    assert buf.input_ids[5:8].eq(0).all() and buf.positions[5:8].eq(0).all()
+    for have, ref in zip(mr.kv, want_state):
+        torch.testing.assert_close(have[mr.page_size :], ref[mr.page_size :])
+
+
+def test_too_large_batch_refused_then_runner_still_works(mr):
+    runner = CudaGraphRunner(mr, CFG)
+    g = torch.Generator().manual_seed(3)
+    big = random_batch(mr, 17, g)
+    assert not runner.can_run(big)
+    assert runner.stats.fallbacks["too_large"] == 1
+    with pytest.raises(ReplayError, match=r"largest captured bucket \(16\).*eagerly.*max_bs"):
+        runner.replay(big)
+    ok = random_batch(mr, 2, g)
+    want, _ = eager(mr, ok)
+    torch.testing.assert_close(runner.replay(ok), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "field,bad",
+    [
+        ("input_ids", lambda t: t.to(torch.int32)),
+        ("seq_lens", lambda t: t.to(torch.int64)),
+        ("block_table", lambda t: t.to(torch.int64)),
+        ("out_cache_loc", lambda t: t.to("meta")),
+        ("positions", lambda t: t[:-1]),
+    ],
+)
+def test_bad_input_errors_before_any_copy(mr, field, bad):
+    runner = CudaGraphRunner(mr, CFG)
+    g = torch.Generator().manual_seed(5)
+    batch = random_batch(mr, 4, g)
+    setattr(batch, field, bad(getattr(batch, field)))
+    snapshot = {k: v.clone() for k, v in runner.buffers.view(16).device_tensors().items()}
+    assert not runner.can_run(batch)
+    assert runner.stats.fallbacks["bad_input"] == 1
+    with pytest.raises(ReplayError, match=field):
+        runner.replay(batch)
+    for k, v in runner.buffers.view(16).device_tensors().items():
+        assert torch.equal(v, snapshot[k]), f"{k} was modified by a rejected batch"
+    ok = random_batch(mr, 4, g)
+    want, _ = eager(mr, ok)
+    torch.testing.assert_close(runner.replay(ok), want, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_and_prefill_batches(mr):
+    runner = CudaGraphRunner(mr, CFG)
+    g = torch.Generator().manual_seed(9)
+    empty = random_batch(mr, 1, g)
+    for name, t in empty.device_tensors().items():
+        setattr(empty, name, t[:0])
+    empty.seq_lens_cpu = empty.seq_lens_cpu[:0]
+    assert not runner.can_run(empty) and runner.stats.fallbacks["empty"] == 1
+    with pytest.raises(ReplayError, match="empty batch"):
+        runner.replay(empty)
+    prefill = random_batch(mr, 2, g)
+    prefill.mode = ForwardMode.PREFILL
+    assert not runner.can_run(prefill) and runner.stats.fallbacks["not_decode"] == 1
+    with pytest.raises(ReplayError, match="decode"):
+        runner.replay(prefill)
+
+
+def test_shutdown_then_any_call_raises(mr):
+    runner = CudaGraphRunner(mr, CFG)
+    batch = random_batch(mr, 2, torch.Generator().manual_seed(1))
+    runner.shutdown()
+    assert runner.graphs == {} and runner.output_buffers == {}
+    assert runner._backend.pool.handle is None
+    assert not runner.can_run(batch) and runner.stats.fallbacks["shut_down"] == 1
+    with pytest.raises(ReplayError, match="after shutdown"):
+        runner.replay(batch)
+    with pytest.raises(ReplayError, match="after shutdown"):
+        runner.capture()
+
+
+def test_host_sync_in_forward_fails_capture_cleanly():
+    mr = ToyModelRunner(num_pages=160, sync_in_forward=True)
+    with pytest.raises(CaptureError, match=r"batch size 16.*host.*eagerly") as info:
+        CudaGraphRunner(mr, CFG)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "_local_scalar_dense" in str(info.value.__cause__)
+    runner = CudaGraphRunner(mr, CFG, capture=False)
+    with pytest.raises(CaptureError):
+        runner.capture()
+    assert runner.graphs == {} and runner._backend.pool.handle is None
+    # Fix the model and capture again: the same runner works.
+    mr.sync_in_forward = False
+    runner.capture()
+    batch = random_batch(mr, 3, torch.Generator().manual_seed(2))
+    want, _ = eager(mr, batch)
+    torch.testing.assert_close(runner.replay(batch), want, rtol=1e-5, atol=1e-5)
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="mode"):
+        RunnerConfig(mode="fast")
+    with pytest.raises(ConfigError):
+        RunnerConfig(capture_bs=(4, 2))
+    with pytest.raises(ConfigError):
+        RunnerConfig(warmup_iters=0)
+    assert RunnerConfig(capture_bs=(1, 3, 5)).buckets() == [1, 3, 5]
+
+
+class FakeUpdater:
+    """Stands in for the driver-backed flash updater: records what the runner asks of it."""
+
+    def __init__(self):
+        self.plans, self.applied, self.invalidated = [], [], []
+
+    def plan(self, graph, bs):
+        assert isinstance(graph, CpuCapturedGraph)
+        self.plans.append(bs)
+        return {"bs": bs, "ns": None}
+
+    def apply(self, plan, graph, t_kv):
+        self.applied.append((plan["bs"], t_kv))
+        changed = plan["ns"] != t_kv
+        plan["ns"] = t_kv
+        return 2 if changed else 0
+
+    def invalidate(self, plan):
+        self.invalidated.append(plan["bs"])
+        plan["ns"] = None
+
+
+def test_exact_mode_applies_per_bucket_and_reapplies_after_reinstantiate(mr):
+    upd = FakeUpdater()
+    runner = CudaGraphRunner(
+        mr, RunnerConfig(max_bs=8, mode="exact", show_progress=False), exec_updater=upd
+    )
+    assert upd.plans == [8, 4, 2, 1]
+    g = torch.Generator().manual_seed(4)
+    b3 = random_batch(mr, 3, g)
+    runner.replay(b3)
+    runner.replay(b3)
+    assert upd.applied == [(4, int(b3.seq_lens.max()))] * 2
+    assert runner.stats.node_edits == 2  # the second apply was a no-op
+    b3.max_seq_len = 29  # a host hint wins over the reduction
+    runner.replay(b3)
+    assert upd.applied[-1] == (4, 29)
+    runner.reinstantiate()
+    assert sorted(upd.invalidated) == [1, 2, 4, 8]
+    runner.replay(b3)
+    assert runner.stats.node_edits == 6
+
+
+def test_exact_mode_without_nodes_is_a_capture_error(mr):
+    class Empty(FakeUpdater):
+        def plan(self, graph, bs):
+            raise CaptureError("no flash-decode nodes; use mode='graph'")
+
+    with pytest.raises(CaptureError, match="mode='graph'"):
+        CudaGraphRunner(
+            mr, RunnerConfig(max_bs=4, mode="exact", show_progress=False), exec_updater=Empty()
+        )
+
+
+def test_exact_mode_on_the_stand_in_names_the_fix(mr):
+    with pytest.raises(CaptureError, match="mode='graph'"):
+        CudaGraphRunner(mr, RunnerConfig(max_bs=2, mode="exact", show_progress=False))
