@@ -1,0 +1,98 @@
+"""The split ladder: monotone, few steps, never a split shorter than one tile, fills the GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepgraph.kernels.splits import (
+    BLOCK_N,
+    H200_NUM_SMS,
+    LADDER_MAX_SPLITS,
+    MIN_SPLIT_KEYS,
+    PROGRAMS_PER_SM,
+    fa_split_keys,
+    ladder_cap,
+    ladder_steps,
+    num_splits_for,
+)
+
+T_MAX = 131072
+GRIDS = [  # (n_kv_heads, bs, num_sms, max_splits)
+    (8, 1, H200_NUM_SMS, 64),
+    (8, 8, H200_NUM_SMS, 64),
+    (8, 32, H200_NUM_SMS, 64),
+    (2, 1, H200_NUM_SMS, 64),
+    (1, 1, 132, 48),  # cap above a non-power-of-two max_splits: the clamp adds a step
+    (4, 3, 108, 64),
+    (8, 64, H200_NUM_SMS, 64),  # more (request, head) pairs than programs wanted
+]
+
+
+def test_min_split_keys_is_one_tile():
+    assert MIN_SPLIT_KEYS == BLOCK_N == 64
+
+
+@pytest.mark.parametrize("n_kv, bs, sms, max_splits", GRIDS)
+def test_ladder_monotone_and_bounded(n_kv, bs, sms, max_splits):
+    prev = 0
+    changes = 0
+    for t in range(1, T_MAX + 1, 7):  # dense sweep; ladder_steps below covers every t
+        ns = num_splits_for(t, n_kv, bs, sms, max_splits)
+        assert 1 <= ns <= max_splits
+        assert ns >= prev, f"ns fell from {prev} to {ns} at t_kv={t}"
+        changes += ns != prev and prev != 0
+        prev = ns
+    steps = ladder_steps(n_kv, bs, sms, max_splits, t_max=T_MAX)
+    assert steps[0][0] == 1
+    assert [t for t, _ in steps] == sorted({t for t, _ in steps})
+    assert all(a[1] < b[1] for a, b in zip(steps, steps[1:])), steps
+    assert len(steps) - 1 <= 16
+    assert changes <= len(steps) - 1
+
+
+@pytest.mark.parametrize("n_kv, bs, sms, max_splits", GRIDS)
+def test_split_keys_gives_back_ns_and_at_least_one_tile(n_kv, bs, sms, max_splits):
+    for t in list(range(1, 600)) + [1023, 1024, 1025, 4095, 4097, 32767, 32768, 99999, T_MAX]:
+        sk = fa_split_keys(t, n_kv, bs, sms)
+        assert sk >= MIN_SPLIT_KEYS
+        ns = -(-t // sk)
+        assert num_splits_for(t, n_kv, bs, sms, max_splits) == max(1, min(max_splits, ns))
+        if ns > 1:  # every split but the last holds sk keys; the last one at least one tile
+            assert t - (ns - 1) * sk >= 1
+            assert ns & (ns - 1) == 0, "the ladder uses power-of-two split counts"
+
+
+def test_llama_1b_step_counts_on_h200():
+    counts = {bs: len(ladder_steps(8, bs, H200_NUM_SMS, 64)) - 1 for bs in (1, 8, 32)}
+    assert counts == {1: 5, 8: 2, 32: 0}
+    assert ladder_steps(8, 1, H200_NUM_SMS, 64)[-1] == (2048, 32)
+
+
+@pytest.mark.parametrize("bs", [1, 2, 8, 16, 32])
+def test_long_context_fills_the_gpu(bs):
+    n_kv, sms = 8, H200_NUM_SMS
+    programs = bs * n_kv * num_splits_for(T_MAX, n_kv, bs, sms, 64)
+    assert sms <= programs <= PROGRAMS_PER_SM * sms
+    assert ladder_cap(n_kv, bs, sms) <= LADDER_MAX_SPLITS
+
+
+def test_short_context_is_one_split():
+    assert num_splits_for(1, 8, 1, H200_NUM_SMS, 64) == 1
+    assert num_splits_for(127, 8, 1, H200_NUM_SMS, 64) == 1
+    assert num_splits_for(0, 8, 1, H200_NUM_SMS, 64) == 1
+
+
+def test_max_splits_clamps():
+    assert num_splits_for(T_MAX, 1, 1, H200_NUM_SMS, 4) == 4
+    assert num_splits_for(T_MAX, 1, 1, H200_NUM_SMS, 1) == 1
+
+
+@pytest.mark.parametrize("args", [(-1, 8, 1, 132), (10, 0, 1, 132), (10, 8, 0, 132), (10, 8, 1, 0)])
+def test_bad_arguments(args):
+    with pytest.raises(ValueError, match="split ladder"):
+        fa_split_keys(*args)
+
+
+def test_bad_max_splits():
+    with pytest.raises(ValueError, match="max_splits"):
+        num_splits_for(10, 8, 1, 132, 0)
