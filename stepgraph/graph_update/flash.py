@@ -1,0 +1,266 @@
+"""Exact split geometry for a captured decode graph (DESIGN §5).
+
+``fa_plan`` finds every registered split kernel (main + combine) among a graph's kernel nodes and
+pairs them by the identity of their shared pointer argument; ``fa_apply`` then retunes, before a
+replay, each main's split grid axis and each combine's split count to what eager would launch for
+the live ``t_kv``, pushing only when the count steps. Everything else replays as captured.
+
+After ``g.instantiate()`` builds a fresh exec (every edit lost), call ``plan.invalidate()``; the
+plan also notices on its own when ``fa_apply`` is handed a different exec. The node handles and
+their staging stay valid as long as the template graph (``keep_graph=True``) does, so the plan
+need not be rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError, GraphUpdateError
+from .nodes import _GRID_FIELDS, KernelNode, read_i32_arg, read_ptr_arg
+from .registry import DEFAULT_REGISTRY, SplitKernelRegistry, SplitKernelSpec
+
+SplitKeys = Callable[[int, int, int, int], int]  # (t_kv, n_kv_heads, bs, num_sms) -> keys/split
+
+_default_split_keys: SplitKeys | None = None
+
+
+def _ladder() -> SplitKeys:
+    # Imported on first use: the kernels package is optional for a plan of user kernels.
+    global _default_split_keys
+    if _default_split_keys is None:
+        from ..kernels.splits import fa_split_keys
+
+        _default_split_keys = fa_split_keys
+    return _default_split_keys
+
+
+@dataclass(eq=False)
+class FaMain:
+    """One main split node with its paired combine: the unit ``fa_apply`` retunes.
+
+    ``bucket_splits`` is the main's split grid value at capture (the upper clamp); ``ns`` is the
+    split count currently applied in the plan's exec (None: unknown, i.e. as captured).
+    ``bs`` and ``n_kv_heads`` come from the main's grid (ladder rule only).
+    """
+
+    main: KernelNode
+    combine: KernelNode
+    spec: SplitKernelSpec
+    bucket_splits: int
+    bs: int | None = None
+    n_kv_heads: int | None = None
+    ns: int | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """Mains whose split count is the same function of ``t_kv`` (computed once per apply)."""
+
+    block_n: int  # self-limiting rule; 0 for the ladder
+    bs: int
+    n_kv_heads: int
+    bucket: int
+    members: list[FaMain]
+    # Per member, what the push needs, resolved at plan time (hot path: no look-ups):
+    # (FaMain, main handle, main params, grid field, main int32 slot or None,
+    #  combine handle, combine params, combine int32 slot)
+    pushes: list[tuple] = field(default_factory=list)
+    applied: int | None = None
+
+
+@dataclass(eq=False)
+class FaPlan:
+    """The retunable split kernels of one captured graph, and what is applied in its exec."""
+
+    mains: list[FaMain]
+    max_t_kv: int
+    num_sms: int
+    driver: Any = field(default=None, repr=False)
+    _groups: list[_Group] = field(default_factory=list, repr=False)
+    _exec_key: Any = field(default=None, repr=False)
+    _exec_handle: Any = field(default=None, repr=False)
+
+    def invalidate(self) -> None:
+        """Forget what was applied (the exec was re-instantiated): the next apply pushes all."""
+        self._exec_key = self._exec_handle = None
+        for g in self._groups:
+            g.applied = None
+        for m in self.mains:
+            m.ns = None
+
+
+def _pair_error(spec: SplitKernelSpec, kernel: str, arg: int, what: str) -> GraphUpdateError:
+    return GraphUpdateError(
+        f"kernel {kernel}: argument {arg} (pairing pointer of {spec.main}/{spec.combine}) {what}; "
+        "the update plan cannot tell which combine reduces which main; escape hatch: mode='graph'"
+    )
+
+
+def _pairs(spec: SplitKernelSpec, ptr: int, ms: list[KernelNode], cs: list[KernelNode]):
+    """Pair the mains and combines that share pointer ``ptr``.
+
+    One of each: paired by the pointer alone, whatever the node order. Several (all layers share
+    one workspace): paired in graph order, which must alternate main, combine, main, ... since
+    each main overwrites the partials the previous combine read.
+    """
+    if not cs:
+        raise _pair_error(spec, ms[0].name, spec.main_ptr_arg, f"0x{ptr:x} has no combine")
+    if not ms:
+        raise _pair_error(spec, cs[0].name, spec.combine_ptr_arg, f"0x{ptr:x} has no main")
+    if len(ms) == len(cs) == 1:
+        return [(ms[0], cs[0])]
+    shared = f"0x{ptr:x} is shared by {len(ms)} {spec.main} and {len(cs)} {spec.combine} nodes"
+    if len(ms) != len(cs) or any(n.order is None for n in ms + cs):
+        if len(cs) > len(ms):
+            raise _pair_error(spec, cs[0].name, spec.combine_ptr_arg, shared)
+        raise _pair_error(spec, ms[0].name, spec.main_ptr_arg, shared)
+    seq = sorted(ms + cs, key=lambda n: n.order)
+    mains, combines = seq[0::2], seq[1::2]
+    if any(n.name != spec.main for n in mains) or any(n.name != spec.combine for n in combines):
+        raise _pair_error(spec, ms[0].name, spec.main_ptr_arg, shared + " that do not alternate "
+                          "main, combine in graph order")  # fmt: skip
+    return list(zip(mains, combines))
+
+
+def fa_plan(
+    nodes: Iterable[KernelNode],
+    *,
+    max_t_kv: int,
+    num_sms: int,
+    registry: SplitKernelRegistry | None = None,
+) -> FaPlan:
+    """Find and pair every registered main/combine among ``nodes`` (from ``kernel_nodes``).
+
+    ``max_t_kv`` is the context the graph was captured for; ``num_sms`` feeds the ladder. A plan
+    with no mains is returned empty (the caller decides whether that is an error).
+    """
+    if max_t_kv < 1 or num_sms < 1:
+        raise ConfigError(
+            f"fa_plan needs max_t_kv >= 1 and num_sms >= 1 (got {max_t_kv}, {num_sms})"
+        )
+    reg = registry if registry is not None else DEFAULT_REGISTRY
+    found: dict[tuple[str, int], tuple[list[KernelNode], list[KernelNode]]] = {}
+    driver = None
+    for node in nodes:
+        if (spec := reg.by_main.get(node.name)) is not None:
+            idx, side = spec.main_ptr_arg, 0
+            node.check_arg(idx, 8, "pairing pointer")
+            if spec.main_splits_arg is not None:
+                node.check_arg(spec.main_splits_arg, 4, "split count, int32")
+        elif (spec := reg.by_combine.get(node.name)) is not None:
+            idx, side = spec.combine_ptr_arg, 1
+            node.check_arg(idx, 8, "pairing pointer")
+            node.check_arg(spec.combine_splits_arg, 4, "split count, int32")
+        else:
+            continue  # not ours: replays as captured
+        driver = driver or node.driver
+        key = (spec.main, read_ptr_arg(node, idx))
+        found.setdefault(key, ([], []))[side].append(node)
+
+    plan = FaPlan([], max_t_kv, num_sms, driver)
+    groups: dict[tuple[int, int, int, int], _Group] = {}
+    for (main_name, ptr), (ms, cs) in found.items():
+        spec = reg.by_main[main_name]
+        for main, combine in _pairs(spec, ptr, ms, cs):
+            _add(plan, groups, spec, main, combine)
+    plan.mains.sort(key=lambda m: (m.main.order is None, m.main.order or 0))
+    plan._groups = list(groups.values())
+    return plan
+
+
+def _add(plan: FaPlan, groups: dict, spec: SplitKernelSpec, main: KernelNode, combine: KernelNode):
+    grid = main.grid
+    bucket = grid[spec.split_axis]
+    for node, arg in ((combine, spec.combine_splits_arg), (main, spec.main_splits_arg)):
+        if arg is not None and (found := read_i32_arg(node, arg)) != bucket:
+            raise GraphUpdateError(
+                f"kernel {node.name}: argument {arg} (split count) is {found} at capture, but "
+                f"the paired {main.name} launches {bucket} splits on grid axis "
+                f"{spec.split_axis}; the spec does not describe this kernel"
+            )
+    ladder = spec.rule == "ladder"
+    fm = FaMain(main, combine, spec, bucket)
+    if ladder:
+        fm.bs, fm.n_kv_heads = grid[spec.bs_axis], grid[spec.heads_axis]
+    plan.mains.append(fm)
+    gkey = (0, fm.bs, fm.n_kv_heads, bucket) if ladder else (spec.block_n, 0, 0, bucket)
+    group = groups.get(gkey)
+    if group is None:
+        group = groups[gkey] = _Group(*gkey, members=[])
+    group.members.append(fm)
+    main_slot = None if spec.main_splits_arg is None else main.i32_slot(spec.main_splits_arg)
+    group.pushes.append(
+        (
+            fm,
+            main.handle,
+            main.params,
+            _GRID_FIELDS[spec.split_axis],
+            main_slot,
+            combine.handle,
+            combine.params,
+            combine.i32_slot(spec.combine_splits_arg),
+        )
+    )
+
+
+def fa_apply(
+    plan: FaPlan,
+    exec_: Any,
+    t_kv: int,
+    split_keys: SplitKeys | None = None,
+    driver: Any = None,
+) -> int:
+    """Retune every main and combine of ``plan`` in ``exec_`` to the eager split count for
+    ``t_kv``; returns the number of nodes pushed (0 when no count stepped since the last apply).
+
+    Ladder: ``ceil(t_kv / split_keys(t_kv, n_kv_heads, bs, num_sms))``; self-limiting:
+    ``ceil(t_kv / block_n)``; both clamped to ``[1, bucket_splits]``. ``split_keys`` defaults to
+    ``stepgraph.kernels.splits.fa_split_keys``, the ladder eager uses, so the two stay in step.
+    Per-token hot path: keep it lean.
+    """
+    if exec_ != plan._exec_key:  # first apply, or a new exec (re-instantiated): push all
+        plan.invalidate()
+        d = driver if driver is not None else plan.driver
+        plan._exec_handle = d.exec_handle(exec_) if d is not None else exec_
+        plan._exec_key = exec_
+    if not 1 <= t_kv <= plan.max_t_kv:
+        raise GraphUpdateError(
+            f"fa_apply: t_kv = {t_kv} is outside [1, {plan.max_t_kv}] (the context this graph was "
+            "captured for); capture a larger bucket, or run this step eagerly"
+        )
+    pushed = 0
+    for g in plan._groups:
+        if g.block_n:
+            ns = -(-t_kv // g.block_n)
+        else:
+            keys = (split_keys or _default_split_keys or _ladder())(
+                t_kv, g.n_kv_heads, g.bs, plan.num_sms
+            )
+            if keys < 1:
+                raise GraphUpdateError(f"split_keys returned {keys} for t_kv = {t_kv}; need >= 1")
+            ns = -(-t_kv // keys)
+        ns = 1 if ns < 1 else (g.bucket if ns > g.bucket else ns)
+        if ns != g.applied:
+            pushed += _push(plan, g, ns, driver if driver is not None else plan.driver)
+    return pushed
+
+
+def _push(plan: FaPlan, g: _Group, ns: int, d: Any) -> int:
+    exec_h, push = plan._exec_handle, d.exec_set_params
+    g.applied = None  # unknown until every member is pushed
+    try:
+        for fm, mh, mp, grid_field, mslot, ch, cp, cslot in g.pushes:
+            setattr(mp, grid_field, ns)
+            if mslot is not None:
+                mslot.value = ns
+            push(exec_h, mh, mp)
+            cslot.value = ns
+            push(exec_h, ch, cp)
+            fm.ns = ns
+    except BaseException:
+        plan.invalidate()  # some nodes changed, some not: push everything next time
+        raise
+    g.applied = ns
+    return 2 * len(g.pushes)
