@@ -109,3 +109,27 @@ class ToyModelRunner:
     def load_state(self, state: list[torch.Tensor]) -> None:
         for c, s in zip(self.kv, state):
             c.copy_(s)
+
+    def random_batch(self, bs: int, g: torch.Generator) -> ForwardBatch:
+        """``bs`` requests with distinct pages (never page 0), random lengths and tokens."""
+        num_pages = self.kv[0].shape[0] // self.page_size
+        width = self.max_pages_per_request
+        if bs * width > num_pages - 1:
+            raise ValueError(f"{bs} requests need {bs * width + 1} pages; build the toy with more")
+        pages = (torch.randperm(num_pages - 1, generator=g)[: bs * width] + 1).view(bs, width)
+        seq_lens = torch.randint(
+            1, width * self.page_size + 1, (bs,), generator=g, dtype=torch.int32
+        )
+        last = seq_lens.long() - 1  # position of the token fed this step
+        page = pages.gather(1, (last // self.page_size)[:, None])[:, 0]
+        batch = ForwardBatch(
+            input_ids=torch.randint(1, self.embed.shape[0], (bs,), generator=g),
+            positions=last,
+            seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens.clone(),
+            block_table=pages.to(torch.int32),
+            out_cache_loc=page * self.page_size + last % self.page_size,
+        )
+        for name, t in batch.device_tensors().items():
+            setattr(batch, name, t.to(self.device))
+        return batch

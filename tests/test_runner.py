@@ -11,8 +11,6 @@ from stepgraph.errors import CaptureError, ConfigError, ReplayError
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.toy_model import ToyModelRunner
 
-from .runner_helpers import random_batch
-
 CFG = RunnerConfig(max_bs=16, show_progress=False)
 
 
@@ -49,7 +47,7 @@ def test_replay_equals_eager_for_every_batch_size(mr):
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(1234)
     for bs in range(1, 17):
-        batch = random_batch(mr, bs, g)
+        batch = mr.random_batch(bs, g)
         want, want_state = eager(mr, batch)
         got = runner.replay(batch)
         assert got.shape == want.shape
@@ -63,7 +61,7 @@ def test_replay_equals_eager_for_every_batch_size(mr):
 def test_output_is_a_static_view_overwritten_by_next_replay(mr):
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(7)
-    a, b = random_batch(mr, 3, g), random_batch(mr, 3, g)
+    a, b = mr.random_batch(3, g), mr.random_batch(3, g)
     out_a = runner.replay(a)
     assert out_a.data_ptr() == runner.output_buffers[4].data_ptr()
     kept = out_a.clone()
@@ -77,9 +75,9 @@ def test_padding_rows_are_reset_after_a_larger_batch(mr):
     slots, or the padded rows would write into live KV."""
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(11)
-    big = random_batch(mr, 8, g)
+    big = mr.random_batch(8, g)
     runner.replay(big)
-    small = random_batch(mr, 5, g)
+    small = mr.random_batch(5, g)
     state_before = mr.clone_state()
     want, want_state = eager(mr, small)
     mr.load_state(state_before)
@@ -96,12 +94,12 @@ def test_padding_rows_are_reset_after_a_larger_batch(mr):
 def test_too_large_batch_refused_then_runner_still_works(mr):
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(3)
-    big = random_batch(mr, 17, g)
+    big = mr.random_batch(17, g)
     assert not runner.can_run(big)
     assert runner.stats.fallbacks["too_large"] == 1
     with pytest.raises(ReplayError, match=r"largest captured bucket \(16\).*eagerly.*max_bs"):
         runner.replay(big)
-    ok = random_batch(mr, 2, g)
+    ok = mr.random_batch(2, g)
     want, _ = eager(mr, ok)
     torch.testing.assert_close(runner.replay(ok), want, rtol=1e-5, atol=1e-5)
 
@@ -119,7 +117,7 @@ def test_too_large_batch_refused_then_runner_still_works(mr):
 def test_bad_input_errors_before_any_copy(mr, field, bad):
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(5)
-    batch = random_batch(mr, 4, g)
+    batch = mr.random_batch(4, g)
     setattr(batch, field, bad(getattr(batch, field)))
     snapshot = {k: v.clone() for k, v in runner.buffers.view(16).device_tensors().items()}
     assert not runner.can_run(batch)
@@ -128,7 +126,7 @@ def test_bad_input_errors_before_any_copy(mr, field, bad):
         runner.replay(batch)
     for k, v in runner.buffers.view(16).device_tensors().items():
         assert torch.equal(v, snapshot[k]), f"{k} was modified by a rejected batch"
-    ok = random_batch(mr, 4, g)
+    ok = mr.random_batch(4, g)
     want, _ = eager(mr, ok)
     torch.testing.assert_close(runner.replay(ok), want, rtol=1e-5, atol=1e-5)
 
@@ -136,14 +134,14 @@ def test_bad_input_errors_before_any_copy(mr, field, bad):
 def test_empty_and_prefill_batches(mr):
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(9)
-    empty = random_batch(mr, 1, g)
+    empty = mr.random_batch(1, g)
     for name, t in empty.device_tensors().items():
         setattr(empty, name, t[:0])
     empty.seq_lens_cpu = empty.seq_lens_cpu[:0]
     assert not runner.can_run(empty) and runner.stats.fallbacks["empty"] == 1
     with pytest.raises(ReplayError, match="empty batch"):
         runner.replay(empty)
-    prefill = random_batch(mr, 2, g)
+    prefill = mr.random_batch(2, g)
     prefill.mode = ForwardMode.PREFILL
     assert not runner.can_run(prefill) and runner.stats.fallbacks["not_decode"] == 1
     with pytest.raises(ReplayError, match="decode"):
@@ -152,7 +150,7 @@ def test_empty_and_prefill_batches(mr):
 
 def test_shutdown_then_any_call_raises(mr):
     runner = CudaGraphRunner(mr, CFG)
-    batch = random_batch(mr, 2, torch.Generator().manual_seed(1))
+    batch = mr.random_batch(2, torch.Generator().manual_seed(1))
     runner.shutdown()
     assert runner.graphs == {} and runner.output_buffers == {}
     assert runner._backend.pool.handle is None
@@ -176,7 +174,7 @@ def test_host_sync_in_forward_fails_capture_cleanly():
     # Fix the model and capture again: the same runner works.
     mr.sync_in_forward = False
     runner.capture()
-    batch = random_batch(mr, 3, torch.Generator().manual_seed(2))
+    batch = mr.random_batch(3, torch.Generator().manual_seed(2))
     want, _ = eager(mr, batch)
     torch.testing.assert_close(runner.replay(batch), want, rtol=1e-5, atol=1e-5)
 
@@ -220,7 +218,7 @@ def test_exact_mode_applies_per_bucket_and_reapplies_after_reinstantiate(mr):
     )
     assert upd.plans == [8, 4, 2, 1]
     g = torch.Generator().manual_seed(4)
-    b3 = random_batch(mr, 3, g)
+    b3 = mr.random_batch(3, g)
     runner.replay(b3)
     runner.replay(b3)
     assert upd.applied == [(4, int(b3.seq_lens.max()))] * 2
