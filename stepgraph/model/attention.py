@@ -1,0 +1,214 @@
+"""``PagedAttentionBackend``: the model's attention over the paged KV cache, and the
+``AttentionBackend`` hooks the graph runner calls (``stepgraph.batch``).
+
+The init_* hooks store the step's metadata on the backend; every layer then calls
+``backend.attention(layer_id, q, k, v)``, which writes the new K/V into the pages and attends.
+
+- Decode on CUDA: ``flash_decode`` with an explicit split count, always. Eager steps take it from
+  the ladder at the live maximum length (the batch's HOST copy of ``seq_lens``: no device sync);
+  captured steps use the bucket's split count at ``max_context_len`` (mode "exact" retunes the
+  captured nodes per step). Graphs share one workspace allocated at ``max_bs``; eager steps use
+  their own, grown lazily.
+- Decode on the CPU: ``paged_decode_reference`` (the Triton interpreter is too slow for models).
+- Prefill: causal SDPA over one prompt, its K/V written at the prompt's slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import ForwardBatch
+from ..errors import CaptureError, ConfigError
+from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_decode
+from ..kernels.kv_write import write_kv
+from ..kernels.reference import paged_decode_reference
+from ..kernels.splits import num_splits_for
+from .kv_cache import KVCache
+
+SEQ_LEN_FILL_VALUE = 1  # a padded graph row attends to one slot of scratch page 0
+
+
+@dataclass
+class DecodeMetadata:
+    block_table: torch.Tensor  # [bs, max_pages] int32
+    seq_lens: torch.Tensor  # [bs] int32, including the new token
+    out_cache_loc: torch.Tensor  # [bs] int64, slot of the new token's K/V
+    num_splits: int  # split-KV geometry of flash_decode (1 on the CPU path)
+    workspace: DecodeWorkspace | None  # None on the CPU path
+    from_graph: bool  # set by a capture/replay hook, for the runner's static batch
+
+
+@dataclass
+class PrefillMetadata:
+    slots: torch.Tensor  # [T] int64, slot of each prompt token
+
+
+class PagedAttentionBackend:
+    """Decode and prefill attention of a Llama/Qwen2 model over a ``KVCache``."""
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        max_context_len: int,
+        max_splits: int = DEFAULT_MAX_SPLITS,
+        use_kernel: bool | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.device = torch.device(device)
+        self.max_context_len = max_context_len
+        self.max_splits = max_splits
+        self.sm_scale = head_dim**-0.5
+        self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 1
+        )
+        self.graph_workspace: DecodeWorkspace | None = None  # [max_bs, ...], for captured steps
+        self._eager_workspace: DecodeWorkspace | None = None  # grown lazily, reused
+        self.meta: DecodeMetadata | PrefillMetadata | None = None
+
+    # -- geometry ----------------------------------------------------------------------------
+
+    def splits_for(self, t_kv: int, bs: int) -> int:
+        """Split count of the ladder for live maximum KV length ``t_kv`` (a host int)."""
+        if not self.use_kernel:
+            return 1
+        return num_splits_for(t_kv, self.num_kv_heads, bs, self.num_sms, self.max_splits)
+
+    def bucket_splits(self, bs: int) -> int:
+        """The split count a graph of bucket ``bs`` is captured with (``max_context_len``)."""
+        return self.splits_for(self.max_context_len, bs)
+
+    def _workspace(self, bs: int) -> DecodeWorkspace | None:
+        if not self.use_kernel:
+            return None
+        ws = self._eager_workspace
+        if ws is None or ws.partial_lse.shape[0] < bs:
+            ws = DecodeWorkspace.allocate(
+                bs, self.num_heads, self.head_dim, self.max_splits, self.device
+            )
+            self._eager_workspace = ws
+        return ws
+
+    # -- AttentionBackend hooks --------------------------------------------------------------
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Prepare an eager decode step (split count from the host copy of ``seq_lens``)."""
+        bs = batch.batch_size
+        t_kv = getattr(batch, "max_seq_len", None)
+        if t_kv is None:
+            t_kv = int(batch.seq_lens_cpu.max()) if bs else 0
+        self.meta = DecodeMetadata(
+            block_table=batch.block_table,
+            seq_lens=batch.seq_lens,
+            out_cache_loc=batch.out_cache_loc,
+            num_splits=self.splits_for(t_kv, max(bs, 1)),
+            workspace=self._workspace(bs),
+            from_graph=False,
+        )
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        if self.use_kernel:
+            self.graph_workspace = DecodeWorkspace.allocate(
+                max_bs, self.num_heads, self.head_dim, self.max_splits, self.device
+            )
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, batch: ForwardBatch) -> None:
+        if self.use_kernel and (
+            self.graph_workspace is None or self.graph_workspace.partial_lse.shape[0] < bs
+        ):
+            raise CaptureError(
+                f"capturing bucket {bs} before init_cuda_graph_state(max_bs >= {bs}); the "
+                "graph runner calls it once before capture, so call it first."
+            )
+        self.meta = DecodeMetadata(
+            block_table=batch.block_table,
+            seq_lens=batch.seq_lens,
+            out_cache_loc=batch.out_cache_loc,
+            num_splits=self.bucket_splits(bs),
+            workspace=self.graph_workspace,
+            from_graph=True,
+        )
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, batch: ForwardBatch) -> None:
+        # The static buffers already hold the live batch and a CUDA graph replays the captured
+        # geometry; re-pointing the metadata at this bucket serves the CPU stand-in, which
+        # re-runs the forward in Python.
+        self.init_forward_metadata_capture_cuda_graph(bs, batch)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return SEQ_LEN_FILL_VALUE
+
+    def is_prepared_for(self, batch: ForwardBatch) -> bool:
+        """``True`` if a capture/replay hook prepared exactly this (static) batch.
+
+        Eager batches never alias the runner's live static buffers, so comparing addresses and
+        shapes (host attributes, no sync) tells the runner's forward from an eager one."""
+        m = self.meta
+        return (
+            isinstance(m, DecodeMetadata)
+            and m.from_graph
+            and m.block_table.data_ptr() == batch.block_table.data_ptr()
+            and m.seq_lens.data_ptr() == batch.seq_lens.data_ptr()
+            and m.seq_lens.shape == batch.seq_lens.shape
+        )
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def init_prefill_metadata(self, slots: torch.Tensor) -> None:
+        """Prepare the prefill of one prompt whose tokens go to ``slots`` ``[T] int64``."""
+        self.meta = PrefillMetadata(slots=slots)
+
+    # -- the layers' call --------------------------------------------------------------------
+
+    def attention(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [T, n_heads, head_dim]   (T = bs for decode, prompt length for prefill)
+        k: torch.Tensor,  # [T, n_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, n_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [T, n_heads, head_dim]
+        """Write this step's K/V into the pages of layer ``layer_id`` and attend."""
+        m = self.meta
+        k_cache = self.kv_cache.k_caches[layer_id]
+        v_cache = self.kv_cache.v_caches[layer_id]
+        if isinstance(m, PrefillMetadata):
+            write_kv(k_cache, v_cache, k, v, m.slots)
+            # [1, heads, T, head_dim] for SDPA; query head h reads KV head h // group
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                scale=self.sm_scale,
+                enable_gqa=True,
+            )
+            return out[0].transpose(0, 1)
+        if m is None:
+            raise ConfigError(
+                "attention called before init_forward_metadata / init_prefill_metadata; "
+                "run the model through ModelRunner.forward or ModelRunner.prefill."
+            )
+        write_kv(k_cache, v_cache, k, v, m.out_cache_loc)
+        if self.use_kernel:
+            return flash_decode(
+                q, k_cache, v_cache, m.block_table, m.seq_lens,
+                num_splits=m.num_splits, workspace=m.workspace,
+                sm_scale=self.sm_scale, num_sms=self.num_sms,
+            )  # fmt: skip
+        return paged_decode_reference(
+            q, k_cache, v_cache, m.block_table, m.seq_lens, sm_scale=self.sm_scale
+        )
+
+
+__all__ = ["DecodeMetadata", "PagedAttentionBackend", "PrefillMetadata", "SEQ_LEN_FILL_VALUE"]

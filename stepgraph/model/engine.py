@@ -1,0 +1,221 @@
+"""``Engine``: serves several requests at once on a ``ModelRunner``.
+
+Each step admits waiting requests whose pages fit (prefilled eagerly, one prompt at a time) and
+runs one decode step of the running ones: through the ``CudaGraphRunner`` when it can take the
+batch, else eagerly. Sampling (greedy, or temperature + top-k with a seeded generator) runs on
+the device outside the graph; the one host sync per step reads the chosen ids.
+
+    engine = Engine(ModelRunner.from_preset("tiny"), mode="graph")
+    engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # -> [[...16 ids], [...16 ids]]
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .model_runner import ModelRunner
+
+MODES = ("eager", "graph", "exact")
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    pages: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots this request ever needs (the last new token is never fed back)."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+
+    def sample(
+        self, logits: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:  # logits: [n, vocab] float32 -> [n] int64
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        scaled = logits / self.temperature
+        idx = None
+        if self.top_k is not None and self.top_k < scaled.shape[-1]:
+            scaled, idx = scaled.topk(self.top_k, dim=-1)  # [n, k] each
+        # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits), no host sync.
+        u = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+        choice = (scaled - torch.log(-torch.log(u))).argmax(-1)  # [n]
+        return choice if idx is None else idx.gather(-1, choice[:, None])[:, 0]
+
+
+@dataclass
+class EngineStats:
+    graph_steps: int = 0  # decode steps replayed by the graph runner
+    eager_steps: int = 0  # decode steps run by model_runner.forward
+    prefills: int = 0  # prompts prefilled
+    decode_tokens: int = 0
+
+
+class Engine:
+    """Prefill eagerly, decode through the graph runner (``mode`` "graph" or "exact") or
+    eagerly (``mode="eager"``, which never builds a runner). ``runner_config`` defaults to
+    ``RunnerConfig(max_bs=model_runner.max_bs)``; its ``mode`` is set from ``mode``."""
+
+    def __init__(
+        self,
+        model_runner: ModelRunner,
+        mode: str = "eager",
+        runner_config: Any | None = None,
+        *,
+        max_running: int | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+        self.model_runner = model_runner
+        self.mode = mode
+        self.max_running = max_running
+        self.runner = None
+        if mode != "eager":
+            from ..runner import CudaGraphRunner, RunnerConfig
+
+            config = runner_config or RunnerConfig(max_bs=model_runner.max_bs, show_progress=False)
+            self.runner = CudaGraphRunner(model_runner, replace(config, mode=mode))
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _check(self, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
+        vocab = self.model_runner.config.vocab_size
+        if not prompt:
+            raise ConfigError(f"{what} is empty; give at least one token id.")
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ConfigError(f"{what} has token ids outside [0, {vocab}): {bad[:5]}.")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        self.model_runner.kv_cache.check_fits(len(prompt) + max_new_tokens - 1, what)
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+        """Queue a request; its id keys ``finished``. ``ConfigError`` at once (and nothing
+        queued) if it could never fit the KV cache; other requests are unaffected."""
+        self._check(prompt, max_new_tokens, f"request of {len(prompt)} prompt tokens")
+        rid = next(self._ids)
+        self.waiting.append(Request(rid, list(prompt), max_new_tokens))
+        return rid
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _admit(self) -> list[Request]:
+        kv = self.model_runner.kv_cache
+        admitted = []
+        while self.waiting and kv.can_reserve(self.waiting[0].kv_tokens):
+            if self.max_running is not None and len(self.running) >= self.max_running:
+                break
+            req = self.waiting.popleft()
+            req.pages = kv.reserve(req.kv_tokens)
+            self.running.append(req)
+            admitted.append(req)
+        if self.waiting and not self.running:
+            raise ConfigError(
+                f"request {self.waiting[0].rid} needs {kv.pages_for(self.waiting[0].kv_tokens)} "
+                f"pages but only {kv.allocator.num_free} are free and nothing is running; pages "
+                "are held outside this engine."
+            )
+        return admitted
+
+    def _decode_logits(self, reqs: list[Request]) -> torch.Tensor:  # [bs, vocab] float32
+        mr = self.model_runner
+        batch = mr.decode_batch(
+            [r.output[-1] for r in reqs],
+            [len(r.prompt) + len(r.output) - 1 for r in reqs],
+            [r.pages for r in reqs],
+        )
+        if self.runner is not None and self.runner.can_run(batch):
+            self.stats.graph_steps += 1
+            return self.runner.replay(batch)  # a static buffer: sampled before the next replay
+        self.stats.eager_steps += 1
+        return mr.forward(batch)
+
+    def step(
+        self, sampling: Sampling = Sampling(), generator: torch.Generator | None = None
+    ) -> list[tuple[int, int]]:
+        """Admit and prefill what fits, decode the running requests once; return the
+        ``(request id, new token)`` pairs of this step."""
+        decoding = [r for r in self.running if r.output]  # requests that have a token to feed
+        new = self._admit()
+        logits = []
+        if new:
+            prompts, pages = [r.prompt for r in new], [r.pages for r in new]
+            logits.append(self.model_runner.prefill(prompts, pages))  # [len(new), vocab]
+            self.stats.prefills += len(new)
+        if decoding:
+            logits.append(self._decode_logits(decoding))
+            self.stats.decode_tokens += len(decoding)
+        if not logits:
+            return []
+        tokens = sampling.sample(torch.cat(logits), generator).tolist()  # the one host sync
+        out = []
+        for req, tok in zip(new + decoding, tokens):
+            req.output.append(tok)
+            out.append((req.rid, tok))
+            if req.done:
+                self._finish(req)
+        return out
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.model_runner.kv_cache.release(req.pages)
+        req.pages = []
+        self.finished[req.rid] = req
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """New token ids of each prompt, in order. Every prompt is checked before any is
+        queued: one that cannot fit raises ``ConfigError`` naming it, and nothing runs."""
+        for i, p in enumerate(prompts):
+            self._check(p, max_new_tokens, f"prompt {i} ({len(p)} tokens)")
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.model_runner.device).manual_seed(seed)
+        sampling = Sampling(temperature, top_k)
+        rids = [self.add_request(p, max_new_tokens) for p in prompts]
+        while any(rid not in self.finished for rid in rids):
+            self.step(sampling, generator)
+        return [self.finished.pop(rid).output for rid in rids]
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
+
+
+__all__ = ["Engine", "EngineStats", "MODES", "Request", "Sampling"]

@@ -1,0 +1,130 @@
+"""Load a local Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` directory.
+
+Reads ``config.json`` and the ``*.safetensors`` shards (``model.safetensors.index.json`` when
+sharded), fuses q/k/v and gate/up on load, and never downloads anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from .config import ModelConfig
+from .llama import LlamaModel, build_model
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of the checkpoint directory ``path``."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"{cfg_file} not found; pass a local Hugging Face model directory holding "
+            "config.json and *.safetensors (stepgraph never downloads weights)."
+        )
+    return ModelConfig.from_hf_config(json.loads(cfg_file.read_text()))
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(
+                f"{index.name} lists shards that are missing: {missing}; re-copy the checkpoint."
+            )
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"no *.safetensors file in {path}; save the model with safe_serialization=True "
+            "(.bin checkpoints are not supported)."
+        )
+    return files
+
+
+def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, by their Hugging Face names (on the CPU)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in _shard_files(Path(path)):
+        state.update(load_file(str(f)))
+    return state
+
+
+def convert_hf_state_dict(
+    hf: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> ours, with q/k/v and gate/up concatenated on the output dim."""
+    hf = {k.removeprefix("model."): v for k, v in hf.items()}
+    # Buffers some exports carry; they are recomputed.
+    hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+    taken: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ConfigError(
+                f"checkpoint has no tensor {name!r} ({config.architecture}, "
+                f"{config.num_layers} layers); is the directory complete?"
+            )
+        taken.add(name)
+        return hf[name]
+
+    out = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    if config.tie_word_embeddings:
+        taken.add("lm_head.weight")  # some exports store the tied head; ours shares the embedding
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = ("q_proj", "k_proj", "v_proj")
+        out[attn + "qkv_proj.weight"] = torch.cat([take(f"{attn}{n}.weight") for n in qkv])
+        if config.attention_bias:
+            out[attn + "qkv_proj.bias"] = torch.cat([take(f"{attn}{n}.bias") for n in qkv])
+        out[attn + "o_proj.weight"] = take(attn + "o_proj.weight")
+        gate_up = [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
+        out[mlp + "gate_up_proj.weight"] = torch.cat(gate_up)
+        out[mlp + "down_proj.weight"] = take(mlp + "down_proj.weight")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}{norm}.weight"] = take(f"{p}{norm}.weight")
+    unused = sorted(set(hf) - taken)
+    if unused:
+        raise ConfigError(
+            f"checkpoint tensors not used by the {config.architecture} model: {unused[:8]}"
+            f"{' ...' if len(unused) > 8 else ''}; the config and the weights disagree."
+        )
+    return out
+
+
+def load_hf_model(
+    path: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    max_positions: int | None = None,
+) -> LlamaModel:
+    """Build the model of ``path`` on ``device`` in ``dtype`` with the checkpoint's weights."""
+    config = load_hf_config(path)
+    state = convert_hf_state_dict(read_hf_state_dict(path), config)
+    model = build_model(config, device, dtype, max_positions=max_positions)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in state.items():
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ConfigError(
+                    f"checkpoint tensor {name} has shape {tuple(t.shape)}, the config implies "
+                    f"{tuple(params[name].shape)}; config.json and the weights disagree."
+                )
+            params[name].copy_(t)
+    model.build_rope()
+    return model
+
+
+__all__ = ["convert_hf_state_dict", "load_hf_config", "load_hf_model", "read_hf_state_dict"]

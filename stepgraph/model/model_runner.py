@@ -1,0 +1,226 @@
+"""``ModelRunner``: the reference model, its paged KV cache and attention backend behind the
+``ModelRunnerLike`` interface the graph runner wraps (``stepgraph.batch``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..batch import ForwardBatch, ForwardMode
+from ..errors import ConfigError
+from .attention import PagedAttentionBackend
+from .config import ModelConfig, get_preset
+from .kv_cache import KVCache
+from .llama import LlamaModel, build_model, init_random
+
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_MAX_CONTEXT_LEN = 4096
+
+
+class ModelRunner:
+    """Runs decode steps (``forward``) and prompt prefills (``prefill``) of one model.
+
+    ``forward`` is what the ``CudaGraphRunner`` captures: it reads only the batch's tensors and
+    the attention backend's metadata, and never syncs with the host.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        max_bs: int,
+        max_context_len: int,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_bs = max_bs
+        self.max_context_len = max_context_len
+        self.page_size = kv_cache.page_size
+        self.max_pages_per_request = kv_cache.max_pages_per_request
+        if model.max_positions < max_context_len:
+            raise ConfigError(
+                f"the model's RoPE table covers {model.max_positions} positions, fewer than "
+                f"max_context_len={max_context_len}; build the model with max_positions >= it."
+            )
+        self.attn_backend = PagedAttentionBackend(
+            kv_cache,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            device=self.device,
+            max_context_len=max_context_len,
+        )
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_model(
+        cls,
+        model: LlamaModel,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        max_bs: int = 8,
+        max_context_len: int | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        num_pages: int | None = None,
+    ) -> ModelRunner:
+        """Wrap ``model`` with a KV cache of ``num_pages`` pages (default: ``max_bs`` requests
+        of ``max_context_len`` tokens, plus scratch page 0)."""
+        config = model.config
+        max_context_len = max_context_len or model.max_positions
+        pages_per_request = -(-max_context_len // page_size)
+        kv = KVCache(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            num_pages=num_pages or max_bs * pages_per_request + 1,
+            page_size=page_size,
+            max_context_len=max_context_len,
+            dtype=dtype,
+            device=device,
+        )
+        return cls(model, config, kv, device, dtype, max_bs, max_context_len)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        *,
+        max_bs: int = 8,
+        max_context_len: int | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        num_pages: int | None = None,
+    ) -> ModelRunner:
+        """A model of ``config`` with random weights from ``seed`` (see ``init_random``)."""
+        max_context_len = max_context_len or min(
+            config.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN
+        )
+        model = init_random(build_model(config, device, dtype, max_positions=max_context_len), seed)
+        return cls.from_model(
+            model,
+            device=device,
+            dtype=dtype,
+            max_bs=max_bs,
+            max_context_len=max_context_len,
+            page_size=page_size,
+            num_pages=num_pages,
+        )
+
+    @classmethod
+    def from_preset(
+        cls,
+        name: str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        *,
+        num_layers: int | None = None,
+        **kwargs,
+    ) -> ModelRunner:
+        """Preset ``name`` (``config.PRESETS``), random weights; ``num_layers`` trims it."""
+        config = get_preset(name)
+        if num_layers is not None:
+            config = config.with_layers(num_layers)
+        return cls.from_config(config, device, dtype, seed, **kwargs)
+
+    @classmethod
+    def from_hf_dir(
+        cls,
+        path: str | Path,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        *,
+        max_context_len: int | None = None,
+        **kwargs,
+    ) -> ModelRunner:
+        """A local Hugging Face checkpoint directory (nothing is downloaded)."""
+        from .hf_loader import load_hf_config, load_hf_model
+
+        config = load_hf_config(path)
+        max_context_len = max_context_len or min(
+            config.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN
+        )
+        model = load_hf_model(path, device, dtype, max_positions=max_context_len)
+        return cls.from_model(
+            model, device=device, dtype=dtype, max_context_len=max_context_len, **kwargs
+        )
+
+    # -- batches ----------------------------------------------------------------------------
+
+    def decode_batch(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        pages: Sequence[list[int]],
+    ) -> ForwardBatch:
+        """The decode batch where request ``i`` (owning ``pages[i]``) feeds ``tokens[i]`` at
+        ``positions[i]``; its KV then holds ``positions[i] + 1`` tokens. One host->device copy."""
+        bs = len(tokens)
+        kv = self.kv_cache
+        seq_lens = [p + 1 for p in positions]
+        slots = [kv.slot(pg, p) for pg, p in zip(pages, positions)]
+        table = [x for pg in pages for x in kv.block_table_row(pg)]
+        # flat int64 host buffer: input_ids | positions | out_cache_loc | seq_lens | block_table
+        host = torch.tensor([*tokens, *positions, *slots, *seq_lens, *table], dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        return ForwardBatch(
+            input_ids=dev[:bs],
+            positions=dev[bs : 2 * bs],
+            out_cache_loc=dev[2 * bs : 3 * bs],
+            seq_lens=dev[3 * bs : 4 * bs].to(torch.int32),
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=dev[4 * bs :].view(bs, kv.max_pages_per_request).to(torch.int32),
+            mode=ForwardMode.DECODE,
+        )
+
+    # -- steps -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [bs, vocab] float32 logits
+        """One decode step: each request's token at its position, K/V written at
+        ``out_cache_loc``. Called eagerly, it prepares the attention metadata itself; on the
+        graph runner's static batch it uses what the capture/replay hook prepared."""
+        if batch.mode is not ForwardMode.DECODE:
+            raise ConfigError("ModelRunner.forward runs decode batches; use prefill() for prompts.")
+        if not self.attn_backend.is_prepared_for(batch):
+            self.attn_backend.init_forward_metadata(batch)
+        h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [bs, hidden]
+        return self.model.logits(h)
+
+    @torch.no_grad()
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], pages: Sequence[list[int]]
+    ) -> torch.Tensor:  # [n, vocab] float32, logits of each prompt's last token
+        """Run each prompt eagerly from position 0, writing its K/V into its ``pages``."""
+        if len(prompts) != len(pages):
+            raise ConfigError(f"{len(prompts)} prompts but {len(pages)} page lists.")
+        last = []
+        for prompt, req_pages in zip(prompts, pages):
+            n = len(prompt)
+            if n == 0:
+                raise ConfigError("an empty prompt has no last token; give at least one token.")
+            slots = self.kv_cache.slots(req_pages, 0, n)
+            # one host->device copy of [2, n] int64: token ids and slots
+            ids_slots = torch.tensor([list(prompt), slots], dtype=torch.int64).to(self.device)
+            positions = torch.arange(n, device=self.device)
+            self.attn_backend.init_prefill_metadata(ids_slots[1])
+            h = self.model(ids_slots[0], positions, self.attn_backend)  # [n, hidden]
+            last.append(h[-1:])
+        return self.model.logits(torch.cat(last))
+
+
+__all__ = ["ModelRunner"]
