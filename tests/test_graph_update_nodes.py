@@ -70,8 +70,10 @@ def test_kernel_nodes_enumerates_kernels_only_with_names_layouts_and_bytes():
 def test_node_census_counts_every_type():
     rng = random.Random(1)
     fd, g, expected = _random_graph(rng)
-    types = [fd.cuda.nodes[n].type.name.removeprefix("CU_GRAPH_NODE_TYPE_").lower() for n in
-             fd.cuda.graphs[g]]  # fmt: skip
+    types = [
+        fd.cuda.nodes[n].type.name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
+        for n in fd.cuda.graphs[g]
+    ]
     census = node_census(g, driver=fd)
     assert census == {t: types.count(t) for t in set(types)}
     assert census["kernel"] == len(expected)

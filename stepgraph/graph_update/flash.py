@@ -249,18 +249,14 @@ def fa_apply(
 
 def _push(plan: FaPlan, g: _Group, ns: int, d: Any) -> int:
     exec_h, push = plan._exec_handle, d.exec_set_params
-    g.applied = None  # unknown until every member is pushed
-    try:
-        for fm, mh, mp, grid_field, mslot, ch, cp, cslot in g.pushes:
-            setattr(mp, grid_field, ns)
-            if mslot is not None:
-                mslot.value = ns
-            push(exec_h, mh, mp)
-            cslot.value = ns
-            push(exec_h, ch, cp)
-            fm.ns = ns
-    except BaseException:
-        plan.invalidate()  # some nodes changed, some not: push everything next time
-        raise
+    g.applied = None  # unknown until every member is pushed: a failed push is retried in full
+    for fm, mh, mp, grid_field, mslot, ch, cp, cslot in g.pushes:
+        setattr(mp, grid_field, ns)
+        if mslot is not None:
+            mslot.value = ns
+        push(exec_h, mh, mp)
+        cslot.value = ns
+        push(exec_h, ch, cp)
+        fm.ns = ns
     g.applied = ns
     return 2 * len(g.pushes)
