@@ -129,6 +129,15 @@ def test_splits_agree_with_each_other_and_partials_are_exact():
     torch.testing.assert_close(ws.partial_lse[0, :, 0].double(), s.logsumexp(-1), rtol=0, atol=1e-5)
 
 
+def test_single_split_workspace():
+    c = make_case(29, [77, 3], n_heads=4, n_kv=4)
+    ref = paged_decode_reference(c.q, c.k, c.v, c.bt, c.lens, compute_dtype=torch.float64)
+    got, _ = run(c, max_splits=1, num_splits=1)
+    assert rel_err(got, ref) < TOL[torch.float32]
+    got, _ = run(c, max_splits=1)  # the ladder, clamped to the workspace
+    assert rel_err(got, ref) < TOL[torch.float32]
+
+
 def test_zero_length_request_gives_zeros():
     c = make_case(3, [0, 20], n_heads=4, n_kv=1)
     got, _ = run(c, num_splits=2)
@@ -249,6 +258,8 @@ BAD = {  # id: (change, message fragments)
     "device": (lambda c: {"seq_lens": c.lens.to("meta")}, ["seq_lens.device", "meta"]),
     "stride": (lambda c: {"q": c.q.transpose(1, 2).contiguous().transpose(1, 2)},
                ["q.stride(-1)", "contiguous"]),
+    "lens_stride": (lambda c: {"seq_lens": c.lens.repeat_interleave(2)[::2]},
+                    ["seq_lens.stride(-1)", "got 2"]),
     "ws_rows": (lambda c: {"workspace": _ws(bs=1)}, ["workspace.partial_lse", "[>=2, 4"]),
     "ws_heads": (lambda c: {"workspace": _ws(hd=128)}, ["workspace.partial_o", "(2, 4, 8, 128)"]),
     "ws_dtype": (lambda c: {"workspace": _ws(partial_lse=torch.zeros(2, 4, 8).half())},

@@ -128,7 +128,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, workspace, out, ma
         if t is not None and t.device != q.device:
             raise _fail(f"{name}.device", f"q.device={q.device}", t.device, "Move it first.")
     for name, t in [("q", q), *tensors]:
-        if t is not None and t.dim() > 1 and t.stride(-1) != 1:
+        if t is not None and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise _fail(f"{name}.stride(-1)", "1", t.stride(-1), "Call .contiguous() first.")
 
 
@@ -161,7 +161,7 @@ def _split_kv_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the default
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (the default)
     UPCAST: tl.constexpr,  # dot in fp32: only the interpreter with bf16 (its bf16 dot is wrong)
 ):
     cur_batch = tl.program_id(0)
@@ -368,7 +368,7 @@ def flash_decode(
     group = n_heads // n_kv_heads
     po, lse = workspace.partial_o, workspace.partial_lse
     upcast = _INTERPRETED and q.dtype == torch.bfloat16
-    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    precision = "ieee" if q.dtype == torch.float32 or upcast else None  # None: the default
 
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         po, lse, q, k_cache, v_cache, block_table, seq_lens, float(sm_scale),
