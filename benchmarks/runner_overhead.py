@@ -41,19 +41,18 @@ def random_batch(mr: ToyModelRunner, bs: int, seed: int):
     return mr.random_batch(bs, torch.Generator().manual_seed(seed))
 
 
-def host_us_per_call(fn, *, calls: int = 20, repeats: int = 60) -> float:
-    """Median host microseconds per call; the device is drained between groups so the launch
-    queue never fills (a full queue would make the host wait on GPU time)."""
+def host_us_per_call(fn, *, repeats: int = 300) -> float:
+    """Median host microseconds of one call issued into an empty launch queue (drained before
+    each call), so the figure is what the CPU spends, never time spent waiting on the GPU."""
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
     return statistics.median(samples)
 
 
@@ -106,6 +105,15 @@ def main() -> None:
     rows["host_us_bare_graph_replay"] = bare
     rows["host_us_runner_replay"] = full
     rows["host_us_runner_overhead"] = full - bare
+    # Where the runner's host time goes (each piece timed alone).
+    bucket = runner._static[1]
+    rows["host_us_parts"] = {
+        "copy_from": host_us_per_call(lambda: runner.buffers.copy_from(b1, 1)),
+        "replay_hook": host_us_per_call(
+            lambda: mr.attn_backend.init_forward_metadata_replay_cuda_graph(1, bucket)
+        ),
+        "input_checks": host_us_per_call(lambda: runner._input_problem(b1)),
+    }
 
     # -- eager vs graph step time -------------------------------------------------------------
     steps = []

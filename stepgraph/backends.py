@@ -49,6 +49,11 @@ class GraphBackend(ABC):
         for _ in range(iters):
             fn()
 
+    def pool_mark(self) -> int:
+        """Bytes held by the allocator right before a capture; the capture's growth over this
+        mark is what the pool took (0 on the CPU)."""
+        return 0
+
     @abstractmethod
     def capture(self, fn: Callable[[], Output], *, key: object) -> CapturedGraph:
         """Capture one call of ``fn``. On failure nothing half-captured is kept."""
@@ -98,6 +103,12 @@ class CudaGraphBackend(GraphBackend):
         with torch.cuda.stream(self.stream):
             super().warmup(fn, iters)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def pool_mark(self) -> int:
+        # torch.cuda.graph() empties the cache on entry; do it first so the mark is stable.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
 
     def capture(self, fn: Callable[[], Output], *, key: object) -> CudaCapturedGraph:
         # keep_graph=True keeps the template graph (and its kernel nodes) alive after capture,

@@ -12,7 +12,7 @@ Those values are defined here and nowhere else:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,13 @@ PAD_TOKEN_ID = 0
 PAD_POSITION = 0
 PAD_PAGE = 0
 PAD_SLOT = 0
+
+
+@dataclass
+class _RowViews:
+    int32: list[torch.Tensor]  # seq_lens, block_table
+    int64: list[torch.Tensor]  # input_ids, positions, out_cache_loc
+    seq_lens_cpu: torch.Tensor
 
 
 @dataclass
@@ -35,6 +42,7 @@ class GraphInputBuffers:
     seq_len_fill_value: int
     # Rows [:dirty_rows] may hold a previous batch's live values; rows past it hold padding.
     dirty_rows: int = 0
+    _rows: dict[int, _RowViews] = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(
@@ -70,6 +78,17 @@ class GraphInputBuffers:
             mode=ForwardMode.DECODE,
         )
 
+    def rows(self, bs: int) -> _RowViews:
+        """Views of rows ``[:bs]``, built once per batch size (slicing costs host time)."""
+        views = self._rows.get(bs)
+        if views is None:
+            views = self._rows[bs] = _RowViews(
+                int32=[self.seq_lens[:bs], self.block_table[:bs]],
+                int64=[self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs]],
+                seq_lens_cpu=self.seq_lens_cpu[:bs],
+            )
+        return views
+
     def copy_from(self, batch: ForwardBatch, bucket: int) -> None:
         """Copy ``batch`` into rows ``[:bs]``; reset stale rows of ``[bs:bucket]`` to padding.
 
@@ -77,19 +96,15 @@ class GraphInputBuffers:
         two grouped copies (one per dtype) and no fills.
         """
         bs = batch.batch_size
-        width = batch.block_table.shape[1]
-        if width == self.block_table.shape[1]:
-            torch._foreach_copy_(
-                [self.seq_lens[:bs], self.block_table[:bs]], [batch.seq_lens, batch.block_table]
-            )
+        rows = self.rows(bs)
+        if batch.block_table.shape[1] == self.block_table.shape[1]:
+            torch._foreach_copy_(rows.int32, [batch.seq_lens, batch.block_table])
         else:  # a narrower table: columns past it are never read (seq_len bounds the pages)
-            self.seq_lens[:bs].copy_(batch.seq_lens)
-            self.block_table[:bs, :width].copy_(batch.block_table)
-        torch._foreach_copy_(
-            [self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs]],
-            [batch.input_ids, batch.positions, batch.out_cache_loc],
-        )
-        self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
+            width = batch.block_table.shape[1]
+            rows.int32[0].copy_(batch.seq_lens)
+            rows.int32[1][:, :width].copy_(batch.block_table)
+        torch._foreach_copy_(rows.int64, [batch.input_ids, batch.positions, batch.out_cache_loc])
+        rows.seq_lens_cpu.copy_(batch.seq_lens_cpu)
         stale_stop = min(self.dirty_rows, bucket)
         if stale_stop > bs:
             self.pad_rows(bs, stale_stop)

@@ -41,6 +41,7 @@ from .input_buffers import GraphInputBuffers
 logger = logging.getLogger("stepgraph")
 
 MODES = ("graph", "exact")
+_DEVICE_FIELDS = tuple((n, d) for n, d in BATCH_DTYPES.items() if n != "seq_lens_cpu")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,13 @@ class RunnerStats:
     fallbacks: Counter = field(default_factory=Counter)  # reason -> batches refused by can_run
 
 
+def _canonical(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so device checks compare equal to tensors' devices."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class CudaGraphRunner:
     """Captures and replays CUDA graphs for decode-step forward passes (seed: pymllm)."""
 
@@ -102,7 +110,7 @@ class CudaGraphRunner:
     ) -> None:
         self.model_runner = model_runner
         self.config = config = config if config is not None else RunnerConfig()
-        self.device = torch.device(model_runner.device)
+        self.device = _canonical(torch.device(model_runner.device))
         self.capture_bs = config.buckets()
         self.max_bs = self.capture_bs[-1]
         self.enable_torch_compile = config.enable_torch_compile
@@ -164,7 +172,7 @@ class CudaGraphRunner:
             try:
                 self.model_runner.attn_backend.init_forward_metadata_capture_cuda_graph(bs, static)
                 self._backend.warmup(step, self.config.warmup_iters)
-                before = reserved_bytes(self.device)
+                before = self._backend.pool_mark()
                 graph = self._backend.capture(step, key=bs)
                 if self._updater is not None:
                     self._plans[bs] = self._updater.plan(graph, bs)
@@ -219,17 +227,18 @@ class CudaGraphRunner:
 
     def _input_problem(self, batch: ForwardBatch) -> str | None:
         bs = batch.batch_size
-        for name, t in batch.device_tensors().items():
-            if t.dtype is not BATCH_DTYPES[name]:
-                return f"{name} has dtype {t.dtype}, expected {BATCH_DTYPES[name]}"
+        for name, dtype in _DEVICE_FIELDS:
+            t = getattr(batch, name)
+            if t.dtype is not dtype:
+                return f"{name} has dtype {t.dtype}, expected {dtype}"
             if t.device != self.device:
                 return f"{name} is on {t.device}, expected {self.device}"
             if t.shape[0] != bs:
                 return f"{name} has {t.shape[0]} rows, expected {bs} (the batch size)"
-        width = batch.block_table.shape[1]
-        if batch.block_table.dim() != 2 or width > self.buffers.block_table.shape[1]:
+        table = batch.block_table
+        if table.dim() != 2 or table.shape[1] > self.buffers.block_table.shape[1]:
             return (
-                f"block_table has shape {tuple(batch.block_table.shape)}, expected "
+                f"block_table has shape {tuple(table.shape)}, expected "
                 f"[{bs}, <= {self.buffers.block_table.shape[1]}]"
             )
         if batch.seq_lens_cpu.device.type != "cpu" or batch.seq_lens_cpu.shape[0] != bs:

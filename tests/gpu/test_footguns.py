@@ -31,13 +31,21 @@ def test_python_constants_are_frozen_at_capture():
     torch.testing.assert_close(out, x * 2.0)
 
 
-def test_host_tensors_built_during_capture_are_frozen():
+def test_host_side_branches_are_frozen_at_capture():
     x = torch.randn(8, device="cuda")
-    lens = [3]
-    g, out = capture(lambda: x[:8] * torch.tensor(lens, device="cuda", dtype=x.dtype))
-    lens[0] = 7  # a host list read at capture: copied once, never again
+    flags = {"double": True}
+    g, out = capture(lambda: x * 2 if flags["double"] else x * 3)
+    flags["double"] = False  # the branch was taken on the host, once, at capture
     g.replay()
-    torch.testing.assert_close(out, x * 3)
+    torch.testing.assert_close(out, x * 2)
+
+
+def test_building_device_tensors_from_host_data_fails_capture():
+    import pytest
+
+    x = torch.randn(8, device="cuda")
+    with pytest.raises(RuntimeError, match="pinned|capture"):
+        capture(lambda: x * torch.tensor([3.0], device="cuda"))
 
 
 def test_output_is_overwritten_by_the_next_replay():
