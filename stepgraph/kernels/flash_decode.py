@@ -33,6 +33,7 @@ split count. The head-dim stride of every tensor must be 1 (it is not passed).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -299,7 +300,8 @@ def _is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _device_num_sms(device: torch.device) -> int:
+@functools.cache
+def _device_num_sms(device: torch.device) -> int:  # cached: eager calls it per layer per token
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return H200_NUM_SMS  # the interpreter: pretend the target GPU, so geometry matches it
