@@ -156,13 +156,27 @@ class LlamaModel(nn.Module):
 
 @torch.no_grad()
 def init_random(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
-    """Fill every weight from ``seed``: projections and embeddings ~ N(0, std), biases
-    ~ N(0, std) (non-zero, so a bias bug shows), norm weights ~ 1 + N(0, std)."""
+    """Fill every weight from ``seed`` (on the model's device).
+
+    - embeddings ~ N(0, std); biases ~ N(0, std), non-zero so that a bias bug shows;
+    - projections ~ N(0, 1 / fan_in) (0.022 at hidden 2048): each layer moves the residual
+      stream as much as the embedding does, so attention shapes the next token;
+    - layer norms ~ 1 + N(0, std); the final norm ~ N(0, 1): with tied embeddings a final
+      weight near 1 makes ``logits ~ e_last . e_j``, and an untrained model would only repeat
+      its last token (a random-sign weight cancels that self-match in expectation).
+    """
     device = model.embed_tokens.weight.device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in sorted(model.named_parameters()):  # tied weights appear once
-        noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * std
-        p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
+        noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+        if name == "norm.weight":
+            p.copy_(noise)
+        elif name.endswith("norm.weight"):
+            p.copy_(1.0 + std * noise)
+        elif p.dim() == 2 and name != "embed_tokens.weight":
+            p.copy_(noise * p.shape[1] ** -0.5)
+        else:
+            p.copy_(std * noise)
     model.build_rope()
     return model
 
