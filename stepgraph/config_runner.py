@@ -1,0 +1,377 @@
+"""``ConfigGraphRunner``: whole-forward graphs driven by ``CudaGraphConfig`` objects.
+
+    runner = ConfigGraphRunner(model, [BatchedCudaGraphConfig("decode", one_request)],
+                               device="cuda")
+    out = runner.run("decode", requests)     # [bs, ...] (batched) or [tokens, ...] (packed)
+
+Calling convention. For every key ``(walk, bs, total_tokens, additional_key_info)`` the runner
+captures ``getattr(model, config.capture_forward_method)(walk=walk, inputs=inputs)`` where
+``walk`` is ``config.capture_graph_walk`` and ``inputs`` is a dict of static tensors laid out by
+the config: batched ``name -> [bs, *single_request_inputs[name].shape]``; packed
+``name -> [total_tokens, ...]`` plus ``"cu_seqlens" -> [bs + 1] int32``. The method returns one
+tensor whose first dim is ``bs`` (batched) or ``total_tokens`` (packed), rows in request order;
+it must read only ``inputs`` and model state and must not sync with the host. Eager runs use the
+same call with the live walk and live inputs.
+
+Shared with ``piecewise.py``: ``capture_loop`` (progress, GC freezing, capture mode, stats),
+``capture_step`` (warm-up, capture, ``CaptureError`` chaining the cause, as
+``CudaGraphRunner._capture_one`` does) and ``storage_ptrs`` (the outside-the-pool check).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from tqdm.auto import tqdm
+
+from .backends import CapturedGraph, CpuGraphBackend, GraphBackend, make_backend
+from .capture import (
+    BucketStats,
+    CaptureStats,
+    Stopwatch,
+    freeze_gc,
+    model_capture_mode,
+    reserved_bytes,
+)
+from .configs import CU_SEQLENS, CudaGraphConfig, NodeInputs, PackedCudaGraphConfig, pad_lengths
+from .errors import CaptureError, ConfigError, ReplayError
+
+logger = logging.getLogger("stepgraph")
+
+WARMUP_ITERS = 2
+SYNC_HINT = (
+    "A captured step must not sync with the host (.item(), .tolist(), .cpu(), printing a "
+    "tensor, data-dependent shapes such as nonzero) nor branch on device values"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared capture machinery (also used by piecewise.py)
+
+
+def capture_loop(
+    items: Iterable[Any], capture_one: Callable[[Any], BucketStats], *, show_progress: bool
+) -> CaptureStats:
+    """Capture every item in order inside one frozen-GC capture-mode block, with a progress bar."""
+    stats = CaptureStats()
+    bar = tqdm(list(items), desc="stepgraph capture", unit="graph", disable=not show_progress)
+    with freeze_gc(), model_capture_mode():
+        for item in bar:
+            stats.buckets.append(capture_one(item))
+            bar.set_postfix(pool_mib=f"{stats.pool_bytes / 2**20:.1f}")
+    logger.info("stepgraph: %s", stats.summary())
+    return stats
+
+
+def capture_step(
+    backend: GraphBackend,
+    step: Callable[[], torch.Tensor],
+    *,
+    key: object,
+    bs: int,
+    what: str,
+    warmup_iters: int = WARMUP_ITERS,
+) -> tuple[CapturedGraph, BucketStats]:
+    """Warm ``step`` up eagerly, then capture it. Failures become ``CaptureError`` naming
+    ``what`` and chaining the cause; the caller releases what it captured before."""
+    with Stopwatch(backend.device) as sw:
+        try:
+            backend.warmup(step, warmup_iters)
+            before = reserved_bytes(backend.device)
+            graph = backend.capture(step, key=key)
+        except CaptureError:
+            raise
+        except Exception as e:
+            raise CaptureError(
+                f"capturing {what} failed: {e}. {SYNC_HINT}; move that work out of the captured "
+                "call, or run it eagerly."
+            ) from e
+    return graph, BucketStats(bs, sw.seconds, before, reserved_bytes(backend.device))
+
+
+def storage_ptrs(tensors: Iterable[Any]) -> set[int]:
+    """Base addresses of the storages behind ``tensors`` (non-tensors and empty ones skipped).
+    An output sharing one was not allocated by the captured call: it is an input, a weight, or a
+    tensor from before capture, which a graph would not rewrite as its own output."""
+    return {
+        t.untyped_storage().data_ptr()
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.numel() > 0
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The config-driven runner
+
+
+class GraphKey(NamedTuple):
+    walk: str
+    bs: int
+    total_tokens: int
+    additional_key_info: Any
+
+
+@dataclass
+class ConfigRunnerStats:
+    capture: CaptureStats | None = None
+    replays: int = 0
+    eager_calls: int = 0  # eager forward calls (a chunk counts once)
+    eager_reasons: Counter = field(default_factory=Counter)  # reason -> batches run eagerly
+
+
+class ConfigGraphRunner:
+    """Captures one graph per key of every config; ``run`` replays the smallest key that fits.
+
+    ``compile=True`` wraps the forward method in ``torch.compile`` before capture on CUDA; the
+    CPU stand-in skips it (it tests graph logic, and compiling each key costs seconds there).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        configs: Sequence[CudaGraphConfig],
+        *,
+        device: str | torch.device,
+        backend: str = "auto",
+        show_progress: bool = True,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.configs = list(configs)
+        self.device = torch.device(device)
+        self.show_progress = show_progress
+        self._backend = make_backend(self.device, backend)
+        self.compile_enabled = not isinstance(self._backend, CpuGraphBackend)
+        self._route: dict[tuple[str, Any], int] = {}  # (walk, key info) -> config index
+        for i, c in enumerate(self.configs):
+            if not callable(getattr(model, c.capture_forward_method, None)):
+                raise ConfigError(
+                    f"model has no method {c.capture_forward_method!r} (capture_forward_method "
+                    f"of the config for walk {c.capture_graph_walk!r}); add it or fix the name."
+                )
+            for walk in c.walks:
+                if (walk, c.additional_key_info) in self._route:
+                    raise ConfigError(
+                        f"walk {walk!r} (additional_key_info={c.additional_key_info!r}) is "
+                        "served by two configs; give each walk one config."
+                    )
+                self._route[walk, c.additional_key_info] = i
+        self.keys = {i: self._keys_of(c) for i, c in enumerate(self.configs)}
+        self._templates = [_to(c.template(), self.device) for c in self.configs]
+        self._static = [self._allocate(i) for i in range(len(self.configs))]
+        self.graphs: dict[GraphKey, CapturedGraph] = {}
+        self.stats = ConfigRunnerStats()
+        self._shut_down = False
+        if capture:
+            self.capture()
+
+    def _keys_of(self, c: CudaGraphConfig) -> list[GraphKey]:
+        # Ascending (total_tokens, bs): the first that fits is the smallest.
+        keys = [
+            GraphKey(c.capture_graph_walk, bs, t, c.additional_key_info)
+            for bs in c.batch_sizes()
+            for t in c.get_total_tokens(bs)
+        ]
+        if not keys:
+            raise ConfigError(
+                f"the config for walk {c.capture_graph_walk!r} yields no graph: every token "
+                "bucket is smaller than every batch size; add a token bucket >= the smallest bs."
+            )
+        return sorted(keys, key=lambda k: (k.total_tokens, k.bs))
+
+    def _allocate(self, i: int) -> dict[str, torch.Tensor]:
+        """Static inputs, once, at the largest key (every key uses a leading slice of them)."""
+        c, keys = self.configs[i], self.keys[i]
+        max_bs, max_t = max(k.bs for k in keys), max(k.total_tokens for k in keys)
+        reqs = [_to(r, self.device) for r in c.get_node_inputs(max_bs, max_t)]
+        return c.model_inputs(reqs)
+
+    def _view(self, i: int, key: GraphKey) -> dict[str, torch.Tensor]:
+        rows = key.total_tokens if isinstance(self.configs[i], PackedCudaGraphConfig) else key.bs
+        return {
+            n: t[: key.bs + 1] if n == CU_SEQLENS else t[:rows] for n, t in self._static[i].items()
+        }
+
+    # ---------------------------------------------------------------------------------------
+    # capture
+
+    def capture(self) -> CaptureStats:
+        """Capture every key of every config, largest first within a config."""
+        self._check_alive("capture")
+        self._release_graphs()
+        items = [(i, k) for i in range(len(self.configs)) for k in reversed(self.keys[i])]
+        self.stats.capture = capture_loop(
+            items, self._capture_one, show_progress=self.show_progress
+        )
+        return self.stats.capture
+
+    def _capture_one(self, item: tuple[int, GraphKey]) -> BucketStats:
+        i, key = item
+        c, static = self.configs[i], self._view(i, item[1])
+        reqs = [_to(r, self.device) for r in c.get_node_inputs(key.bs, key.total_tokens)]
+        c.model_inputs(reqs, out=static)  # the capture-time batch, in the static buffers
+        forward = getattr(self.model, c.capture_forward_method)
+        if c.compile and self.compile_enabled:
+            forward = torch.compile(forward, dynamic=False)
+        step = lambda: forward(walk=key.walk, inputs=static)  # reads only static buffers
+        try:
+            graph, stats = capture_step(self._backend, step, key=key, bs=key.bs, what=f"{key}")
+            self._check_output(graph.output, static, key, rows=next(iter(static.values())))
+        except BaseException:
+            self._release_graphs()
+            raise
+        self.graphs[key] = graph
+        return stats
+
+    def _check_output(self, out: Any, static: dict, key: GraphKey, rows: torch.Tensor) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise CaptureError(
+                f"the forward for {key} returned a {type(out).__name__}; it must return one "
+                "tensor (first dim: requests for batched, tokens for packed)."
+            )
+        if storage_ptrs([out]) & storage_ptrs(static.values()):
+            raise CaptureError(
+                f"the forward for {key} returned one of its static inputs; a graph output must "
+                "be allocated by the captured call (return a new tensor, e.g. x.clone())."
+            )
+        if out.shape[0] != rows.shape[0]:
+            raise CaptureError(
+                f"the forward for {key} returned shape {tuple(out.shape)}; its first dim must be "
+                f"{rows.shape[0]} (one row per request for batched, per token for packed)."
+            )
+
+    # ---------------------------------------------------------------------------------------
+    # run
+
+    def run(
+        self, walk: str, requests: list[NodeInputs], *, additional_key_info: Any = None
+    ) -> torch.Tensor:
+        """Run ``requests`` through ``walk``: replay the smallest key that fits, padded, and
+        return its first rows (a view of a static output: the next replay overwrites it), or run
+        eagerly (above the largest bucket, or when no key can be padded to the batch)."""
+        self._check_alive("run")
+        i = self._route.get((walk, additional_key_info))
+        if i is None:
+            known = sorted(w for w, info in self._route if info == additional_key_info)
+            raise ConfigError(
+                f"no config captures or replays walk {walk!r} (additional_key_info="
+                f"{additional_key_info!r}); known walks: {known}. Add it to a config's "
+                "capture_graph_walk or replay_graph_walks, or call the model eagerly."
+            )
+        c = self.configs[i]
+        if not requests:
+            raise ReplayError("empty batch; there is nothing to run, skip the step.")
+        self._check_requests(i, requests)
+        lens = [c.num_tokens(r) for r in requests]
+        key = next((k for k in self.keys[i] if _fits(k, lens)), None)
+        if key is None:
+            return self._run_eager(i, walk, requests, lens)
+        static = self._view(i, key)
+        c.model_inputs([*requests, *c.padding_requests(lens, key.bs, key.total_tokens)], static)
+        graph = self.graphs[key]
+        graph.replay()
+        self.stats.replays += 1
+        rows = sum(lens) if isinstance(c, PackedCudaGraphConfig) else len(requests)
+        return graph.output[:rows]
+
+    def _run_eager(self, i: int, walk: str, requests: list[NodeInputs], lens: list[int]):
+        c, keys = self.configs[i], self.keys[i]
+        max_bs, max_t = max(k.bs for k in keys), max(k.total_tokens for k in keys)
+        packed = isinstance(c, PackedCudaGraphConfig)
+        if packed and sum(lens) > max_t and not c.caps_eager_batch_size:
+            raise ReplayError(
+                f"walk {walk!r}: {sum(lens)} tokens exceed the largest token bucket ({max_t}) "
+                "and caps_eager_batch_size=False; set caps_eager_batch_size=True to run it "
+                f"eagerly in chunks, or add a bucket >= {sum(lens)}."
+            )
+        reason = "too_large" if len(requests) > max_bs or sum(lens) > max_t else "no_padding"
+        self.stats.eager_reasons[reason] += 1
+        chunks = [requests]
+        if c.caps_eager_batch_size:
+            chunks = _chunk(requests, lens, max_bs, max_t)
+        forward = getattr(self.model, c.capture_forward_method)
+        outs = [forward(walk=walk, inputs=c.model_inputs(chunk)) for chunk in chunks]
+        self.stats.eager_calls += len(chunks)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _check_requests(self, i: int, requests: list[NodeInputs]) -> None:
+        """Names, trailing shapes, dtypes and device of each live request; raises ReplayError
+        before anything is copied, naming the input and both shapes."""
+        c, tmpl, static = self.configs[i], self._templates[i], self._static[i]
+        packed = isinstance(c, PackedCudaGraphConfig)
+        for j, r in enumerate(requests):
+            if set(r) != set(tmpl):
+                raise ReplayError(
+                    f"request {j} has inputs {sorted(r)}, the static inputs are {sorted(tmpl)}; "
+                    "build requests with the config's names."
+                )
+            rows = {t.shape[0] if t.dim() else None for t in r.values()}
+            for name, t in r.items():
+                want = tmpl[name]
+                same = t.shape[1:] == want.shape[1:] if packed else t.shape == want.shape
+                if not same or (packed and (len(rows) != 1 or t.dim() == 0 or t.shape[0] < 1)):
+                    raise ReplayError(
+                        f"input {name!r} of request {j} has shape {tuple(t.shape)}; the static "
+                        f"input has shape {tuple(static[name].shape)}, so a request's must be "
+                        f"{_per_request(want, packed)}. Fix the request, or run it eagerly."
+                    )
+                if t.dtype != want.dtype or t.device != self.device:
+                    raise ReplayError(
+                        f"input {name!r} of request {j} is {t.dtype} on {t.device}; the static "
+                        f"input is {want.dtype} on {self.device}. Convert it first."
+                    )
+
+    # ---------------------------------------------------------------------------------------
+    # lifetime
+
+    def shutdown(self) -> None:
+        """Release graphs, static buffers and the pool. Any later call raises ``ReplayError``."""
+        self._release_graphs()
+        self._static = []
+        self._shut_down = True
+
+    def _release_graphs(self) -> None:
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        self._backend.release()
+
+    def _check_alive(self, what: str) -> None:
+        if self._shut_down:
+            raise ReplayError(
+                f"{what}() called after shutdown(); create a new ConfigGraphRunner, "
+                "or call the model eagerly."
+            )
+
+
+def _fits(key: GraphKey, lens: list[int]) -> bool:
+    """The key holds the batch and its padding plan exists (padding tokens need padded requests;
+    for batched keys this reduces to ``bs <= key.bs``)."""
+    return pad_lengths(sum(lens), len(lens), key.bs, key.total_tokens) is not None
+
+
+def _chunk(requests: list, lens: list[int], max_bs: int, max_t: int) -> list[list]:
+    """Consecutive chunks of at most ``max_bs`` requests and ``max_t`` tokens (a request longer
+    than ``max_t`` forms a chunk of its own)."""
+    chunks: list[list] = [[]]
+    tokens = 0
+    for r, n in zip(requests, lens):
+        if chunks[-1] and (len(chunks[-1]) == max_bs or tokens + n > max_t):
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(r)
+        tokens += n
+    return chunks
+
+
+def _per_request(t: torch.Tensor, packed: bool) -> str:
+    return f"[n, {', '.join(map(str, t.shape[1:]))}]" if packed else str(list(t.shape))
+
+
+def _to(inputs: NodeInputs, device: torch.device) -> NodeInputs:
+    return {n: t.to(device) for n, t in inputs.items()}
