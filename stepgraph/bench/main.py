@@ -1,0 +1,169 @@
+"""`stepgraph bench`: every mode and peer, side by side, on one model in one run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from .modes import OUR_MODES, run_mode
+from .peers import PEERS, run_peer
+from .report import Row, format_table, plot, write_json
+from .workload import Point, build_model_runner, fill_kv_random, kv_bytes, weight_bytes
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="preset name or local HF directory (default: llama-3.2-1b on CUDA, tiny on the CPU)",
+    )
+    p.add_argument(
+        "--modes",
+        default="eager,graph,exact,hf-eager,hf-static-compile",
+        help=f"comma list of {OUR_MODES + PEERS}",
+    )
+    p.add_argument("--batch-sizes", default=None, help="default 1,8,32 (CPU: 1,2)")
+    p.add_argument("--contexts", default=None, help="default 512,4096,32768 (CPU: 16,64)")
+    p.add_argument(
+        "--peer-points",
+        default="small",
+        help="'small' (hf-eager at bs<=8 and ctx<=4096, compile at bs=1 ctx=512) or 'all'",
+    )
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None, help="write rows to this JSON file")
+    p.add_argument("--plot", default=None, help="write a PNG of ms/token vs context")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def peer_allowed(peer: str, points: list[Point], which: str) -> set[Point]:
+    if which == "all":
+        return set(points)
+    if peer == "hf-eager":
+        return {p for p in points if p.bs <= 8 and p.context <= 4096}
+    return {p for p in points if p.bs == 1 and p.context == min(q.context for q in points)}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "stepgraph bench: no CUDA GPU is visible. Run it on a machine with an NVIDIA GPU, "
+            "or try the whole pipeline on the CPU with `stepgraph bench --device cpu`.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.device == "cpu":
+        return run_cpu(args)
+    model = args.model or "llama-3.2-1b"
+    sizes = _ints(args.batch_sizes or "1,8,32")
+    contexts = _ints(args.contexts or "512,4096,32768")
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in OUR_MODES + PEERS]
+    if unknown:
+        print(f"unknown modes {unknown}; choose from {OUR_MODES + PEERS}", file=sys.stderr)
+        return 2
+    points = [Point(bs, ctx) for bs in sizes for ctx in contexts]
+    from .timing import copy_bandwidth_gbps
+
+    t0 = time.perf_counter()
+    gbps = copy_bandwidth_gbps()
+    mr = build_model_runner(model, "cuda", DTYPES[args.dtype], max(sizes), max(contexts) + 64)
+    fill_kv_random(mr)
+    wbytes = weight_bytes(mr)
+    floor_ms = {(p.bs, p.context): (wbytes + kv_bytes(mr, p)) / (gbps * 1e9) * 1e3 for p in points}
+    rows: list[Row] = []
+
+    def add(mode, p, ms, capture_s=None, pool=None, note=""):
+        rows.append(
+            Row(
+                mode,
+                p.bs,
+                p.context,
+                ms,
+                p.bs / ms * 1e3 if ms else None,
+                floor_ms[(p.bs, p.context)] / ms if ms else None,
+                capture_s,
+                pool,
+                note,
+            )
+        )
+
+    for mode in tqdm(modes, desc="stepgraph bench", unit="mode"):
+        if mode in OUR_MODES:
+            res = run_mode(mode, mr, points, args.iters)
+            for p in points:
+                add(
+                    mode,
+                    p,
+                    res.ms_per_token.get(p),
+                    res.capture_seconds,
+                    res.pool_mib,
+                    res.error or "",
+                )
+        else:
+            res = run_peer(mode, mr, points, peer_allowed(mode, points, args.peer_points))
+            for p in points:
+                note = res.error or res.skipped.get(p, "")
+                add(mode, p, res.ms_per_token.get(p), res.compile_seconds, None, note)
+    print(
+        f"\nmodel {model} ({wbytes / 1e9:.2f} GB of weights, {args.dtype}), "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
+    print(format_table(rows, floor_ms, gbps))
+    meta = {
+        "model": model,
+        "dtype": args.dtype,
+        "copy_gbps": gbps,
+        "weight_bytes": wbytes,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
+    if args.json:
+        write_json(args.json, rows, meta)
+    if args.plot:
+        plot(args.plot, rows)
+    return 0
+
+
+def run_cpu(args: argparse.Namespace) -> int:
+    """The whole pipeline on the CPU stand-in: tiny preset, eager vs graph, wall-clock time."""
+    from ..model.engine import Engine
+    from ..model.model_runner import ModelRunner
+
+    model = args.model or "tiny"
+    sizes = _ints(args.batch_sizes or "1,2")
+    contexts = _ints(args.contexts or "16,64")
+    mr = ModelRunner.from_preset(
+        model, "cpu", torch.float32, 0, max_bs=max(sizes), max_context_len=max(contexts) + 32
+    )
+    print(
+        f"stepgraph bench --device cpu: {model} through prefill, decode and the CPU stand-in "
+        "graph backend (timings are not GPU figures)"
+    )
+    outputs = {}
+    for mode in ("eager", "graph"):
+        engine = Engine(mr, mode=mode)
+        for bs in sizes:
+            for ctx in contexts:
+                prompts = [[(7 * i + j) % 500 + 1 for j in range(ctx)] for i in range(bs)]
+                t0 = time.perf_counter()
+                out = engine.generate(prompts, max_new_tokens=8)
+                ms = (time.perf_counter() - t0) / 8 * 1e3
+                outputs[(mode, bs, ctx)] = out
+                print(f"  {mode:<6} bs={bs} ctx={ctx:<4} {ms:7.2f} ms/step (wall, incl. prefill)")
+        engine.shutdown()
+    same = all(
+        outputs[("eager", b, c)] == outputs[("graph", b, c)] for b in sizes for c in contexts
+    )
+    print(f"  graph tokens identical to eager: {same}")
+    return 0 if same else 1

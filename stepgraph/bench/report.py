@@ -1,0 +1,92 @@
+"""Rows, table and plot of `stepgraph bench`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Row:
+    mode: str  # ours (eager, graph, exact, compile) or a peer (hf-eager, hf-static-compile)
+    bs: int
+    context: int
+    ms_per_token: float | None
+    tokens_per_s: float | None
+    floor_fraction: float | None  # bandwidth-floor ms / measured ms (1.0 = at the floor)
+    capture_s: float | None = None  # ours: capture of all buckets; peers: compile time
+    pool_mib: float | None = None
+    note: str = ""
+
+
+def format_table(rows: list[Row], floor_ms: dict[tuple[int, int], float], gbps: float) -> str:
+    lines = [
+        f"copy bandwidth {gbps:.0f} GB/s; floor = (weights + live KV) / copy bandwidth",
+        f"{'mode':<18}{'bs':>4}{'ctx':>7}{'ms/tok':>9}{'tok/s':>10}{'floor':>8}{'of floor':>9}"
+        f"{'vs eager':>9}  note",
+    ]
+    eager = {(r.bs, r.context): r.ms_per_token for r in rows if r.mode == "eager"}
+    for r in sorted(rows, key=lambda r: (r.bs, r.context, r.mode)):
+        key = (r.bs, r.context)
+        ms = f"{r.ms_per_token:9.3f}" if r.ms_per_token else f"{'-':>9}"
+        tps = f"{r.tokens_per_s:10.0f}" if r.tokens_per_s else f"{'-':>10}"
+        frac = f"{r.floor_fraction:8.0%}" if r.floor_fraction else f"{'-':>8}"
+        speed = (
+            f"{eager[key] / r.ms_per_token:8.1f}x"
+            if r.ms_per_token and eager.get(key)
+            else f"{'-':>9}"
+        )
+        lines.append(
+            f"{r.mode:<18}{r.bs:>4}{r.context:>7}{ms}{tps}{floor_ms[key]:8.3f}{frac:>9}"
+            f"{speed}  {r.note}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: str, rows: list[Row], meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(
+            {"meta": meta, "rows": [asdict(r) for r in rows], "summary": summary(rows)}, f, indent=1
+        )
+
+
+def summary(rows: list[Row]) -> dict:
+    """Headline figures: bs=1 at the smallest context."""
+    out = {}
+    ones = [r for r in rows if r.bs == 1 and r.ms_per_token]
+    if ones:
+        ctx = min(r.context for r in ones)
+        for r in ones:
+            if r.context == ctx:
+                out[f"{r.mode}_ms_bs1_ctx{ctx}"] = round(r.ms_per_token, 3)
+                if r.floor_fraction:
+                    out[f"{r.mode}_floor_bs1_ctx{ctx}"] = round(r.floor_fraction, 3)
+    return out
+
+
+def plot(path: str, rows: list[Row]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r.bs for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    for ax, bs in zip(axes[0], sizes):
+        for mode in sorted({r.mode for r in rows}):
+            pts = sorted(
+                (r.context, r.ms_per_token)
+                for r in rows
+                if r.bs == bs and r.mode == mode and r.ms_per_token
+            )
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"bs={bs}")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per token")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,72 @@
+"""The decode workload `stepgraph bench` times: a model, a KV cache filled with random keys and
+values, and one decode batch per (batch size, context) point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..batch import ForwardBatch
+from ..model.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Point:
+    bs: int
+    context: int  # KV length of every request, this step's token included
+
+
+def build_model_runner(
+    model: str,
+    device: str,
+    dtype: torch.dtype,
+    max_bs: int,
+    max_context: int,
+    seed: int = 0,
+    page_size: int = 64,
+) -> ModelRunner:
+    """A preset (random weights from ``seed``) or a local HF directory, with a KV cache that
+    holds ``max_bs`` requests of ``max_context`` tokens."""
+    from pathlib import Path
+
+    kw = dict(max_bs=max_bs, max_context_len=max_context, page_size=page_size)
+    if Path(model).is_dir():
+        return ModelRunner.from_hf_dir(model, device, dtype, **kw)
+    return ModelRunner.from_preset(model, device, dtype, seed, **kw)
+
+
+def fill_kv_random(mr: ModelRunner, seed: int = 0) -> None:
+    """Random K/V everywhere (never zeros: zeros run faster than real data)."""
+    g = torch.Generator(device=mr.device).manual_seed(seed)
+    for cache in (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches):
+        cache.normal_(generator=g)
+
+
+def decode_batch(mr: ModelRunner, point: Point, seed: int = 0) -> tuple[ForwardBatch, list]:
+    """``point.bs`` requests of ``point.context`` tokens; returns the batch and their pages
+    (release them with ``mr.kv_cache.release`` when done)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [mr.kv_cache.reserve(point.context) for _ in range(point.bs)]
+    tokens = torch.randint(1, mr.config.vocab_size, (point.bs,), generator=g).tolist()
+    batch = mr.decode_batch(tokens, [point.context - 1] * point.bs, pages)
+    batch.max_seq_len = point.context
+    return batch, pages
+
+
+def weight_bytes(mr: ModelRunner) -> int:
+    """Bytes of weights a decode step reads: every parameter once, except an untied input
+    embedding, of which a step reads only ``bs`` rows."""
+    model = mr.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not mr.config.tie_word_embeddings:
+        emb = model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def kv_bytes(mr: ModelRunner, point: Point) -> int:
+    """Bytes of live K and V a step reads: every layer, every request's ``context`` tokens."""
+    c = mr.config
+    elt = mr.kv_cache.k_caches[0].element_size()
+    return point.bs * point.context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * elt
