@@ -24,9 +24,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         p = torch.cuda.get_device_properties(0)
         print(f"GPU: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
         try:
-            from .graph_update.driver import DRIVER
+            from .graph_update.driver import get_driver
 
-            print(f"driver: CUDA {DRIVER.driver_version()}")
+            v = int(get_driver()._call("cuDriverGetVersion"))
+            print(f"driver: supports CUDA {v // 1000}.{v % 1000 // 10}")
         except Exception as e:
             print(f"driver: unavailable ({e})")
     else:
