@@ -255,7 +255,9 @@ def test_self_limiting_user_kernel_registered_next_to_ours():
         plan = fa_plan(nodes, max_t_kv=50_000, num_sms=SMS)
         assert len(plan.mains) == 6
         ex = fd.cuda.instantiate(g)
-        for t in rng.sample(range(1, 50_001), 30):
+        edges = [k * block_n + d for k in range(70) for d in (0, 1) if 1 <= k * block_n + d]
+        ts = rng.sample(range(1, 50_001), 30) + edges + edges[::-1]
+        for t in ts:
             fa_apply(plan, ex, t, split_keys=toy_split_keys)
             check_exec(fd, ex, g, ours, t, also_edited=theirs)
             for lay in theirs:
@@ -381,3 +383,62 @@ def test_default_spec_matches_the_kernel_module_and_its_ladder():
         for lay in layers:
             ns = splits.num_splits_for(t, lay.n_kv, lay.bs, SMS, lay.bucket)
             assert exec_splits(fd, ex, lay) == (ns, ns)
+
+
+def test_without_edges_distinct_pointers_still_pair_and_shared_ones_are_refused():
+    rng = random.Random(18)
+    for shared in (False, True):
+        fd, g, layers = build(rng, 4, shared_ptr=shared)
+        fd.cuda.edges.pop(g)  # cuGraphGetEdges now fails: graph order unknown
+        nodes = kernel_nodes(g, driver=fd)
+        assert all(n.order is None for n in nodes)
+        if shared:
+            with pytest.raises(GraphUpdateError, match="graph order is unknown"):
+                fa_plan(nodes, max_t_kv=1000, num_sms=SMS)
+        else:
+            assert len(fa_plan(nodes, max_t_kv=1000, num_sms=SMS).mains) == 4
+
+
+def test_monotone_ladder_table_agrees_with_direct_evaluation():
+    from stepgraph.graph_update.registry import monotone_steps
+
+    rng = random.Random(19)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(2, 5000), rng.randrange(0, 8)))
+        f = lambda t, cuts=cuts: 1 + sum(t >= c for c in cuts)  # noqa: E731
+        starts, values = monotone_steps(f, 5000)
+        assert starts == [1, *sorted(set(cuts))] and values == list(range(1, len(starts) + 1))
+
+    def ladder(t, n_kv, bs, sms):  # keys fixed per (n_kv, bs): ns = ceil(t / keys) never drops
+        return 16 * n_kv * bs + sms % 7
+
+    marked = lambda *a: ladder(*a)  # noqa: E731
+    marked.monotone = True
+    fd, g, layers = build(rng, 6)
+    plan = fa_plan(kernel_nodes(g, driver=fd), max_t_kv=20_000, num_sms=SMS)
+    ex = fd.cuda.instantiate(g)
+    for t in [1, 20_000, *rng.sample(range(1, 20_001), 200)]:
+        counts = []
+        for fn in (ladder, marked):
+            fa_apply(plan, ex, t, split_keys=fn)
+            counts.append([exec_splits(fd, ex, lay) for lay in layers])
+        want = [
+            min(lay.bucket, max(1, math.ceil(t / ladder(t, lay.n_kv, lay.bs, SMS))))
+            for lay in layers
+        ]
+        assert counts[0] == counts[1] == [(n, n) for n in want]
+
+
+def test_switching_ladders_recomputes_even_inside_a_cached_interval():
+    rng = random.Random(20)
+    fd, g, layers = build(rng, 3, same_geometry=True)
+    plan = fa_plan(kernel_nodes(g, driver=fd), max_t_kv=10_000, num_sms=SMS)
+    ex = fd.cuda.instantiate(g)
+    one = lambda *a: 1  # noqa: E731  (as many splits as keys: always the bucket)
+    one.monotone = True
+    big = lambda *a: 10**9  # noqa: E731  (one split)
+    big.monotone = True
+    for t in rng.sample(range(1, 10_001), 20):
+        for fn, want in ((one, min(layers[0].bucket, t)), (big, 1)):
+            fa_apply(plan, ex, t, split_keys=fn)
+            assert all(exec_splits(fd, ex, lay) == (want, want) for lay in layers)

@@ -13,13 +13,14 @@ need not be rebuilt.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, GraphUpdateError
 from .nodes import _GRID_FIELDS, KernelNode, read_i32_arg, read_ptr_arg
-from .registry import DEFAULT_REGISTRY, SplitKernelRegistry, SplitKernelSpec
+from .registry import DEFAULT_REGISTRY, SplitKernelRegistry, SplitKernelSpec, monotone_steps
 
 SplitKeys = Callable[[int, int, int, int], int]  # (t_kv, n_kv_heads, bs, num_sms) -> keys/split
 
@@ -68,6 +69,10 @@ class _Group:
     #  combine handle, combine params, combine int32 slot)
     pushes: list[tuple] = field(default_factory=list)
     applied: int | None = None
+    # ``applied`` is known to be the count for every t_kv in [lo, hi] (empty: 1 > 0)
+    lo: int = 1
+    hi: int = 0
+    table: tuple[list[int], list[int]] | None = None  # ladder steps (monotone ladders only)
 
 
 @dataclass(eq=False)
@@ -81,12 +86,14 @@ class FaPlan:
     _groups: list[_Group] = field(default_factory=list, repr=False)
     _exec_key: Any = field(default=None, repr=False)
     _exec_handle: Any = field(default=None, repr=False)
+    _split_keys: Any = field(default=None, repr=False)  # the ladder the intervals were built for
+    _has_ladder: bool = field(default=False, repr=False)
 
     def invalidate(self) -> None:
         """Forget what was applied (the exec was re-instantiated): the next apply pushes all."""
         self._exec_key = self._exec_handle = None
         for g in self._groups:
-            g.applied = None
+            g.applied, g.lo, g.hi = None, 1, 0
         for m in self.mains:
             m.ns = None
 
@@ -112,6 +119,8 @@ def _pairs(spec: SplitKernelSpec, ptr: int, ms: list[KernelNode], cs: list[Kerne
     if len(ms) == len(cs) == 1:
         return [(ms[0], cs[0])]
     shared = f"0x{ptr:x} is shared by {len(ms)} {spec.main} and {len(cs)} {spec.combine} nodes"
+    if any(n.order is None for n in ms + cs):
+        shared += " and the graph order is unknown (kernel_nodes could not read the edges)"
     if len(ms) != len(cs) or any(n.order is None for n in ms + cs):
         if len(cs) > len(ms):
             raise _pair_error(spec, cs[0].name, spec.combine_ptr_arg, shared)
@@ -167,6 +176,7 @@ def fa_plan(
             _add(plan, groups, spec, main, combine)
     plan.mains.sort(key=lambda m: (m.main.order is None, m.main.order or 0))
     plan._groups = list(groups.values())
+    plan._has_ladder = any(not g.block_n for g in plan._groups)
     return plan
 
 
@@ -230,26 +240,52 @@ def fa_apply(
             f"fa_apply: t_kv = {t_kv} is outside [1, {plan.max_t_kv}] (the context this graph was "
             "captured for); capture a larger bucket, or run this step eagerly"
         )
+    if split_keys is None and plan._has_ladder:
+        split_keys = _default_split_keys or _ladder()
+    if split_keys is not plan._split_keys:  # another ladder: the cached intervals do not hold
+        plan._split_keys = split_keys
+        for g in plan._groups:
+            g.lo, g.hi, g.table = 1, 0, None
     pushed = 0
     for g in plan._groups:
-        if g.block_n:
-            ns = -(-t_kv // g.block_n)
-        else:
-            keys = (split_keys or _default_split_keys or _ladder())(
-                t_kv, g.n_kv_heads, g.bs, plan.num_sms
-            )
-            if keys < 1:
-                raise GraphUpdateError(f"split_keys returned {keys} for t_kv = {t_kv}; need >= 1")
-            ns = -(-t_kv // keys)
-        ns = 1 if ns < 1 else (g.bucket if ns > g.bucket else ns)
+        if g.lo <= t_kv <= g.hi:  # the applied count holds here: the per-token no-op
+            continue
+        ns, lo, hi = _split_count(plan, g, t_kv, split_keys)
         if ns != g.applied:
             pushed += _push(plan, g, ns, driver if driver is not None else plan.driver)
+        g.lo, g.hi = lo, hi
     return pushed
+
+
+def _split_count(plan: FaPlan, g: _Group, t_kv: int, split_keys: Any) -> tuple[int, int, int]:
+    """``(ns, lo, hi)``: the clamped split count at ``t_kv`` and an interval where it holds."""
+    top = plan.max_t_kv
+    if g.block_n:  # self-limiting: ns = min(bucket, ceil(t / block_n)), steps every block_n
+        ns = min(g.bucket, -(-t_kv // g.block_n))
+        hi = top if ns == g.bucket else min(top, ns * g.block_n)
+        return ns, (ns - 1) * g.block_n + 1, hi
+
+    def ns_of(t: int) -> int:
+        keys = split_keys(t, g.n_kv_heads, g.bs, plan.num_sms)
+        if keys < 1:
+            raise GraphUpdateError(f"split_keys returned {keys} for t_kv = {t}; need >= 1")
+        return max(1, min(g.bucket, -(-t // keys)))
+
+    # A ladder whose count never decreases as t_kv grows (ours; or one marked ``monotone``) is
+    # tabulated once, so the per-token check is an interval test instead of a ladder call.
+    if split_keys is _default_split_keys or getattr(split_keys, "monotone", False):
+        if g.table is None:
+            g.table = monotone_steps(ns_of, top)
+        starts, values = g.table
+        i = bisect_right(starts, t_kv) - 1
+        return values[i], starts[i], starts[i + 1] - 1 if i + 1 < len(starts) else top
+    return ns_of(t_kv), t_kv, t_kv
 
 
 def _push(plan: FaPlan, g: _Group, ns: int, d: Any) -> int:
     exec_h, push = plan._exec_handle, d.exec_set_params
-    g.applied = None  # unknown until every member is pushed: a failed push is retried in full
+    # unknown until every member is pushed: a failed push is retried in full
+    g.applied, g.lo, g.hi = None, 1, 0
     for fm, mh, mp, grid_field, mslot, ch, cp, cslot in g.pushes:
         setattr(mp, grid_field, ns)
         if mslot is not None:

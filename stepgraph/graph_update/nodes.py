@@ -200,12 +200,18 @@ def kernel_nodes(graph: Any, driver: Any = None) -> list[KernelNode]:
     """
     d = driver if driver is not None else get_driver()
     nodes = d.graph_nodes(graph)
-    ranks = _topological_ranks(nodes, d.graph_edges(graph))
+    try:
+        edges = d.graph_edges(graph)
+    except GraphUpdateError:
+        # Order only matters when layers share one workspace; fa_plan then refuses clearly
+        # (order None) instead of every plan failing here.
+        edges = None
+    ranks = _topological_ranks(nodes, edges) if edges is not None else {}
     out = []
     for node in nodes:
         if d.node_type(node) == "KERNEL":
             params = d.kernel_params(node)
-            out.append(KernelNode(node, params, d.func_name(params), d, ranks[int(node)]))
+            out.append(KernelNode(node, params, d.func_name(params), d, ranks.get(int(node))))
     return out
 
 

@@ -8,7 +8,7 @@ with their own split kernel describes it with a :class:`SplitKernelSpec` and cal
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -121,6 +121,24 @@ class SplitKernelRegistry:
 
 
 DEFAULT_REGISTRY = SplitKernelRegistry([FLASH_DECODE_SPEC])
+
+
+def monotone_steps(ns_of: Callable[[int], int], max_t: int) -> tuple[list[int], list[int]]:
+    """The steps of a non-decreasing step function on ``[1, max_t]``: ``(starts, values)``.
+
+    Found by bisection (about 17 evaluations per step for 128k), so a ladder of a handful of steps
+    costs well under a millisecond once, and every later look-up is a ``bisect``.
+    """
+    starts, values = [1], [ns_of(1)]
+    last = ns_of(max_t)
+    while values[-1] != last:
+        lo, hi = starts[-1], max_t  # ns_of(lo) == values[-1] != ns_of(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ns_of(mid) == values[-1] else (lo, mid)
+        starts.append(hi)
+        values.append(ns_of(hi))
+    return starts, values
 
 
 def register_split_kernel(
