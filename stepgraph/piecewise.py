@@ -1,0 +1,341 @@
+"""``PiecewiseRunner``: one sub-region of a submodule's forward, captured per shape.
+
+    runner = PiecewiseRunner(PiecewisePackedConfig(capture_fn=region, make_static_inputs=mk,
+                                                   total_tokens=[64, 256]), device="cuda")
+    out = runner.replay({"x": x}, seq_lens=[5, 3])    # {"y": [8, D]}: views of static outputs
+
+Per ``PiecewiseCaptureShape`` the runner builds the static inputs with ``make_static_inputs``,
+declares the capture-time step, and captures ``capture_fn(PiecewiseCallInputs(...))``; the
+tensors it returns (allocated by the call) become the shape's static outputs. At replay it picks
+the smallest shape that holds the batch, pads the lengths (``config.replay_seq_lens``), leases
+the shape's buffers when ``lease_before_step`` is set, declares the step, copies the live inputs
+into the first rows (padding rows are zeroed), replays, and returns views of the real rows.
+
+Declared steps: ``declare_step(names, seq_lens)`` gets the names of the shape's static inputs
+and the padded per-request lengths; what it returns is ``PiecewiseCallInputs.resources``. A graph
+reads only the memory it captured, so every tensor in the resources must be the same tensor
+(address and shape) at replay as at capture: write new values into it in place. The runner checks
+this. ``engine_inputs`` is handed to the region as ``None`` at capture; at replay it is recorded
+in ``runner.last_call`` only, since a graph cannot see new Python objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .backends import CapturedGraph, CpuGraphBackend, make_backend
+from .capture import BucketStats, CaptureStats
+from .config_runner import capture_loop, capture_step, storage_ptrs
+from .configs import (
+    PiecewiseCallInputs,
+    PiecewiseCaptureShape,
+    PiecewiseCudaGraphConfig,
+    PiecewisePackedConfig,
+    pad_lengths,
+)
+from .errors import CaptureError, ConfigError, ReplayError
+
+DEFAULT_BATCH_SIZES = [1, 2, 4, 8]  # used when neither the config nor the runner gives sizes
+PAD_VALUE = 0  # what padding rows of the static inputs hold at replay
+
+Key = tuple[int, int]  # (bs, total_tokens)
+
+
+def _key(shape: PiecewiseCaptureShape) -> Key:
+    return shape.bs, shape.total_tokens
+
+
+@dataclass
+class BufferLease:
+    """A shape's static inputs, marked in use until ``release()``."""
+
+    shape: PiecewiseCaptureShape
+    buffers: dict[str, torch.Tensor]
+    _leases: dict[Key, BufferLease]
+
+    def release(self) -> None:
+        self._leases.pop(_key(self.shape), None)
+
+
+class _DictRegion:
+    """Adapts a ``dict[str, Tensor]``-returning region to the backend's tensor-returning capture.
+
+    Warm-up calls are kept alive (so a fresh allocation can't reuse their addresses) and only
+    type-checked. ``seal()`` after capture makes the capture call's dict the static outputs; a
+    later call (the CPU stand-in's replay re-runs the region) copies its results into them."""
+
+    def __init__(self, fn: Callable[[], Any], what: str) -> None:
+        self._fn, self.what = fn, what
+        self.calls: list[dict[str, torch.Tensor]] = []
+        self.outputs: dict[str, torch.Tensor] | None = None
+
+    def __call__(self) -> torch.Tensor:
+        out = self._fn()
+        if self.outputs is not None:
+            for name, t in out.items():
+                self.outputs[name].copy_(t)
+            return next(iter(self.outputs.values()))
+        if not isinstance(out, dict) or not out:
+            raise CaptureError(
+                f"{self.what}: capture_fn returned {type(out).__name__}; it must return a "
+                "non-empty dict[str, Tensor] of outputs it allocates."
+            )
+        for name, t in out.items():
+            if not isinstance(t, torch.Tensor):
+                raise CaptureError(
+                    f"{self.what}: capture_fn output {name!r} is a {type(t).__name__}; "
+                    "return tensors only."
+                )
+        self.calls.append(out)
+        return next(iter(out.values()))
+
+    def seal(self, preexisting: set[int]) -> dict[str, torch.Tensor]:
+        *warmups, captured = self.calls
+        old = preexisting | storage_ptrs(t for w in warmups for t in w.values())
+        for name, t in captured.items():
+            if storage_ptrs([t]) & old:
+                raise CaptureError(
+                    f"{self.what}: output {name!r} was not allocated by the captured call (it "
+                    "shares storage with a static input, a resource, a kwarg, an earlier output "
+                    "or a tensor from before capture); return a new tensor, e.g. x.clone()."
+                )
+        self.outputs, self.calls = captured, []
+        return captured
+
+
+class PiecewiseRunner:
+    """Captures ``config.capture_fn`` once per capture shape; ``replay`` serves live batches."""
+
+    def __init__(
+        self,
+        config: PiecewiseCudaGraphConfig,
+        *,
+        device: str | torch.device,
+        backend: str = "auto",
+        batch_sizes: list[int] | None = None,
+        show_progress: bool = False,
+        capture: bool = True,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.show_progress = show_progress
+        sizes = config.capture_batch_sizes or batch_sizes or DEFAULT_BATCH_SIZES
+        # Ascending (total_tokens, bs): the first shape that holds a batch is the smallest.
+        self.shapes = sorted(config.get_capture_shapes(list(sizes)), key=_key)
+        if not self.shapes:
+            raise ConfigError("the config yields no capture shape; check its sizes.")
+        self.packed = isinstance(config, PiecewisePackedConfig)
+        self._backend = make_backend(self.device, backend)
+        self.compile_enabled = config.compile and not isinstance(self._backend, CpuGraphBackend)
+        self.static_inputs: dict[Key, dict[str, torch.Tensor]] = {}
+        self.outputs: dict[Key, dict[str, torch.Tensor]] = {}
+        self.graphs: dict[Key, CapturedGraph] = {}
+        self._step_layout: dict[Key, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        self._leases: dict[Key, BufferLease] = {}
+        self.active_lease: BufferLease | None = None  # the lease of the step being declared
+        self.last_call: PiecewiseCallInputs | None = None
+        self.stats = CaptureStats()
+        self.replays = 0
+        self._shut_down = False
+        if capture:
+            self.capture()
+
+    # ---------------------------------------------------------------------------------------
+    # capture
+
+    def capture(self) -> CaptureStats:
+        """Capture every shape, largest first (smaller ones reuse its pool blocks)."""
+        self._check_alive("capture")
+        self._release_graphs()
+        items = list(reversed(self.shapes))
+        self.stats = capture_loop(items, self._capture_one, show_progress=self.show_progress)
+        return self.stats
+
+    def _capture_one(self, shape: PiecewiseCaptureShape) -> BucketStats:
+        key, what = _key(shape), f"piecewise shape (bs={shape.bs}, total={shape.total_tokens})"
+        try:
+            static = self._make_static(shape, what)
+            step = self._declare(shape, static, shape.seq_lens)  # leased as at replay
+            call = PiecewiseCallInputs(static, None, self.config.forward_kwargs, step)
+            resources = call.resources
+            self._step_layout[key] = _layout(resources)
+            fn = self.config.capture_fn
+            if self.compile_enabled:
+                fn = torch.compile(fn, dynamic=False)
+            region = _DictRegion(lambda: fn(call), what)
+            graph, stats = capture_step(self._backend, region, key=key, bs=shape.bs, what=what)
+            earlier = [t for out in self.outputs.values() for t in out.values()]
+            known = [*static.values(), *resources.values(), *call.kwargs.values(), *earlier]
+            outputs = region.seal(storage_ptrs(known))
+            for name, t in outputs.items():
+                if t.dim() == 0 or t.shape[0] not in (shape.bs, shape.total_tokens):
+                    raise CaptureError(
+                        f"{what}: output {name!r} has shape {tuple(t.shape)}; its first dim "
+                        f"must be one row per request ({shape.bs}) or per token "
+                        f"({shape.total_tokens}) so the real rows can be handed back."
+                    )
+        except BaseException:
+            self._release_graphs()
+            raise
+        self.static_inputs[key], self.outputs[key], self.graphs[key] = static, outputs, graph
+        return stats
+
+    def _make_static(self, shape: PiecewiseCaptureShape, what: str) -> dict[str, torch.Tensor]:
+        static = self.config.make_static_inputs(shape)
+        if not isinstance(static, dict) or not all(
+            isinstance(t, torch.Tensor) and t.device == self.device for t in static.values()
+        ):
+            raise ConfigError(
+                f"{what}: make_static_inputs must return a dict[str, Tensor] on {self.device}."
+            )
+        return static
+
+    def _declare(self, shape, static, seq_lens: list[int]) -> Any:
+        """Declare the step; with ``lease_before_step`` the shape's buffers are leased first and
+        visible as ``self.active_lease`` while ``declare_step`` runs."""
+        lease = self._lease(shape, static) if self.config.lease_before_step else None
+        self.active_lease = lease
+        try:
+            if self.config.declare_step is None:
+                return None
+            return self.config.declare_step(list(static), list(seq_lens))
+        finally:
+            self.active_lease = None
+            if lease is not None:
+                lease.release()
+
+    # ---------------------------------------------------------------------------------------
+    # lease
+
+    def lease(self, shape: PiecewiseCaptureShape) -> BufferLease:
+        """Mark ``shape``'s static inputs as in use and hand them over. A second lease of the same
+        shape before ``release()`` raises ``ReplayError``."""
+        return self._lease(shape, self.static_inputs[_key(shape)])
+
+    def _lease(self, shape: PiecewiseCaptureShape, buffers: dict) -> BufferLease:
+        key = _key(shape)
+        if key in self._leases:
+            raise ReplayError(
+                f"the static buffers of shape (bs={shape.bs}, total={shape.total_tokens}) are "
+                "already leased; release() the earlier lease before leasing or replaying it again."
+            )
+        lease = self._leases[key] = BufferLease(shape, buffers, self._leases)
+        return lease
+
+    # ---------------------------------------------------------------------------------------
+    # replay
+
+    def replay(
+        self,
+        live_inputs: dict[str, torch.Tensor],
+        seq_lens: list[int] | None = None,
+        engine_inputs: Any = None,
+    ) -> dict[str, torch.Tensor]:
+        """Replay the smallest shape holding the batch; return views of the real rows of each
+        output (the next replay of that shape overwrites them). Packed batches need
+        ``seq_lens``; batched ones take it optionally (lengths within ``seq_len``)."""
+        self._check_alive("replay")
+        shape, rows = self._pick(live_inputs, seq_lens)
+        key = _key(shape)
+        real_bs = len(seq_lens) if self.packed else rows
+        lens = self.config.replay_seq_lens(shape, seq_lens, real_bs)
+        static = self.static_inputs[key]
+        step = self._declare(shape, static, lens)
+        call = PiecewiseCallInputs(static, engine_inputs, self.config.forward_kwargs, step)
+        if _layout(call.resources) != self._step_layout[key]:
+            raise ReplayError(
+                f"declare_step returned resources {_layout(call.resources)} at replay but "
+                f"{self._step_layout[key]} at capture; a graph reads only the tensors it "
+                "captured: write the new step into the same tensors, in place."
+            )
+        for name, t in live_inputs.items():
+            static[name][:rows].copy_(t)
+            static[name][rows:].fill_(PAD_VALUE)
+        self.graphs[key].replay()
+        self.last_call, self.replays = call, self.replays + 1
+        real_tokens = sum(lens[:real_bs]) if self.packed else rows * self.config.seq_len
+        return {
+            name: t[:real_bs] if t.shape[0] == shape.bs else t[:real_tokens]
+            for name, t in self.outputs[key].items()
+        }
+
+    def _pick(self, live: dict[str, torch.Tensor], seq_lens: list[int] | None):
+        """Check the live inputs against the static ones and pick the smallest shape holding
+        them; returns (shape, live rows). Raises before anything is copied."""
+        template = self.static_inputs[_key(self.shapes[-1])]
+        names = set(live)
+        wanted = set(template)
+        if (
+            not names
+            or not names <= wanted
+            or (self.config.declare_step is None and names != wanted)
+        ):
+            raise ReplayError(
+                f"live inputs {sorted(names)} do not match the static inputs {sorted(wanted)}; "
+                "pass every static input (those a declared step fills may be left out)."
+            )
+        rows = {t.shape[0] if t.dim() else -1 for t in live.values()}
+        for name, t in live.items():
+            st = template[name]
+            if t.dim() != st.dim() or t.shape[1:] != st.shape[1:] or len(rows) != 1:
+                raise ReplayError(
+                    f"live input {name!r} has shape {tuple(t.shape)}; the static input {name!r} "
+                    f"has shape {tuple(st.shape)}: the trailing dims must match and every live "
+                    "input must have the same number of rows. Fix the input or run eagerly."
+                )
+            if t.dtype != st.dtype or t.device != st.device:
+                raise ReplayError(
+                    f"live input {name!r} is {t.dtype} on {t.device}; the static input is "
+                    f"{st.dtype} on {st.device}. Convert it first."
+                )
+        (n,) = rows
+        if self.packed and (seq_lens is None or sum(seq_lens) != n or not seq_lens):
+            raise ReplayError(
+                f"a packed replay needs seq_lens summing to the {n} live tokens, got {seq_lens}."
+            )
+        bs = len(seq_lens) if self.packed else n
+        for shape in self.shapes:
+            if self.packed:
+                if pad_lengths(n, bs, shape.bs, shape.total_tokens) is not None:
+                    return shape, n
+            elif shape.bs >= bs:
+                return shape, n
+        raise ReplayError(
+            f"no captured shape holds {bs} requests of {n} rows (largest: bs="
+            f"{self.shapes[-1].bs}, total={self.shapes[-1].total_tokens}); run this step "
+            "eagerly, or capture larger shapes (a packed shape needs a spare request slot "
+            "when it has leftover tokens)."
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # lifetime
+
+    def shutdown(self) -> None:
+        """Release graphs, static buffers and the pool. Any later call raises ``ReplayError``."""
+        self._release_graphs()
+        self._shut_down = True
+
+    def _release_graphs(self) -> None:
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.static_inputs.clear()
+        self._backend.release()
+
+    def _check_alive(self, what: str) -> None:
+        if self._shut_down:
+            raise ReplayError(f"{what}() called after shutdown(); create a new PiecewiseRunner.")
+
+
+def _layout(resources: dict[str, Any]) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """(address, shape) of each tensor resource: what a graph baked in at capture."""
+    return {
+        n: (t.data_ptr(), tuple(t.shape))
+        for n, t in resources.items()
+        if isinstance(t, torch.Tensor)
+    }
