@@ -105,7 +105,7 @@ class PagedAttentionBackend:
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Prepare an eager decode step (split count from the host copy of ``seq_lens``)."""
         bs = batch.batch_size
-        t_kv = getattr(batch, "max_seq_len", None)
+        t_kv = batch.max_seq_len
         if t_kv is None:
             t_kv = int(batch.seq_lens_cpu.max()) if bs else 0
         self.meta = DecodeMetadata(

@@ -185,6 +185,7 @@ class ModelRunner:
             seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
             block_table=dev[4 * bs :].view(bs, kv.max_pages_per_request).to(torch.int32),
             mode=ForwardMode.DECODE,
+            max_seq_len=max(seq_lens, default=0),
         )
 
     # -- steps -------------------------------------------------------------------------------
