@@ -262,7 +262,9 @@ def test_self_limiting_user_kernel():
         t_dev.fill_(t)
         fa_apply(plan, graph.raw_cuda_graph_exec(), t)
         ns = min(bucket, math.ceil(t / block_n))
-        assert all(m.ns == ns and m.main.grid[1] == ns for m in plan.mains)
+        assert [m.ns for m in plan.mains] == [ns] * layers, (t, [m.ns for m in plan.mains])
+        assert [m.main.grid[1] for m in plan.mains] == [ns] * layers, (
+            t, ns, [m.main.grid for m in plan.mains])
         for o in outs:
             o.fill_(float("nan"))
         graph.replay()
