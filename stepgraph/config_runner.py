@@ -59,7 +59,9 @@ def capture_loop(
 ) -> CaptureStats:
     """Capture every item in order inside one frozen-GC capture-mode block, with a progress bar."""
     stats = CaptureStats()
-    bar = tqdm(list(items), desc="stepgraph capture", unit="graph", disable=not show_progress)
+    bar = tqdm(
+        list(items), desc="stepgraph capture", unit="graph", disable=not show_progress, leave=False
+    )
     with freeze_gc(), model_capture_mode():
         for item in bar:
             stats.buckets.append(capture_one(item))
@@ -272,7 +274,8 @@ class ConfigGraphRunner:
         if key is None:
             return self._run_eager(i, walk, requests, lens)
         static = self._view(i, key)
-        c.model_inputs([*requests, *c.padding_requests(lens, key.bs, key.total_tokens)], static)
+        pads = [_to(p, self.device) for p in c.padding_requests(lens, key.bs, key.total_tokens)]
+        c.model_inputs([*requests, *pads], out=static)
         graph = self.graphs[key]
         graph.replay()
         self.stats.replays += 1
