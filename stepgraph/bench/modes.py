@@ -52,7 +52,8 @@ def run_mode(mode: str, mr: ModelRunner, points: list[Point], iters: int = 10) -
             else:
                 step = lambda b=batch: runner.replay(b).argmax(-1)
             result.ms_per_token[point] = time_step(step, iters)
-            mr.kv_cache.release(pages)
+            for req_pages in pages:
+                mr.kv_cache.release(req_pages)
         return result
     except Exception as e:  # reported as a failed row, never dropped
         return ModeResult(mode, {}, error=f"{type(e).__name__}: {e}"[:300])

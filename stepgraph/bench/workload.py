@@ -45,7 +45,7 @@ def fill_kv_random(mr: ModelRunner, seed: int = 0) -> None:
 
 def decode_batch(mr: ModelRunner, point: Point, seed: int = 0) -> tuple[ForwardBatch, list]:
     """``point.bs`` requests of ``point.context`` tokens; returns the batch and their pages
-    (release them with ``mr.kv_cache.release`` when done)."""
+    (release each with ``mr.kv_cache.release`` when done)."""
     g = torch.Generator().manual_seed(seed)
     pages = [mr.kv_cache.reserve(point.context) for _ in range(point.bs)]
     tokens = torch.randint(1, mr.config.vocab_size, (point.bs,), generator=g).tolist()
