@@ -8,6 +8,7 @@ the unsharded model's logits within 1e-5; a rank that raises is reported, never 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import socket
@@ -294,3 +295,22 @@ def test_a_failing_rank_is_reported_not_hung():
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose"):
         spawn_ranks("_fail_on_rank_1")
     assert time.monotonic() - start < SPAWN_TIMEOUT_S
+
+
+# -- the GPU tier's torchrun worker, smoke-run on the CPU ---------------------------------------
+
+
+def test_tp_worker_runs_under_torchrun_on_the_cpu(tmp_path):
+    """``tests/gpu/tp_worker.py`` with gloo and the CPU graph stand-in: TP=2 greedy tokens,
+    eager and through the ``CudaGraphRunner``, equal TP=1's, with one capture order."""
+    path = Path(__file__).parent / "gpu" / "tp_worker.py"
+    spec = importlib.util.spec_from_file_location("tp_worker", path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    ranks = worker.launch(tmp_path, "--device", "cpu", "--tokens", "6", timeout_s=SPAWN_TIMEOUT_S)
+    want = ranks[0]["tp1"]
+    for r in ranks:
+        assert r["errors"] == {}
+        assert r["tp1"] == r["eager"] == r["graph"] == want
+        assert r["capture_order"] == {"graph": [4, 2, 1]}
+        assert r["graph_graph_steps"] == 5
