@@ -65,11 +65,10 @@ class TPLayout:
 
     def span(self, kind: str) -> slice:
         """Element range of ``kind`` ("q", "kv", "inter", "vocab") on the split dim."""
-        hd = self.head_dim
-        a, b = {"q": self.q_heads, "kv": self.kv_heads, "inter": self.inter, "vocab": self.vocab}[
-            kind
-        ]
-        return slice(a * hd, b * hd) if kind in ("q", "kv") else slice(a, b)
+        if kind in ("q", "kv"):
+            a, b = self.q_heads if kind == "q" else self.kv_heads
+            return slice(a * self.head_dim, b * self.head_dim)
+        return slice(*(self.inter if kind == "inter" else self.vocab))
 
     @property
     def vocab_per_rank(self) -> int:
@@ -215,15 +214,14 @@ def shard_state(
     sizes |= {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
     out = {}
     for name, t in state.items():
-        *_, module, _kind = name.split(".")
+        module = name.split(".")[-2]  # layers.3.self_attn.qkv_proj.weight -> qkv_proj
         parts = _FUSED.get(module, (module,))
         pieces = t.split([sizes[p] for p in parts]) if len(parts) > 1 else (t,)
-        out[name] = torch.cat(
-            [
-                _take(p, lambda d, s, x=x: x[s] if d == 0 else x[:, s], layout, config.vocab_size)
-                for p, x in zip(parts, pieces)
-            ]
-        )
+        rank_parts = []
+        for part, x in zip(parts, pieces):
+            get = lambda d, s, x=x: x[s] if d == 0 else x[:, s]
+            rank_parts.append(_take(part, get, layout, config.vocab_size))
+        out[name] = torch.cat(rank_parts)
     return out
 
 
@@ -244,18 +242,14 @@ def build_tp_model(
             "KV head %d",
             config.num_kv_heads, layout.world_size, layout.rank, layout.kv_heads[0],
         )  # fmt: skip
-    hidden = config.hidden_size
-    with torch.device("meta"):
+    hidden, w = config.hidden_size, layout.world_size
+    with torch.device("meta"):  # nothing allocated until to_empty: the full vocab costs nothing
         model = LlamaModel(local, max_positions)
         model.embed_tokens = VocabParallelEmbedding(layout, hidden, group)
         model.lm_head = ParallelLMHead(layout, hidden, group)
         for layer in model.layers:
-            layer.self_attn.o_proj = RowParallelLinear(
-                local.q_size, hidden, layout.world_size, group
-            )
-            layer.mlp.down_proj = RowParallelLinear(
-                local.intermediate_size, hidden, layout.world_size, group
-            )
+            layer.self_attn.o_proj = RowParallelLinear(local.q_size, hidden, w, group)
+            layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, hidden, w, group)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # the head's slice is the embedding's slice
         model.lm_head.weight = model.embed_tokens.weight
@@ -313,7 +307,7 @@ def load_hf_shard(
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 sl = sf.get_slice(name)
-                part = name.split(".")[-2] if name.count(".") else name
+                part = name.split(".")[-2]  # model.layers.3.self_attn.q_proj.weight -> q_proj
                 get = lambda d, s, sl=sl: sl[s] if d == 0 else sl[:, s]
                 hf[name] = _take(part, get, layout, config.vocab_size)
     state = convert_hf_state_dict(hf, rank_config(config, layout))
@@ -342,8 +336,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
             f"environment variables {missing} are not set; launch with `torchrun "
             "--nproc-per-node N script.py`, or set them (or use world_size=1, unsharded)."
         )
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
+    rank, world, local_rank = (int(os.environ[k]) for k in _TORCHRUN_VARS[:3])
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
@@ -355,23 +348,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-        )
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(rank, world, local_rank, device)
 
 
 __all__ = [
-    "DistEnv",
-    "ParallelLMHead",
-    "RowParallelLinear",
-    "TPLayout",
-    "VocabParallelEmbedding",
-    "build_tp_model",
-    "init_distributed",
-    "load_hf_shard",
-    "rank_config",
-    "shard_model",
-    "shard_state",
-    "tp_layout",
-]
+    "DistEnv", "ParallelLMHead", "RowParallelLinear", "TPLayout", "VocabParallelEmbedding",
+    "build_tp_model", "init_distributed", "load_hf_shard", "rank_config", "shard_model",
+    "shard_state", "tp_layout",
+]  # fmt: skip
