@@ -177,6 +177,14 @@ class CpuGraphBackend(GraphBackend):
         return CpuCapturedGraph(fn, output)
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so device checks compare equal to tensors' devices."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def make_backend(
     device: torch.device, kind: str = "auto", pool: GraphPool | None = None
 ) -> GraphBackend:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from .backends import CapturedGraph, CpuGraphBackend, GraphBackend, make_backend
+from .backends import CapturedGraph, CpuGraphBackend, GraphBackend, canonical_device, make_backend
 from .capture import (
     BucketStats,
     CaptureStats,
@@ -145,7 +145,7 @@ class ConfigGraphRunner:
     ) -> None:
         self.model = model
         self.configs = list(configs)
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.show_progress = show_progress
         self._backend = make_backend(self.device, backend)
         self.compile_enabled = not isinstance(self._backend, CpuGraphBackend)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .backends import CapturedGraph, CpuGraphBackend, make_backend
+from .backends import CapturedGraph, CpuGraphBackend, canonical_device, make_backend
 from .capture import BucketStats, CaptureStats
 from .config_runner import capture_loop, capture_step, storage_ptrs
 from .configs import (
@@ -121,7 +121,7 @@ class PiecewiseRunner:
         capture: bool = True,
     ) -> None:
         self.config = config
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.show_progress = show_progress
         sizes = config.capture_batch_sizes or batch_sizes or DEFAULT_BATCH_SIZES
         # Ascending (total_tokens, bs): the first shape that holds a batch is the smallest.

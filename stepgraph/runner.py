@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .backends import CapturedGraph, make_backend
+from .backends import CapturedGraph, canonical_device, make_backend
 from .batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
 from .buckets import DEFAULT_MAX_BS, default_capture_sizes, pad_to_bucket, validate_buckets
 from .capture import (
@@ -90,13 +90,6 @@ class RunnerStats:
     fallbacks: Counter = field(default_factory=Counter)  # reason -> batches refused by can_run
 
 
-def _canonical(device: torch.device) -> torch.device:
-    """``cuda`` -> ``cuda:<current>``, so device checks compare equal to tensors' devices."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 class CudaGraphRunner:
     """Captures and replays CUDA graphs for decode-step forward passes (seed: pymllm)."""
 
@@ -110,7 +103,7 @@ class CudaGraphRunner:
     ) -> None:
         self.model_runner = model_runner
         self.config = config = config if config is not None else RunnerConfig()
-        self.device = _canonical(torch.device(model_runner.device))
+        self.device = canonical_device(model_runner.device)
         self.capture_bs = config.buckets()
         self.max_bs = self.capture_bs[-1]
         self.enable_torch_compile = config.enable_torch_compile
