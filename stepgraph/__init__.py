@@ -1,19 +1,78 @@
-"""stepgraph: capture LLM inference steps as CUDA graphs."""
+"""stepgraph: capture LLM inference steps as CUDA graphs.
+
+    from stepgraph import CudaGraphRunner, RunnerConfig
+    runner = CudaGraphRunner(model_runner, RunnerConfig(max_bs=64, mode="graph"))
+    logits = runner.replay(batch) if runner.can_run(batch) else model_runner.forward(batch)
+
+Subpackages: ``stepgraph.graph_update`` (per-token exec update of kernel nodes),
+``stepgraph.kernels`` (Triton split-KV flash decode), ``stepgraph.model`` (reference
+Llama/Qwen2, engine), ``stepgraph.configs`` / ``stepgraph.piecewise`` (declarative capture).
+"""
 
 from __future__ import annotations
 
+from .backends import CpuGraphBackend, CudaGraphBackend, GraphBackend
+from .batch import AttentionBackend, ForwardBatch, ForwardMode, ModelRunnerLike
 from .buckets import default_capture_sizes, distribute_tokens, pad_to_bucket
+from .capture import (
+    freeze_gc,
+    get_global_graph_memory_pool,
+    is_capture_mode,
+    model_capture_mode,
+    set_global_graph_memory_pool,
+)
+from .config_runner import ConfigGraphRunner
+from .configs import (
+    BatchedCudaGraphConfig,
+    CudaGraphConfig,
+    CudaGraphConfigType,
+    PackedCudaGraphConfig,
+    PiecewiseBatchedConfig,
+    PiecewiseCallInputs,
+    PiecewiseCaptureShape,
+    PiecewiseConfigType,
+    PiecewiseCudaGraphConfig,
+    PiecewisePackedConfig,
+)
 from .errors import CaptureError, ConfigError, GraphUpdateError, ReplayError, StepGraphError
+from .piecewise import PiecewiseRunner
+from .runner import CudaGraphRunner, RunnerConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionBackend",
+    "BatchedCudaGraphConfig",
     "CaptureError",
     "ConfigError",
+    "ConfigGraphRunner",
+    "CpuGraphBackend",
+    "CudaGraphBackend",
+    "CudaGraphConfig",
+    "CudaGraphConfigType",
+    "CudaGraphRunner",
+    "ForwardBatch",
+    "ForwardMode",
+    "GraphBackend",
     "GraphUpdateError",
+    "ModelRunnerLike",
+    "PackedCudaGraphConfig",
+    "PiecewiseBatchedConfig",
+    "PiecewiseCallInputs",
+    "PiecewiseCaptureShape",
+    "PiecewiseConfigType",
+    "PiecewiseCudaGraphConfig",
+    "PiecewisePackedConfig",
+    "PiecewiseRunner",
     "ReplayError",
+    "RunnerConfig",
     "StepGraphError",
     "default_capture_sizes",
     "distribute_tokens",
+    "freeze_gc",
+    "get_global_graph_memory_pool",
+    "is_capture_mode",
+    "model_capture_mode",
     "pad_to_bucket",
+    "set_global_graph_memory_pool",
 ]
