@@ -13,102 +13,30 @@ tensor whose first dim is ``bs`` (batched) or ``total_tokens`` (packed), rows in
 it must read only ``inputs`` and model state and must not sync with the host. Eager runs use the
 same call with the live walk and live inputs.
 
-Shared with ``piecewise.py``: ``capture_loop`` (progress, GC freezing, capture mode, stats),
-``capture_step`` (warm-up, capture, ``CaptureError`` chaining the cause, as
-``CudaGraphRunner._capture_one`` does) and ``storage_ptrs`` (the outside-the-pool check).
+Capture goes through the shared ``capture_loop`` / ``capture_step`` of ``capture_steps.py``,
+as the decode runner's and the piecewise runner's do.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
-from .backends import CapturedGraph, CpuGraphBackend, GraphBackend, canonical_device, make_backend
+from .backends import CapturedGraph, CpuGraphBackend, canonical_device, make_backend
 from .capture import (
     BucketStats,
     CaptureStats,
-    Stopwatch,
-    freeze_gc,
-    model_capture_mode,
-    reserved_bytes,
 )
+from .capture_steps import capture_loop, capture_step, storage_ptrs
 from .configs import CU_SEQLENS, CudaGraphConfig, NodeInputs, PackedCudaGraphConfig, pad_lengths
 from .errors import CaptureError, ConfigError, ReplayError
 
 logger = logging.getLogger("stepgraph")
-
-WARMUP_ITERS = 2
-SYNC_HINT = (
-    "A captured step must not sync with the host (.item(), .tolist(), .cpu(), printing a "
-    "tensor, data-dependent shapes such as nonzero) nor branch on device values"
-)
-
-
-# --------------------------------------------------------------------------------------------
-# Shared capture machinery (also used by piecewise.py)
-
-
-def capture_loop(
-    items: Iterable[Any], capture_one: Callable[[Any], BucketStats], *, show_progress: bool
-) -> CaptureStats:
-    """Capture every item in order inside one frozen-GC capture-mode block, with a progress bar."""
-    stats = CaptureStats()
-    bar = tqdm(
-        list(items), desc="stepgraph capture", unit="graph", disable=not show_progress, leave=False
-    )
-    with freeze_gc(), model_capture_mode():
-        for item in bar:
-            stats.buckets.append(capture_one(item))
-            bar.set_postfix(pool_mib=f"{stats.pool_bytes / 2**20:.1f}")
-    logger.info("stepgraph: %s", stats.summary())
-    return stats
-
-
-def capture_step(
-    backend: GraphBackend,
-    step: Callable[[], torch.Tensor],
-    *,
-    key: object,
-    bs: int,
-    what: str,
-    warmup_iters: int = WARMUP_ITERS,
-) -> tuple[CapturedGraph, BucketStats]:
-    """Warm ``step`` up eagerly, then capture it. Failures become ``CaptureError`` naming
-    ``what`` and chaining the cause; the caller releases what it captured before."""
-    with Stopwatch(backend.device) as sw:
-        try:
-            backend.warmup(step, warmup_iters)
-            before = reserved_bytes(backend.device)
-            graph = backend.capture(step, key=key)
-        except CaptureError:
-            raise
-        except Exception as e:
-            raise CaptureError(
-                f"capturing {what} failed: {e}. {SYNC_HINT}; move that work out of the captured "
-                "call, or run it eagerly."
-            ) from e
-    return graph, BucketStats(bs, sw.seconds, before, reserved_bytes(backend.device))
-
-
-def storage_ptrs(tensors: Iterable[Any]) -> set[int]:
-    """Base addresses of the storages behind ``tensors`` (non-tensors and empty ones skipped).
-    An output sharing one was not allocated by the captured call: it is an input, a weight, or a
-    tensor from before capture, which a graph would not rewrite as its own output."""
-    return {
-        t.untyped_storage().data_ptr()
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.numel() > 0
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# The config-driven runner
 
 
 class GraphKey(NamedTuple):

@@ -29,7 +29,7 @@ import torch
 
 from .backends import CapturedGraph, CpuGraphBackend, canonical_device, make_backend
 from .capture import BucketStats, CaptureStats
-from .config_runner import capture_loop, capture_step, storage_ptrs
+from .capture_steps import capture_loop, capture_step, storage_ptrs
 from .configs import (
     PiecewiseCallInputs,
     PiecewiseCaptureShape,

@@ -15,30 +15,20 @@ refresh its static metadata, optionally retunes attention nodes to the live KV l
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from .backends import CapturedGraph, canonical_device, make_backend
 from .batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
 from .buckets import DEFAULT_MAX_BS, default_capture_sizes, pad_to_bucket, validate_buckets
-from .capture import (
-    BucketStats,
-    CaptureStats,
-    Stopwatch,
-    freeze_gc,
-    model_capture_mode,
-    reserved_bytes,
-)
-from .errors import CaptureError, ConfigError, ReplayError
+from .capture import BucketStats, CaptureStats
+from .capture_steps import capture_loop, capture_step
+from .errors import ConfigError, ReplayError
 from .exact import ExecUpdater, default_exec_updater
 from .input_buffers import GraphInputBuffers
-
-logger = logging.getLogger("stepgraph")
 
 MODES = ("graph", "exact")
 _DEVICE_FIELDS = tuple((n, d) for n, d in BATCH_DTYPES.items() if n != "seq_lens_cpu")
@@ -135,55 +125,41 @@ class CudaGraphRunner:
     # capture
 
     def capture(self) -> CaptureStats:
-        """Capture one graph per bucket, largest first (smaller ones reuse its pool blocks)."""
+        """Capture one graph per bucket, largest first (smaller ones reuse its pool blocks).
+        On failure nothing half-captured is kept: every graph and the pool are released."""
         self._check_alive("capture")
         self._release_graphs()
         self.model_runner.attn_backend.init_cuda_graph_state(self.max_bs)
-        stats = CaptureStats()
-        bar = tqdm(
-            list(reversed(self.capture_bs)),
-            desc="stepgraph capture",
-            unit="bucket",
-            disable=not self.config.show_progress,
-            leave=False,
-        )
-        with freeze_gc(self.config.freeze_gc), model_capture_mode():
-            for bs in bar:
-                stats.buckets.append(self._capture_one(bs))
-                bar.set_postfix(bs=bs, pool_mib=f"{stats.pool_bytes / 2**20:.1f}")
+        try:
+            stats = capture_loop(
+                reversed(self.capture_bs),
+                self._capture_one,
+                show_progress=self.config.show_progress,
+                freeze=self.config.freeze_gc,
+            )
+        except BaseException:
+            self._release_graphs()
+            raise
         self.stats.capture = stats
-        logger.info("stepgraph: %s", stats.summary())
-        if self.config.show_progress:
-            tqdm.write(f"stepgraph: {stats.summary()}")
         return stats
 
     def _capture_one(self, bs: int) -> BucketStats:
         static = self._static[bs] = self.buffers.view(bs)
         forward = self._forward_for(bs)
-        step = lambda: forward(static)  # reads only static buffers
-        with Stopwatch(self.device) as sw:
-            try:
-                self.model_runner.attn_backend.init_forward_metadata_capture_cuda_graph(bs, static)
-                self._backend.warmup(step, self.config.warmup_iters)
-                before = self._backend.pool_mark()
-                graph = self._backend.capture(step, key=bs)
-                if self._updater is not None:
-                    self._plans[bs] = self._updater.plan(graph, bs)
-            except CaptureError:
-                self._release_graphs()
-                raise
-            except Exception as e:
-                self._release_graphs()
-                raise CaptureError(
-                    f"capturing the decode step for batch size {bs} failed: {e}. A captured "
-                    "forward must not sync with the host (.item(), .tolist(), .cpu(), printing a "
-                    "tensor, data-dependent shapes such as nonzero) nor branch on device values; "
-                    "move that work out of forward(), or run this model eagerly "
-                    "(model_runner.forward)."
-                ) from e
+        self.model_runner.attn_backend.init_forward_metadata_capture_cuda_graph(bs, static)
+        graph, stats = capture_step(
+            self._backend,
+            lambda: forward(static),  # reads only static buffers
+            key=bs,
+            bs=bs,
+            what=f"the decode step for batch size {bs}",
+            warmup_iters=self.config.warmup_iters,
+        )
         self.graphs[bs] = graph
         self.output_buffers[bs] = graph.output
-        return BucketStats(bs, sw.seconds, before, reserved_bytes(self.device))
+        if self._updater is not None:
+            self._plans[bs] = self._updater.plan(graph, bs)
+        return stats
 
     def _forward_for(self, bs: int) -> Callable[[ForwardBatch], torch.Tensor]:
         if bs not in self.compile_bs:
