@@ -103,6 +103,15 @@ class ToyModelRunner:
             h = h + ctx
         return h @ self.lm_head
 
+    def eager_reference(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Eager logits of ``batch`` and the cache state it leaves, with the cache restored
+        afterwards (so a replay of the same batch starts from the same state)."""
+        saved = self.clone_state()
+        logits = self.forward(batch).clone()
+        after = self.clone_state()
+        self.load_state(saved)
+        return logits, after
+
     def clone_state(self) -> list[torch.Tensor]:
         return [c.clone() for c in self.kv]
 

@@ -14,15 +14,6 @@ from stepgraph.toy_model import ToyModelRunner
 CFG = RunnerConfig(max_bs=16, show_progress=False)
 
 
-def eager(mr, batch):
-    """Reference: the eager forward on a copy of the cache state; returns logits and state."""
-    saved = mr.clone_state()
-    logits = mr.forward(batch).clone()
-    after = mr.clone_state()
-    mr.load_state(saved)
-    return logits, after
-
-
 @pytest.fixture
 def mr():
     return ToyModelRunner(num_pages=160, seed=torch.seed() % 2**31)
@@ -48,7 +39,7 @@ def test_replay_equals_eager_for_every_batch_size(mr):
     g = torch.Generator().manual_seed(1234)
     for bs in range(1, 17):
         batch = mr.random_batch(bs, g)
-        want, want_state = eager(mr, batch)
+        want, want_state = mr.eager_reference(batch)
         got = runner.replay(batch)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -79,7 +70,7 @@ def test_padding_rows_are_reset_after_a_larger_batch(mr):
     runner.replay(big)
     small = mr.random_batch(5, g)
     state_before = mr.clone_state()
-    want, want_state = eager(mr, small)
+    want, want_state = mr.eager_reference(small)
     mr.load_state(state_before)
     got = runner.replay(small)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -100,7 +91,7 @@ def test_too_large_batch_refused_then_runner_still_works(mr):
     with pytest.raises(ReplayError, match=r"largest captured bucket \(16\).*eagerly.*max_bs"):
         runner.replay(big)
     ok = mr.random_batch(2, g)
-    want, _ = eager(mr, ok)
+    want, _ = mr.eager_reference(ok)
     torch.testing.assert_close(runner.replay(ok), want, rtol=1e-5, atol=1e-5)
 
 
@@ -127,7 +118,7 @@ def test_bad_input_errors_before_any_copy(mr, field, bad):
     for k, v in runner.buffers.view(16).device_tensors().items():
         assert torch.equal(v, snapshot[k]), f"{k} was modified by a rejected batch"
     ok = mr.random_batch(4, g)
-    want, _ = eager(mr, ok)
+    want, _ = mr.eager_reference(ok)
     torch.testing.assert_close(runner.replay(ok), want, rtol=1e-5, atol=1e-5)
 
 
@@ -175,7 +166,7 @@ def test_host_sync_in_forward_fails_capture_cleanly():
     mr.sync_in_forward = False
     runner.capture()
     batch = mr.random_batch(3, torch.Generator().manual_seed(2))
-    want, _ = eager(mr, batch)
+    want, _ = mr.eager_reference(batch)
     torch.testing.assert_close(runner.replay(batch), want, rtol=1e-5, atol=1e-5)
 
 

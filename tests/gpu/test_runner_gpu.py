@@ -29,19 +29,11 @@ def runner(mr):
     r.shutdown()
 
 
-def eager(mr, batch):
-    saved = mr.clone_state()
-    logits = mr.forward(batch).clone()
-    after = mr.clone_state()
-    mr.load_state(saved)
-    return logits, after
-
-
 def test_replay_equals_eager_for_every_bs(mr, runner):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     for bs in range(1, runner.max_bs + 1):
         batch = mr.random_batch(bs, g)
-        want, want_state = eager(mr, batch)
+        want, want_state = mr.eager_reference(batch)
         runner.output_buffers[max(runner.capture_bs)].fill_(float("nan"))  # poison
         got = runner.replay(batch)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -53,7 +45,7 @@ def test_shrinking_batch_in_one_bucket_keeps_live_state_clean(mr, runner):
     g = torch.Generator().manual_seed(5)
     runner.replay(mr.random_batch(48, g))
     small = mr.random_batch(33, g)  # same bucket (48), rows 33..47 were live a step ago
-    want, want_state = eager(mr, small)
+    want, want_state = mr.eager_reference(small)
     torch.testing.assert_close(runner.replay(small), want, rtol=1e-4, atol=1e-4)
     for have, ref in zip(mr.kv, want_state):
         torch.testing.assert_close(have[mr.page_size :], ref[mr.page_size :])
