@@ -1,0 +1,280 @@
+"""Packed prefill of several prompts at once, everything but attention replayed from graphs
+(issue 7, part 4).
+
+    prefill = PiecewisePrefill(model_runner)                  # captures every region and shape
+    logits = prefill.prefill(prompts, pages)                  # [n, vocab], like ModelRunner.prefill
+
+The prompts are packed end to end into ``T`` tokens. The decoder is cut at attention into
+``num_layers + 1`` regions, each a ``PiecewisePackedConfig`` captured by its own
+``PiecewiseRunner`` per ``(bs, token bucket)`` shape:
+
+    region 0      embed -> layer 0 pre-attention                    -> residual, q, k, v
+    region i      layer i-1 post-attention -> layer i pre-attention -> residual, q, k, v
+    region L      layer L-1 post-attention -> final norm -> last token of each prompt -> logits
+
+    pre-attention   input norm -> qkv_proj -> RoPE                  (q, k roped; [T, heads, hd])
+    post-attention  o_proj -> + residual -> norm -> MLP -> + residual
+
+Between regions attention runs eagerly on the real tokens only: it writes their K/V into the
+prompts' pages and attends causally within each prompt (one block-diagonal masked SDPA for short
+batches, one causal SDPA per prompt above ``MASKED_ATTENTION_MAX_TOKENS``). Padded tokens (token
+0 at position 0, zeroed hidden rows) go through the per-token regions only: they never join a
+real prompt's attention and never reach the KV cache, so they cannot change a real output.
+
+The last region's shape-dependent input, the index of each prompt's last token, is a declared
+step (``last_idx [bs] int64``), one persistent tensor per shape rewritten in place.
+
+A batch no shape holds (too many prompts or tokens, or exactly ``max(batch_sizes)`` prompts that
+leave tokens over: padding tokens need a padded request) runs eagerly through
+``ModelRunner.prefill``, counted in ``stats.eager_batches``.
+
+The regions use the decoder's submodules (``input_layernorm``, ``self_attn.qkv_proj``,
+``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp``, ``norm``) and ``apply_rope``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import canonical_device
+from ..buckets import validate_buckets
+from ..capture import CaptureStats
+from ..configs import PiecewiseCallInputs, PiecewisePackedConfig, pad_lengths
+from ..errors import ConfigError
+from ..kernels.kv_write import write_kv
+from ..piecewise import PiecewiseRunner
+from .llama import apply_rope
+from .model_runner import ModelRunner
+
+DEFAULT_TOKEN_BUCKETS = (16, 64, 256, 2048)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
+MASKED_ATTENTION_MAX_TOKENS = 256  # above: one causal SDPA per prompt instead of one masked
+
+
+@dataclass(frozen=True)
+class PrefillGraphConfig:
+    """Shapes of a ``PiecewisePrefill``: every ``(bs, tokens)`` pair with ``tokens >= bs``.
+    ``max(batch_sizes)`` must be below ``min(token_buckets)`` (a shape's per-request rows and
+    per-token rows must differ so the runner can tell its outputs apart)."""
+
+    token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    backend: str = "auto"  # "cuda", "cpu" (stand-in) or "auto" (by device)
+    show_progress: bool = False
+
+    def __post_init__(self) -> None:
+        validate_buckets(self.token_buckets, "token_buckets")
+        validate_buckets(self.batch_sizes, "batch_sizes")
+        if max(self.batch_sizes) >= min(self.token_buckets):
+            raise ConfigError(
+                f"max(batch_sizes)={max(self.batch_sizes)} must be < min(token_buckets)="
+                f"{min(self.token_buckets)}; drop the large batch sizes or the small bucket."
+            )
+
+
+@dataclass
+class PrefillStats:
+    capture: CaptureStats = field(default_factory=CaptureStats)  # every region's shapes
+    graph_batches: int = 0
+    eager_batches: int = 0
+
+
+class PiecewisePrefill:
+    """Packed prefill through ``num_layers + 1`` piecewise runners (module docstring)."""
+
+    def __init__(
+        self,
+        model_runner: ModelRunner,
+        config: PrefillGraphConfig | None = None,
+        *,
+        capture: bool = True,
+    ) -> None:
+        self.mr = model_runner
+        self.config = config = config or PrefillGraphConfig()
+        self.model = model_runner.model
+        self.device = canonical_device(model_runner.device)
+        c = model_runner.config
+        self.num_layers, self.hidden = c.num_layers, c.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.sm_scale = self.head_dim**-0.5
+        t_max = config.token_buckets[-1]
+        # Static inputs, once at the largest bucket; every region and shape uses leading rows
+        # (regions replay one after another, and each copies its inputs in first).
+        dev, dt = self.device, model_runner.dtype
+        self._static = {
+            "input_ids": torch.zeros(t_max, dtype=torch.int64, device=dev),  # [T]
+            "positions": torch.zeros(t_max, dtype=torch.int64, device=dev),  # [T]
+            "residual": torch.zeros(t_max, self.hidden, dtype=dt, device=dev),  # [T, hidden]
+            "attn": torch.zeros(t_max, self.q_size, dtype=dt, device=dev),  # [T, q_size]
+        }
+        self._last_idx: dict[tuple[int, int], torch.Tensor] = {}  # (bs, T) -> [bs] int64
+        self.stats = PrefillStats()
+        self.runners = [self._runner(i, capture) for i in range(self.num_layers + 1)]
+
+    # -- regions -----------------------------------------------------------------------------
+
+    def _runner(self, region: int, capture: bool) -> PiecewiseRunner:
+        last = region == self.num_layers
+        names = ("input_ids", "positions") if region == 0 else ("residual", "attn", "positions")
+        if last:
+            names = ("residual", "attn")
+        cfg = PiecewisePackedConfig(
+            capture_fn=lambda call: self._region(region, call),
+            make_static_inputs=lambda shape: {
+                n: self._static[n][: shape.total_tokens] for n in names
+            },
+            declare_step=self._declare_last if last else None,
+            total_tokens=list(self.config.token_buckets),
+            capture_batch_sizes=list(self.config.batch_sizes),
+        )
+        with torch.no_grad():
+            runner = PiecewiseRunner(
+                cfg,
+                device=self.device,
+                backend=self.config.backend,
+                show_progress=self.config.show_progress,
+                capture=capture,
+            )
+        self.stats.capture.buckets.extend(runner.stats.buckets)
+        return runner
+
+    def _declare_last(self, names: list[str], seq_lens: list[int]) -> dict[str, torch.Tensor]:
+        """``last_idx [bs] int64``: each (padded) request's last packed row, written in place
+        into the shape's persistent tensor."""
+        key = (len(seq_lens), sum(seq_lens))
+        buf = self._last_idx.get(key)
+        if buf is None:
+            buf = self._last_idx[key] = torch.zeros(key[0], dtype=torch.int64, device=self.device)
+        ends = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0) - 1
+        buf.copy_(ends)
+        return {"last_idx": buf}
+
+    def _region(self, region: int, call: PiecewiseCallInputs) -> dict[str, torch.Tensor]:
+        s, layers = call.static_inputs, self.model.layers
+        if region == 0:
+            x = self.model.embed_tokens(s["input_ids"])  # [T, hidden]
+        else:  # post-attention of layer region - 1
+            layer = layers[region - 1]
+            x = s["residual"] + layer.self_attn.o_proj(s["attn"])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))  # [T, hidden]
+        if region == self.num_layers:
+            h = self.model.norm(x[call.resources["last_idx"]])  # [bs, hidden]
+            return {"logits": self.model.logits(h)}  # [bs, vocab] float32
+        layer, t = layers[region], x.shape[0]
+        qkv = layer.self_attn.qkv_proj(layer.input_layernorm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        pos = s["positions"]
+        cos, sin = self.model.rope_cos[pos], self.model.rope_sin[pos]  # [T, head_dim]
+        return {
+            "residual": x,  # [T, hidden]
+            "q": apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin),  # [T, H, hd]
+            "k": apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin),  # [T, Hkv, hd]
+            "v": v.reshape(t, self.n_kv, self.head_dim),  # [T, Hkv, hd]
+        }
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def can_run(self, lengths: Sequence[int]) -> bool:
+        """``True`` if a captured shape holds prompts of these lengths."""
+        n, bs = sum(lengths), len(lengths)
+        return any(
+            pad_lengths(n, bs, shape.bs, shape.total_tokens) is not None
+            for shape in self.runners[0].shapes
+        )
+
+    @torch.no_grad()
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], pages: Sequence[list[int]]
+    ) -> torch.Tensor:  # [n, vocab] float32, logits of each prompt's last token
+        """Prefill ``prompts`` (each writing its K/V into its ``pages``) as one packed batch;
+        the same contract as ``ModelRunner.prefill``."""
+        if len(prompts) != len(pages):
+            raise ConfigError(f"{len(prompts)} prompts but {len(pages)} page lists.")
+        lens = [len(p) for p in prompts]
+        if not prompts or min(lens) == 0:
+            raise ConfigError("every prompt needs at least one token; drop empty prompts.")
+        if not self.can_run(lens):
+            self.stats.eager_batches += 1
+            return self.mr.prefill(prompts, pages)
+        kv = self.mr.kv_cache
+        ids = [t for p in prompts for t in p]
+        positions = [i for n in lens for i in range(n)]
+        slots = [s for p, n in zip(pages, lens) for s in kv.slots(p, 0, n)]
+        seg = [i for i, n in enumerate(lens) for _ in range(n)]
+        # one host->device copy of [4, n] int64: token ids, positions, slots, prompt index
+        host = torch.tensor([ids, positions, slots, seg], dtype=torch.int64)
+        ids_d, pos_d, slots_d, seg_d = host.to(self.device)
+        mask = self._mask(lens, pos_d, seg_d)
+        out = self.runners[0].replay({"input_ids": ids_d, "positions": pos_d}, lens)
+        for layer_id in range(self.num_layers):
+            attn = self._attention(layer_id, out, lens, slots_d, mask)  # [n, q_size]
+            live = {"residual": out["residual"], "attn": attn}
+            if layer_id + 1 < self.num_layers:
+                live["positions"] = pos_d
+            out = self.runners[layer_id + 1].replay(live, lens)
+        self.stats.graph_batches += 1
+        return out["logits"]
+
+    def _mask(
+        self, lens: list[int], pos: torch.Tensor, seg: torch.Tensor
+    ) -> torch.Tensor | None:  # pos, seg: [n] int64 -> [n, n] bool
+        """Block-diagonal causal mask (``None``: attend per prompt instead)."""
+        if len(lens) == 1 or sum(lens) > MASKED_ATTENTION_MAX_TOKENS:
+            return None
+        return (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+
+    def _attention(
+        self,
+        layer_id: int,
+        out: dict[str, torch.Tensor],  # q [n, H, hd], k/v [n, Hkv, hd]: real rows
+        lens: list[int],
+        slots: torch.Tensor,  # [n] int64
+        mask: torch.Tensor | None,  # [n, n] bool
+    ) -> torch.Tensor:  # [n, q_size]
+        q, k, v = out["q"], out["k"], out["v"]
+        kv = self.mr.kv_cache
+        write_kv(kv.k_caches[layer_id], kv.v_caches[layer_id], k, v, slots)
+        n = q.shape[0]
+        if mask is not None:  # one SDPA over every prompt; KV heads expanded for the mask path
+            group = self.n_heads // self.n_kv
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                v.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                attn_mask=mask,
+                scale=self.sm_scale,
+            )  # [1, H, n, hd]
+            return o[0].transpose(0, 1).reshape(n, self.q_size)
+        outs, start = [], 0
+        for m in lens:  # [1, heads, m, hd] per prompt, as ModelRunner.prefill attends
+            sl = slice(start, start + m)
+            o = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1)[None],
+                k[sl].transpose(0, 1)[None],
+                v[sl].transpose(0, 1)[None],
+                is_causal=True,
+                scale=self.sm_scale,
+                enable_gqa=True,
+            )
+            outs.append(o[0].transpose(0, 1))
+            start += m
+        return torch.cat(outs).reshape(n, self.q_size)
+
+    def shutdown(self) -> None:
+        for r in self.runners:
+            r.shutdown()
+
+
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "DEFAULT_TOKEN_BUCKETS",
+    "MASKED_ATTENTION_MAX_TOKENS",
+    "PiecewisePrefill",
+    "PrefillGraphConfig",
+    "PrefillStats",
+]
