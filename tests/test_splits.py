@@ -64,8 +64,29 @@ def test_split_keys_gives_back_ns_and_at_least_one_tile(n_kv, bs, sms, max_split
 
 def test_llama_1b_step_counts_on_h200():
     counts = {bs: len(ladder_steps(8, bs, H200_NUM_SMS, 64)) - 1 for bs in (1, 8, 32)}
+    assert PROGRAMS_PER_SM == 4
+    assert counts == {1: 6, 8: 3, 32: 1}
+    assert ladder_steps(8, 1, H200_NUM_SMS, 64)[-1] == (4096, 64)
+    # the first ladder (2 per SM) is still one argument away
+    counts = {
+        bs: len(ladder_steps(8, bs, H200_NUM_SMS, 64, programs_per_sm=2)) - 1 for bs in (1, 8, 32)
+    }
     assert counts == {1: 5, 8: 2, 32: 0}
-    assert ladder_steps(8, 1, H200_NUM_SMS, 64)[-1] == (2048, 32)
+
+
+@pytest.mark.parametrize("pps", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n_kv, bs, sms, max_splits", GRIDS[:4])
+def test_every_programs_per_sm_keeps_the_contract(pps, n_kv, bs, sms, max_splits):
+    prev = 0
+    ts = [1, 63, 64, 127, 128, 129, 1000, 4095, 4096, 4097, 32768, 99999, T_MAX]
+    for t in ts:
+        sk = fa_split_keys(t, n_kv, bs, sms, pps)
+        ns = num_splits_for(t, n_kv, bs, sms, max_splits, pps)
+        assert sk >= MIN_SPLIT_KEYS and ns == max(1, min(max_splits, -(-t // sk))) >= prev
+        prev = ns
+    assert len(ladder_steps(n_kv, bs, sms, max_splits, programs_per_sm=pps)) - 1 <= 16
+    programs = bs * n_kv * num_splits_for(T_MAX, n_kv, bs, sms, 64, pps)
+    assert programs <= max(pps * sms, bs * n_kv)
 
 
 @pytest.mark.parametrize("bs", [1, 2, 8, 16, 32])
@@ -91,6 +112,11 @@ def test_max_splits_clamps():
 def test_bad_arguments(args):
     with pytest.raises(ValueError, match="split ladder"):
         fa_split_keys(*args)
+
+
+def test_bad_programs_per_sm():
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        fa_split_keys(10, 8, 1, 132, 0)
 
 
 def test_bad_max_splits():

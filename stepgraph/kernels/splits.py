@@ -5,10 +5,11 @@ retunes ``grid.z`` per token) call the same two functions, so one request length
 same geometry wherever it runs.
 
 The ladder: the main kernel runs ``bs * n_kv_heads * ns`` programs, and we want about
-``PROGRAMS_PER_SM`` of them per multiprocessor. The split count is a power of two,
+``programs_per_sm`` of them per multiprocessor (default ``PROGRAMS_PER_SM``). The split count is
+a power of two,
 
     ns(t_kv) = min(cap, pow2_floor(t_kv // BLOCK_N))        (1 when t_kv < 2 * BLOCK_N)
-    cap      = min(LADDER_MAX_SPLITS, pow2_floor(PROGRAMS_PER_SM * num_sms // (bs * n_kv)))
+    cap      = min(LADDER_MAX_SPLITS, pow2_floor(programs_per_sm * num_sms // (bs * n_kv)))
 
 and ``fa_split_keys`` returns ``ceil(t_kv / ns)`` keys per split (at least ``BLOCK_N``), which
 gives back exactly ``ns = ceil(t_kv / split_keys)``. Hence:
@@ -16,18 +17,25 @@ gives back exactly ``ns = ceil(t_kv / split_keys)``. Hence:
 - no split is given fewer than ``MIN_SPLIT_KEYS`` (= one ``BLOCK_N`` tile) keys;
 - ``ns`` is non-decreasing in ``t_kv`` and changes at most ``log2(cap)`` <= 6 times from 1 to
   128k keys (each change is a graph-node edit in exact mode, so rare steps are the point);
-- for long contexts the grid holds ``bs * n_kv * cap`` programs: between 1 and 2 per SM while
-  ``bs * n_kv <= 2 * num_sms``, one split per (request, KV head) beyond that.
+- for long contexts the grid holds ``bs * n_kv * cap`` programs: between ``programs_per_sm / 2``
+  and ``programs_per_sm`` per SM while ``bs * n_kv <= programs_per_sm * num_sms`` (and the cap
+  of 64 splits is not reached), one split per (request, KV head) beyond that.
 
-Example, Llama-3.2-1B (8 KV heads) on an H200 (132 SMs): bs=1 caps at 32 splits (256 programs),
-bs=8 at 4 (256), bs=32 at 1 (256).
+Why 4 per SM: one program streams one split serially, so the bytes in flight per SM are about
+programs x (num_stages - 1) x one K+V tile (16 KB at BLOCK_N=64, head_dim 64, bf16). At 2 per
+SM (the first ladder) the kernel reached ~60% of copy bandwidth; 4 programs of 4 warps with a
+3-stage pipeline (48 KB of shared memory each) fit on one SM together, in a single wave.
+``benchmarks/flash_decode_sweep.py`` times 2, 4 and 8 on the device.
+
+Example, Llama-3.2-1B (8 KV heads) on an H200 (132 SMs), 4 per SM: bs=1 caps at 64 splits
+(512 programs), bs=8 at 8 (512), bs=32 at 2 (512).
 """
 
 from __future__ import annotations
 
 BLOCK_N = 64  # keys per tile of the main kernel; chunk sizes are rounded up to it
 MIN_SPLIT_KEYS = BLOCK_N  # the ladder never gives a split fewer keys than one tile
-PROGRAMS_PER_SM = 2  # occupancy target of the main kernel's grid
+PROGRAMS_PER_SM = 4  # occupancy target of the main kernel's grid (the sweep tries 2, 4, 8)
 LADDER_MAX_SPLITS = 64  # ladder cap; with ns <= 64 <= keys per split, ceil(t / ceil(t / ns)) == ns
 H200_NUM_SMS = 132
 
@@ -44,41 +52,66 @@ def _check(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> None:
         )
 
 
-def ladder_cap(n_kv_heads: int, bs: int, num_sms: int) -> int:
+def ladder_cap(
+    n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM
+) -> int:
     """The largest split count the ladder uses for this grid (a power of two, <= 64)."""
     _check(0, n_kv_heads, bs, num_sms)
+    if programs_per_sm < 1:
+        raise ValueError(f"split ladder needs programs_per_sm >= 1, got {programs_per_sm}")
     base = bs * n_kv_heads
-    wanted = max(1, PROGRAMS_PER_SM * num_sms // base)
+    wanted = max(1, programs_per_sm * num_sms // base)
     return min(LADDER_MAX_SPLITS, _pow2_floor(wanted))
 
 
-def fa_split_keys(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> int:
+def fa_split_keys(
+    t_kv: int, n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM
+) -> int:
     """Keys per split for a live maximum length ``t_kv`` (always >= ``MIN_SPLIT_KEYS``)."""
     _check(t_kv, n_kv_heads, bs, num_sms)
-    ns = min(ladder_cap(n_kv_heads, bs, num_sms), _pow2_floor(t_kv // MIN_SPLIT_KEYS))
+    cap = ladder_cap(n_kv_heads, bs, num_sms, programs_per_sm)
+    ns = min(cap, _pow2_floor(t_kv // MIN_SPLIT_KEYS))
     return max(MIN_SPLIT_KEYS, -(-t_kv // ns))
 
 
-def num_splits_for(t_kv: int, n_kv_heads: int, bs: int, num_sms: int, max_splits: int) -> int:
+def num_splits_for(
+    t_kv: int,
+    n_kv_heads: int,
+    bs: int,
+    num_sms: int,
+    max_splits: int,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+) -> int:
     """``ns = ceil(t_kv / fa_split_keys(...))`` clamped to ``[1, max_splits]``."""
     if max_splits < 1:
         raise ValueError(f"max_splits must be >= 1, got {max_splits}")
-    split_keys = fa_split_keys(t_kv, n_kv_heads, bs, num_sms)
+    split_keys = fa_split_keys(t_kv, n_kv_heads, bs, num_sms, programs_per_sm)
     return max(1, min(max_splits, -(-t_kv // split_keys)))
 
 
 def ladder_steps(
-    n_kv_heads: int, bs: int, num_sms: int, max_splits: int, t_max: int = 131072
+    n_kv_heads: int,
+    bs: int,
+    num_sms: int,
+    max_splits: int,
+    t_max: int = 131072,
+    programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> list[tuple[int, int]]:
     """``[(t_kv, ns), ...]``: ``(1, ns(1))`` and then every ``t_kv <= t_max`` where ``ns`` changes.
 
     ``len(result) - 1`` is the number of steps (node edits in exact mode) from 1 to ``t_max``.
+    Each step is found by bisection, which relies on ``ns`` being non-decreasing in ``t_kv``
+    (tests/test_splits.py checks that on a dense sweep).
     """
-    steps = [(1, num_splits_for(1, n_kv_heads, bs, num_sms, max_splits))]
-    for t in range(2, t_max + 1):
-        ns = num_splits_for(t, n_kv_heads, bs, num_sms, max_splits)
-        if ns != steps[-1][1]:
-            steps.append((t, ns))
+    ns_of = lambda t: num_splits_for(t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm)
+    steps = [(1, ns_of(1))]
+    last = ns_of(t_max)
+    while steps[-1][1] != last and steps[-1][0] < t_max:
+        lo, hi = steps[-1][0], t_max  # ns_of(lo) is the current count, ns_of(hi) is larger
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ns_of(mid) == steps[-1][1] else (lo, mid)
+        steps.append((hi, ns_of(hi)))
     return steps
 
 
