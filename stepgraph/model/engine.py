@@ -1,8 +1,11 @@
 """``Engine``: serves several requests at once on a ``ModelRunner``.
 
-Each step admits waiting requests whose pages fit (prefilled eagerly, one prompt at a time) and
-runs one decode step of the running ones: through the ``CudaGraphRunner`` when it can take the
-batch, else eagerly. Sampling (greedy, or temperature + top-k with a seeded generator) runs on
+Each step admits waiting requests whose pages fit and prefills them (``prefill="eager"``: one
+prompt at a time through ``ModelRunner.prefill``; ``"piecewise"``: packed into one batch through
+``PiecewisePrefill``), then runs one decode step of the running ones: through the graph runner
+when it can take the batch, else eagerly. ``decode_via="runner"`` decodes through the
+``CudaGraphRunner``; ``"configs"`` through a ``ConfigGraphRunner`` capturing the model's decode
+walk (``graph_walks.py``). Sampling (greedy, or temperature + top-k with a seeded generator) runs on
 the device outside the graph; the one host sync per step reads the chosen ids.
 
     engine = Engine(ModelRunner.from_preset("tiny"), mode="graph")
@@ -20,9 +23,12 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .graph_walks import DECODE_WALK
 from .model_runner import ModelRunner
 
 MODES = ("eager", "graph", "exact")
+PREFILLS = ("eager", "piecewise")
+DECODE_VIAS = ("runner", "configs")
 
 
 @dataclass
@@ -66,15 +72,20 @@ class Sampling:
 @dataclass
 class EngineStats:
     graph_steps: int = 0  # decode steps replayed by the graph runner
-    eager_steps: int = 0  # decode steps run by model_runner.forward
+    eager_steps: int = 0  # decode steps run eagerly (by model_runner.forward)
     prefills: int = 0  # prompts prefilled
     decode_tokens: int = 0
 
 
 class Engine:
-    """Prefill eagerly, decode through the graph runner (``mode`` "graph" or "exact") or
-    eagerly (``mode="eager"``, which never builds a runner). ``runner_config`` defaults to
-    ``RunnerConfig(max_bs=model_runner.max_bs)``; its ``mode`` is set from ``mode``."""
+    """Decode through the graph runner (``mode`` "graph" or "exact") or eagerly
+    (``mode="eager"``, which never builds a runner). ``runner_config`` defaults to
+    ``RunnerConfig(max_bs=model_runner.max_bs)``; its ``mode`` is set from ``mode``.
+
+    ``prefill``: "eager" (default) or "piecewise" (``PiecewisePrefill`` with
+    ``prefill_config``, default ``PrefillGraphConfig()``). ``decode_via``: "runner" (default,
+    ``CudaGraphRunner``) or "configs" (``ConfigGraphRunner`` over the decode walk, buckets and
+    backend from ``runner_config``; ``mode="graph"`` only)."""
 
     def __init__(
         self,
@@ -83,18 +94,48 @@ class Engine:
         runner_config: Any | None = None,
         *,
         max_running: int | None = None,
+        prefill: str = "eager",
+        decode_via: str = "runner",
+        prefill_config: Any | None = None,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+        if prefill not in PREFILLS:
+            raise ConfigError(f"prefill must be one of {PREFILLS}, got {prefill!r}.")
+        if decode_via not in DECODE_VIAS:
+            raise ConfigError(f"decode_via must be one of {DECODE_VIAS}, got {decode_via!r}.")
+        if decode_via == "configs" and mode != "graph":
+            raise ConfigError(
+                f"decode_via='configs' replays the captured decode walk as is; it needs "
+                f"mode='graph', got mode={mode!r}. Use decode_via='runner' for mode={mode!r}."
+            )
         self.model_runner = model_runner
         self.mode = mode
+        self.decode_via = decode_via
         self.max_running = max_running
-        self.runner = None
+        self.runner = None  # CudaGraphRunner (decode_via="runner")
+        self.config_runner = None  # ConfigGraphRunner (decode_via="configs")
+        self.walks = None  # its DecodeGraphWalks
         if mode != "eager":
             from ..runner import CudaGraphRunner, RunnerConfig
 
             config = runner_config or RunnerConfig(max_bs=model_runner.max_bs, show_progress=False)
-            self.runner = CudaGraphRunner(model_runner, replace(config, mode=mode))
+            if decode_via == "runner":
+                self.runner = CudaGraphRunner(model_runner, replace(config, mode=mode))
+            else:
+                from .graph_walks import build_decode_graph_runner
+
+                self.walks, self.config_runner = build_decode_graph_runner(
+                    model_runner,
+                    capture_batch_sizes=config.buckets(),
+                    backend=config.backend,
+                    show_progress=config.show_progress,
+                )
+        self.prefiller: Any = model_runner  # anything with prefill(prompts, pages) -> logits
+        if prefill == "piecewise":
+            from .piecewise_prefill import PiecewisePrefill
+
+            self.prefiller = PiecewisePrefill(model_runner, prefill_config)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
@@ -156,6 +197,14 @@ class Engine:
         if self.runner is not None and self.runner.can_run(batch):
             self.stats.graph_steps += 1
             return self.runner.replay(batch)  # a static buffer: sampled before the next replay
+        if self.config_runner is not None:  # replays, or runs eagerly above the largest bucket
+            replays = self.config_runner.stats.replays
+            logits = self.config_runner.run(DECODE_WALK, self.walks.requests(batch))
+            if self.config_runner.stats.replays > replays:
+                self.stats.graph_steps += 1
+            else:
+                self.stats.eager_steps += 1
+            return logits
         self.stats.eager_steps += 1
         return mr.forward(batch)
 
@@ -169,7 +218,7 @@ class Engine:
         logits = []
         if new:
             prompts, pages = [r.prompt for r in new], [r.pages for r in new]
-            logits.append(self.model_runner.prefill(prompts, pages))  # [len(new), vocab]
+            logits.append(self.prefiller.prefill(prompts, pages))  # [len(new), vocab]
             self.stats.prefills += len(new)
         if decoding:
             logits.append(self._decode_logits(decoding))
@@ -214,8 +263,11 @@ class Engine:
         return [self.finished.pop(rid).output for rid in rids]
 
     def shutdown(self) -> None:
-        if self.runner is not None:
-            self.runner.shutdown()
+        for r in (self.runner, self.config_runner):
+            if r is not None:
+                r.shutdown()
+        if self.prefiller is not self.model_runner:
+            self.prefiller.shutdown()
 
 
-__all__ = ["Engine", "EngineStats", "MODES", "Request", "Sampling"]
+__all__ = ["DECODE_VIAS", "Engine", "EngineStats", "MODES", "PREFILLS", "Request", "Sampling"]
