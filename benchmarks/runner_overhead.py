@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from stepgraph.batch import pack_batch
 from stepgraph.bench.timing import cuda_time_ms
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.toy_model import ToyModelRunner
@@ -97,6 +98,7 @@ def main() -> None:
     # -- replay overhead at bs=1 --------------------------------------------------------------
     runner = CudaGraphRunner(mr, RunnerConfig(max_bs=32, show_progress=False))
     b1 = random_batch(mr, 1, 1)
+    b1.packed = pack_batch(b1)  # what an engine builds on the host and copies once
     rows["kernels_per_step"] = count_kernels(mr, b1)
     graph = runner.graphs[1]
     runner.replay(b1)
@@ -105,10 +107,17 @@ def main() -> None:
     rows["host_us_bare_graph_replay"] = bare
     rows["host_us_runner_replay"] = full
     rows["host_us_runner_overhead"] = full - bare
+    unpacked = CudaGraphRunner(
+        mr, RunnerConfig(max_bs=32, show_progress=False, packed_inputs=False)
+    )
+    b1_fields = random_batch(mr, 1, 1)
+    unpacked.replay(b1_fields)
+    rows["host_us_runner_replay_unpacked"] = host_us_per_call(lambda: unpacked.replay(b1_fields))
+    unpacked.shutdown()
     # Where the runner's host time goes (each piece timed alone).
     bucket = runner._static[1]
     rows["host_us_parts"] = {
-        "copy_from": host_us_per_call(lambda: runner.buffers.copy_from(b1, 1)),
+        "copy_packed_from": host_us_per_call(lambda: runner.buffers.copy_packed_from(b1, 1)),
         "replay_hook": host_us_per_call(
             lambda: mr.attn_backend.init_forward_metadata_replay_cuda_graph(1, bucket)
         ),

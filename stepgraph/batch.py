@@ -35,6 +35,9 @@ class ForwardBatch:
     mode: ForwardMode = ForwardMode.DECODE
     # Host int max(seq_lens) when the caller knows it (saves a reduction per step); else None.
     max_seq_len: int | None = None
+    # Optional packed form [bs, PACKED_COLS + pages] int64 of the same values (see pack_batch):
+    # the graph runner then fills its static inputs with ONE copy and unpacks inside the graph.
+    packed: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -45,7 +48,7 @@ class ForwardBatch:
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("seq_lens_cpu", "mode", "max_seq_len")
+            if f.name not in ("seq_lens_cpu", "mode", "max_seq_len", "packed")
         }
 
 
@@ -58,6 +61,32 @@ BATCH_DTYPES: dict[str, torch.dtype] = {
     "block_table": torch.int32,
     "out_cache_loc": torch.int64,
 }
+
+
+# Columns of a packed decode batch; the block table follows from column PACKED_COLS on.
+PACKED_FIELDS = ("input_ids", "positions", "out_cache_loc", "seq_lens")
+PACKED_COLS = len(PACKED_FIELDS)
+
+
+def pack_batch(batch: ForwardBatch) -> torch.Tensor:
+    """``[bs, PACKED_COLS + max_pages]`` int64: one row per request, ``input_ids, positions,
+    out_cache_loc, seq_lens, block_table...``. Build it on the host and copy it once, and a
+    replay costs one input copy instead of one per field."""
+    cols = torch.stack([getattr(batch, f).to(torch.int64) for f in PACKED_FIELDS], dim=1)
+    return torch.cat([cols, batch.block_table.to(torch.int64)], dim=1)
+
+
+def unpacked_batch(packed: torch.Tensor, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
+    """The ``ForwardBatch`` of a packed tensor (casts to the field dtypes; for eager steps)."""
+    return ForwardBatch(
+        input_ids=packed[:, 0].contiguous(),
+        positions=packed[:, 1].contiguous(),
+        out_cache_loc=packed[:, 2].contiguous(),
+        seq_lens=packed[:, 3].to(torch.int32),
+        seq_lens_cpu=seq_lens_cpu,
+        block_table=packed[:, PACKED_COLS:].to(torch.int32),
+        packed=packed,
+    )
 
 
 @runtime_checkable

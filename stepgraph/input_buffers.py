@@ -8,6 +8,11 @@ Those values are defined here and nowhere else:
     seq_lens      seq_len_fill_value (1: a padded row attends to one real slot)
     block_table   PAD_PAGE (0: page 0 is scratch that no request owns)
     out_cache_loc PAD_SLOT (0: so a padded row writes its K/V only into scratch)
+
+With packed inputs (``RunnerConfig.packed_inputs``) the host fills only ``packed``
+``[max_bs, PACKED_COLS + max_pages]`` int64, with ONE copy per replay; the captured graph starts by
+unpacking it into the per-field buffers (``unpack``), a few device copies that cost far less than
+the host launches they replace.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import BATCH_DTYPES, ForwardBatch, ForwardMode
+from .batch import BATCH_DTYPES, PACKED_COLS, ForwardBatch, ForwardMode, pack_batch
 
 PAD_TOKEN_ID = 0
 PAD_POSITION = 0
@@ -39,6 +44,8 @@ class GraphInputBuffers:
     block_table: torch.Tensor  # [max_bs, max_pages] int32
     out_cache_loc: torch.Tensor  # [max_bs] int64
     seq_lens_cpu: torch.Tensor  # [max_bs] int32, host
+    packed: torch.Tensor  # [max_bs, PACKED_COLS + max_pages] int64: the packed-input rows
+    packed_pad: torch.Tensor  # [PACKED_COLS + max_pages] int64: one padding row
     seq_len_fill_value: int
     # Rows [:dirty_rows] may hold a previous batch's live values; rows past it hold padding.
     dirty_rows: int = 0
@@ -51,6 +58,7 @@ class GraphInputBuffers:
         def full(shape, value, name, dev=device):
             return torch.full(shape, value, dtype=BATCH_DTYPES[name], device=dev)
 
+        pad = pad_row(max_pages, seq_len_fill_value, device)
         return cls(
             input_ids=full((max_bs,), PAD_TOKEN_ID, "input_ids"),
             positions=full((max_bs,), PAD_POSITION, "positions"),
@@ -58,6 +66,8 @@ class GraphInputBuffers:
             block_table=full((max_bs, max_pages), PAD_PAGE, "block_table"),
             out_cache_loc=full((max_bs,), PAD_SLOT, "out_cache_loc"),
             seq_lens_cpu=full((max_bs,), seq_len_fill_value, "seq_lens_cpu", "cpu"),
+            packed=pad.repeat(max_bs, 1),
+            packed_pad=pad,
             seq_len_fill_value=seq_len_fill_value,
         )
 
@@ -111,6 +121,33 @@ class GraphInputBuffers:
         # Rows past ``bucket`` are not read by this graph; a larger bucket re-pads them later.
         self.dirty_rows = self.dirty_rows if self.dirty_rows > bucket else bs
 
+    def copy_packed_from(self, batch: ForwardBatch, bucket: int) -> bool:
+        """Packed path of ``copy_from``: one copy of ``batch.packed`` (packed here when the
+        caller did not) into ``packed[:bs]``, stale rows re-padded. Returns whether the batch
+        came packed."""
+        bs = batch.batch_size
+        src = batch.packed
+        came_packed = src is not None
+        if src is None:
+            src = pack_batch(batch)
+        self.packed[:bs, : src.shape[1]].copy_(src)
+        self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
+        stale_stop = min(self.dirty_rows, bucket)
+        if stale_stop > bs:
+            self.packed[bs:stale_stop] = self.packed_pad
+            self.seq_lens_cpu[bs:stale_stop] = self.seq_len_fill_value
+        self.dirty_rows = self.dirty_rows if self.dirty_rows > bucket else bs
+        return came_packed
+
+    def unpack(self, bs: int) -> None:
+        """Inside the captured step: packed rows ``[:bs]`` -> the per-field static buffers."""
+        p = self.packed[:bs]
+        self.input_ids[:bs].copy_(p[:, 0])
+        self.positions[:bs].copy_(p[:, 1])
+        self.out_cache_loc[:bs].copy_(p[:, 2])
+        self.seq_lens[:bs].copy_(p[:, 3])
+        self.block_table[:bs].copy_(p[:, PACKED_COLS:])
+
     def pad_rows(self, start: int, stop: int) -> None:
         """Set rows ``[start:stop]`` to the padding values (the one place that writes them)."""
         self.input_ids[start:stop] = PAD_TOKEN_ID
@@ -119,3 +156,10 @@ class GraphInputBuffers:
         self.seq_lens_cpu[start:stop] = self.seq_len_fill_value
         self.block_table[start:stop] = PAD_PAGE
         self.out_cache_loc[start:stop] = PAD_SLOT
+
+
+def pad_row(max_pages: int, seq_len_fill_value: int, device: torch.device) -> torch.Tensor:
+    """One packed padding row ``[PACKED_COLS + max_pages]`` int64 (columns as ``PACKED_FIELDS``)."""
+    row = torch.full((PACKED_COLS + max_pages,), PAD_PAGE, dtype=torch.int64, device=device)
+    row[:PACKED_COLS] = torch.tensor([PAD_TOKEN_ID, PAD_POSITION, PAD_SLOT, seq_len_fill_value])
+    return row

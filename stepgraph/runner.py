@@ -52,6 +52,9 @@ class RunnerConfig:
     backend: str = "auto"  # "cuda", "cpu" (stand-in) or "auto" (by device)
     show_progress: bool = True
     freeze_gc: bool = True
+    # Fill static inputs with one copy of a packed batch and unpack inside the graph (a few
+    # device copies) instead of one host launch per field. See ``stepgraph.batch.pack_batch``.
+    packed_inputs: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -77,6 +80,7 @@ class RunnerStats:
     capture: CaptureStats | None = None
     replays: int = 0
     node_edits: int = 0  # attention nodes pushed by exact mode
+    packed_here: int = 0  # replays whose batch came without ``packed`` (packed by the runner)
     fallbacks: Counter = field(default_factory=Counter)  # reason -> batches refused by can_run
 
 
@@ -147,9 +151,16 @@ class CudaGraphRunner:
         static = self._static[bs] = self.buffers.view(bs)
         forward = self._forward_for(bs)
         self.model_runner.attn_backend.init_forward_metadata_capture_cuda_graph(bs, static)
+        unpack = self.config.packed_inputs
+
+        def step() -> torch.Tensor:  # reads only static buffers
+            if unpack:
+                self.buffers.unpack(bs)
+            return forward(static)
+
         graph, stats = capture_step(
             self._backend,
-            lambda: forward(static),  # reads only static buffers
+            step,
             key=bs,
             bs=bs,
             what=f"the decode step for batch size {bs}",
@@ -196,6 +207,18 @@ class CudaGraphRunner:
 
     def _input_problem(self, batch: ForwardBatch) -> str | None:
         bs = batch.batch_size
+        if batch.seq_lens_cpu.device.type != "cpu" or batch.seq_lens_cpu.shape[0] != bs:
+            return f"seq_lens_cpu must be a host tensor of {bs} rows"
+        packed = batch.packed
+        if packed is not None and self.config.packed_inputs:  # the only tensor that is copied
+            width = self.buffers.packed.shape[1]
+            if packed.dtype is not torch.int64 or packed.device != self.device:
+                return (
+                    f"packed is {packed.dtype} on {packed.device}, expected int64 on {self.device}"
+                )
+            if packed.dim() != 2 or packed.shape[0] != bs or packed.shape[1] > width:
+                return f"packed has shape {tuple(packed.shape)}, expected [{bs}, <= {width}]"
+            return None
         for name, dtype in _DEVICE_FIELDS:
             t = getattr(batch, name)
             if t.dtype is not dtype:
@@ -210,8 +233,6 @@ class CudaGraphRunner:
                 f"block_table has shape {tuple(table.shape)}, expected "
                 f"[{bs}, <= {self.buffers.block_table.shape[1]}]"
             )
-        if batch.seq_lens_cpu.device.type != "cpu" or batch.seq_lens_cpu.shape[0] != bs:
-            return f"seq_lens_cpu must be a host tensor of {bs} rows"
         return None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
@@ -232,7 +253,11 @@ class CudaGraphRunner:
                 f"cannot replay this batch: {problem}. Build the batch with "
                 "these dtypes on the model's device, or run it eagerly."
             )
-        self.buffers.copy_from(batch, bucket)
+        if self.config.packed_inputs:
+            if not self.buffers.copy_packed_from(batch, bucket):
+                self.stats.packed_here += 1
+        else:
+            self.buffers.copy_from(batch, bucket)
         self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
             bucket, self._static[bucket]
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import ForwardBatch
+from .batch import ForwardBatch, pack_batch
 from .capture import is_capture_mode
 
 
@@ -119,7 +119,7 @@ class ToyModelRunner:
         for c, s in zip(self.kv, state):
             c.copy_(s)
 
-    def random_batch(self, bs: int, g: torch.Generator) -> ForwardBatch:
+    def random_batch(self, bs: int, g: torch.Generator, *, packed: bool = False) -> ForwardBatch:
         """``bs`` requests with distinct pages (never page 0), random lengths and tokens."""
         num_pages = self.kv[0].shape[0] // self.page_size
         width = self.max_pages_per_request
@@ -141,4 +141,6 @@ class ToyModelRunner:
         )
         for name, t in batch.device_tensors().items():
             setattr(batch, name, t.to(self.device))
+        if packed:
+            batch.packed = pack_batch(batch)
         return batch

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -34,11 +36,12 @@ def test_capture_order_buckets_and_stats(mr):
     assert "captured 5 buckets" in runner.stats.capture.summary()
 
 
-def test_replay_equals_eager_for_every_batch_size(mr):
-    runner = CudaGraphRunner(mr, CFG)
+@pytest.mark.parametrize("packed_inputs,send_packed", [(True, True), (True, False), (False, False)])
+def test_replay_equals_eager_for_every_batch_size(mr, packed_inputs, send_packed):
+    runner = CudaGraphRunner(mr, replace(CFG, packed_inputs=packed_inputs))
     g = torch.Generator().manual_seed(1234)
     for bs in range(1, 17):
-        batch = mr.random_batch(bs, g)
+        batch = mr.random_batch(bs, g, packed=send_packed)
         want, want_state = mr.eager_reference(batch)
         got = runner.replay(batch)
         assert got.shape == want.shape
@@ -47,6 +50,7 @@ def test_replay_equals_eager_for_every_batch_size(mr):
         for have, ref in zip(mr.kv, want_state):
             torch.testing.assert_close(have[mr.page_size :], ref[mr.page_size :])
     assert runner.stats.replays == 16
+    assert runner.stats.packed_here == (16 if packed_inputs and not send_packed else 0)
 
 
 def test_output_is_a_static_view_overwritten_by_next_replay(mr):
@@ -61,14 +65,15 @@ def test_output_is_a_static_view_overwritten_by_next_replay(mr):
     assert not torch.allclose(out_a, kept)  # overwritten in place, as the docstring warns
 
 
-def test_padding_rows_are_reset_after_a_larger_batch(mr):
+@pytest.mark.parametrize("packed_inputs", [True, False])
+def test_padding_rows_are_reset_after_a_larger_batch(mr, packed_inputs):
     """A batch of 5 after one of 8 (same bucket): rows 5..7 must not keep the old requests'
     slots, or the padded rows would write into live KV."""
-    runner = CudaGraphRunner(mr, CFG)
+    runner = CudaGraphRunner(mr, replace(CFG, packed_inputs=packed_inputs))
     g = torch.Generator().manual_seed(11)
-    big = mr.random_batch(8, g)
+    big = mr.random_batch(8, g, packed=packed_inputs)
     runner.replay(big)
-    small = mr.random_batch(5, g)
+    small = mr.random_batch(5, g, packed=packed_inputs)
     state_before = mr.clone_state()
     want, want_state = mr.eager_reference(small)
     mr.load_state(state_before)
@@ -120,6 +125,26 @@ def test_bad_input_errors_before_any_copy(mr, field, bad):
     ok = mr.random_batch(4, g)
     want, _ = mr.eager_reference(ok)
     torch.testing.assert_close(runner.replay(ok), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda p: p.to(torch.int32), "int64"),
+        (lambda p: p[:-1], "shape"),
+        (lambda p: torch.cat([p, p[:, :3]], dim=1), "shape"),
+    ],
+)
+def test_bad_packed_input_errors_before_any_copy(mr, bad, match):
+    runner = CudaGraphRunner(mr, CFG)
+    g = torch.Generator().manual_seed(8)
+    batch = mr.random_batch(4, g, packed=True)
+    batch.packed = bad(batch.packed)
+    before = runner.buffers.packed.clone()
+    assert not runner.can_run(batch)
+    with pytest.raises(ReplayError, match=match):
+        runner.replay(batch)
+    assert torch.equal(runner.buffers.packed, before)
 
 
 def test_empty_and_prefill_batches(mr):
