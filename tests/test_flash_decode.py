@@ -105,6 +105,46 @@ def test_matches_float64_reference(case_id):
     assert not ws.partial_o[:, :, :ns].isnan().any()
 
 
+VARIANTS = {  # id: KernelConfig; the kernel's constexpr paths, each against the reference
+    "seed_kt_per_key": fd.KernelConfig(block_n=64, k_rows=False, page_tile=False),
+    "n64_page_tile": fd.KernelConfig(block_n=64, num_stages=3),
+    "n128": fd.KernelConfig(block_n=128, num_warps=8),
+    "n16_page_tile": fd.KernelConfig(block_n=16),
+    "fma_k_rows": fd.KernelConfig(use_dot=False),
+    "fma_kt_per_key": fd.KernelConfig(use_dot=False, k_rows=False, page_tile=False),
+}
+VARIANT_CASES = {  # id: (lens, n_heads, n_kv, hd, ps, num_splits, dtype)
+    "ps64_mixed": ([1, 64, 65, 200], 8, 2, 32, 64, 3, torch.float32),
+    "ps128_two_tiles_a_page": ([129, 5, 256], 2, 2, 32, 128, 2, torch.float32),
+    "ps16_gqa8": ([100, 17], 8, 1, 32, 16, 2, torch.float32),
+    "bf16_ps64": ([130, 70], 8, 2, 32, 64, 2, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case_id", list(VARIANT_CASES))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_matches_the_reference(variant, case_id):
+    lens, n_heads, n_kv, hd, ps, ns, dtype = VARIANT_CASES[case_id]
+    c = make_case(sum(map(ord, case_id)), lens, n_heads, n_kv, hd, ps, dtype)
+    got, ws = run(c, num_splits=ns, config=VARIANTS[variant])
+    ref = paged_decode_reference(c.q, c.k, c.v, c.bt, c.lens, compute_dtype=torch.float64)
+    assert not got.isnan().any()
+    assert rel_err(got, ref) < TOL[dtype]
+    assert not ws.partial_lse[:, :, :ns].isnan().any()
+
+
+def test_kernel_config_default_table_and_names():
+    cfg = fd.default_config(64, 64, torch.bfloat16)
+    assert cfg is fd.DEFAULT_CONFIGS[(64, 64, torch.bfloat16)]
+    assert fd.default_config(48, 3, torch.float32) is fd.FALLBACK_CONFIG
+    assert fd.KernelConfig(block_n=128, num_warps=8, num_stages=4).name == "n128w8s4"
+    flags = fd.KernelConfig(k_rows=False, page_tile=False, use_dot=False)
+    assert flags.name == "n64w4s2-kt-pk-fma"
+    for bad in ({"block_n": 48}, {"block_n": 8}, {"num_warps": 3}, {"num_stages": 0}):
+        with pytest.raises(ConfigError, match="KernelConfig"):
+            fd.KernelConfig(**bad)
+
+
 def test_empty_splits_write_minus_inf_and_zero():
     c = make_case(7, [5, 70], n_heads=4, n_kv=2, ps=16)
     _, ws = run(c, num_splits=8)

@@ -29,20 +29,25 @@ int equal to 1 at the first call is specialised away, and Triton appends two poi
 
 Positions up to 7 (main) and 3 (combine) are fixed; the grid of the main node (grid.z) is the
 split count. The head-dim stride of every tensor must be 1 (it is not passed).
+
+Variants of the main kernel (``KernelConfig``: tile, warps, pipelining depth, page-per-tile
+lookup, K layout, tensor cores or not) are constexprs and launch options of this one kernel, so
+every variant keeps the layout above. ``DEFAULT_CONFIGS`` holds the chosen one per shape;
+``benchmarks/flash_decode_sweep.py`` times the candidates.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import ConfigError
-from .splits import BLOCK_N, H200_NUM_SMS, num_splits_for
+from .decode_inputs import DecodeWorkspace, KernelConfig, _check_inputs
+from .splits import H200_NUM_SMS, num_splits_for
 
 MAIN_KERNEL_NAME = "_split_kv_kernel"
 COMBINE_KERNEL_NAME = "_combine_kernel"
@@ -51,86 +56,20 @@ COMBINE_PARTIAL_O_ARG = 0  # driver-level index, 8-byte pointer
 COMBINE_N_SPLITS_ARG = 1  # driver-level index, 4-byte int32
 
 DEFAULT_MAX_SPLITS = 64
-HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (tl.arange); 64 and 128 are the tuned ones
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# -- the default variant per (head_dim, page_size, dtype); any other shape gets FALLBACK_CONFIG --
+# Edit after reading the "best overall" line of benchmarks/flash_decode_sweep.py on the target GPU.
+# Predicted, not yet measured: 3 stages keep two K/V tiles in flight per program (48 KB of shared
+# memory: 4 programs fit one SM, the ladder's PROGRAMS_PER_SM), one page lookup per tile.
+FALLBACK_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
+DEFAULT_CONFIGS: dict[tuple[int, int, torch.dtype], KernelConfig] = {
+    (64, 64, torch.bfloat16): KernelConfig(block_n=64, num_warps=4, num_stages=3),
+}
 
 
-@dataclass
-class DecodeWorkspace:
-    """The fp32 partials of the split-KV kernel. A captured graph owns one; rows ``[:bs]`` of a
-    workspace allocated for ``max_bs`` serve every smaller batch."""
-
-    partial_o: torch.Tensor  # [max_bs, n_heads, max_splits, head_dim] fp32
-    partial_lse: torch.Tensor  # [max_bs, n_heads, max_splits] fp32
-
-    @property
-    def max_splits(self) -> int:
-        return self.partial_lse.shape[2]
-
-    @classmethod
-    def allocate(
-        cls, bs: int, n_heads: int, head_dim: int, max_splits: int, device: torch.device | str
-    ) -> DecodeWorkspace:
-        o = torch.empty(bs, n_heads, max_splits, head_dim, dtype=torch.float32, device=device)
-        lse = torch.empty(bs, n_heads, max_splits, dtype=torch.float32, device=device)
-        return cls(o, lse)
-
-
-def _fail(name: str, expected: str, given: object, fix: str = "") -> ConfigError:
-    return ConfigError(f"flash_decode: {name} must be {expected}, got {given}. {fix}".rstrip())
-
-
-def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, workspace, out, max_splits) -> None:
-    """Attribute-only checks (no device sync): shapes, dtypes, devices, strides."""
-    if q.dim() != 3:
-        raise _fail("q", "[bs, n_heads, head_dim]", f"shape {tuple(q.shape)}")
-    bs, n_heads, hd = q.shape
-    if k_cache.dim() != 4 or k_cache.shape[3] != hd:
-        raise _fail("k_cache", f"[num_pages, page_size, n_kv_heads, {hd}]", tuple(k_cache.shape))
-    n_pages, page_size, n_kv = k_cache.shape[:3]
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise _fail("v_cache", f"shaped like k_cache {tuple(k_cache.shape)}", tuple(v_cache.shape))
-    if hd not in HEAD_DIMS:
-        raise _fail("head_dim (q.shape[2])", f"one of {HEAD_DIMS}", hd)
-    if n_kv == 0 or n_heads % n_kv:
-        raise _fail("n_heads (q.shape[1])", f"a multiple of n_kv_heads={n_kv}", n_heads)
-    if block_table.dim() != 2 or block_table.shape[0] != bs:
-        raise _fail("block_table", f"[{bs}, max_pages]", tuple(block_table.shape))
-    if tuple(seq_lens.shape) != (bs,):
-        raise _fail("seq_lens", f"[{bs}]", tuple(seq_lens.shape))
-    if out is not None and tuple(out.shape) != (bs, n_heads, hd):
-        raise _fail("out", f"[{bs}, {n_heads}, {hd}]", tuple(out.shape))
-    if q.dtype not in DTYPES:
-        raise _fail("q.dtype", f"one of {DTYPES}", q.dtype)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t is not None and t.dtype != q.dtype:
-            raise _fail(f"{name}.dtype", f"q.dtype={q.dtype}", t.dtype)
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32:
-            raise _fail(f"{name}.dtype", "torch.int32", t.dtype)
-    if workspace is not None:
-        po, lse = workspace.partial_o, workspace.partial_lse
-        ms = workspace.max_splits
-        if lse.dim() != 3 or lse.shape[0] < bs or lse.shape[1] != n_heads:
-            raise _fail(
-                "workspace.partial_lse", f"[>={bs}, {n_heads}, max_splits]", tuple(lse.shape)
-            )
-        if tuple(po.shape[1:]) != (n_heads, ms, hd) or po.shape[0] < bs:
-            raise _fail("workspace.partial_o", f"[>={bs}, {n_heads}, {ms}, {hd}]", tuple(po.shape))
-        if po.dtype != torch.float32 or lse.dtype != torch.float32:
-            raise _fail("workspace partials", "float32", f"{po.dtype} / {lse.dtype}")
-        if max_splits > ms:
-            raise _fail("max_splits", f"<= workspace.max_splits={ms}", max_splits)
-    tensors = [("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)]
-    tensors += [("seq_lens", seq_lens), ("out", out)]
-    if workspace is not None:
-        tensors += [("workspace.partial_o", po), ("workspace.partial_lse", lse)]
-    for name, t in tensors:
-        if t is not None and t.device != q.device:
-            raise _fail(f"{name}.device", f"q.device={q.device}", t.device, "Move it first.")
-    for name, t in [("q", q), *tensors]:
-        if t is not None and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise _fail(f"{name}.stride(-1)", "1", t.stride(-1), "Call .contiguous() first.")
+def default_config(head_dim: int, page_size: int, dtype: torch.dtype) -> KernelConfig:
+    """The kernel variant ``flash_decode`` launches when no ``config`` is given."""
+    return DEFAULT_CONFIGS.get((head_dim, page_size, dtype), FALLBACK_CONFIG)
 
 
 @triton.jit
@@ -158,10 +97,13 @@ def _split_kv_kernel(
     stride_lb,
     stride_lh,
     GROUP: tl.constexpr,  # query heads per KV head
-    GROUP_PAD: tl.constexpr,  # max(16, next_pow2(GROUP)): rows of the q tile for tl.dot
+    GROUP_PAD: tl.constexpr,  # rows of the q tile: max(16, next_pow2(GROUP)) for tl.dot
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PAGE_TILE: tl.constexpr,  # PAGE_SIZE % BLOCK_N == 0: each tile lies in one page
+    K_ROWS: tl.constexpr,  # K as [BLOCK_N, HEAD_DIM], q @ trans(k); else K^T [HEAD_DIM, BLOCK_N]
+    USE_DOT: tl.constexpr,  # tl.dot (tensor cores); else broadcast multiply-and-sum in fp32
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (the default)
     UPCAST: tl.constexpr,  # dot in fp32: only the interpreter with bf16 (its bf16 dot is wrong)
 ):
@@ -170,7 +112,7 @@ def _split_kv_kernel(
     split_id = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    # -- this split's key range --
+    # -- this split's key range; chunk is a multiple of BLOCK_N, so every tile starts on one --
     seq_len = tl.load(seq_lens_ptr + cur_batch)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split_id * chunk
@@ -185,7 +127,7 @@ def _split_kv_kernel(
     # q tile: [GROUP_PAD, HEAD_DIM], padded rows are zero
     q_ptrs = q_ptr + cur_batch * stride_qb + cur_heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
-    if UPCAST:
+    if UPCAST or not USE_DOT:
         q = q.to(tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # fold log2(e) in: softmax runs on exp2
 
@@ -193,26 +135,40 @@ def _split_kv_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     bt_row = block_table_ptr + cur_batch * stride_bt
+    k_head = k_cache_ptr + cur_kv_head * stride_kh
+    v_head = v_cache_ptr + cur_kv_head * stride_vh
 
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in range(start, end, BLOCK_N):  # pipelined num_stages deep (launch option)
         k_idx = start_n + offs_n  # [BLOCK_N] key positions
         mask_n = k_idx < end
         # -- page lookup: logical key -> (page, slot) --
-        page = tl.load(bt_row + k_idx // PAGE_SIZE, mask=mask_n, other=0)  # [BLOCK_N]
-        slot = k_idx % PAGE_SIZE
-        page = page.to(tl.int64)
-        # K^T tile [HEAD_DIM, BLOCK_N], V tile [BLOCK_N, HEAD_DIM]
-        k_off = page * stride_kp + slot * stride_ks + cur_kv_head * stride_kh
-        v_off = page * stride_vp + slot * stride_vs + cur_kv_head * stride_vh
-        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        if UPCAST:
+        if PAGE_TILE:  # one block-table load per tile; the slots are contiguous
+            page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)  # scalar
+            slot = start_n % PAGE_SIZE + offs_n  # [BLOCK_N]
+        else:  # one lookup per key
+            page = tl.load(bt_row + k_idx // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            slot = k_idx % PAGE_SIZE
+        k_off = page * stride_kp + slot * stride_ks  # [BLOCK_N]
+        v_off = page * stride_vp + slot * stride_vs  # [BLOCK_N]
+        # V tile [BLOCK_N, HEAD_DIM]; K tile [BLOCK_N, HEAD_DIM] (K_ROWS) or [HEAD_DIM, BLOCK_N]
+        if K_ROWS:
+            k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if UPCAST or not USE_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
         # -- scores: [GROUP_PAD, BLOCK_N] in log2 units --
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        if USE_DOT:
+            kt = tl.trans(k) if K_ROWS else k  # [HEAD_DIM, BLOCK_N]
+            qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        elif K_ROWS:
+            qk = tl.sum(q[:, None, :] * k[None, :, :], 2)
+        else:
+            qk = tl.sum(q[:, :, None] * k[None, :, :], 1)
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
 
         # -- update m_i and l_i --
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile holds a live key
@@ -220,9 +176,12 @@ def _split_kv_kernel(
         p = tl.exp2(qk - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        # -- update acc --
+        # -- update acc: [GROUP_PAD, HEAD_DIM] --
         acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if USE_DOT:
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc += tl.sum(p[:, :, None] * v[None, :, :], 1)
         m_i = m_new
 
     # -- write partials; an empty split gives o = 0, lse = -inf, never NaN --
@@ -283,7 +242,10 @@ def _combine_kernel(
         + offs_s[:, None] * stride_pos
         + offs_d[None, :]
     )
-    po = tl.load(po_ptrs, mask=(mask_s & live)[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM]
+    # issued together with the lse load (not masked by `live`, which would wait for it); the
+    # first n_splits partials are always written, an empty split's as zeros
+    po = tl.load(po_ptrs, mask=mask_s[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM]
+    po = tl.where(live[:, None], po, 0.0)
     o = tl.sum(po * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)  # [HEAD_DIM]
     out_ptrs = out_ptr + cur_batch * stride_ob + cur_head * stride_oh + offs_d
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))
@@ -321,13 +283,15 @@ def flash_decode(
     sm_scale: float | None = None,
     max_seq_len: int | None = None,
     num_sms: int | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:  # [bs, n_heads, head_dim], q.dtype
     """Decode attention of one new token per request over its paged keys and values.
 
     ``num_splits=None`` picks the split count from the ladder (``splits.num_splits_for``) at the
     live maximum length: the host int ``max_seq_len`` when given, else ``seq_lens.max().item()``
     (a device sync, refused during graph capture). Inside a graph, pass ``num_splits`` and a
-    ``workspace`` so the graph owns its partials. Returns ``out`` (allocated when None).
+    ``workspace`` so the graph owns its partials. ``config`` picks the kernel variant (default:
+    ``default_config(head_dim, page_size, dtype)``). Returns ``out`` (allocated when None).
     """
     bs, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     if max_splits is None:
@@ -367,7 +331,9 @@ def flash_decode(
         return out
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
+    cfg = config if config is not None else default_config(head_dim, page_size, q.dtype)
     group = n_heads // n_kv_heads
+    group_pad = max(16, _next_pow2(group)) if cfg.use_dot else _next_pow2(group)
     po, lse = workspace.partial_o, workspace.partial_lse
     upcast = _INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else None  # None: the default
@@ -380,9 +346,10 @@ def flash_decode(
         block_table.stride(0),
         po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1),
-        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=4, num_stages=2,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
+        K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     _combine_kernel[(bs, n_heads)](
         po, num_splits, lse, out,
@@ -399,8 +366,12 @@ __all__ = [
     "COMBINE_KERNEL_NAME",
     "COMBINE_N_SPLITS_ARG",
     "COMBINE_PARTIAL_O_ARG",
+    "DEFAULT_CONFIGS",
     "DecodeWorkspace",
+    "FALLBACK_CONFIG",
+    "KernelConfig",
     "MAIN_KERNEL_NAME",
     "MAIN_PARTIAL_O_ARG",
+    "default_config",
     "flash_decode",
 ]
