@@ -28,8 +28,11 @@ A batch no shape holds (too many prompts or tokens, or exactly ``max(batch_sizes
 leave tokens over: padding tokens need a padded request) runs eagerly through
 ``ModelRunner.prefill``, counted in ``stats.eager_batches``.
 
-The regions use the decoder's submodules (``input_layernorm``, ``self_attn.qkv_proj``,
-``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp``, ``norm``) and ``apply_rope``.
+The regions call the decoder's submodules (``embed_tokens``, ``input_layernorm``,
+``self_attn.qkv_proj``, ``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp``, ``norm``,
+``logits``) one by one, so fused kernels behind them are used as they are; a norm may return a
+tensor or ``(normed, residual)``. RoPE (``_rope``, rotate-half as Hugging Face) is done here:
+the layers' own RoPE sits inside their attention call, which this cuts out.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from ..configs import PiecewiseCallInputs, PiecewisePackedConfig, pad_lengths
 from ..errors import ConfigError
 from ..kernels.kv_write import write_kv
 from ..piecewise import PiecewiseRunner
-from .llama import apply_rope
 from .model_runner import ModelRunner
 
 DEFAULT_TOKEN_BUCKETS = (16, 64, 256, 2048)
@@ -161,19 +163,19 @@ class PiecewisePrefill:
         else:  # post-attention of layer region - 1
             layer = layers[region - 1]
             x = s["residual"] + layer.self_attn.o_proj(s["attn"])
-            x = x + layer.mlp(layer.post_attention_layernorm(x))  # [T, hidden]
+            x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))  # [T, hidden]
         if region == self.num_layers:
-            h = self.model.norm(x[call.resources["last_idx"]])  # [bs, hidden]
-            return {"logits": self.model.logits(h)}  # [bs, vocab] float32
+            h = _norm(self.model.norm, x[call.resources["last_idx"]])  # [bs, hidden]
+            return {"logits": self.model.logits(h).float()}  # [bs, vocab] float32
         layer, t = layers[region], x.shape[0]
-        qkv = layer.self_attn.qkv_proj(layer.input_layernorm(x))
+        qkv = layer.self_attn.qkv_proj(_norm(layer.input_layernorm, x))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         pos = s["positions"]
         cos, sin = self.model.rope_cos[pos], self.model.rope_sin[pos]  # [T, head_dim]
         return {
             "residual": x,  # [T, hidden]
-            "q": apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin),  # [T, H, hd]
-            "k": apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin),  # [T, Hkv, hd]
+            "q": _rope(q.view(t, self.n_heads, self.head_dim), cos, sin),  # [T, H, hd]
+            "k": _rope(k.view(t, self.n_kv, self.head_dim), cos, sin),  # [T, Hkv, hd]
             "v": v.reshape(t, self.n_kv, self.head_dim),  # [T, Hkv, hd]
         }
 
@@ -268,6 +270,23 @@ class PiecewisePrefill:
     def shutdown(self) -> None:
         for r in self.runners:
             r.shutdown()
+
+
+def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+    """``norm(x)``, whether the module returns the normed tensor or ``(normed, residual)``."""
+    out = norm(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _rope(
+    x: torch.Tensor,  # [T, heads, head_dim]
+    cos: torch.Tensor,  # [T, head_dim]
+    sin: torch.Tensor,  # [T, head_dim]
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """Rotate-half RoPE (the Hugging Face layout: pairs are (i, i + head_dim/2))."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 __all__ = [
