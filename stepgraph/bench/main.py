@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG of ms/token vs context")
+    p.add_argument(
+        "--prefill",
+        action="store_true",
+        help="time only packed prefill, eager vs piecewise graphs (stepgraph/bench/prefill.py)",
+    )
 
 
 def _ints(text: str) -> list[int]:
@@ -55,6 +60,10 @@ def peer_allowed(peer: str, points: list[Point], which: str) -> set[Point]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "prefill", False):
+        from .prefill import run_prefill
+
+        return run_prefill(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             "stepgraph bench: no CUDA GPU is visible. Run it on a machine with an NVIDIA GPU, "

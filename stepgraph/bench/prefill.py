@@ -1,0 +1,158 @@
+"""`stepgraph bench --prefill`: packed prefill, eager vs piecewise graphs.
+
+For each total of ``PREFILL_TOKENS`` four prompts of uneven lengths fill exactly that many tokens;
+``ModelRunner.prefill`` (one prompt at a time) and ``PiecewisePrefill.prefill`` (one packed
+batch, everything but attention replayed) are timed with CUDA events (medians), and their
+logits compared. Capture seconds and pool MiB cover every piecewise shape of every region.
+Targets (reported, not enforced): >= 1.5x faster at <= 64 tokens, never > 3% slower at 2048.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+PREFILL_TOKENS = (16, 64, 256, 2048)
+PROMPTS_PER_BATCH = 4
+SHARES = (0.4, 0.3, 0.2)  # of the tokens, for the first three prompts; the last takes the rest
+CPU_TOKENS = (8, 32)  # the CPU smoke run (tiny preset)
+SMALL_TOKENS, SMALL_SPEEDUP = 64, 1.5  # target: >= 1.5x at <= 64 tokens
+LARGE_SLOWDOWN = 1.03  # target: piecewise never > 3% slower at the largest batch
+
+
+@dataclass
+class PrefillRow:
+    tokens: int
+    lengths: list[int]
+    eager_ms: float
+    piecewise_ms: float
+    speedup: float
+    max_abs_logit_diff: float
+    same_argmax: bool
+
+
+def prompt_lengths(total: int, n: int = PROMPTS_PER_BATCH) -> list[int]:
+    """``n`` uneven lengths >= 1 summing to ``total`` (the last takes the rest).
+
+    >>> prompt_lengths(64)
+    [26, 19, 13, 6]
+    """
+    lens = [max(1, round(total * s)) for s in SHARES[: n - 1]]
+    return [*lens, total - sum(lens)]
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    if device.type == "cuda":
+        from .timing import cuda_time_ms
+
+        return cuda_time_ms(fn, warmup=5, iters=iters)
+    fn()
+    samples = []
+    for _ in range(max(3, iters // 4)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    from ..model.piecewise_prefill import PiecewisePrefill, PrefillGraphConfig
+    from .main import DTYPES
+    from .workload import build_model_runner
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print(
+            "stepgraph bench --prefill: no CUDA GPU is visible; run it on a GPU machine, or "
+            "smoke-test it with `stepgraph bench --prefill --device cpu`.",
+            file=sys.stderr,
+        )
+        return 2
+    model = args.model or ("llama-3.2-1b" if cuda else "tiny")
+    totals = PREFILL_TOKENS if cuda else CPU_TOKENS
+    dtype = DTYPES[args.dtype] if cuda else torch.float32
+    mr = build_model_runner(model, args.device, dtype, PROMPTS_PER_BATCH, max(totals) + 64)
+    device = mr.device
+    config = PrefillGraphConfig(totals, (1, 2, 4, 8) if cuda else (1, 2, 4))
+    t0 = time.perf_counter()
+    piecewise = PiecewisePrefill(mr, config)
+    capture_wall_s = time.perf_counter() - t0
+    cap = piecewise.stats.capture
+    iters = max(args.iters, 20)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for total in totals:
+        lens = prompt_lengths(total)
+        prompts = [torch.randint(1, mr.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+        pages = [mr.kv_cache.reserve(n) for n in lens]
+        ref = mr.prefill(prompts, pages).clone()
+        got = piecewise.prefill(prompts, pages).clone()
+        eager_ms = _time_ms(lambda p=prompts, q=pages: mr.prefill(p, q), device, iters)
+        graphs = piecewise.stats.graph_batches
+        pw_ms = _time_ms(lambda p=prompts, q=pages: piecewise.prefill(p, q), device, iters)
+        if piecewise.stats.graph_batches == graphs:
+            print(f"warning: {total} tokens ran eagerly (no shape holds {lens})", file=sys.stderr)
+        rows.append(
+            PrefillRow(
+                total, lens, eager_ms, pw_ms, eager_ms / pw_ms,
+                float((got - ref).abs().max()), bool((got.argmax(-1) == ref.argmax(-1)).all()),
+            )
+        )  # fmt: skip
+        for p in pages:
+            mr.kv_cache.release(p)
+    small = [r.speedup for r in rows if r.tokens <= SMALL_TOKENS]
+    large = rows[-1]
+    targets = {
+        f"speedup_at_<={SMALL_TOKENS}_tokens>={SMALL_SPEEDUP}": bool(small)
+        and min(small) >= SMALL_SPEEDUP,
+        f"at_{large.tokens}_tokens_not_>3%_slower": large.piecewise_ms
+        <= large.eager_ms * LARGE_SLOWDOWN,
+    }
+    print(f"\nstepgraph bench --prefill: {model} ({args.dtype if cuda else 'float32'}, {device})")
+    print(f"{'tokens':>7} {'lengths':<20} {'eager ms':>9} {'piecewise ms':>13} {'speedup':>8}"
+          f" {'max|dlogit|':>12} {'argmax':>7}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r.tokens:>7} {','.join(map(str, r.lengths)):<20} {r.eager_ms:>9.3f} "
+            f"{r.piecewise_ms:>13.3f} {r.speedup:>7.2f}x {r.max_abs_logit_diff:>12.4f} "
+            f"{'same' if r.same_argmax else 'DIFF':>7}"
+        )
+    print(
+        f"capture: {len(cap.buckets)} graphs ({len(piecewise.runners)} regions x "
+        f"{len(piecewise.runners[0].shapes)} shapes) in {cap.seconds:.2f} s "
+        f"({capture_wall_s:.2f} s wall), pool {cap.pool_bytes / 2**20:.1f} MiB"
+    )
+    for name, ok in targets.items():
+        print(f"target {name}: {'met' if ok else 'MISSED'}")
+    if args.json:
+        meta = {
+            "model": model,
+            "dtype": args.dtype if cuda else "float32",
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__,
+            "token_buckets": list(config.token_buckets),
+            "batch_sizes": list(config.batch_sizes),
+        }
+        capture = {
+            "graphs": len(cap.buckets),
+            "regions": len(piecewise.runners),
+            "seconds": cap.seconds,
+            "wall_seconds": capture_wall_s,
+            "pool_mib": cap.pool_bytes / 2**20,
+        }
+        with open(args.json, "w") as f:
+            rows_json = [asdict(r) for r in rows]
+            json.dump({"meta": meta, "rows": rows_json, "capture": capture, "targets": targets},
+                      f, indent=1)  # fmt: skip
+    piecewise.shutdown()
+    return 0
+
+
+__all__ = ["PREFILL_TOKENS", "PrefillRow", "prompt_lengths", "run_prefill"]
