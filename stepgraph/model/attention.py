@@ -2,7 +2,9 @@
 ``AttentionBackend`` hooks the graph runner calls (``stepgraph.batch``).
 
 The init_* hooks store the step's metadata on the backend; every layer then calls
-``backend.attention(layer_id, q, k, v)``, which writes the new K/V into the pages and attends.
+``backend.rope_attention(layer_id, qkv, positions, cos_table, sin_table)``, which rotates q and k,
+writes the new K/V into the pages and attends. On CUDA the rotation and the write are one launch
+(``rope_kv``); on the CPU they are the torch ops of ``rope_kv_reference``.
 
 - Decode on CUDA: ``flash_decode`` with an explicit split count, always. Eager steps take it from
   the ladder at the live maximum length (the batch's HOST copy of ``seq_lens``: no device sync);
@@ -25,6 +27,7 @@ from ..errors import CaptureError, ConfigError
 from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_decode
 from ..kernels.kv_write import write_kv
 from ..kernels.reference import paged_decode_reference
+from ..kernels.rope_kv import rope_kv, rope_kv_reference
 from ..kernels.splits import num_splits_for
 from .kv_cache import KVCache
 
@@ -171,19 +174,53 @@ class PagedAttentionBackend:
 
     # -- the layers' call --------------------------------------------------------------------
 
-    def attention(
+    def rope_attention(
         self,
         layer_id: int,
-        q: torch.Tensor,  # [T, n_heads, head_dim]   (T = bs for decode, prompt length for prefill)
-        k: torch.Tensor,  # [T, n_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, n_kv_heads, head_dim]
+        qkv: torch.Tensor,  # [T, (n_heads + 2 * n_kv_heads) * head_dim]
+        positions: torch.Tensor,  # [T] int64
+        cos_table: torch.Tensor,  # [max_positions, head_dim]
+        sin_table: torch.Tensor,  # [max_positions, head_dim]
     ) -> torch.Tensor:  # [T, n_heads, head_dim]
-        """Write this step's K/V into the pages of layer ``layer_id`` and attend."""
-        m = self.meta
+        """Rotate q and k at ``positions``, write K/V into the pages of layer ``layer_id`` and
+        attend: one ``rope_kv`` launch on CUDA, then the attention kernels."""
+        m = self._meta()
         k_cache = self.kv_cache.k_caches[layer_id]
         v_cache = self.kv_cache.v_caches[layer_id]
+        slots = m.slots if isinstance(m, PrefillMetadata) else m.out_cache_loc
+        if not self._fused_rope(qkv, k_cache):
+            q, k, v = rope_kv_reference(
+                qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, self.num_heads
+            )
+            return self._attend(m, q, k, v, k_cache, v_cache)
+        q = rope_kv(qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, self.num_heads)
+        if isinstance(m, PrefillMetadata):  # SDPA wants the prompt's rotated K/V: read them back
+            k = k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
+            v = v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
+            return self._attend(m, q, k, v, k_cache, v_cache)
+        return self._attend(m, q, None, None, k_cache, v_cache)
+
+    def _fused_rope(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        half = self.head_dim // 2
+        return (
+            qkv.is_cuda
+            and half & (half - 1) == 0
+            and qkv.stride(-1) == 1
+            and k_cache.is_contiguous()
+        )
+
+    def _meta(self) -> DecodeMetadata | PrefillMetadata:
+        if self.meta is None:
+            raise ConfigError(
+                "attention called before init_forward_metadata / init_prefill_metadata; "
+                "run the model through ModelRunner.forward or ModelRunner.prefill."
+            )
+        return self.meta
+
+    def _attend(self, m, q, k, v, k_cache, v_cache) -> torch.Tensor:  # [T, n_heads, head_dim]
+        """Attention of ``q`` once this step's K/V are in the pages (``k``, ``v``: the prompt's
+        own keys and values, read by prefill only)."""
         if isinstance(m, PrefillMetadata):
-            write_kv(k_cache, v_cache, k, v, m.slots)
             # [1, heads, T, head_dim] for SDPA; query head h reads KV head h // group
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
@@ -194,12 +231,6 @@ class PagedAttentionBackend:
                 enable_gqa=True,
             )
             return out[0].transpose(0, 1)
-        if m is None:
-            raise ConfigError(
-                "attention called before init_forward_metadata / init_prefill_metadata; "
-                "run the model through ModelRunner.forward or ModelRunner.prefill."
-            )
-        write_kv(k_cache, v_cache, k, v, m.out_cache_loc)
         if self.use_kernel:
             return flash_decode(
                 q, k_cache, v_cache, m.block_table, m.seq_lens,
@@ -209,6 +240,22 @@ class PagedAttentionBackend:
         return paged_decode_reference(
             q, k_cache, v_cache, m.block_table, m.seq_lens, sm_scale=self.sm_scale
         )
+
+    def attention(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [T, n_heads, head_dim]   (T = bs for decode, prompt length for prefill)
+        k: torch.Tensor,  # [T, n_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, n_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [T, n_heads, head_dim]
+        """Write this step's (already rotated) K/V into the pages of layer ``layer_id`` and
+        attend: the unfused entry point."""
+        m = self._meta()
+        k_cache = self.kv_cache.k_caches[layer_id]
+        v_cache = self.kv_cache.v_caches[layer_id]
+        slots = m.slots if isinstance(m, PrefillMetadata) else m.out_cache_loc
+        write_kv(k_cache, v_cache, k, v, slots)
+        return self._attend(m, q, k, v, k_cache, v_cache)
 
 
 __all__ = ["DecodeMetadata", "PagedAttentionBackend", "PrefillMetadata", "SEQ_LEN_FILL_VALUE"]

@@ -4,26 +4,57 @@ projections, SwiGLU, optionally tied embeddings.
 Parameter names mirror Hugging Face's without the ``model.`` prefix, except the fused
 ``self_attn.qkv_proj`` (q, k, v stacked on the output dim) and ``mlp.gate_up_proj`` (gate, up).
 The model knows nothing of graphs: attention goes through an attention backend object, whose
-``attention(layer_id, q, k, v)`` writes the KV cache and attends (decode or prefill, as its
-metadata says). Tokens are flattened: ``T`` is the batch size for decode, the prompt length for
-prefill.
+``rope_attention(layer_id, qkv, positions, cos_table, sin_table)`` rotates q and k, writes the KV
+cache and attends (decode or prefill, as its metadata says). Tokens are flattened: ``T`` is the
+batch size for decode, the prompt length for prefill.
+
+On CUDA a layer is ten launches: add+RMSNorm, qkv GEMM, RoPE+KV write, attention (two),
+o_proj, add+RMSNorm, gate-up GEMM, SiLU*mul, down GEMM (``stepgraph.kernels.fused_*``,
+``rope_kv``). The residual stream travels beside the hidden state, so each residual add is fused
+into the next norm (the last one into the final norm). On the CPU the same functions run their
+torch references, op for op what transformers does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
+from ..kernels.fused_act import silu_mul, silu_mul_reference
+from ..kernels.fused_norm import add_rmsnorm, add_rmsnorm_reference
+from ..kernels.gemv import MAX_M, gemv
+from ..kernels.rope_kv import apply_rope
 from .config import ModelConfig, rope_inv_freq
 
 
 class AttentionFn(Protocol):
-    def attention(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor: ...
+    def rope_attention(
+        self,
+        layer_id: int,
+        qkv: torch.Tensor,  # [T, (n_heads + 2 * n_kv) * head_dim]
+        positions: torch.Tensor,  # [T] int64
+        cos_table: torch.Tensor,  # [max_positions, head_dim]
+        sin_table: torch.Tensor,  # [max_positions, head_dim]
+    ) -> torch.Tensor: ...  # [T, n_heads, head_dim]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that serves batches of at most ``gemv_max_bs`` rows on CUDA with the
+    Triton GEMV (0: always cuBLAS), writing ``out_dtype`` (None: the input's) when it does.
+    ``LlamaModel.use_gemv`` sets both per projection shape."""
+
+    gemv_max_bs: int = 0
+    out_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.gemv_max_bs and x.is_cuda and x.shape[0] <= self.gemv_max_bs:
+            return gemv(x, self.weight, self.bias, self.out_dtype)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -32,22 +63,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, dim]
-        # In float32, then back to the input dtype before the weight (as transformers does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def apply_rope(
-    x: torch.Tensor,  # [T, heads, head_dim]
-    cos: torch.Tensor,  # [T, head_dim]
-    sin: torch.Tensor,  # [T, head_dim]
-) -> torch.Tensor:  # [T, heads, head_dim]
-    """Rotate-half RoPE (the Hugging Face layout: pairs are (i, i + head_dim/2))."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, dim]
+        residual: torch.Tensor | None = None,  # [T, dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, dim], x + residual [T, dim])
+        """``norm(x + residual)`` and ``x + residual`` (``residual=None``: ``norm(x)``, ``x``).
+        In float32, then back to the input dtype before the weight (as transformers does)."""
+        if x.is_cuda:
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        return add_rmsnorm_reference(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -61,24 +86,21 @@ class Attention(nn.Module):
         )
         self.q_size, self.kv_size = config.q_size, config.kv_size
         # One GEMM for q, k and v: weight [q_size + 2 * kv_size, hidden]
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,  # [T, head_dim]
+        positions: torch.Tensor,  # [T] int64
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin tables [max_positions, head_dim]
         backend: AttentionFn,
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin)  # [T, n_heads, hd]
-        k = apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin)  # [T, n_kv, hd]
-        v = v.view(t, self.n_kv, self.head_dim)  # [T, n_kv, hd]
-        o = backend.attention(self.layer_id, q, k, v)  # [T, n_heads, hd]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        o = backend.rope_attention(self.layer_id, qkv, positions, *rope)  # [T, n_heads, hd]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -87,12 +109,13 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = config.intermediate_size
         # One GEMM for gate and up: weight [2 * intermediate, hidden]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter]: gate | up
+        act = silu_mul(gate_up) if gate_up.is_cuda else silu_mul_reference(gate_up)
+        return self.down_proj(act)  # act: [T, inter]
 
 
 class DecoderLayer(nn.Module):
@@ -103,9 +126,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, backend: AttentionFn) -> torch.Tensor:  # x: [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden], the previous layer's MLP output (or the embeddings)
+        residual: torch.Tensor | None,  # [T, hidden], the stream before x (None at layer 0)
+        positions: torch.Tensor,  # [T] int64
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [T, hidden] each
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -118,7 +150,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.out_dtype = torch.float32  # the GEMV writes float32 logits directly
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # cos/sin tables [max_positions, head_dim]; filled by build_rope() once on the device
@@ -143,15 +176,36 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T] int64
         backend: AttentionFn,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, head_dim]
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = (self.rope_cos, self.rope_sin)
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, cos, sin, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, rope, backend)
+        return self.norm(x, residual)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # h: [n, hidden] -> [n, vocab] float32
-        # float32 logits: sampling and parity checks read them without another cast.
+        # float32 logits: sampling and parity checks read them without another cast. The GEMV
+        # writes float32 itself (``.float()`` is then a no-op); cuBLAS returns the model dtype.
         return self.lm_head(h).float()
+
+    def use_gemv(
+        self, shapes: Iterable[tuple[int, int]] | str | None = "all", max_bs: int = MAX_M
+    ) -> list[str]:
+        """Serve batches of at most ``max_bs`` rows of the projections whose weight shape
+        ``(out_features, in_features)`` is in ``shapes`` ("all": every projection; None: none)
+        with the Triton GEMV on CUDA; cuBLAS otherwise. Returns the names switched on."""
+        if max_bs > MAX_M:
+            raise ConfigError(
+                f"the Triton GEMV takes at most {MAX_M} rows, got max_bs={max_bs}; pass a smaller "
+                "max_bs (larger batches go to cuBLAS anyway)."
+            )
+        want = None if shapes == "all" else set(map(tuple, shapes or ()))
+        names = []
+        for name, mod in self.named_modules():
+            if isinstance(mod, Linear):
+                on = want is None or (mod.out_features, mod.in_features) in want
+                mod.gemv_max_bs = max_bs if on else 0
+                names += [name] if on else []
+        return names
 
 
 @torch.no_grad()
@@ -197,4 +251,13 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-__all__ = ["Attention", "LlamaModel", "RMSNorm", "apply_rope", "build_model", "init_random"]
+__all__ = [
+    "Attention",
+    "AttentionFn",
+    "Linear",
+    "LlamaModel",
+    "RMSNorm",
+    "apply_rope",
+    "build_model",
+    "init_random",
+]
