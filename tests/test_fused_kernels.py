@@ -1,0 +1,108 @@
+"""The fused decode kernels (add+RMSNorm, SiLU*mul, RoPE+KV write) and the Triton GEMV under the
+Triton interpreter, against float64 torch references on fresh random inputs; every output is
+poisoned with NaN first, so an unwritten element fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.kernels.fused_act import silu_mul
+from stepgraph.kernels.fused_norm import add_rmsnorm
+from stepgraph.kernels.gemv import gemv
+from stepgraph.kernels.rope_kv import apply_rope, rope_kv
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "an output element was never written (still NaN)"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Make every ``torch.empty``/``empty_like`` the kernels allocate start as NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(
+        torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan"))
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, n, with_res", [(3, 64, True), (1, 48, True), (2, 40, False)])
+def test_add_rmsnorm(nan_empty, dtype, t, n, with_res):
+    g = torch.Generator().manual_seed(t * n)
+    x = torch.randn(t, n, generator=g).to(dtype)
+    res = torch.randn(t, n, generator=g).to(dtype) if with_res else None
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    out, new_res = add_rmsnorm(x, res, w, 1e-5)
+    s = x.double() + (res.double() if with_res else 0)  # [T, n]
+    ref = w.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert rel_err(new_res, s) < TOL[dtype] / 2
+    assert rel_err(out, ref) < TOL[dtype]
+    if not with_res:
+        assert new_res is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, inter, block", [(2, 96, 64), (1, 128, 128)])
+def test_silu_mul(nan_empty, dtype, t, inter, block):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = (2 * torch.randn(t, 2 * inter, generator=g)).to(dtype)
+    out = silu_mul(gate_up, block=block)
+    gate, up = gate_up.double().split(inter, dim=-1)
+    assert out.shape == (t, inter)
+    assert rel_err(out, gate * torch.sigmoid(gate) * up) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kv(nan_empty, dtype):
+    n_heads, n_kv, hd, pages, ps, t = 4, 2, 16, 5, 8, 3
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, (n_heads + 2 * n_kv) * hd, generator=g).to(dtype)
+    freqs = torch.rand(64, hd // 2, generator=g, dtype=torch.float64) * 6
+    emb = torch.cat((freqs, freqs), dim=-1)  # [64 positions, hd]
+    cos_t, sin_t = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.tensor([5, 0, 63])
+    slots = torch.tensor([ps - 1, ps, 4 * ps + 3])  # page edges
+    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q = rope_kv(qkv, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads)
+    # float64 reference: rotate, then place k and v at their slots
+    qd, kd, vd = qkv.double().split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+    cos, sin = cos_t[positions].double(), sin_t[positions].double()
+    q_ref = apply_rope(qd.view(t, n_heads, hd), cos, sin)
+    k_ref = apply_rope(kd.view(t, n_kv, hd), cos, sin)
+    assert rel_err(q, q_ref) < TOL[dtype]
+    k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
+    assert rel_err(k_flat[slots], k_ref) < TOL[dtype]
+    assert torch.equal(v_flat[slots], vd.view(t, n_kv, hd).to(dtype))
+    untouched = torch.ones(pages * ps, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_flat[untouched], k0.view(-1, n_kv, hd)[untouched])
+    assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "m, n, k, bias, blocks",
+    [
+        (1, 40, 96, False, {}),  # N not a multiple of BLOCK_N, K not of BLOCK_K
+        (3, 24, 64, True, {"block_n": 8, "block_k": 32}),
+        (8, 16, 80, False, {"block_n": 4, "block_k": 32}),
+    ],
+)
+def test_gemv(nan_empty, dtype, m, n, k, bias, blocks):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    y = gemv(x, w, b, **blocks)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert rel_err(y, ref) < TOL[dtype]
+    y32 = gemv(x, w, b, torch.float32, **blocks)  # the LM head's float32 logits
+    assert y32.dtype == torch.float32 and rel_err(y32, ref) < 1e-5
