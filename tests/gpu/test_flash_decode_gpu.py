@@ -17,6 +17,7 @@ from stepgraph.kernels.reference import paged_decode_reference
 from stepgraph.kernels.splits import num_splits_for
 
 fd = importlib.import_module("stepgraph.kernels.flash_decode")
+sweep = importlib.import_module("benchmarks.flash_decode_sweep")  # its VARIANTS; no CUDA at import
 
 DEV = "cuda"
 
@@ -66,11 +67,13 @@ def rel_err(got, ref):
     return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def check(seed, lens, n_heads, n_kv, hd, ps, num_splits, dtype=torch.bfloat16, max_splits=64):
+def check(
+    seed, lens, n_heads, n_kv, hd, ps, num_splits, dtype=torch.bfloat16, max_splits=64, config=None
+):
     q, k, v, bt, sl = make_case(seed, lens, n_heads, n_kv, hd, ps, dtype)
     ws, out = poisoned(len(lens), n_heads, hd, max_splits, dtype)
     kw = {"num_splits": num_splits} if num_splits else {"max_seq_len": max(lens)}
-    got = fd.flash_decode(q, k, v, bt, sl, workspace=ws, out=out, **kw)
+    got = fd.flash_decode(q, k, v, bt, sl, workspace=ws, out=out, config=config, **kw)
     ref = paged_decode_reference(q, k, v, bt, sl, compute_dtype=torch.float64)
     assert not got.isnan().any()
     err = rel_err(got, ref)
@@ -96,6 +99,16 @@ def test_mixed_lengths_every_geometry(gqa, hd, ps, num_splits):
 @pytest.mark.parametrize("num_splits", [1, 64, None])
 def test_realistic_sizes(lens, num_splits):
     check(len(lens) + sum(lens) % 997, lens, 32, 8, 64, 64, num_splits)
+
+
+@pytest.mark.parametrize("cfg", sweep.VARIANTS, ids=[c.name for c in sweep.VARIANTS])
+@pytest.mark.parametrize("ps", [16, 64, 128])  # per-key lookup; one and two tiles a page
+def test_every_sweep_variant_matches_the_reference(cfg, ps):
+    """Each config the sweep times, at Llama-3.2-1B shapes in bf16: several split counts, the
+    ladder, and tile and page edges. (One compile per variant and page size.)"""
+    lens = [1, 63, 64, 65, 127, 128, 129, 1000, 4097, 32768]
+    for ns in (1, 7, 64, None):
+        check(sum(map(ord, cfg.name)) + ps, lens, 32, 8, 64, ps, ns, config=cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -181,7 +194,7 @@ def test_driver_level_positions_of_editable_args():
         *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], bt.stride(0),
         *ws.partial_o.stride()[:3], *ws.partial_lse.stride()[:2],
         GROUP=8, GROUP_PAD=16, HEAD_DIM=hd, PAGE_SIZE=16, BLOCK_N=64,
-        DOT_PRECISION=None, UPCAST=False,
+        PAGE_TILE=False, K_ROWS=True, USE_DOT=True, DOT_PRECISION=None, UPCAST=False,
     )  # fmt: skip
     assert _driver_index(main, "partial_o_ptr")[0] == fd.MAIN_PARTIAL_O_ARG
     assert main.name == fd.MAIN_KERNEL_NAME
