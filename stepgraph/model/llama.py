@@ -17,7 +17,7 @@ torch references, op for op what transformers does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -188,24 +188,33 @@ class LlamaModel(nn.Module):
         return self.lm_head(h).float()
 
     def use_gemv(
-        self, shapes: Iterable[tuple[int, int]] | str | None = "all", max_bs: int = MAX_M
+        self,
+        shapes: Mapping[tuple[int, int], int] | Iterable[tuple[int, int]] | str | None = "all",
+        max_bs: int = MAX_M,
     ) -> list[str]:
-        """Serve batches of at most ``max_bs`` rows of the projections whose weight shape
-        ``(out_features, in_features)`` is in ``shapes`` ("all": every projection; None: none)
-        with the Triton GEMV on CUDA; cuBLAS otherwise. Returns the names switched on."""
-        if max_bs > MAX_M:
-            raise ConfigError(
-                f"the Triton GEMV takes at most {MAX_M} rows, got max_bs={max_bs}; pass a smaller "
-                "max_bs (larger batches go to cuBLAS anyway)."
-            )
-        want = None if shapes == "all" else set(map(tuple, shapes or ()))
-        names = []
-        for name, mod in self.named_modules():
-            if isinstance(mod, Linear):
-                on = want is None or (mod.out_features, mod.in_features) in want
-                mod.gemv_max_bs = max_bs if on else 0
-                names += [name] if on else []
-        return names
+        """Serve small batches of the projections whose weight shape ``(out_features,
+        in_features)`` is in ``shapes`` with the Triton GEMV on CUDA, cuBLAS otherwise.
+
+        ``shapes``: "all" (every projection), None (none), shapes (up to ``max_bs`` rows each)
+        or ``{shape: max_bs}`` (0: cuBLAS). Returns the names of the projections switched on."""
+        if shapes == "all" or shapes is None:
+            limit = lambda shape: max_bs if shapes else 0  # noqa: E731
+        elif isinstance(shapes, Mapping):
+            limit = lambda shape: shapes.get(shape, 0)  # noqa: E731
+        else:
+            chosen = set(map(tuple, shapes))
+            limit = lambda shape: max_bs if shape in chosen else 0  # noqa: E731
+        mods = {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
+        limits = {n: limit((m.out_features, m.in_features)) for n, m in mods.items()}
+        for name, n in limits.items():
+            if n > MAX_M:
+                raise ConfigError(
+                    f"{name}: the Triton GEMV takes at most {MAX_M} rows, got {n}; pass a "
+                    "smaller max_bs (cuBLAS serves larger batches)."
+                )
+        for name, mod in mods.items():
+            mod.gemv_max_bs = limits[name]
+        return [name for name, n in limits.items() if n]
 
 
 @torch.no_grad()
