@@ -4,7 +4,8 @@ At decode batch sizes a projection is a stream over its weights; the kernel only
 enough loads in flight. Grid ``(cdiv(N, BLOCK_N),)``: program ``pid_n`` owns ``BLOCK_N`` output
 features and walks K in ``BLOCK_K`` chunks, loading each weight tile once (``evict_first``: it is
 never re-read this step) and every batch row against it: ``acc[m, n] += sum_k x[m, k] w[n, k]``
-in float32. ``out_dtype`` lets the LM head write float32 logits directly (no cast kernel).
+in float32 (one row: a ``[BLOCK_N, BLOCK_K]`` tile of products, reduced once at the end).
+``out_dtype`` lets the LM head write float32 logits directly (no cast kernel).
 """
 
 from __future__ import annotations
@@ -36,17 +37,32 @@ def _gemv_kernel(
     w_ptrs = (
         w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     )  # [BLOCK_N, BLOCK_K]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = (k0 + offs_k) < K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(
-            w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first"
-        )
-        # -- acc[m, n] += sum_k x[m, k] * w[n, k] --
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        # -- one row: elementwise products in a [BLOCK_N, BLOCK_K] tile, one reduction at the end --
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = (k0 + offs_k) < K
+            x = tl.load(x_ptr + k0 + offs_k, mask=mask_k, other=0.0)  # [BLOCK_K]
+            w = tl.load(
+                w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                eviction_policy="evict_first",
+            )  # fmt: skip
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = (k0 + offs_k) < K
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(
+                w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                eviction_policy="evict_first",
+            )  # fmt: skip
+            # -- acc[m, n] += sum_k x[m, k] * w[n, k] --
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
