@@ -105,7 +105,7 @@ def _split_kv_kernel(
     K_ROWS: tl.constexpr,  # K as [BLOCK_N, HEAD_DIM], q @ trans(k); else K^T [HEAD_DIM, BLOCK_N]
     USE_DOT: tl.constexpr,  # tl.dot (tensor cores); else broadcast multiply-and-sum in fp32
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (the default)
-    UPCAST: tl.constexpr,  # dot in fp32: only the interpreter with bf16 (its bf16 dot is wrong)
+    UPCAST: tl.constexpr,  # q, K, V in fp32: the FMA path, or the interpreter's bf16 dot (wrong)
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
@@ -127,7 +127,7 @@ def _split_kv_kernel(
     # q tile: [GROUP_PAD, HEAD_DIM], padded rows are zero
     q_ptrs = q_ptr + cur_batch * stride_qb + cur_heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
-    if UPCAST or not USE_DOT:
+    if UPCAST:
         q = q.to(tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # fold log2(e) in: softmax runs on exp2
 
@@ -156,14 +156,16 @@ def _split_kv_kernel(
         else:
             k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        if UPCAST or not USE_DOT:
+        if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
         # -- scores: [GROUP_PAD, BLOCK_N] in log2 units --
         if USE_DOT:
-            kt = tl.trans(k) if K_ROWS else k  # [HEAD_DIM, BLOCK_N]
-            qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+            if K_ROWS:
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            else:
+                qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         elif K_ROWS:
             qk = tl.sum(q[:, None, :] * k[None, :, :], 2)
         else:
@@ -337,6 +339,7 @@ def flash_decode(
     po, lse = workspace.partial_o, workspace.partial_lse
     upcast = _INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else None  # None: the default
+    upcast = upcast or not cfg.use_dot  # the FMA path computes in fp32
 
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         po, lse, q, k_cache, v_cache, block_table, seq_lens, float(sm_scale),
