@@ -105,6 +105,7 @@ def _split_kv_kernel(
     K_ROWS: tl.constexpr,  # K as [BLOCK_N, HEAD_DIM], q @ trans(k); else K^T [HEAD_DIM, BLOCK_N]
     USE_DOT: tl.constexpr,  # tl.dot (tensor cores); else broadcast multiply-and-sum in fp32
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (the default)
+    NUM_STAGES: tl.constexpr,  # software-pipelining depth of the key loop (also a launch option)
     UPCAST: tl.constexpr,  # q, K, V in fp32: the FMA path, or the interpreter's bf16 dot (wrong)
 ):
     cur_batch = tl.program_id(0)
@@ -138,7 +139,8 @@ def _split_kv_kernel(
     k_head = k_cache_ptr + cur_kv_head * stride_kh
     v_head = v_cache_ptr + cur_kv_head * stride_vh
 
-    for start_n in range(start, end, BLOCK_N):  # pipelined num_stages deep (launch option)
+    # pipelined NUM_STAGES deep (Triton 3.9 for sm_90 pipelines only the page lookup this way)
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         k_idx = start_n + offs_n  # [BLOCK_N] key positions
         mask_n = k_idx < end
         # -- page lookup: logical key -> (page, slot) --
@@ -352,6 +354,7 @@ def flash_decode(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
         K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
+        NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     _combine_kernel[(bs, n_heads)](

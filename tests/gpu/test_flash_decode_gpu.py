@@ -194,7 +194,7 @@ def test_driver_level_positions_of_editable_args():
         *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], bt.stride(0),
         *ws.partial_o.stride()[:3], *ws.partial_lse.stride()[:2],
         GROUP=8, GROUP_PAD=16, HEAD_DIM=hd, PAGE_SIZE=16, BLOCK_N=64,
-        PAGE_TILE=False, K_ROWS=True, USE_DOT=True, DOT_PRECISION=None, UPCAST=False,
+        PAGE_TILE=False, K_ROWS=True, USE_DOT=True, DOT_PRECISION=None, UPCAST=False, NUM_STAGES=2,
     )  # fmt: skip
     assert _driver_index(main, "partial_o_ptr")[0] == fd.MAIN_PARTIAL_O_ARG
     assert main.name == fd.MAIN_KERNEL_NAME
