@@ -76,15 +76,34 @@ def pack_batch(batch: ForwardBatch) -> torch.Tensor:
     return torch.cat([cols, batch.block_table.to(torch.int64)], dim=1)
 
 
-def unpacked_batch(packed: torch.Tensor, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
-    """The ``ForwardBatch`` of a packed tensor (casts to the field dtypes; for eager steps)."""
+def unpacked_batch(
+    packed: torch.Tensor, seq_lens_cpu: torch.Tensor, *, copy: bool = True
+) -> ForwardBatch:
+    """The ``ForwardBatch`` of a packed tensor.
+
+    ``copy=True`` gives contiguous fields of the right dtypes (a few device kernels; for eager
+    steps). ``copy=False`` gives zero-copy strided views, enough for a graph runner with packed
+    inputs (it copies only ``packed``): the int32 fields view the low words of the int64
+    columns (little-endian, values in [0, 2**31)).
+    """
+    if copy:
+        return ForwardBatch(
+            input_ids=packed[:, 0].contiguous(),
+            positions=packed[:, 1].contiguous(),
+            out_cache_loc=packed[:, 2].contiguous(),
+            seq_lens=packed[:, 3].to(torch.int32),
+            seq_lens_cpu=seq_lens_cpu,
+            block_table=packed[:, PACKED_COLS:].to(torch.int32),
+            packed=packed,
+        )
+    words = packed.view(torch.int32)  # [bs, 2 * width]: (low, high) word of each int64
     return ForwardBatch(
-        input_ids=packed[:, 0].contiguous(),
-        positions=packed[:, 1].contiguous(),
-        out_cache_loc=packed[:, 2].contiguous(),
-        seq_lens=packed[:, 3].to(torch.int32),
+        input_ids=packed[:, 0],
+        positions=packed[:, 1],
+        out_cache_loc=packed[:, 2],
+        seq_lens=words[:, 2 * 3],
         seq_lens_cpu=seq_lens_cpu,
-        block_table=packed[:, PACKED_COLS:].to(torch.int32),
+        block_table=words[:, 2 * PACKED_COLS :: 2],
         packed=packed,
     )
 

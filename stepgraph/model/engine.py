@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..batch import unpacked_batch
 from ..errors import ConfigError
 from .graph_walks import DECODE_WALK
 from .model_runner import ModelRunner
@@ -193,10 +194,15 @@ class Engine:
             [r.output[-1] for r in reqs],
             [len(r.prompt) + len(r.output) - 1 for r in reqs],
             [r.pages for r in reqs],
+            # the graph runner copies only the packed rows: skip building contiguous fields
+            contiguous_fields=self.runner is None or not self.runner.config.packed_inputs,
         )
-        if self.runner is not None and self.runner.can_run(batch):
-            self.stats.graph_steps += 1
-            return self.runner.replay(batch)  # a static buffer: sampled before the next replay
+        if self.runner is not None:
+            if self.runner.can_run(batch):
+                self.stats.graph_steps += 1
+                return self.runner.replay(batch)  # a static buffer: sampled before next replay
+            batch = unpacked_batch(batch.packed, batch.seq_lens_cpu)  # eager needs contiguous
+            batch.max_seq_len = int(batch.seq_lens_cpu.max())
         if self.config_runner is not None:  # replays, or runs eagerly above the largest bucket
             replays = self.config_runner.stats.replays
             logits = self.config_runner.run(DECODE_WALK, self.walks.requests(batch))

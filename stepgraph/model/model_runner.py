@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..batch import ForwardBatch, ForwardMode
+from ..batch import ForwardBatch, ForwardMode, unpacked_batch
 from ..errors import ConfigError
 from .attention import PagedAttentionBackend
 from .config import ModelConfig, get_preset
@@ -164,29 +164,30 @@ class ModelRunner:
         tokens: Sequence[int],
         positions: Sequence[int],
         pages: Sequence[list[int]],
+        *,
+        contiguous_fields: bool = True,
     ) -> ForwardBatch:
         """The decode batch where request ``i`` (owning ``pages[i]``) feeds ``tokens[i]`` at
-        ``positions[i]``; its KV then holds ``positions[i] + 1`` tokens. One host->device copy."""
-        bs = len(tokens)
+        ``positions[i]``; its KV then holds ``positions[i] + 1`` tokens.
+
+        One host->device copy of the packed rows ``[bs, PACKED_COLS + max_pages]`` int64
+        (``stepgraph.batch.pack_batch`` layout). ``contiguous_fields=False`` leaves the fields as
+        zero-copy views, which is all a graph runner with packed inputs reads."""
         kv = self.kv_cache
         seq_lens = [p + 1 for p in positions]
-        slots = [kv.slot(pg, p) for pg, p in zip(pages, positions)]
-        table = [x for pg in pages for x in kv.block_table_row(pg)]
-        # flat int64 host buffer: input_ids | positions | out_cache_loc | seq_lens | block_table
-        host = torch.tensor([*tokens, *positions, *slots, *seq_lens, *table], dtype=torch.int64)
+        rows = [
+            [tok, pos, kv.slot(pg, pos), pos + 1, *kv.block_table_row(pg)]
+            for tok, pos, pg in zip(tokens, positions, pages)
+        ]
+        host = torch.tensor(rows, dtype=torch.int64).view(len(rows), -1)
         if self.device.type == "cuda":
             host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        return ForwardBatch(
-            input_ids=dev[:bs],
-            positions=dev[bs : 2 * bs],
-            out_cache_loc=dev[2 * bs : 3 * bs],
-            seq_lens=dev[3 * bs : 4 * bs].to(torch.int32),
-            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=dev[4 * bs :].view(bs, kv.max_pages_per_request).to(torch.int32),
-            mode=ForwardMode.DECODE,
-            max_seq_len=max(seq_lens, default=0),
+        packed = host.to(self.device, non_blocking=True)
+        batch = unpacked_batch(
+            packed, torch.tensor(seq_lens, dtype=torch.int32), copy=contiguous_fields
         )
+        batch.max_seq_len = max(seq_lens, default=0)
+        return batch
 
     # -- steps -------------------------------------------------------------------------------
 
