@@ -59,11 +59,12 @@ DEFAULT_MAX_SPLITS = 64
 
 # -- the default variant per (head_dim, page_size, dtype); any other shape gets FALLBACK_CONFIG --
 # Edit after reading the "best overall" line of benchmarks/flash_decode_sweep.py on the target GPU.
-# Predicted, not yet measured: 3 stages keep two K/V tiles in flight per program (48 KB of shared
-# memory: 4 programs fit one SM, the ladder's PROGRAMS_PER_SM), one page lookup per tile.
+# Measured on the H200 (2026-11-29, flash_decode_sweep.py, Llama-3.2-1B attention, pps 4):
+# n128w4s2 was best overall (geomean 83.5 us vs 83.8 for n64w4s3; 91-100% of copy bandwidth
+# at >= 32k keys for bs 8 and 32, 64% at bs=1/32k). Other shapes keep the unmeasured fallback.
 FALLBACK_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
 DEFAULT_CONFIGS: dict[tuple[int, int, torch.dtype], KernelConfig] = {
-    (64, 64, torch.bfloat16): KernelConfig(block_n=64, num_warps=4, num_stages=3),
+    (64, 64, torch.bfloat16): KernelConfig(block_n=128, num_warps=4, num_stages=2),
 }
 
 

@@ -17,6 +17,7 @@ from .llama import LlamaModel, build_model, init_random
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_CONTEXT_LEN = 4096
+GEMV_MAX_BS = 1  # batches up to this many rows use the Triton GEMV on CUDA, larger ones cuBLAS
 
 
 class ModelRunner:
@@ -50,6 +51,10 @@ class ModelRunner:
                 f"the model's RoPE table covers {model.max_positions} positions, fewer than "
                 f"max_context_len={max_context_len}; build the model with max_positions >= it."
             )
+        if self.device.type == "cuda":
+            # Measured on the H200 (benchmarks/model_step.py): the Triton GEMV beats cuBLAS on
+            # every projection at one row (bs=1 step 0.98 vs 1.12 ms) and loses from 8 rows.
+            model.use_gemv("all", max_bs=GEMV_MAX_BS)
         self.attn_backend = PagedAttentionBackend(
             kv_cache,
             num_heads=config.num_heads,
