@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .backends import CapturedGraph, CpuGraphBackend, canonical_device, make_backend
-from .capture import BucketStats, CaptureStats
+from .capture import BucketStats, CaptureStats, GraphPool
 from .capture_steps import capture_loop, capture_step, storage_ptrs
 from .configs import (
     PiecewiseCallInputs,
@@ -119,7 +119,10 @@ class PiecewiseRunner:
         batch_sizes: list[int] | None = None,
         show_progress: bool = False,
         capture: bool = True,
+        pool: GraphPool | None = None,
     ) -> None:
+        """``pool``: share one graph memory pool with other runners whose graphs replay one
+        after another on the same stream, in capture order (e.g. the regions of one forward)."""
         self.config = config
         self.device = canonical_device(device)
         self.show_progress = show_progress
@@ -129,7 +132,7 @@ class PiecewiseRunner:
         if not self.shapes:
             raise ConfigError("the config yields no capture shape; check its sizes.")
         self.packed = isinstance(config, PiecewisePackedConfig)
-        self._backend = make_backend(self.device, backend)
+        self._backend = make_backend(self.device, backend, pool)
         self.compile_enabled = config.compile and not isinstance(self._backend, CpuGraphBackend)
         self.static_inputs: dict[Key, dict[str, torch.Tensor]] = {}
         self.outputs: dict[Key, dict[str, torch.Tensor]] = {}

@@ -145,3 +145,11 @@ def test_engine_piecewise_prefill_and_config_decode_match_eager():
     assert engine.generate(prompts, max_new_tokens=8) == ref
     assert engine.prefiller.stats.graph_batches >= 2 and engine.stats.prefills == 5
     engine.shutdown()
+
+
+def test_every_region_shares_one_graph_pool(pair):
+    """The regions replay one after another in capture order, so one pool serves them all;
+    a pool per region multiplied the memory by the number of layers."""
+    _, pw = pair
+    pools = {id(r._backend.pool) for r in pw.runners}
+    assert pools == {id(pw._pool)}

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ..backends import canonical_device
 from ..buckets import validate_buckets
-from ..capture import CaptureStats
+from ..capture import CaptureStats, GraphPool
 from ..configs import PiecewiseCallInputs, PiecewisePackedConfig, pad_lengths
 from ..errors import ConfigError
 from ..kernels.kv_write import write_kv
@@ -99,6 +99,7 @@ class PiecewisePrefill:
         self.config = config = config or PrefillGraphConfig()
         self.model = model_runner.model
         self.device = canonical_device(model_runner.device)
+        self._pool = GraphPool()  # shared by every region (they replay in capture order)
         c = model_runner.config
         self.num_layers, self.hidden = c.num_layers, c.hidden_size
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -141,6 +142,7 @@ class PiecewisePrefill:
                 backend=self.config.backend,
                 show_progress=self.config.show_progress,
                 capture=capture,
+                pool=self._pool,  # regions replay in capture order: one pool serves them all
             )
         self.stats.capture.buckets.extend(runner.stats.buckets)
         return runner
