@@ -26,7 +26,7 @@ from .batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
 from .buckets import DEFAULT_MAX_BS, default_capture_sizes, pad_to_bucket, validate_buckets
 from .capture import BucketStats, CaptureStats
 from .capture_steps import capture_loop, capture_step
-from .errors import ConfigError, ReplayError
+from .errors import CaptureError, ConfigError, ReplayError
 from .exact import ExecUpdater, default_exec_updater
 from .input_buffers import GraphInputBuffers
 
@@ -120,6 +120,7 @@ class CudaGraphRunner:
         if config.mode == "exact" and exec_updater is None:
             self._updater = default_exec_updater(model_runner)
         self._plans: dict[int, object] = {}
+        self._shared_output: torch.Tensor | None = None  # [max_bs, ...]: every bucket's output
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
         self._shut_down = False
         if capture:
@@ -156,7 +157,7 @@ class CudaGraphRunner:
         def step() -> torch.Tensor:  # reads only static buffers
             if unpack:
                 self.buffers.unpack(bs)
-            return forward(static)
+            return self._into_shared_output(forward(static), bs)
 
         graph, stats = capture_step(
             self._backend,
@@ -171,6 +172,27 @@ class CudaGraphRunner:
         if self._updater is not None:
             self._plans[bs] = self._updater.plan(graph, bs)
         return stats
+
+    def _into_shared_output(self, out: torch.Tensor, bs: int) -> torch.Tensor:
+        """Copy ``out`` into rows ``[:bs]`` of one output buffer shared by every bucket.
+
+        Each graph's own output would otherwise stay allocated in the pool for the runner's life:
+        36 buckets of float32 logits over a 128k vocabulary hold 4.2 GiB. The buffer is
+        allocated by the first (largest) bucket's eager warm-up, outside the pool; inside each
+        graph, ``out`` is a temporary whose blocks the next capture reuses."""
+        shared = self._shared_output
+        if shared is None:
+            shared = self._shared_output = out.new_empty((self.max_bs, *out.shape[1:]))
+        elif shared.shape[1:] != out.shape[1:] or shared.dtype != out.dtype:
+            raise CaptureError(
+                f"the forward for batch size {bs} returned {tuple(out.shape)} {out.dtype}, but "
+                f"other buckets returned [bs, {', '.join(map(str, shared.shape[1:]))}] "
+                f"{shared.dtype}; forward must return [bs, ...] with the same trailing shape "
+                "and dtype for every batch size."
+            )
+        dst = shared[:bs]
+        dst.copy_(out)
+        return dst
 
     def _forward_for(self, bs: int) -> Callable[[ForwardBatch], torch.Tensor]:
         if bs not in self.compile_bs:
@@ -296,6 +318,7 @@ class CudaGraphRunner:
             graph.release()
         self.graphs.clear()
         self.output_buffers.clear()
+        self._shared_output = None
         self._plans.clear()
         self._backend.release()
 

@@ -53,6 +53,14 @@ def test_replay_equals_eager_for_every_batch_size(mr, packed_inputs, send_packed
     assert runner.stats.packed_here == (16 if packed_inputs and not send_packed else 0)
 
 
+def test_every_bucket_writes_into_one_shared_output_buffer(mr):
+    runner = CudaGraphRunner(mr, CFG)
+    base = runner.output_buffers[16]
+    for bs, out in runner.output_buffers.items():
+        assert out.shape[0] == bs
+        assert out.data_ptr() == base.data_ptr()  # rows [:bs] of the largest bucket's buffer
+
+
 def test_output_is_a_static_view_overwritten_by_next_replay(mr):
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(7)

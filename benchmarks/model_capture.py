@@ -1,0 +1,54 @@
+"""Issue 6 capture target: the default bucket list of sglang-sized runners (36 buckets, bs 1..512)
+captured for the llama-3.2-1b preset, in graph and exact mode: seconds and pool MiB.
+
+    PYTHONPATH=. python benchmarks/model_capture.py --json out/model_capture.json
+
+Targets: all 36 buckets in <= 3 s with <= 0.25 GiB of pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from stepgraph.bench.workload import build_model_runner
+from stepgraph.runner import CudaGraphRunner, RunnerConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--max-bs", type=int, default=512)
+    ap.add_argument("--context", type=int, default=2048)
+    args = ap.parse_args()
+    mr = build_model_runner("llama-3.2-1b", "cuda", torch.bfloat16, args.max_bs, args.context)
+    rows = {}
+    for mode in ("graph", "exact"):
+        runner = CudaGraphRunner(
+            mr, RunnerConfig(max_bs=args.max_bs, mode=mode, show_progress=False)
+        )
+        s = runner.stats.capture
+        rows[mode] = {
+            "buckets": len(s.buckets),
+            "seconds": round(s.seconds, 3),
+            "pool_mib": round(s.pool_bytes / 2**20, 1),
+            "slowest_bucket_s": round(max(b.seconds for b in s.buckets), 3),
+        }
+        runner.shutdown()
+        torch.cuda.empty_cache()
+    rows["summary"] = {f"{m}_{k}": v for m in ("graph", "exact") for k, v in rows[m].items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    for mode in ("graph", "exact"):
+        r = rows[mode]
+        print(
+            f"{mode:<6} {r['buckets']} buckets in {r['seconds']:.2f} s (target <= 3), "
+            f"pool {r['pool_mib']:.0f} MiB (target <= 256), slowest {r['slowest_bucket_s']} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
