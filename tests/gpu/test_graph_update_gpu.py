@@ -264,7 +264,10 @@ def test_self_limiting_user_kernel():
         ns = min(bucket, math.ceil(t / block_n))
         assert [m.ns for m in plan.mains] == [ns] * layers, (t, [m.ns for m in plan.mains])
         assert [m.main.grid[1] for m in plan.mains] == [ns] * layers, (
-            t, ns, [m.main.grid for m in plan.mains])
+            t,
+            ns,
+            [m.main.grid for m in plan.mains],
+        )
         for o in outs:
             o.fill_(float("nan"))
         graph.replay()
