@@ -42,7 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .bench.main import DTYPES
     from .model.engine import Engine
-    from .model.model_runner import ModelRunner
+    from .model.launch import build_model_runner, finish, is_main_rank
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
@@ -60,21 +60,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids.split(";")]
     longest = max(len(p) for p in prompts) + args.max_new_tokens
-    kw = dict(max_bs=max(len(prompts), 1), max_context_len=max(longest, 64))
-    if Path(args.model).is_dir():
-        mr = ModelRunner.from_hf_dir(args.model, device, dtype, **kw)
-    else:
-        mr = ModelRunner.from_preset(args.model, device, dtype, args.seed, **kw)
+    mr = build_model_runner(
+        args.model,
+        device,
+        dtype,
+        seed=args.seed,
+        tp=args.tp,
+        max_bs=max(len(prompts), 1),
+        max_context_len=max(longest, 64),
+    )
     engine = Engine(mr, mode=args.mode)
     outputs = engine.generate(
         prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
     )
     engine.shutdown()
-    if args.json:
-        print(json.dumps({"outputs": outputs}))
-    else:
-        for i, out in enumerate(outputs):
-            print(f"[{i}] {' '.join(map(str, out))}")
+    if is_main_rank():  # with --tp every rank holds the same tokens; one prints
+        if args.json:
+            print(json.dumps({"outputs": outputs}))
+        else:
+            for i, out in enumerate(outputs):
+                print(f"[{i}] {' '.join(map(str, out))}")
+    finish()
     return 0
 
 
@@ -106,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true")
+    gen.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (launch with torchrun --nproc-per-node N)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="versions, GPU, driver, and what is missing")

@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (torchrun --nproc-per-node N -m stepgraph bench)",
+    )
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG of ms/token vs context")
     p.add_argument(
@@ -86,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     gbps = copy_bandwidth_gbps()
-    mr = build_model_runner(model, "cuda", DTYPES[args.dtype], max(sizes), max(contexts) + 64)
+    mr = build_model_runner(
+        model, "cuda", DTYPES[args.dtype], max(sizes), max(contexts) + 64, tp=args.tp
+    )
+    if args.tp > 1:  # peers run unsharded only; every rank times, rank 0 reports
+        modes = [m for m in modes if m in OUR_MODES]
     fill_kv_random(mr)
     wbytes = weight_bytes(mr)
     floor_ms = {(p.bs, p.context): (wbytes + kv_bytes(mr, p)) / (gbps * 1e9) * 1e3 for p in points}
@@ -107,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
             )
         )
 
-    for mode in tqdm(modes, desc="stepgraph bench", unit="mode"):
+    from ..model.launch import finish, is_main_rank
+
+    main_rank = is_main_rank()
+    for mode in tqdm(modes, desc="stepgraph bench", unit="mode", disable=not main_rank):
         if mode in OUR_MODES:
             res = run_mode(mode, mr, points, args.iters)
             for p in points:
@@ -124,6 +137,16 @@ def run(args: argparse.Namespace) -> int:
             for p in points:
                 note = res.error or res.skipped.get(p, "")
                 add(mode, p, res.ms_per_token.get(p), res.compile_seconds, None, note)
+    ar = None
+    if args.tp > 1:
+        from .collectives import allreduce_us_per_step
+
+        ar = allreduce_us_per_step(mr, sizes)
+    if not main_rank:
+        finish()
+        return 0
+    if ar is not None:
+        print(f"tensor parallel x{args.tp}: all-reduce time per step (us) by bs: {ar}")
     print(
         f"\nmodel {model} ({wbytes / 1e9:.2f} GB of weights, {args.dtype}), "
         f"{time.perf_counter() - t0:.0f} s"
@@ -136,11 +159,14 @@ def run(args: argparse.Namespace) -> int:
         "weight_bytes": wbytes,
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "tp": args.tp,
+        "allreduce_us_per_step": ar,
     }
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:
         plot(args.plot, rows)
+    finish()
     return 0
 
 

@@ -25,15 +25,22 @@ def build_model_runner(
     max_context: int,
     seed: int = 0,
     page_size: int = 64,
+    tp: int = 1,
 ) -> ModelRunner:
     """A preset (random weights from ``seed``) or a local HF directory, with a KV cache that
-    holds ``max_bs`` requests of ``max_context`` tokens."""
-    from pathlib import Path
+    holds ``max_bs`` requests of ``max_context`` tokens; ``tp > 1``: this rank's shard."""
+    from ..model.launch import build_model_runner as build
 
-    kw = dict(max_bs=max_bs, max_context_len=max_context, page_size=page_size)
-    if Path(model).is_dir():
-        return ModelRunner.from_hf_dir(model, device, dtype, **kw)
-    return ModelRunner.from_preset(model, device, dtype, seed, **kw)
+    return build(
+        model,
+        device,
+        dtype,
+        seed=seed,
+        tp=tp,
+        max_bs=max_bs,
+        max_context_len=max_context,
+        page_size=page_size,
+    )
 
 
 def fill_kv_random(mr: ModelRunner, seed: int = 0) -> None:

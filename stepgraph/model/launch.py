@@ -1,0 +1,79 @@
+"""Build the ModelRunner a command asks for: a preset (random weights from a seed) or a local
+Hugging Face directory, unsharded or tensor-parallel over the ranks torchrun started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .model_runner import ModelRunner
+
+
+def build_model_runner(
+    model: str,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    *,
+    seed: int = 0,
+    tp: int = 1,
+    max_bs: int = 8,
+    max_context_len: int | None = None,
+    page_size: int = 16,
+) -> ModelRunner:
+    """``model``: a preset name or a local HF directory. ``tp > 1`` joins the torchrun process
+    group (nccl on CUDA, gloo on the CPU) and returns this rank's shard; every rank builds the
+    same preset from ``seed`` before slicing, or reads only its slices of the checkpoint."""
+    kw = dict(max_bs=max_bs, max_context_len=max_context_len, page_size=page_size)
+    is_dir = Path(model).is_dir()
+    if tp <= 1:
+        if is_dir:
+            return ModelRunner.from_hf_dir(model, device, dtype, **kw)
+        return ModelRunner.from_preset(model, device, dtype, seed, **kw)
+
+    from ..errors import ConfigError
+    from .config import get_preset
+    from .hf_loader import load_hf_config
+    from .llama import build_model, init_random
+    from .parallel import init_distributed, load_hf_shard, shard_model
+
+    env = init_distributed("nccl" if torch.device(device).type == "cuda" else "gloo")
+    if env.world_size != tp:
+        raise ConfigError(
+            f"--tp {tp} but torchrun started {env.world_size} processes; launch with "
+            f"`torchrun --nproc-per-node {tp} -m stepgraph ...`."
+        )
+    config = load_hf_config(model) if is_dir else get_preset(model)
+    max_context_len = max_context_len or min(config.max_position_embeddings, 4096)
+    if is_dir:
+        shard = load_hf_shard(model, env.rank, tp, env.device, dtype, max_positions=max_context_len)
+    else:
+        full = init_random(
+            build_model(config, env.device, dtype, max_positions=max_context_len), seed
+        )
+        shard = shard_model(full, env.rank, tp)
+        del full
+    return ModelRunner.from_model(
+        shard,
+        device=env.device,
+        dtype=dtype,
+        max_bs=max_bs,
+        max_context_len=max_context_len,
+        page_size=page_size,
+    )
+
+
+def is_main_rank() -> bool:
+    """Rank 0, or the only process: the one that prints."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def finish() -> None:
+    """Leave the process group, if one was joined."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
