@@ -49,6 +49,7 @@ from ..capture import CaptureStats, GraphPool
 from ..configs import PiecewiseCallInputs, PiecewisePackedConfig, pad_lengths
 from ..errors import ConfigError
 from ..kernels.kv_write import write_kv
+from ..kernels.rope_kv import apply_rope
 from ..piecewise import PiecewiseRunner
 from .model_runner import ModelRunner
 
@@ -176,8 +177,8 @@ class PiecewisePrefill:
         cos, sin = self.model.rope_cos[pos], self.model.rope_sin[pos]  # [T, head_dim]
         return {
             "residual": x,  # [T, hidden]
-            "q": _rope(q.view(t, self.n_heads, self.head_dim), cos, sin),  # [T, H, hd]
-            "k": _rope(k.view(t, self.n_kv, self.head_dim), cos, sin),  # [T, Hkv, hd]
+            "q": apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin),  # [T, H, hd]
+            "k": apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin),  # [T, Hkv, hd]
             "v": v.reshape(t, self.n_kv, self.head_dim),  # [T, Hkv, hd]
         }
 
@@ -278,17 +279,6 @@ def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> 
     """``norm(x)``, whether the module returns the normed tensor or ``(normed, residual)``."""
     out = norm(x)
     return out[0] if isinstance(out, tuple) else out
-
-
-def _rope(
-    x: torch.Tensor,  # [T, heads, head_dim]
-    cos: torch.Tensor,  # [T, head_dim]
-    sin: torch.Tensor,  # [T, head_dim]
-) -> torch.Tensor:  # [T, heads, head_dim]
-    """Rotate-half RoPE (the Hugging Face layout: pairs are (i, i + head_dim/2))."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 __all__ = [
