@@ -34,6 +34,7 @@ class _RowViews:
     int32: list[torch.Tensor]  # seq_lens, block_table
     int64: list[torch.Tensor]  # input_ids, positions, out_cache_loc
     seq_lens_cpu: torch.Tensor
+    packed: torch.Tensor
 
 
 @dataclass
@@ -96,6 +97,7 @@ class GraphInputBuffers:
                 int32=[self.seq_lens[:bs], self.block_table[:bs]],
                 int64=[self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs]],
                 seq_lens_cpu=self.seq_lens_cpu[:bs],
+                packed=self.packed[:bs],
             )
         return views
 
@@ -130,8 +132,12 @@ class GraphInputBuffers:
         came_packed = src is not None
         if src is None:
             src = pack_batch(batch)
-        self.packed[:bs, : src.shape[1]].copy_(src)
-        self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
+        rows = self.rows(bs)
+        if src.shape[1] == self.packed.shape[1]:
+            rows.packed.copy_(src)
+        else:  # a narrower table: columns past it are never read (seq_len bounds the pages)
+            rows.packed[:, : src.shape[1]].copy_(src)
+        rows.seq_lens_cpu.copy_(batch.seq_lens_cpu)
         stale_stop = min(self.dirty_rows, bucket)
         if stale_stop > bs:
             self.packed[bs:stale_stop] = self.packed_pad

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stepgraph.backends import CpuCapturedGraph
-from stepgraph.batch import ForwardMode
+from stepgraph.batch import ForwardMode, pack_batch
 from stepgraph.errors import CaptureError, ConfigError, ReplayError
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.toy_model import ToyModelRunner
@@ -153,6 +153,24 @@ def test_bad_packed_input_errors_before_any_copy(mr, bad, match):
     with pytest.raises(ReplayError, match=match):
         runner.replay(batch)
     assert torch.equal(runner.buffers.packed, before)
+
+
+def test_packed_batch_with_a_narrower_block_table(mr):
+    """Requests short enough for two pages may send only two table columns."""
+    from stepgraph.batch import PACKED_COLS, unpacked_batch
+
+    runner = CudaGraphRunner(mr, CFG)
+    g = torch.Generator().manual_seed(21)
+    runner.replay(mr.random_batch(6, g))  # leave full-width rows behind
+    batch = mr.random_batch(5, g)
+    lens = torch.randint(1, 2 * mr.page_size + 1, (5,), generator=g, dtype=torch.int32)
+    batch.seq_lens, batch.seq_lens_cpu, batch.positions = lens, lens.clone(), lens.long() - 1
+    last = batch.positions
+    page = batch.block_table.long().gather(1, (last // mr.page_size)[:, None])[:, 0]
+    batch.out_cache_loc = page * mr.page_size + last % mr.page_size
+    narrow = unpacked_batch(pack_batch(batch)[:, : PACKED_COLS + 2], batch.seq_lens_cpu)
+    want, _ = mr.eager_reference(batch)
+    torch.testing.assert_close(runner.replay(narrow), want, rtol=1e-5, atol=1e-5)
 
 
 def test_empty_and_prefill_batches(mr):
