@@ -121,6 +121,7 @@ class CudaGraphRunner:
             self._updater = default_exec_updater(model_runner)
         self._plans: dict[int, object] = {}
         self._shared_output: torch.Tensor | None = None  # [max_bs, ...]: every bucket's output
+        self._max_context: int | None = getattr(model_runner, "max_context_len", None)
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
         self._shut_down = False
         if capture:
@@ -275,6 +276,15 @@ class CudaGraphRunner:
                 f"cannot replay this batch: {problem}. Build the batch with "
                 "these dtypes on the model's device, or run it eagerly."
             )
+        t_kv = batch.max_seq_len if batch.max_seq_len is not None else None
+        if self._max_context is not None or self._updater is not None:
+            t_kv = t_kv if t_kv is not None else int(batch.seq_lens_cpu.max())
+            if self._max_context is not None and t_kv > self._max_context:
+                raise ReplayError(
+                    f"a request of {t_kv} tokens is longer than the {self._max_context} the "
+                    "graphs were captured for (model_runner.max_context_len); finish or "
+                    "truncate it, or build the model runner with a larger max_context_len."
+                )
         if self.config.packed_inputs:
             if not self.buffers.copy_packed_from(batch, bucket):
                 self.stats.packed_here += 1
@@ -285,11 +295,6 @@ class CudaGraphRunner:
         )
         graph = self.graphs[bucket]
         if self._updater is not None:
-            t_kv = (
-                batch.max_seq_len
-                if batch.max_seq_len is not None
-                else int(batch.seq_lens_cpu.max())
-            )
             self.stats.node_edits += self._updater.apply(self._plans[bucket], graph, t_kv)
         graph.replay()
         self.stats.replays += 1

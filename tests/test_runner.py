@@ -173,6 +173,19 @@ def test_packed_batch_with_a_narrower_block_table(mr):
     torch.testing.assert_close(runner.replay(narrow), want, rtol=1e-5, atol=1e-5)
 
 
+def test_request_longer_than_the_captured_context_is_refused_before_any_copy(mr):
+    runner = CudaGraphRunner(mr, CFG)
+    batch = mr.random_batch(2, torch.Generator().manual_seed(4), packed=True)
+    batch.max_seq_len = mr.max_context_len + 1
+    before = runner.buffers.packed.clone()
+    with pytest.raises(ReplayError, match=f"longer than the {mr.max_context_len}"):
+        runner.replay(batch)
+    assert torch.equal(runner.buffers.packed, before)
+    batch.max_seq_len = None  # the host copy of seq_lens is the fallback, and it fits
+    want, _ = mr.eager_reference(batch)
+    torch.testing.assert_close(runner.replay(batch), want, rtol=1e-5, atol=1e-5)
+
+
 def test_empty_and_prefill_batches(mr):
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(9)
