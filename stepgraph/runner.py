@@ -276,9 +276,10 @@ class CudaGraphRunner:
                 f"cannot replay this batch: {problem}. Build the batch with "
                 "these dtypes on the model's device, or run it eagerly."
             )
-        t_kv = batch.max_seq_len if batch.max_seq_len is not None else None
+        t_kv = batch.max_seq_len
         if self._max_context is not None or self._updater is not None:
-            t_kv = t_kv if t_kv is not None else int(batch.seq_lens_cpu.max())
+            if t_kv is None:
+                t_kv = int(batch.seq_lens_cpu.max())
             if self._max_context is not None and t_kv > self._max_context:
                 raise ReplayError(
                     f"a request of {t_kv} tokens is longer than the {self._max_context} the "
