@@ -17,6 +17,7 @@ the host launches they replace.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -117,11 +118,7 @@ class GraphInputBuffers:
             rows.int32[1][:, :width].copy_(batch.block_table)
         torch._foreach_copy_(rows.int64, [batch.input_ids, batch.positions, batch.out_cache_loc])
         rows.seq_lens_cpu.copy_(batch.seq_lens_cpu)
-        stale_stop = min(self.dirty_rows, bucket)
-        if stale_stop > bs:
-            self.pad_rows(bs, stale_stop)
-        # Rows past ``bucket`` are not read by this graph; a larger bucket re-pads them later.
-        self.dirty_rows = self.dirty_rows if self.dirty_rows > bucket else bs
+        self._repad_stale_rows(bs, bucket, self.pad_rows)
 
     def copy_packed_from(self, batch: ForwardBatch, bucket: int) -> bool:
         """Packed path of ``copy_from``: one copy of ``batch.packed`` (packed here when the
@@ -138,12 +135,16 @@ class GraphInputBuffers:
         else:  # a narrower table: columns past it are never read (seq_len bounds the pages)
             rows.packed[:, : src.shape[1]].copy_(src)
         rows.seq_lens_cpu.copy_(batch.seq_lens_cpu)
+        self._repad_stale_rows(bs, bucket, self.pad_packed_rows)
+        return came_packed
+
+    def _repad_stale_rows(self, bs: int, bucket: int, pad: Callable[[int, int], None]) -> None:
+        """Pad rows ``[bs:bucket]`` that a previous, larger batch left holding live values."""
         stale_stop = min(self.dirty_rows, bucket)
         if stale_stop > bs:
-            self.packed[bs:stale_stop] = self.packed_pad
-            self.seq_lens_cpu[bs:stale_stop] = self.seq_len_fill_value
+            pad(bs, stale_stop)
+        # Rows past ``bucket`` are not read by this graph; a larger bucket re-pads them later.
         self.dirty_rows = self.dirty_rows if self.dirty_rows > bucket else bs
-        return came_packed
 
     def unpack(self, bs: int) -> None:
         """Inside the captured step: packed rows ``[:bs]`` -> the per-field static buffers."""
@@ -153,6 +154,11 @@ class GraphInputBuffers:
         self.out_cache_loc[:bs].copy_(p[:, 2])
         self.seq_lens[:bs].copy_(p[:, 3])
         self.block_table[:bs].copy_(p[:, PACKED_COLS:])
+
+    def pad_packed_rows(self, start: int, stop: int) -> None:
+        """Set packed rows ``[start:stop]`` to the padding row (built by ``pad_row``)."""
+        self.packed[start:stop] = self.packed_pad
+        self.seq_lens_cpu[start:stop] = self.seq_len_fill_value
 
     def pad_rows(self, start: int, stop: int) -> None:
         """Set rows ``[start:stop]`` to the padding values (the one place that writes them)."""
