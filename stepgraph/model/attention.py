@@ -79,6 +79,7 @@ class PagedAttentionBackend:
         self.graph_workspace: DecodeWorkspace | None = None  # [max_bs, ...], for captured steps
         self._eager_workspace: DecodeWorkspace | None = None  # grown lazily, reused
         self.meta: DecodeMetadata | PrefillMetadata | None = None
+        self._graph_meta: dict[int, DecodeMetadata] = {}  # bucket -> metadata of its graph
 
     # -- geometry ----------------------------------------------------------------------------
 
@@ -134,7 +135,7 @@ class PagedAttentionBackend:
                 f"capturing bucket {bs} before init_cuda_graph_state(max_bs >= {bs}); the "
                 "graph runner calls it once before capture, so call it first."
             )
-        self.meta = DecodeMetadata(
+        self.meta = self._graph_meta[bs] = DecodeMetadata(
             block_table=batch.block_table,
             seq_lens=batch.seq_lens,
             out_cache_loc=batch.out_cache_loc,
@@ -145,9 +146,9 @@ class PagedAttentionBackend:
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, batch: ForwardBatch) -> None:
         # The static buffers already hold the live batch and a CUDA graph replays the captured
-        # geometry; re-pointing the metadata at this bucket serves the CPU stand-in, which
-        # re-runs the forward in Python.
-        self.init_forward_metadata_capture_cuda_graph(bs, batch)
+        # geometry; re-pointing the metadata at this bucket (built once, at capture) serves the
+        # CPU stand-in, which re-runs the forward in Python. Once per token: keep it a lookup.
+        self.meta = self._graph_meta[bs]
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return SEQ_LEN_FILL_VALUE
