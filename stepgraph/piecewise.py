@@ -330,6 +330,12 @@ class PiecewiseRunner:
         self.static_inputs.clear()
         self._backend.release()
 
+    @property
+    def capture_order(self) -> list:
+        """Graph keys in the order they were captured (largest first); every rank of a
+        tensor-parallel job must see the same list."""
+        return list(self._backend.capture_order)
+
     def _check_alive(self, what: str) -> None:
         if self._shut_down:
             raise ReplayError(f"{what}() called after shutdown(); create a new PiecewiseRunner.")

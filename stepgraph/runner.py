@@ -328,6 +328,12 @@ class CudaGraphRunner:
         self._plans.clear()
         self._backend.release()
 
+    @property
+    def capture_order(self) -> list:
+        """Graph keys in the order they were captured (largest first); every rank of a
+        tensor-parallel job must see the same list."""
+        return list(self._backend.capture_order)
+
     def _check_alive(self, what: str) -> None:
         if self._shut_down:
             raise ReplayError(

@@ -86,7 +86,7 @@ def test_batched_keys_capture_order_and_replay_equals_eager(model):
     cfg = batched_cfg(replay_graph_walks=["verify"])
     runner = make(model, cfg)
     assert runner.keys[0] == [GraphKey("decode", b, 2 * b, None) for b in (1, 2, 4)]
-    assert runner._backend.capture_order == [GraphKey("decode", b, 2 * b, None) for b in (4, 2, 1)]
+    assert runner.capture_order == [GraphKey("decode", b, 2 * b, None) for b in (4, 2, 1)]
     assert not runner.compile_enabled  # the stand-in skips torch.compile
     g = torch.Generator().manual_seed(0)
     for bs in (1, 2, 3, 4):

@@ -119,7 +119,7 @@ def poison(runner):
 def test_packed_replay_equals_eager_with_padding(region, lease):
     steps = Steps()
     runner = packed_runner(region, steps, lease=lease)
-    assert runner._backend.capture_order[0] == (4, 16)  # largest first
+    assert runner.capture_order[0] == (4, 16)  # largest first
     assert (4, 4) in runner.graphs and (8, 4) not in runner.graphs  # total < bs is skipped
     g = torch.Generator().manual_seed(0)
     cases = {(3,): (2, 4), (4, 4): (2, 8), (3, 2): (4, 8), (4, 4, 1): (4, 16), (7, 1, 5): (4, 16)}

@@ -24,7 +24,7 @@ def mr():
 def test_capture_order_buckets_and_stats(mr):
     runner = CudaGraphRunner(mr, CFG)
     assert runner.capture_bs == [1, 2, 4, 8, 16] and runner.max_bs == 16
-    assert runner._backend.capture_order == [16, 8, 4, 2, 1]  # largest first
+    assert runner.capture_order == [16, 8, 4, 2, 1]  # largest first
     assert [b.bs for b in runner.stats.capture.buckets] == [16, 8, 4, 2, 1]
     assert set(runner.graphs) == set(runner.output_buffers) == {1, 2, 4, 8, 16}
     assert mr.attn_backend.calls[0] == ("state", 16)

@@ -28,7 +28,7 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_config(json.loads(cfg_file.read_text()))
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -53,7 +53,7 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for f in _shard_files(Path(path)):
+    for f in shard_files(Path(path)):
         state.update(load_file(str(f)))
     return state
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .config import ModelConfig
-from .hf_loader import _shard_files, convert_hf_state_dict, load_hf_config
+from .hf_loader import convert_hf_state_dict, load_hf_config, shard_files
 from .llama import LlamaModel
 
 logger = logging.getLogger("stepgraph")
@@ -303,7 +303,7 @@ def load_hf_shard(
     config = load_hf_config(path)
     layout = tp_layout(config, rank, world_size)
     hf: dict[str, torch.Tensor] = {}
-    for f in _shard_files(Path(path)):
+    for f in shard_files(Path(path)):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 sl = sf.get_slice(name)

@@ -74,7 +74,7 @@ def main() -> None:
             engine = Engine(runner(tp_model), mode=mode, runner_config=cfg)
             result[mode] = engine.generate(prompts, args.tokens)
             if engine.runner is not None:
-                result["capture_order"][mode] = list(engine.runner._backend.capture_order)
+                result["capture_order"][mode] = list(engine.runner.capture_order)
                 result[f"{mode}_graph_steps"] = engine.stats.graph_steps
             engine.shutdown()
         except Exception as e:  # recorded, so that the other modes still report
