@@ -23,7 +23,7 @@ from .capture import (
     model_capture_mode,
     reserved_bytes,
 )
-from .errors import CaptureError
+from .errors import CaptureError, ReplayError
 
 logger = logging.getLogger("stepgraph")
 
@@ -96,3 +96,39 @@ def storage_ptrs(tensors: Iterable[Any]) -> set[int]:
 
 # --------------------------------------------------------------------------------------------
 # The config-driven runner
+
+
+class GraphRunnerBase:
+    """What every runner shares: its captured graphs, their release, and the shutdown state.
+
+    Subclasses set ``graphs``, ``_backend`` and ``_shut_down`` in ``__init__``, clear their own
+    per-graph state in ``_forget_graphs``, and name their eager escape hatch in ``EAGER_HINT``.
+    """
+
+    EAGER_HINT = "run the step eagerly"
+    graphs: dict[Any, CapturedGraph]
+    _backend: GraphBackend
+    _shut_down: bool
+
+    @property
+    def capture_order(self) -> list:
+        """Graph keys in the order they were captured (largest first); every rank of a
+        tensor-parallel job must see the same list."""
+        return list(self._backend.capture_order)
+
+    def _release_graphs(self) -> None:
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        self._forget_graphs()
+        self._backend.release()
+
+    def _forget_graphs(self) -> None:
+        """Drop per-graph state (outputs, static inputs, plans) after the graphs are released."""
+
+    def _check_alive(self, what: str) -> None:
+        if self._shut_down:
+            raise ReplayError(
+                f"{what}() called after shutdown(); create a new {type(self).__name__}, "
+                f"or {self.EAGER_HINT}."
+            )

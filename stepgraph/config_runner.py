@@ -32,7 +32,7 @@ from .capture import (
     BucketStats,
     CaptureStats,
 )
-from .capture_steps import capture_loop, capture_step, storage_ptrs
+from .capture_steps import GraphRunnerBase, capture_loop, capture_step, storage_ptrs
 from .configs import CU_SEQLENS, CudaGraphConfig, NodeInputs, PackedCudaGraphConfig, pad_lengths
 from .errors import CaptureError, ConfigError, ReplayError
 
@@ -54,12 +54,14 @@ class ConfigRunnerStats:
     eager_reasons: Counter = field(default_factory=Counter)  # reason -> batches run eagerly
 
 
-class ConfigGraphRunner:
+class ConfigGraphRunner(GraphRunnerBase):
     """Captures one graph per key of every config; ``run`` replays the smallest key that fits.
 
     ``compile=True`` wraps the forward method in ``torch.compile`` before capture on CUDA; the
     CPU stand-in skips it (it tests graph logic, and compiling each key costs seconds there).
     """
+
+    EAGER_HINT = "call the model eagerly"
 
     def __init__(
         self,
@@ -265,25 +267,6 @@ class ConfigGraphRunner:
         self._release_graphs()
         self._static = []
         self._shut_down = True
-
-    def _release_graphs(self) -> None:
-        for graph in self.graphs.values():
-            graph.release()
-        self.graphs.clear()
-        self._backend.release()
-
-    @property
-    def capture_order(self) -> list:
-        """Graph keys in the order they were captured (largest first); every rank of a
-        tensor-parallel job must see the same list."""
-        return list(self._backend.capture_order)
-
-    def _check_alive(self, what: str) -> None:
-        if self._shut_down:
-            raise ReplayError(
-                f"{what}() called after shutdown(); create a new ConfigGraphRunner, "
-                "or call the model eagerly."
-            )
 
 
 def _fits(key: GraphKey, lens: list[int]) -> bool:

@@ -29,7 +29,7 @@ import torch
 
 from .backends import CapturedGraph, CpuGraphBackend, canonical_device, make_backend
 from .capture import BucketStats, CaptureStats, GraphPool
-from .capture_steps import capture_loop, capture_step, storage_ptrs
+from .capture_steps import GraphRunnerBase, capture_loop, capture_step, storage_ptrs
 from .configs import (
     PiecewiseCallInputs,
     PiecewiseCaptureShape,
@@ -107,8 +107,10 @@ class _DictRegion:
         return captured
 
 
-class PiecewiseRunner:
+class PiecewiseRunner(GraphRunnerBase):
     """Captures ``config.capture_fn`` once per capture shape; ``replay`` serves live batches."""
+
+    EAGER_HINT = "run the region eagerly"
 
     def __init__(
         self,
@@ -322,23 +324,9 @@ class PiecewiseRunner:
         self._release_graphs()
         self._shut_down = True
 
-    def _release_graphs(self) -> None:
-        for graph in self.graphs.values():
-            graph.release()
-        self.graphs.clear()
+    def _forget_graphs(self) -> None:
         self.outputs.clear()
         self.static_inputs.clear()
-        self._backend.release()
-
-    @property
-    def capture_order(self) -> list:
-        """Graph keys in the order they were captured (largest first); every rank of a
-        tensor-parallel job must see the same list."""
-        return list(self._backend.capture_order)
-
-    def _check_alive(self, what: str) -> None:
-        if self._shut_down:
-            raise ReplayError(f"{what}() called after shutdown(); create a new PiecewiseRunner.")
 
 
 def _layout(resources: dict[str, Any]) -> dict[str, tuple[int, tuple[int, ...]]]:

@@ -25,7 +25,7 @@ from .backends import CapturedGraph, canonical_device, make_backend
 from .batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
 from .buckets import DEFAULT_MAX_BS, default_capture_sizes, pad_to_bucket, validate_buckets
 from .capture import BucketStats, CaptureStats
-from .capture_steps import capture_loop, capture_step
+from .capture_steps import GraphRunnerBase, capture_loop, capture_step
 from .errors import CaptureError, ConfigError, ReplayError
 from .exact import ExecUpdater, default_exec_updater
 from .input_buffers import GraphInputBuffers
@@ -84,8 +84,10 @@ class RunnerStats:
     fallbacks: Counter = field(default_factory=Counter)  # reason -> batches refused by can_run
 
 
-class CudaGraphRunner:
+class CudaGraphRunner(GraphRunnerBase):
     """Captures and replays CUDA graphs for decode-step forward passes (seed: pymllm)."""
+
+    EAGER_HINT = "run the batch eagerly with model_runner.forward"
 
     def __init__(
         self,
@@ -319,24 +321,7 @@ class CudaGraphRunner:
         self._shut_down = True
         self.buffers = None  # type: ignore[assignment]
 
-    def _release_graphs(self) -> None:
-        for graph in self.graphs.values():
-            graph.release()
-        self.graphs.clear()
+    def _forget_graphs(self) -> None:
         self.output_buffers.clear()
         self._shared_output = None
         self._plans.clear()
-        self._backend.release()
-
-    @property
-    def capture_order(self) -> list:
-        """Graph keys in the order they were captured (largest first); every rank of a
-        tensor-parallel job must see the same list."""
-        return list(self._backend.capture_order)
-
-    def _check_alive(self, what: str) -> None:
-        if self._shut_down:
-            raise ReplayError(
-                f"{what}() called after shutdown(); create a new CudaGraphRunner, "
-                "or run the batch eagerly with model_runner.forward."
-            )
