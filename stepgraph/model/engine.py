@@ -201,8 +201,9 @@ class Engine:
             if self.runner.can_run(batch):
                 self.stats.graph_steps += 1
                 return self.runner.replay(batch)  # a static buffer: sampled before next replay
+            max_seq_len = batch.max_seq_len
             batch = unpacked_batch(batch.packed, batch.seq_lens_cpu)  # eager needs contiguous
-            batch.max_seq_len = int(batch.seq_lens_cpu.max())
+            batch.max_seq_len = max_seq_len
         if self.config_runner is not None:  # replays, or runs eagerly above the largest bucket
             replays = self.config_runner.stats.replays
             logits = self.config_runner.run(DECODE_WALK, self.walks.requests(batch))

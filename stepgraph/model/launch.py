@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, default_context_len
 
 
 def build_model_runner(
@@ -44,7 +44,7 @@ def build_model_runner(
             f"`torchrun --nproc-per-node {tp} -m stepgraph ...`."
         )
     config = load_hf_config(model) if is_dir else get_preset(model)
-    max_context_len = max_context_len or min(config.max_position_embeddings, 4096)
+    max_context_len = default_context_len(config, max_context_len)
     if is_dir:
         shard = load_hf_shard(model, env.rank, tp, env.device, dtype, max_positions=max_context_len)
     else:

@@ -20,6 +20,12 @@ DEFAULT_MAX_CONTEXT_LEN = 4096
 GEMV_MAX_BS = 1  # batches up to this many rows use the Triton GEMV on CUDA, larger ones cuBLAS
 
 
+def default_context_len(config: ModelConfig, max_context_len: int | None = None) -> int:
+    """``max_context_len`` if given, else the model's positions capped at
+    ``DEFAULT_MAX_CONTEXT_LEN`` (the KV cache is sized for it)."""
+    return max_context_len or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
+
+
 class ModelRunner:
     """Runs decode steps (``forward``) and prompt prefills (``prefill``) of one model.
 
@@ -109,9 +115,7 @@ class ModelRunner:
         num_pages: int | None = None,
     ) -> ModelRunner:
         """A model of ``config`` with random weights from ``seed`` (see ``init_random``)."""
-        max_context_len = max_context_len or min(
-            config.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN
-        )
+        max_context_len = default_context_len(config, max_context_len)
         model = init_random(build_model(config, device, dtype, max_positions=max_context_len), seed)
         return cls.from_model(
             model,
@@ -154,9 +158,7 @@ class ModelRunner:
         from .hf_loader import load_hf_config, load_hf_model
 
         config = load_hf_config(path)
-        max_context_len = max_context_len or min(
-            config.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN
-        )
+        max_context_len = default_context_len(config, max_context_len)
         model = load_hf_model(path, device, dtype, max_positions=max_context_len)
         return cls.from_model(
             model, device=device, dtype=dtype, max_context_len=max_context_len, **kwargs
