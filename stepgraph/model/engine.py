@@ -15,6 +15,7 @@ the device outside the graph; the one host sync per step reads the chosen ids.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from ..batch import unpacked_batch
-from ..errors import ConfigError
+from ..errors import ConfigError, StepGraphError
 from .graph_walks import DECODE_WALK
 from .model_runner import ModelRunner
 
@@ -54,6 +55,17 @@ class Request:
 class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ConfigError(
+                f"temperature must be a finite number >= 0 (0: greedy), got {t!r}; "
+                "pass --temperature 0 for greedy decoding."
+            )
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"top_k must be an integer >= 1 or unset, got {k!r}; use --top-k 1..")
 
     def sample(
         self, logits: torch.Tensor, generator: torch.Generator | None
@@ -110,6 +122,8 @@ class Engine:
                 f"decode_via='configs' replays the captured decode walk as is; it needs "
                 f"mode='graph', got mode={mode!r}. Use decode_via='runner' for mode={mode!r}."
             )
+        if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
+            raise ConfigError(f"max_running must be >= 1 or None, got {max_running!r}.")
         self.model_runner = model_runner
         self.mode = mode
         self.decode_via = decode_via
@@ -152,8 +166,17 @@ class Engine:
         bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ConfigError(f"{what} has token ids outside [0, {vocab}): {bad[:5]}.")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ConfigError(f"max_new_tokens must be an integer, got {max_new_tokens!r}.")
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        limit = self.model_runner.config.max_position_embeddings
+        if len(prompt) + max_new_tokens - 1 > limit:
+            raise ConfigError(
+                f"{what} plus max_new_tokens={max_new_tokens} needs "
+                f"{len(prompt) + max_new_tokens - 1} positions, more than the model's "
+                f"max_position_embeddings={limit}; shorten the prompt or max_new_tokens."
+            )
         self.model_runner.kv_cache.check_fits(len(prompt) + max_new_tokens - 1, what)
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
@@ -219,7 +242,27 @@ class Engine:
         self, sampling: Sampling = Sampling(), generator: torch.Generator | None = None
     ) -> list[tuple[int, int]]:
         """Admit and prefill what fits, decode the running requests once; return the
-        ``(request id, new token)`` pairs of this step."""
+        ``(request id, new token)`` pairs of this step. Any exception (prefill, decode,
+        sampling) first aborts every waiting and running request and frees its pages
+        (``abort_all``), then propagates: a failed step leaks nothing."""
+        try:
+            return self._step(sampling, generator)
+        except BaseException:
+            self.abort_all()
+            raise
+
+    def abort_all(self) -> list[int]:
+        """Drop every waiting and running request and free its pages; return their ids.
+        The KV cache is then as free as it was before they were added."""
+        dropped = [r.rid for r in itertools.chain(self.waiting, self.running)]
+        pages = [p for r in self.running for p in r.pages]
+        self.waiting.clear()
+        self.running.clear()
+        if pages:
+            self.model_runner.kv_cache.release(pages)
+        return dropped
+
+    def _step(self, sampling: Sampling, generator: torch.Generator | None) -> list[tuple[int, int]]:
         decoding = [r for r in self.running if r.output]  # requests that have a token to feed
         new = self._admit()
         logits = []
@@ -263,10 +306,21 @@ class Engine:
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.model_runner.device).manual_seed(seed)
-        sampling = Sampling(temperature, top_k)
+        sampling = Sampling(temperature, top_k)  # checks them before anything is queued
         rids = [self.add_request(p, max_new_tokens) for p in prompts]
-        while any(rid not in self.finished for rid in rids):
-            self.step(sampling, generator)
+        try:
+            while any(rid not in self.finished for rid in rids):
+                if not self.step(sampling, generator):  # nothing ran: looping would spin
+                    raise StepGraphError(
+                        f"requests {[r for r in rids if r not in self.finished]} were dropped "
+                        "while generating (abort_all from another caller?); nothing is left "
+                        "to run. Call generate again."
+                    )
+        except BaseException:
+            self.abort_all()  # step already did on its own faults; add_request may have run
+            for rid in rids:
+                self.finished.pop(rid, None)
+            raise
         return [self.finished.pop(rid).output for rid in rids]
 
     def shutdown(self) -> None:
