@@ -1,0 +1,103 @@
+"""The MLP's first half in one kernel: RMSNorm prologue, the fused gate-up projection, SiLU·mul
+epilogue; and its torch reference.
+
+    act = silu(gate) * up,   gate | up = rmsnorm(x) @ w_gate_up.T     (w_gate_up [2 * I, K])
+
+Grid ``(cdiv(I, BLOCK_N),)``: program ``pid`` owns gate rows ``[pid * BLOCK_N, +BLOCK_N)`` and
+the up rows ``I`` further (the *paired* stream of ``gemv_tiles.gemv_loop``), so the activation is
+computed where both products are: no ``[M, 2 * I]`` intermediate, no ``silu_mul`` launch.
+Roundings as the unfused path: gate and up rounded to the dtype (the GEMM's output), ``silu``
+rounded, the product rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .gemv_tiles import first_w_tile, gemv_loop, norm_block, proj_blocks, row_inv_rms
+from .norm_gemv import rmsnorm_reference
+from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+
+
+@triton.jit
+def _gate_up_silu_kernel(
+    x_ptr, norm_w_ptr, w_ptr, out_ptr,
+    M, INTER, K, eps,
+    stride_xm, stride_wn, stride_om,
+    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows are INTER further
+    mask_n = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = w_ptr + (offs_n + INTER)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    # -- weights only before the wait --
+    wg = first_w_tile(g_ptrs, mask_n, K, BLOCK_K)
+    wu = first_w_tile(u_ptrs, mask_n, K, BLOCK_K)
+    pdl_wait_then_trigger(USE_PDL)
+    inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
+    # -> [BLOCK_M, BLOCK_N] float32 each
+    gate, up = gemv_loop(
+        g_ptrs, u_ptrs, wg, wu, mask_n,
+        x_ptr, norm_w_ptr, stride_xm, M, K, inv_rms,
+        True, True, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    # -- SiLU(gate) * up, rounded at each step as torch does in the model dtype --
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], (act * up).to(dtype), mask=mask
+    )
+
+
+def gate_up_silu_reference(
+    x: torch.Tensor,  # [M, K]
+    norm_w: torch.Tensor,  # [K]
+    weight: torch.Tensor,  # [2 * I, K]
+    eps: float,
+) -> torch.Tensor:  # [M, I]
+    """RMSNorm, ``F.linear``, ``silu(gate) * up``: the unfused ops."""
+    gate, up = F.linear(rmsnorm_reference(x, norm_w, eps), weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gate_up_silu(
+    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous: the residual stream
+    norm_w: torch.Tensor,  # [K]
+    weight: torch.Tensor,  # [2 * I, K], gate rows then up rows, rows contiguous
+    eps: float,
+    *,
+    use_pdl: bool | None = None,
+    blocks: tuple[int, int, int] | None = None,  # (BLOCK_N pairs, BLOCK_K, num_warps)
+) -> torch.Tensor:  # [M, I], x.dtype
+    """``silu(gate) * up`` of ``rmsnorm(x) @ weight.T`` in one launch."""
+    m, k = x.shape
+    inter = weight.shape[0] // 2
+    out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    if m:
+        if blocks is None:
+            block_n, block_k, num_warps = proj_blocks(m, 2 * inter, k)
+            blocks = (max(1, block_n // 2), block_k, num_warps)  # both row sets in one tile budget
+        pdl = resolve_pdl(use_pdl, x.device)
+        _gate_up_silu_kernel[(triton.cdiv(inter, blocks[0]),)](
+            x, norm_w, weight, out,
+            m, inter, k, eps,
+            x.stride(0), weight.stride(0), out.stride(0),
+            USE_PDL=pdl, BLOCK_M=max(1, triton.next_power_of_2(m)),
+            BLOCK_N=blocks[0], BLOCK_K=blocks[1], NORM_BLOCK=norm_block(m, k),
+            num_warps=blocks[2], **launch_options(pdl),
+        )  # fmt: skip
+    return out
+
+
+__all__ = ["gate_up_silu", "gate_up_silu_reference"]

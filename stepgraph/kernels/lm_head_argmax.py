@@ -1,0 +1,88 @@
+"""Greedy sampling inside the step: the final RMSNorm, the LM head and the argmax in two
+launches; and the torch reference.
+
+1. ``norm_gemv`` with ``ARGMAX``: each program writes its float32 logits and the (max, first
+   index of max) of its ``BLOCK_N`` columns into ``part_val`` / ``part_idx`` ``[M, P]``
+   (``P`` = programs, 4008 at vocab 128256).
+2. ``_argmax_reduce_kernel``, grid ``(M,)``: the first index of the largest partial. Ties go to
+   the smaller index at both levels, so the token is ``torch.argmax``'s (first occurrence).
+
+The float32 logits stay in their buffer for sampling at temperature > 0 and parity checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .norm_gemv import argmax_programs, norm_gemv, norm_gemv_reference
+from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+
+
+@triton.jit
+def _argmax_reduce_kernel(
+    part_val_ptr, part_idx_ptr, out_ptr,
+    P, stride_pm,
+    USE_PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    pdl_wait_then_trigger(USE_PDL)  # the partials are the predecessor's output
+    offs = tl.arange(0, BLOCK_P)
+    best_val = tl.full((BLOCK_P,), float("-inf"), dtype=tl.float32)
+    best_idx = tl.full((BLOCK_P,), 2**31 - 1, dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        mask = (p0 + offs) < P
+        v = tl.load(part_val_ptr + row * stride_pm + p0 + offs, mask=mask, other=float("-inf"))
+        i = tl.load(part_idx_ptr + row * stride_pm + p0 + offs, mask=mask, other=2**31 - 1)
+        # -- strictly greater: a lane keeps its earlier (smaller-index) partial on a tie --
+        better = v > best_val
+        best_val = tl.where(better, v, best_val)
+        best_idx = tl.where(better, i, best_idx)
+    top = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == top, best_idx, 2**31 - 1), axis=0)
+    tl.store(out_ptr + row, idx.to(tl.int64))
+
+
+def lm_head_argmax_reference(
+    x: torch.Tensor,  # [M, K], the residual stream after the last layer
+    norm_w: torch.Tensor,  # [K], the final norm's weight
+    weight: torch.Tensor,  # [vocab, K]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [M, vocab] float32, tokens [M] int64)
+    logits = norm_gemv_reference(x, norm_w, weight, None, eps, torch.float32)
+    return logits, logits.argmax(-1)
+
+
+def lm_head_argmax(
+    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous
+    norm_w: torch.Tensor,  # [K]
+    weight: torch.Tensor,  # [vocab, K], rows contiguous
+    eps: float,
+    *,
+    use_pdl: bool | None = None,
+    blocks: tuple[int, int, int] | None = None,  # norm_gemv's (BLOCK_N, BLOCK_K, num_warps)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [M, vocab] float32, tokens [M] int64)
+    """Float32 logits of ``rmsnorm(x) @ weight.T`` and their argmax per row: two launches."""
+    m, k = x.shape
+    vocab = weight.shape[0]
+    n_prog = argmax_programs(m, vocab, k, blocks)
+    part_val = torch.empty(m, n_prog, dtype=torch.float32, device=x.device)
+    part_idx = torch.empty(m, n_prog, dtype=torch.int32, device=x.device)
+    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    logits = norm_gemv(
+        x, norm_w, weight, None, eps, torch.float32,
+        argmax_parts=(part_val, part_idx), use_pdl=use_pdl, blocks=blocks,
+    )  # fmt: skip
+    if m:
+        pdl = resolve_pdl(use_pdl, x.device)
+        _argmax_reduce_kernel[(m,)](
+            part_val, part_idx, tokens, n_prog, part_val.stride(0),
+            USE_PDL=pdl, BLOCK_P=min(1024, triton.next_power_of_2(n_prog)),
+            num_warps=4, **launch_options(pdl),
+        )  # fmt: skip
+    return logits, tokens
+
+
+__all__ = ["lm_head_argmax", "lm_head_argmax_reference"]

@@ -1,0 +1,164 @@
+"""One GEMV kernel with an RMSNorm prologue and a residual-add or argmax epilogue, and its torch
+references: the projections of the fused decode step that need no paired rows.
+
+    norm_gemv(x, norm_w, w)        y = rmsnorm(x) @ w.T (+ bias)      lm_head (qkv: ``qkv_rope``)
+    gemv_residual(x, w, residual)  y = residual + (x @ w.T)          o_proj and down
+    argmax partials (ARGMAX)       (max, index) of each program's columns, for ``lm_head_argmax``
+
+Grid ``(cdiv(N, BLOCK_N),)``; the pieces are in ``gemv_tiles``. Every rounding follows the
+unfused torch path: the norm as ``RMSNorm`` does it, the projection rounded to the dtype before
+the residual add, the sum rounded again (``x + residual`` in the model dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv_tiles import first_w_tile, gemv_loop, norm_block, proj_blocks, row_inv_rms
+from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+
+
+@triton.jit
+def _norm_gemv_kernel(
+    x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_val_ptr, part_idx_ptr,
+    M, N, K, eps,
+    stride_xm, stride_wn, stride_rm, stride_ym, stride_pm,
+    NORM: tl.constexpr,  # RMSNorm prologue (norm_w, eps)
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,  # y = residual + (x @ w.T).to(dtype)
+    ARGMAX: tl.constexpr,  # write (max, first index of max) of this program's columns
+    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    # -- weights only before the wait: they are never written during a step --
+    w = first_w_tile(w_ptrs, mask_n, K, BLOCK_K)  # [BLOCK_N, BLOCK_K]
+    pdl_wait_then_trigger(USE_PDL)
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
+    else:
+        inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    # -> [BLOCK_M, BLOCK_N] float32
+    acc, _ = gemv_loop(
+        w_ptrs, w_ptrs, w, w, mask_n,
+        x_ptr, norm_w_ptr, stride_xm, M, K, inv_rms,
+        NORM, False, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if RESIDUAL:
+        # -- the projection rounded to the dtype, then `proj + residual` in the dtype --
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        acc = acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
+    if ARGMAX:
+        # -- over the values as stored (float32 logits: the same), masked columns at -inf --
+        vals = tl.where(mask_n[None, :], y.to(tl.float32), float("-inf"))
+        best = tl.max(vals, axis=1)  # [BLOCK_M]
+        idx = tl.argmax(vals, axis=1, tie_break_left=True) + pid_n * BLOCK_N  # [BLOCK_M]
+        tl.store(part_val_ptr + offs_m * stride_pm + pid_n, best, mask=mask_m)
+        tl.store(part_idx_ptr + offs_m * stride_pm + pid_n, idx.to(tl.int32), mask=mask_m)
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Transformers' RMSNorm, op for op: float32, back to the dtype, times the weight."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def norm_gemv_reference(x, norm_w, weight, bias, eps, out_dtype=None) -> torch.Tensor:
+    """``F.linear(rmsnorm(x), weight, bias)`` in the unfused path's order (float32 out on
+    request, from the model-dtype product as cuBLAS returns it)."""
+    y = torch.nn.functional.linear(rmsnorm_reference(x, norm_w, eps), weight, bias)
+    return y.to(out_dtype or y.dtype)
+
+
+def gemv_residual_reference(x, weight, residual) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight) + residual
+
+
+def _launch(x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks):
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, block_k, num_warps = blocks or proj_blocks(m, n, k)
+    part_val, part_idx = parts if parts is not None else (y, y)
+    pdl = resolve_pdl(use_pdl, x.device)
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, norm_w if norm else weight, weight, bias if bias is not None else weight,
+        residual if residual is not None else y, y, part_val, part_idx,
+        m, n, k, eps,
+        x.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, y.stride(0),
+        part_val.stride(0) if parts is not None else 0,
+        NORM=norm, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+        ARGMAX=parts is not None, USE_PDL=pdl,
+        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM_BLOCK=norm_block(m, k), num_warps=num_warps, **launch_options(pdl),
+    )  # fmt: skip
+
+
+def norm_gemv(
+    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous: the residual stream
+    norm_w: torch.Tensor,  # [K], the RMSNorm weight
+    weight: torch.Tensor,  # [N, K], rows contiguous
+    bias: torch.Tensor | None = None,  # [N]
+    eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
+    *,
+    argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,  # [M, n_programs] f32, i32
+    use_pdl: bool | None = None,
+    blocks: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps)
+) -> torch.Tensor:  # [M, N], out_dtype (default x.dtype)
+    """``rmsnorm(x) @ weight.T + bias`` in one launch, float32 accumulation."""
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    if x.shape[0]:
+        _launch(
+            x, norm_w, weight, bias, None, y, argmax_parts, eps,
+            norm=True, use_pdl=use_pdl, blocks=blocks,
+        )  # fmt: skip
+    return y
+
+
+def gemv_residual(
+    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous
+    weight: torch.Tensor,  # [N, K], rows contiguous
+    residual: torch.Tensor,  # [M, N], the residual stream
+    *,
+    out: torch.Tensor | None = None,  # [M, N]; may be ``residual`` itself (each program
+    # reads and writes only its own columns)
+    use_pdl: bool | None = None,
+    blocks: tuple[int, int, int] | None = None,
+) -> torch.Tensor:  # [M, N], residual.dtype
+    """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first)."""
+    y = out if out is not None else torch.empty_like(residual)
+    if x.shape[0]:
+        _launch(
+            x, None, weight, None, residual, y, None, 0.0,
+            norm=False, use_pdl=use_pdl, blocks=blocks,
+        )  # fmt: skip
+    return y
+
+
+def argmax_programs(m: int, n: int, k: int, blocks: tuple[int, int, int] | None = None) -> int:
+    """Programs of ``norm_gemv`` for an ``[n, k]`` weight: columns of the argmax partials."""
+    return triton.cdiv(n, (blocks or proj_blocks(m, n, k))[0])
+
+
+__all__ = [
+    "argmax_programs",
+    "gemv_residual",
+    "gemv_residual_reference",
+    "norm_gemv",
+    "norm_gemv_reference",
+    "rmsnorm_reference",
+]

@@ -1,0 +1,99 @@
+"""Programmatic dependent launch (PDL) for the fused decode kernels: when to use it, the launch
+option, and the two device calls.
+
+With ``launch_pdl=True`` (Triton 3.4 and later, Hopper and later) a kernel may start while its
+predecessor in the stream is still running: it issues its weight loads, then ``gdc_wait()``
+blocks until the predecessor has finished and its writes are visible. ``gdc_launch_dependents()``
+lets the next PDL kernel start its own prologue. Measured on the H200 (docs/design.md §8): 1.1 to
+1.5 µs saved per kernel inside a CUDA graph, and the programmatic edges survive torch's capture.
+
+The rules every kernel here keeps (tests/gpu/test_fused_pdl_gpu.py checks the PTX):
+- ``gdc_wait()`` before reading anything a predecessor wrote (activations, positions, the KV
+  cache) and before writing anything; only weights (never written during a step) load before it;
+- the wait comes before any loop, since the software pipeliner may hoist a loop's loads;
+- ``gdc_launch_dependents()`` right after the wait: the next kernel prefetches its weights while
+  this one streams, one kernel ahead (triggering before the wait would let a whole chain of
+  waiting kernels occupy the SMs).
+The wait is transitive: a kernel finishes only after its own wait returned, so waiting on the
+predecessor also orders it after every earlier kernel.
+
+Fallback: on the CPU interpreter, before Hopper, or with ``STEPGRAPH_PDL=0`` the kernels get
+``USE_PDL=False`` (a constexpr: the calls are compiled out) and are launched without the option.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: never called (USE_PDL is False)
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+PDL_ENV = "STEPGRAPH_PDL"  # "0" turns PDL off everywhere (an escape hatch and the A/B switch)
+
+
+@functools.cache
+def _device_supports_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device | str | None) -> bool:
+    """True when kernels on ``device`` should be launched with PDL: a CUDA device of compute
+    capability 9.0 or later, compiled Triton (not ``TRITON_INTERPRET=1``) that has the device
+    calls, and ``STEPGRAPH_PDL`` not set to ``0``."""
+    if device is None or not HAS_GDC or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return _device_supports_pdl(device.index if device.index is not None else 0)
+
+
+def resolve_pdl(use_pdl: bool | None, device: torch.device | str) -> bool:
+    """``use_pdl`` if given (``True`` is still refused where PDL cannot run), else the default
+    for ``device``."""
+    supported = pdl_enabled(device)
+    return supported if use_pdl is None else (use_pdl and supported)
+
+
+def launch_options(use_pdl: bool) -> dict:
+    """Extra keyword arguments of a kernel launch: ``{"launch_pdl": True}`` or nothing (the
+    interpreter and old Triton do not know the option)."""
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+@triton.jit
+def pdl_wait_then_trigger(USE_PDL: tl.constexpr):
+    """Wait for the predecessor, then let the next kernel start its prologue (see above)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+__all__ = [
+    "HAS_GDC",
+    "PDL_ENV",
+    "gdc_launch_dependents",
+    "gdc_wait",
+    "launch_options",
+    "pdl_enabled",
+    "pdl_wait_then_trigger",
+    "resolve_pdl",
+]

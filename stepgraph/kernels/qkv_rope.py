@@ -1,0 +1,150 @@
+"""The attention's input half in one kernel: RMSNorm prologue, the fused qkv projection (+ bias),
+RoPE on q and k and the write of k and v into the paged KV cache; and its torch reference.
+
+Rotate-half RoPE pairs element ``d`` of a head with ``d + HALF``, so a program owns the *paired*
+weight rows ``head * HEAD_DIM + d0 + [0, BLOCK_D)`` and ``HALF`` further (``gemv_tiles``).
+Grid ``(n_heads + 2 * n_kv_heads) * HALF / BLOCK_D``: program ``pid`` takes head
+``pid // (HALF / BLOCK_D)`` (query heads, then key heads, then value heads, as the rows of
+``w_qkv`` are stacked) and its slice ``d0``. Its epilogue is ``rope_kv``'s, for those columns:
+query heads rotated into ``q_out``, key heads rotated into ``k_cache`` at ``slots[m]``, value
+heads copied into ``v_cache``. Roundings as the unfused CUDA path: the projection (+ bias)
+rounded to the dtype, the rotation in float32 with one rounding. No ``[M, qkv]`` intermediate,
+no ``rope_kv`` launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import ConfigError
+from .gemv_tiles import first_w_tile, gemv_loop, norm_block, proj_blocks, row_inv_rms
+from .norm_gemv import rmsnorm_reference
+from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .rope_kv import rope_kv_reference
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr, norm_w_ptr, w_ptr, bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr,
+    M, K, eps,
+    stride_xm, stride_wn, stride_qm, stride_cos, stride_slot,
+    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    head = pid // (HALF // BLOCK_D)  # q heads, then k heads, then v heads
+    d = (pid % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] < HALF
+    rows1 = head * HEAD_DIM + d  # first-half rows of the head; second half: + HALF
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    mask_n = d < HALF  # all true: BLOCK_D divides HALF
+    offs_k = tl.arange(0, BLOCK_K)
+    w1_ptrs = w_ptr + rows1[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w2_ptrs = w1_ptrs + HALF * stride_wn
+    # -- weights only before the wait --
+    w1 = first_w_tile(w1_ptrs, mask_n, K, BLOCK_K)
+    w2 = first_w_tile(w2_ptrs, mask_n, K, BLOCK_K)
+    pdl_wait_then_trigger(USE_PDL)
+    inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
+    # -> [BLOCK_M, BLOCK_D] float32 each
+    acc1, acc2 = gemv_loop(
+        w1_ptrs, w2_ptrs, w1, w2, mask_n,
+        x_ptr, norm_w_ptr, stride_xm, M, K, inv_rms,
+        True, True, BLOCK_M, BLOCK_D, BLOCK_K,
+    )  # fmt: skip
+    if HAS_BIAS:
+        acc1 += tl.load(bias_ptr + rows1).to(tl.float32)[None, :]
+        acc2 += tl.load(bias_ptr + rows1 + HALF).to(tl.float32)[None, :]
+    dtype = q_out_ptr.dtype.element_ty
+    x1 = acc1.to(dtype)  # the projection as the unfused path stores it
+    x2 = acc2.to(dtype)
+    slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if head >= N_HEADS + N_KV:  # -- value head: copy into the cache --
+        dst = v_cache_ptr + slot[:, None] * stride_slot + (head - N_HEADS - N_KV) * HEAD_DIM
+        tl.store(dst + d[None, :], x1, mask=mask)
+        tl.store(dst + HALF + d[None, :], x2, mask=mask)
+    else:  # -- query or key head: rotate-half RoPE at each row's position --
+        pos = tl.load(positions_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        trig = pos[:, None] * stride_cos + d[None, :]  # [BLOCK_M, BLOCK_D]
+        c1 = tl.load(cos_ptr + trig, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + trig + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + trig, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + trig + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = (x1f * c1 - x2f * s1).to(dtype)  # rotated = cat(-x2, x1)
+        o2 = (x2f * c2 + x1f * s2).to(dtype)
+        if head < N_HEADS:
+            dst = q_out_ptr + offs_m[:, None] * stride_qm + head * HEAD_DIM
+            tl.store(dst + d[None, :], o1, mask=mask)
+            tl.store(dst + HALF + d[None, :], o2, mask=mask)
+        else:
+            dst = k_cache_ptr + slot[:, None] * stride_slot + (head - N_HEADS) * HEAD_DIM
+            tl.store(dst + d[None, :], o1, mask=mask)
+            tl.store(dst + HALF + d[None, :], o2, mask=mask)
+
+
+def qkv_rope_reference(
+    x, norm_w, weight, bias, eps, positions, cos_table, sin_table, k_cache, v_cache, slots,
+    n_heads,
+) -> torch.Tensor:  # fmt: skip  # [M, n_heads, head_dim], rotated q; k, v written at ``slots``
+    """RMSNorm, ``F.linear``, then ``rope_kv_reference``: the unfused ops."""
+    qkv = torch.nn.functional.linear(rmsnorm_reference(x, norm_w, eps), weight, bias)
+    return rope_kv_reference(
+        qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, n_heads
+    )[0]
+
+
+def qkv_rope(
+    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous: the residual stream
+    norm_w: torch.Tensor,  # [K], input_layernorm's weight
+    weight: torch.Tensor,  # [(n_heads + 2 * n_kv) * head_dim, K], rows contiguous
+    bias: torch.Tensor | None,  # [(n_heads + 2 * n_kv) * head_dim] or None
+    eps: float,
+    positions: torch.Tensor,  # [M] int64
+    cos_table: torch.Tensor,  # [max_positions, head_dim], x's dtype, rows contiguous
+    sin_table: torch.Tensor,  # [max_positions, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, page_size, n_kv, head_dim], contiguous
+    v_cache: torch.Tensor,  # [num_pages, page_size, n_kv, head_dim], contiguous
+    slots: torch.Tensor,  # [M] int64, flat slot = page * page_size + offset
+    n_heads: int,
+    *,
+    use_pdl: bool | None = None,
+    blocks: tuple[int, int, int] | None = None,  # (BLOCK_D, BLOCK_K, num_warps)
+) -> torch.Tensor:  # [M, n_heads, head_dim], rotated q
+    """Norm, qkv projection, RoPE and KV write in one launch; returns q. Slots are not
+    bounds-checked on the device (padded graph rows must point at scratch slots)."""
+    m, k = x.shape
+    n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+    half = hd // 2
+    q = torch.empty(m, n_heads, hd, dtype=x.dtype, device=x.device)
+    if m:
+        n_rows = (n_heads + 2 * n_kv) * hd
+        if blocks is None:
+            block_n, block_k, num_warps = proj_blocks(m, n_rows, k)
+            blocks = (max(1, min(half, block_n // 2)), block_k, num_warps)
+        if half % blocks[0]:
+            raise ConfigError(
+                f"qkv_rope: BLOCK_D={blocks[0]} must divide head_dim / 2 = {half}; pass blocks "
+                "with a power-of-two BLOCK_D <= head_dim / 2 (or leave blocks=None)"
+            )
+        pdl = resolve_pdl(use_pdl, x.device)
+        _qkv_rope_kernel[((n_heads + 2 * n_kv) * (half // blocks[0]),)](
+            x, norm_w, weight, bias if bias is not None else weight,
+            positions, slots, cos_table, sin_table, q, k_cache, v_cache,
+            m, k, eps,
+            x.stride(0), weight.stride(0), q.stride(0), cos_table.stride(0), k_cache.stride(1),
+            N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=half,
+            HAS_BIAS=bias is not None, USE_PDL=pdl,
+            BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_D=blocks[0], BLOCK_K=blocks[1],
+            NORM_BLOCK=norm_block(m, k), num_warps=blocks[2], **launch_options(pdl),
+        )  # fmt: skip
+    return q
+
+
+__all__ = ["qkv_rope", "qkv_rope_reference"]

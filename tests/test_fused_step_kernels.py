@@ -1,0 +1,160 @@
+"""The fused decode-step kernels (norm-prologue GEMV, residual epilogue, gate-up + SiLU·mul,
+qkv + RoPE + KV write, LM head + argmax) under the Triton interpreter, in float32 and float16 at
+odd sizes, against float64 references and the unfused torch ops; outputs start as NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.kernels.gate_up_silu import gate_up_silu, gate_up_silu_reference
+from stepgraph.kernels.lm_head_argmax import lm_head_argmax
+from stepgraph.kernels.norm_gemv import (
+    gemv_residual,
+    gemv_residual_reference,
+    norm_gemv,
+    norm_gemv_reference,
+)
+from stepgraph.kernels.pdl import launch_options, pdl_enabled, resolve_pdl
+from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
+from stepgraph.kernels.rope_kv import apply_rope
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+EPS = 1e-5
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "an output element was never written (still NaN)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Make every ``torch.empty``/``empty_like`` the kernels allocate start as NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+    poison = lambda t: t.fill_(float("nan") if t.is_floating_point() else -1)  # noqa: E731
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def rms64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # float64 RMSNorm
+    xd = x.double()
+    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def inputs(m, k, n, dtype, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(m, k, generator=g)).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, nw, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "m, k, n, bias, blocks",
+    [(1, 80, 40, False, (8, 32, 4)), (3, 48, 20, True, (4, 16, 4)), (2, 64, 24, False, None)],
+)
+def test_norm_gemv(nan_empty, dtype, m, k, n, bias, blocks):
+    x, nw, w, b = inputs(m, k, n, dtype, m * k + n, bias)
+    y = norm_gemv(x, nw, w, b, EPS, blocks=blocks)
+    ref = rms64(x, nw) @ w.double().T + (b.double() if bias else 0)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert rel_err(y, ref) < TOL[dtype]
+    assert rel_err(y, norm_gemv_reference(x, nw, w, b, EPS)) < TOL[dtype]
+    y32 = norm_gemv(x, nw, w, b, EPS, torch.float32, blocks=blocks)
+    assert y32.dtype == torch.float32 and rel_err(y32, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, k, n, blocks", [(1, 72, 36, (8, 32, 4)), (3, 40, 24, (4, 16, 4))])
+def test_gemv_residual(nan_empty, dtype, m, k, n, blocks):
+    x, _, w, _ = inputs(m, k, n, dtype, m + k + n)
+    res = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = gemv_residual(x, w, res, blocks=blocks)
+    assert rel_err(y, x.double() @ w.double().T + res.double()) < TOL[dtype]
+    assert rel_err(y, gemv_residual_reference(x, w, res)) < TOL[dtype]
+    # in place on the residual stream: each program reads and writes only its own columns
+    res2 = res.clone()
+    assert gemv_residual(x, w, res2, out=res2, blocks=blocks) is res2
+    assert torch.equal(res2, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, k, inter, blocks", [(1, 64, 24, (4, 32, 4)), (3, 40, 12, None)])
+def test_gate_up_silu(nan_empty, dtype, m, k, inter, blocks):
+    x, nw, w, _ = inputs(m, k, 2 * inter, dtype, m * inter + k)
+    out = gate_up_silu(x, nw, w, EPS, blocks=blocks)
+    gate, up = (rms64(x, nw) @ w.double().T).split(inter, dim=-1)
+    assert out.shape == (m, inter) and out.dtype == dtype
+    assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
+    assert rel_err(out, gate_up_silu_reference(x, nw, w, EPS)) < 2 * TOL[dtype]
+
+
+def rope_tables(hd, n_pos, dtype, g):
+    freqs = torch.rand(n_pos, hd // 2, generator=g, dtype=torch.float64) * 6
+    emb = torch.cat((freqs, freqs), dim=-1)  # [n_pos, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, bias, blocks", [(3, True, (2, 16, 4)), (1, False, None)])
+def test_qkv_rope(nan_empty, dtype, m, bias, blocks):
+    n_heads, n_kv, hd, pages, ps, k = 4, 2, 16, 5, 8, 40
+    n = (n_heads + 2 * n_kv) * hd
+    x, nw, w, b = inputs(m, k, n, dtype, 7 * m, bias)
+    g = torch.Generator().manual_seed(11)
+    cos_t, sin_t = rope_tables(hd, 64, dtype, g)
+    positions = torch.tensor([5, 0, 63][:m])
+    slots = torch.tensor([ps - 1, ps, 4 * ps + 3][:m])  # page edges
+    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q = qkv_rope(
+        x, nw, w, b, EPS, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads, blocks=blocks
+    )
+    # float64 reference: norm, project, rotate, place k and v at their slots
+    qkv = rms64(x, nw) @ w.double().T + (b.double() if bias else 0)
+    qd, kd, vd = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+    cos, sin = cos_t[positions].double(), sin_t[positions].double()
+    assert rel_err(q, apply_rope(qd.view(m, n_heads, hd), cos, sin)) < 2 * TOL[dtype]
+    k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
+    assert rel_err(k_flat[slots], apply_rope(kd.view(m, n_kv, hd), cos, sin)) < 2 * TOL[dtype]
+    assert rel_err(v_flat[slots], vd.view(m, n_kv, hd)) < 2 * TOL[dtype]
+    untouched = torch.ones(pages * ps, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_flat[untouched], k0.view(-1, n_kv, hd)[untouched])
+    assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
+    # the unfused torch ops agree
+    k_ref, v_ref = k0.clone(), v0.clone()
+    q_ref = qkv_rope_reference(
+        x, nw, w, b, EPS, positions, cos_t, sin_t, k_ref, v_ref, slots, n_heads
+    )
+    assert rel_err(q, q_ref) < 2 * TOL[dtype]
+    assert rel_err(k_cache, k_ref) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("m, k, vocab, blocks", [(1, 32, 100, (8, 32, 4)), (3, 24, 37, None)])
+def test_lm_head_argmax(nan_empty, m, k, vocab, blocks):
+    x, nw, w, _ = inputs(m, k, vocab, torch.float32, vocab, False)
+    w[vocab // 2] = w[vocab - 3]  # a tie across programs: the first index wins
+    w[1] = w[2]  # a tie inside one program
+    logits, tokens = lm_head_argmax(x, nw, w, EPS, blocks=blocks)
+    ref = rms64(x, nw) @ w.double().T
+    assert logits.dtype == torch.float32 and rel_err(logits, ref) < 1e-5
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, logits.argmax(-1))
+    # make row 0's maximum a tie and check the first index is returned
+    x0 = x[:1].clone()
+    w2 = w.clone()
+    top = int(tokens[0])
+    w2[top - 1 if top else top + 1] = w2[top]
+    lg, tk = lm_head_argmax(x0, nw, w2, EPS, blocks=blocks)
+    assert int(tk[0]) == min(top, top - 1 if top else top + 1) == int(lg.argmax(-1)[0])
+
+
+def test_pdl_falls_back_off_hopper():
+    """No PDL on the CPU or under the interpreter: plain launches, the device calls compiled out."""
+    assert not pdl_enabled("cpu") and not pdl_enabled(None)
+    assert resolve_pdl(True, "cpu") is False and resolve_pdl(None, "cpu") is False
+    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
