@@ -44,6 +44,8 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); o_proj never has one
     max_position_embeddings: int = 8192
     architecture: str = "llama"
+    # ids that end a request (the checkpoint's eos_token_id); () for presets: random weights
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -121,7 +123,18 @@ class ModelConfig:
             attention_bias=arch == "qwen2",  # Qwen2 always biases q/k/v
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
             architecture=arch,
+            eos_token_ids=eos_token_ids(hf.get("eos_token_id")),
         )
+
+
+def eos_token_ids(value: Any) -> tuple[int, ...]:
+    """A Hugging Face ``eos_token_id`` (None, an int or a list of ints) as a tuple of ints."""
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, int) else list(value)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise ConfigError(f"eos_token_id must be an int or a list of ints >= 0, got {value!r}.")
+    return tuple(values)
 
 
 def _rope_scaling(d: dict[str, Any]) -> RopeScaling:

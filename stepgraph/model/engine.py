@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,6 +40,7 @@ class Request:
     max_new_tokens: int
     pages: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # a sampled id in here ends the request (kept)
 
     @property
     def kv_tokens(self) -> int:
@@ -48,6 +49,8 @@ class Request:
 
     @property
     def done(self) -> bool:
+        if self.output and self.output[-1] in self.stop_ids:
+            return True
         return len(self.output) >= self.max_new_tokens
 
 
@@ -88,6 +91,14 @@ class EngineStats:
     eager_steps: int = 0  # decode steps run eagerly (by model_runner.forward)
     prefills: int = 0  # prompts prefilled
     decode_tokens: int = 0
+    # decode steps by batch size: the trace `stepgraph buckets --trace` picks buckets from
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+
+    def write_trace(self, path: str) -> None:
+        """Write ``batch_sizes`` as a trace, one batch size per decode step and line."""
+        with open(path, "w") as f:
+            for bs, steps in sorted(self.batch_sizes.items()):
+                f.write(f"{bs}\n" * steps)
 
 
 class Engine:
@@ -179,13 +190,39 @@ class Engine:
             )
         self.model_runner.kv_cache.check_fits(len(prompt) + max_new_tokens - 1, what)
 
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> int:
         """Queue a request; its id keys ``finished``. ``ConfigError`` at once (and nothing
-        queued) if it could never fit the KV cache; other requests are unaffected."""
+        queued) if it could never fit the KV cache; other requests are unaffected. It stops
+        after ``max_new_tokens`` or at a sampled id in ``stop_ids`` or the checkpoint's
+        ``eos_token_ids`` (the stop id is kept in the output, as transformers does);
+        ``ignore_eos`` drops the eos ids (``stop_ids`` still apply)."""
         self._check(prompt, max_new_tokens, f"request of {len(prompt)} prompt tokens")
+        stops = self.stop_ids(stop_ids, ignore_eos)
         rid = next(self._ids)
-        self.waiting.append(Request(rid, list(prompt), max_new_tokens))
+        self.waiting.append(Request(rid, list(prompt), max_new_tokens, stop_ids=stops))
         return rid
+
+    def stop_ids(
+        self, stop_ids: Sequence[int] | None = None, ignore_eos: bool = False
+    ) -> frozenset[int]:
+        """The ids that end a request: ``stop_ids`` plus, unless ``ignore_eos``, the model's
+        ``eos_token_ids`` (from the checkpoint's config.json / generation_config.json)."""
+        vocab = self.model_runner.config.vocab_size
+        extra = list(stop_ids or ())
+        bad = [
+            t for t in extra if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
+        if bad:
+            raise ConfigError(f"stop ids outside [0, {vocab}): {bad[:5]}; pass vocabulary ids.")
+        eos = () if ignore_eos else getattr(self.model_runner.config, "eos_token_ids", ())
+        return frozenset(eos) | frozenset(extra)
 
     @property
     def has_unfinished(self) -> bool:
@@ -273,6 +310,7 @@ class Engine:
         if decoding:
             logits.append(self._decode_logits(decoding))
             self.stats.decode_tokens += len(decoding)
+            self.stats.batch_sizes[len(decoding)] += 1
         if not logits:
             return []
         tokens = sampling.sample(torch.cat(logits), generator).tolist()  # the one host sync
@@ -298,6 +336,8 @@ class Engine:
         temperature: float = 0.0,
         top_k: int | None = None,
         seed: int | None = None,
+        stop_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
     ) -> list[list[int]]:
         """New token ids of each prompt, in order. Every prompt is checked before any is
         queued: one that cannot fit raises ``ConfigError`` naming it, and nothing runs."""
@@ -307,7 +347,8 @@ class Engine:
         if seed is not None:
             generator = torch.Generator(device=self.model_runner.device).manual_seed(seed)
         sampling = Sampling(temperature, top_k)  # checks them before anything is queued
-        rids = [self.add_request(p, max_new_tokens) for p in prompts]
+        stops = dict(stop_ids=stop_ids, ignore_eos=ignore_eos)  # see add_request
+        rids = [self.add_request(p, max_new_tokens, **stops) for p in prompts]
         try:
             while any(rid not in self.finished for rid in rids):
                 if not self.step(sampling, generator):  # nothing ran: looping would spin

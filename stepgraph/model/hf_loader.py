@@ -7,12 +7,13 @@ sharded), fuses q/k/v and gate/up on load, and never downloads anything.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
-from .config import ModelConfig
+from .config import ModelConfig, eos_token_ids
 from .llama import LlamaModel, build_model
 
 
@@ -25,13 +26,37 @@ def load_hf_config(path: str | Path) -> ModelConfig:
             f"{cfg_file} not found; pass a local Hugging Face model directory holding "
             "config.json and *.safetensors (stepgraph never downloads weights)."
         )
-    return ModelConfig.from_hf_config(json.loads(cfg_file.read_text()))
+    try:
+        config = ModelConfig.from_hf_config(read_json(cfg_file))
+    except (KeyError, TypeError, ValueError) as e:  # ConfigError too: prefix the file
+        raise ConfigError(f"{cfg_file}: {e}; is it the checkpoint's own config.json?") from e
+    # transformers' generate stops at generation_config.json's eos_token_id when that file
+    # exists (even if it names none), else at config.json's: so do we.
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = read_json(gen_file).get("eos_token_id")
+        config = replace(config, eos_token_ids=eos_token_ids(eos))
+    return config
+
+
+def read_json(file: Path) -> dict:
+    """The JSON object in ``file``, or ``ConfigError`` naming the file and what is wrong."""
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file} is not valid JSON ({e}); re-copy it from the checkpoint.") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{file} holds a {type(value).__name__}, not a JSON object.")
+    return value
 
 
 def shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f'{index} has no "weight_map" object; re-copy the checkpoint.')
+        names = sorted(set(weight_map.values()))
         files = [path / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -50,11 +75,18 @@ def shard_files(path: Path) -> list[Path]:
 
 def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint, by their Hugging Face names (on the CPU)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for f in shard_files(Path(path)):
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:  # truncated, corrupt or unreadable
+            raise ConfigError(
+                f"{f} cannot be read as safetensors ({e}); the file is truncated or corrupt: "
+                "re-copy the checkpoint."
+            ) from e
     return state
 
 
