@@ -1,0 +1,234 @@
+"""Issue 12 benchmark: the fused decode step (6 launches a layer: qkv+RoPE+KV write, split-KV,
+combine, o_proj+residual, gate-up+SiLU, down+residual; LM head+argmax) against today's step, on
+the llama-3.2-1b preset (bf16, random weights, page size 64, context 512), replayed from a CUDA
+graph, PDL on and off.
+
+    PYTHONPATH=. python3 benchmarks/fused_step.py --json $OUT/fused_step.json
+
+1. Each fused kernel alone: one graph of 16 calls over the 16 layers' weights (64+ MB rotated
+   past the 50 MB L2), µs per call and GB/s of weight bytes, PDL on and off.
+2. The whole step: ms per step (CUDA events, median of graph replays; tokens = argmax), the
+   bandwidth floor ((weights + live KV) / copy bandwidth measured in the same run) and its
+   fraction, kernels per step and the top kernels from torch.profiler; the fused logits against
+   the reference step's (relative error, greedy tokens equal).
+A short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from stepgraph.bench.timing import copy_bandwidth_gbps, cuda_time_ms
+from stepgraph.bench.workload import (
+    Point,
+    build_model_runner,
+    decode_batch,
+    fill_kv_random,
+    kv_bytes,
+    weight_bytes,
+)
+from stepgraph.kernels.flash_decode import flash_decode
+from stepgraph.kernels.gate_up_silu import gate_up_silu
+from stepgraph.kernels.lm_head_argmax import lm_head_argmax
+from stepgraph.kernels.norm_gemv import gemv_residual
+from stepgraph.kernels.qkv_rope import qkv_rope
+
+MODEL, DTYPE, PAGE_SIZE, CONTEXT = "llama-3.2-1b", torch.bfloat16, 64, 512
+BATCH_SIZES = (1, 8)
+TOP_K = 12
+
+
+def fused_forward(mr, batch, use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 logits [bs, vocab], greedy tokens [bs]) of one decode step, fused kernels."""
+    be, model, cfg = mr.attn_backend, mr.model, mr.config
+    if not be.is_prepared_for(batch):
+        be.init_forward_metadata(batch)
+    m = be.meta
+    bs = batch.input_ids.shape[0]
+    r = model.embed_tokens(batch.input_ids)  # [bs, hidden], the residual stream
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        kc, vc = mr.kv_cache.k_caches[i], mr.kv_cache.v_caches[i]
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        q = qkv_rope(
+            r, norm1.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.eps,
+            batch.positions, model.rope_cos, model.rope_sin, kc, vc, m.out_cache_loc,
+            cfg.num_heads, use_pdl=use_pdl,
+        )  # fmt: skip
+        o = flash_decode(
+            q, kc, vc, m.block_table, m.seq_lens, num_splits=m.num_splits,
+            workspace=m.workspace, sm_scale=be.sm_scale, num_sms=be.num_sms,
+        )  # fmt: skip
+        r = gemv_residual(o.view(bs, -1), attn.o_proj.weight, r, use_pdl=use_pdl)
+        a = gate_up_silu(r, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, use_pdl=use_pdl)
+        r = gemv_residual(a, mlp.down_proj.weight, r, use_pdl=use_pdl)
+    return lm_head_argmax(r, model.norm.weight, model.lm_head.weight, model.norm.eps,
+                          use_pdl=use_pdl)  # fmt: skip
+
+
+def reference_forward(mr, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, greedy tokens) of today's step: ``ModelRunner.forward`` then ``argmax``."""
+    logits = mr.forward(batch)
+    return logits, logits.argmax(-1)
+
+
+def capture(fn):
+    """(graph, output) of ``fn`` warmed up on a side stream, then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def profile_replays(graph, replays: int = 5) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            total[e.name] += e.time_range.elapsed_us()
+            count[e.name] += 1
+    top = sorted(total, key=total.get, reverse=True)[:TOP_K]
+    return dict(
+        kernels_per_step=sum(count.values()) / replays,
+        top=[dict(name=n[:70], us=total[n] / replays, calls=count[n] / replays) for n in top],
+    )
+
+
+def time_graph_ms(graph) -> tuple[float, list[float]]:
+    runs = [cuda_time_ms(graph.replay, warmup=10, iters=30, inner=5) for _ in range(3)]
+    return statistics.median(runs), runs
+
+
+def time_kernels(mr, gbps: float) -> list[dict]:
+    """Each fused kernel alone at bs=1 over the 16 layers' weights, PDL on and off."""
+    model, cfg, rows = mr.model, mr.config, []
+    g = torch.Generator(device=mr.device).manual_seed(1)
+    r = torch.randn(1, cfg.hidden_size, device=mr.device, generator=g).to(DTYPE)
+    o = torch.randn(1, cfg.q_size, device=mr.device, generator=g).to(DTYPE)
+    act = torch.randn(1, cfg.intermediate_size, device=mr.device, generator=g).to(DTYPE)
+    pos = torch.tensor([CONTEXT - 1], device=mr.device)
+    slot = torch.tensor([PAGE_SIZE * 2 + 3], device=mr.device)
+    layers = list(model.layers)
+    cases = {
+        "qkv_rope": (lambda L, p: qkv_rope(
+            r, L.input_layernorm.weight, L.self_attn.qkv_proj.weight, L.self_attn.qkv_proj.bias,
+            1e-5, pos, model.rope_cos, model.rope_sin, mr.kv_cache.k_caches[0],
+            mr.kv_cache.v_caches[0], slot, cfg.num_heads, use_pdl=p),
+            lambda L: L.self_attn.qkv_proj.weight),
+        "o_proj+res": (lambda L, p: gemv_residual(o, L.self_attn.o_proj.weight, r, use_pdl=p),
+                       lambda L: L.self_attn.o_proj.weight),
+        "gate_up_silu": (lambda L, p: gate_up_silu(
+            r, L.post_attention_layernorm.weight, L.mlp.gate_up_proj.weight, 1e-5, use_pdl=p),
+            lambda L: L.mlp.gate_up_proj.weight),
+        "down+res": (lambda L, p: gemv_residual(act, L.mlp.down_proj.weight, r, use_pdl=p),
+                     lambda L: L.mlp.down_proj.weight),
+    }  # fmt: skip
+    for name, (fn, weight) in cases.items():
+        nbytes = weight(layers[0]).numel() * 2
+        for pdl in (False, True):
+            graph, _ = capture(lambda fn=fn, pdl=pdl: [fn(L, pdl) for L in layers])
+            us = cuda_time_ms(graph.replay, warmup=5, iters=20) * 1e3 / len(layers)
+            rows.append(dict(kernel=name, pdl=pdl, us=us, gbps=nbytes / us / 1e3,
+                             floor_us=nbytes / gbps / 1e3))  # fmt: skip
+            del graph
+    nbytes = model.lm_head.weight.numel() * 2
+    for pdl in (False, True):
+        graph, _ = capture(lambda pdl=pdl: lm_head_argmax(
+            r, model.norm.weight, model.lm_head.weight, 1e-5, use_pdl=pdl))  # fmt: skip
+        us = cuda_time_ms(graph.replay, warmup=5, iters=20) * 1e3
+        rows.append(dict(kernel="lm_head+argmax (2)", pdl=pdl, us=us, gbps=nbytes / us / 1e3,
+                         floor_us=nbytes / gbps / 1e3))  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the full results here")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    gbps = copy_bandwidth_gbps()
+    mr = build_model_runner(MODEL, "cuda", DTYPE, max_bs=8, max_context=1024, page_size=PAGE_SIZE)
+    fill_kv_random(mr)
+    kernel_rows = time_kernels(mr, gbps)
+    steps = []
+    for bs in BATCH_SIZES:
+        point = Point(bs, CONTEXT)
+        floor = (weight_bytes(mr) + kv_bytes(mr, point)) / gbps / 1e6
+        batch, pages = decode_batch(mr, point)
+        variants = {
+            "reference": lambda b=batch: reference_forward(mr, b),
+            "fused": lambda b=batch: fused_forward(mr, b, use_pdl=False),
+            "fused+pdl": lambda b=batch: fused_forward(mr, b, use_pdl=True),
+        }
+        outs = {}
+        for name, fn in variants.items():
+            graph, out = capture(fn)
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[name] = [t.clone() for t in out]
+            ms, runs = time_graph_ms(graph)
+            row = dict(bs=bs, variant=name, ms=ms, ms_runs=runs, floor_ms=floor,
+                       fraction=floor / ms, **profile_replays(graph))  # fmt: skip
+            if name != "reference":
+                ref_lg, ref_tok = outs["reference"]
+                lg, tok = outs[name]
+                row["logits_rel_err"] = ((lg - ref_lg).norm() / ref_lg.norm()).item()
+                row["tokens_equal"] = bool(torch.equal(tok, ref_tok))
+                row["pdl_identical"] = name == "fused+pdl" and all(
+                    torch.equal(a, b) for a, b in zip(outs[name], outs["fused"])
+                )
+            steps.append(row)
+            del graph
+        for p in pages:
+            mr.kv_cache.release(p)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  copy_gbps=gbps, model=MODEL, context=CONTEXT, kernels=kernel_rows,
+                  steps=steps, seconds=time.perf_counter() - t_start)  # fmt: skip
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for s in steps:
+        print(f"\n[{s['variant']} bs={s['bs']}] top kernels (µs/step, calls/step):")
+        for t in s["top"]:
+            print(f"  {t['us']:8.1f} {t['calls']:5.0f}  {t['name']}")
+    print(f"\ncopy bandwidth {gbps:.0f} GB/s; {result['seconds']:.0f} s in all")
+    print(f"{'kernel (bs=1)':>20} {'pdl':>4} {'us/call':>8} {'GB/s':>6} {'floor us':>8}")
+    for k in kernel_rows:
+        print(f"{k['kernel']:>20} {k['pdl']!s:>5} {k['us']:8.2f} {k['gbps']:6.0f} "
+              f"{k['floor_us']:8.2f}")  # fmt: skip
+    print(f"{'variant':>10} {'bs':>3} {'ms/step':>8} {'floor':>6} {'% floor':>7} {'kernels':>7} "
+          f"{'logit err':>9} tokens")  # fmt: skip
+    for s in steps:
+        print(f"{s['variant']:>10} {s['bs']:>3} {s['ms']:8.3f} {s['floor_ms']:6.3f} "
+              f"{100 * s['fraction']:6.1f}% {s['kernels_per_step']:7.0f} "
+              f"{s.get('logits_rel_err', 0):9.2e} {s.get('tokens_equal', '')}"
+              f"{' pdl==nopdl' if s.get('pdl_identical') else ''}")  # fmt: skip
+    return result
+
+
+if __name__ == "__main__":
+    main()
