@@ -9,12 +9,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from .constants import CPU_MODES, DTYPES, GPU_MODES
 from .modes import OUR_MODES, run_mode
 from .peers import PEERS, run_peer
 from .report import Row, format_table, plot, write_json
 from .workload import Point, build_model_runner, fill_kv_random, kv_bytes, weight_bytes
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--modes",
-        default="eager,graph,exact,hf-eager,hf-static-compile",
-        help=f"comma list of {OUR_MODES + PEERS}",
+        default=None,
+        help=f"comma list of {OUR_MODES + PEERS} (default: {GPU_MODES}; CPU: "
+        f"{','.join(CPU_MODES)}, the only ones it can run)",
     )
     p.add_argument("--batch-sizes", default=None, help="default 1,8,32 (CPU: 1,2)")
     p.add_argument("--contexts", default=None, help="default 512,4096,32768 (CPU: 16,64)")
@@ -37,7 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed repetitions per point")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (--device cpu; default 1, or OMP_NUM_THREADS when set)",
+    )
     p.add_argument(
         "--tp",
         type=int,
@@ -78,11 +84,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.device == "cpu":
-        return run_cpu(args)
+        from .cpu import run_cpu
+
+        return run_cpu(args, _ints(args.batch_sizes or "1,2"), _ints(args.contexts or "16,64"))
     model = args.model or "llama-3.2-1b"
     sizes = _ints(args.batch_sizes or "1,8,32")
     contexts = _ints(args.contexts or "512,4096,32768")
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in (args.modes or GPU_MODES).split(",") if m]
     unknown = [m for m in modes if m not in OUR_MODES + PEERS]
     if unknown:
         print(f"unknown modes {unknown}; choose from {OUR_MODES + PEERS}", file=sys.stderr)
@@ -168,37 +176,3 @@ def run(args: argparse.Namespace) -> int:
         plot(args.plot, rows)
     finish()
     return 0
-
-
-def run_cpu(args: argparse.Namespace) -> int:
-    """The whole pipeline on the CPU stand-in: tiny preset, eager vs graph, wall-clock time."""
-    from ..model.engine import Engine
-    from ..model.model_runner import ModelRunner
-
-    model = args.model or "tiny"
-    sizes = _ints(args.batch_sizes or "1,2")
-    contexts = _ints(args.contexts or "16,64")
-    mr = ModelRunner.from_preset(
-        model, "cpu", torch.float32, 0, max_bs=max(sizes), max_context_len=max(contexts) + 32
-    )
-    print(
-        f"stepgraph bench --device cpu: {model} through prefill, decode and the CPU stand-in "
-        "graph backend (timings are not GPU figures)"
-    )
-    outputs = {}
-    for mode in ("eager", "graph"):
-        engine = Engine(mr, mode=mode)
-        for bs in sizes:
-            for ctx in contexts:
-                prompts = [[(7 * i + j) % 500 + 1 for j in range(ctx)] for i in range(bs)]
-                t0 = time.perf_counter()
-                out = engine.generate(prompts, max_new_tokens=8)
-                ms = (time.perf_counter() - t0) / 8 * 1e3
-                outputs[(mode, bs, ctx)] = out
-                print(f"  {mode:<6} bs={bs} ctx={ctx:<4} {ms:7.2f} ms/step (wall, incl. prefill)")
-        engine.shutdown()
-    same = all(
-        outputs[("eager", b, c)] == outputs[("graph", b, c)] for b in sizes for c in contexts
-    )
-    print(f"  graph tokens identical to eager: {same}")
-    return 0 if same else 1
