@@ -45,8 +45,10 @@ BATCH_SIZES = (1, 8)
 TOP_K = 12
 
 
-def fused_forward(mr, batch, use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 logits [bs, vocab], greedy tokens [bs]) of one decode step, fused kernels."""
+def fused_forward(mr, batch, use_pdl: bool, blocks: dict | None = None):
+    """(float32 logits [bs, vocab], greedy tokens [bs]) of one decode step, fused kernels;
+    ``blocks``: {kernel name: (BLOCK_N, BLOCK_K, num_warps)} overriding the defaults."""
+    blk = (blocks or {}).get
     be, model, cfg = mr.attn_backend, mr.model, mr.config
     if not be.is_prepared_for(batch):
         be.init_forward_metadata(batch)
@@ -60,17 +62,22 @@ def fused_forward(mr, batch, use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]
         q = qkv_rope(
             r, norm1.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.eps,
             batch.positions, model.rope_cos, model.rope_sin, kc, vc, m.out_cache_loc,
-            cfg.num_heads, use_pdl=use_pdl,
+            cfg.num_heads, use_pdl=use_pdl, blocks=blk("qkv_rope"),
         )  # fmt: skip
         o = flash_decode(
             q, kc, vc, m.block_table, m.seq_lens, num_splits=m.num_splits,
             workspace=m.workspace, sm_scale=be.sm_scale, num_sms=be.num_sms,
         )  # fmt: skip
-        r = gemv_residual(o.view(bs, -1), attn.o_proj.weight, r, use_pdl=use_pdl)
-        a = gate_up_silu(r, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, use_pdl=use_pdl)
-        r = gemv_residual(a, mlp.down_proj.weight, r, use_pdl=use_pdl)
+        r = gemv_residual(
+            o.view(bs, -1), attn.o_proj.weight, r, use_pdl=use_pdl, blocks=blk("o_proj+res")
+        )
+        a = gate_up_silu(
+            r, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, use_pdl=use_pdl,
+            blocks=blk("gate_up_silu"),
+        )  # fmt: skip
+        r = gemv_residual(a, mlp.down_proj.weight, r, use_pdl=use_pdl, blocks=blk("down+res"))
     return lm_head_argmax(r, model.norm.weight, model.lm_head.weight, model.norm.eps,
-                          use_pdl=use_pdl)  # fmt: skip
+                          use_pdl=use_pdl, blocks=blk("lm_head+argmax"))  # fmt: skip
 
 
 def reference_forward(mr, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +127,19 @@ def time_graph_ms(graph) -> tuple[float, list[float]]:
     return statistics.median(runs), runs
 
 
-def time_kernels(mr, gbps: float) -> list[dict]:
-    """Each fused kernel alone at bs=1 over the 16 layers' weights, PDL on and off."""
+SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps) per kernel at bs=1 (pairs for the paired kernels)
+    "qkv_rope": [None, (1, 2048, 4), (4, 1024, 4), (8, 512, 4), (2, 2048, 8)],
+    "o_proj+res": [None, (2, 2048, 4), (8, 1024, 4), (4, 1024, 4), (4, 2048, 8)],
+    "gate_up_silu": [None, (8, 512, 4), (4, 1024, 4), (16, 256, 8), (8, 256, 4)],
+    "down+res": [None, (2, 2048, 4), (8, 1024, 4), (2, 4096, 4), (4, 2048, 8)],
+    "lm_head+argmax": [None, (16, 512, 4), (8, 1024, 4), (32, 256, 8), (64, 128, 4)],
+}
+
+
+def time_kernels(mr, gbps: float) -> tuple[list[dict], dict]:
+    """Each fused kernel alone at bs=1 over the 16 layers' weights (the LM head: once), at
+    the default tiles PDL off and on, then the SWEEP tiles PDL on; returns rows and the best
+    tiles per kernel."""
     model, cfg, rows = mr.model, mr.config, []
     g = torch.Generator(device=mr.device).manual_seed(1)
     r = torch.randn(1, cfg.hidden_size, device=mr.device, generator=g).to(DTYPE)
@@ -131,35 +149,37 @@ def time_kernels(mr, gbps: float) -> list[dict]:
     slot = torch.tensor([PAGE_SIZE * 2 + 3], device=mr.device)
     layers = list(model.layers)
     cases = {
-        "qkv_rope": (lambda L, p: qkv_rope(
+        "qkv_rope": (lambda L, p, b: qkv_rope(
             r, L.input_layernorm.weight, L.self_attn.qkv_proj.weight, L.self_attn.qkv_proj.bias,
             1e-5, pos, model.rope_cos, model.rope_sin, mr.kv_cache.k_caches[0],
-            mr.kv_cache.v_caches[0], slot, cfg.num_heads, use_pdl=p),
+            mr.kv_cache.v_caches[0], slot, cfg.num_heads, use_pdl=p, blocks=b),
             lambda L: L.self_attn.qkv_proj.weight),
-        "o_proj+res": (lambda L, p: gemv_residual(o, L.self_attn.o_proj.weight, r, use_pdl=p),
-                       lambda L: L.self_attn.o_proj.weight),
-        "gate_up_silu": (lambda L, p: gate_up_silu(
-            r, L.post_attention_layernorm.weight, L.mlp.gate_up_proj.weight, 1e-5, use_pdl=p),
-            lambda L: L.mlp.gate_up_proj.weight),
-        "down+res": (lambda L, p: gemv_residual(act, L.mlp.down_proj.weight, r, use_pdl=p),
-                     lambda L: L.mlp.down_proj.weight),
+        "o_proj+res": (lambda L, p, b: gemv_residual(
+            o, L.self_attn.o_proj.weight, r, use_pdl=p, blocks=b),
+            lambda L: L.self_attn.o_proj.weight),
+        "gate_up_silu": (lambda L, p, b: gate_up_silu(
+            r, L.post_attention_layernorm.weight, L.mlp.gate_up_proj.weight, 1e-5, use_pdl=p,
+            blocks=b), lambda L: L.mlp.gate_up_proj.weight),
+        "down+res": (lambda L, p, b: gemv_residual(
+            act, L.mlp.down_proj.weight, r, use_pdl=p, blocks=b),
+            lambda L: L.mlp.down_proj.weight),
+        "lm_head+argmax": (lambda L, p, b: lm_head_argmax(
+            r, model.norm.weight, model.lm_head.weight, 1e-5, use_pdl=p, blocks=b),
+            lambda L: model.lm_head.weight),
     }  # fmt: skip
+    best = {}
     for name, (fn, weight) in cases.items():
+        calls = layers[:1] if name == "lm_head+argmax" else layers
         nbytes = weight(layers[0]).numel() * 2
-        for pdl in (False, True):
-            graph, _ = capture(lambda fn=fn, pdl=pdl: [fn(L, pdl) for L in layers])
-            us = cuda_time_ms(graph.replay, warmup=5, iters=20) * 1e3 / len(layers)
-            rows.append(dict(kernel=name, pdl=pdl, us=us, gbps=nbytes / us / 1e3,
-                             floor_us=nbytes / gbps / 1e3))  # fmt: skip
+        for pdl, blocks in [(False, None)] + [(True, b) for b in SWEEP[name]]:
+            graph, _ = capture(lambda fn=fn, p=pdl, b=blocks, c=calls: [fn(L, p, b) for L in c])
+            us = cuda_time_ms(graph.replay, warmup=5, iters=20) * 1e3 / len(calls)
+            rows.append(dict(kernel=name, pdl=pdl, blocks=blocks, us=us,
+                             gbps=nbytes / us / 1e3, floor_us=nbytes / gbps / 1e3))  # fmt: skip
+            if pdl and us < best.get(name, (float("inf"), None))[0]:
+                best[name] = (us, blocks)
             del graph
-    nbytes = model.lm_head.weight.numel() * 2
-    for pdl in (False, True):
-        graph, _ = capture(lambda pdl=pdl: lm_head_argmax(
-            r, model.norm.weight, model.lm_head.weight, 1e-5, use_pdl=pdl))  # fmt: skip
-        us = cuda_time_ms(graph.replay, warmup=5, iters=20) * 1e3
-        rows.append(dict(kernel="lm_head+argmax (2)", pdl=pdl, us=us, gbps=nbytes / us / 1e3,
-                         floor_us=nbytes / gbps / 1e3))  # fmt: skip
-    return rows
+    return rows, {k: b for k, (_, b) in best.items() if b is not None}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -171,7 +191,16 @@ def main(argv: list[str] | None = None) -> dict:
     gbps = copy_bandwidth_gbps()
     mr = build_model_runner(MODEL, "cuda", DTYPE, max_bs=8, max_context=1024, page_size=PAGE_SIZE)
     fill_kv_random(mr)
-    kernel_rows = time_kernels(mr, gbps)
+    kernel_rows, best_blocks = time_kernels(mr, gbps)
+    # yardstick for the logit error: the reference step with cuBLAS against the Triton GEMV
+    batch, pages = decode_batch(mr, Point(1, CONTEXT))
+    ref_gemv = mr.forward(batch)
+    mr.model.use_gemv(None)
+    ref_cublas = mr.forward(batch)
+    mr.model.use_gemv("all", max_bs=1)
+    yardstick = ((ref_gemv - ref_cublas).norm() / ref_gemv.norm()).item()
+    for p in pages:
+        mr.kv_cache.release(p)
     steps = []
     for bs in BATCH_SIZES:
         point = Point(bs, CONTEXT)
@@ -181,7 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
             "reference": lambda b=batch: reference_forward(mr, b),
             "fused": lambda b=batch: fused_forward(mr, b, use_pdl=False),
             "fused+pdl": lambda b=batch: fused_forward(mr, b, use_pdl=True),
+            "fused+pdl+best": lambda b=batch: fused_forward(mr, b, True, best_blocks),
         }
+        if bs > 1:  # the fused kernels serve one row; larger batches keep the unfused path
+            variants = {"reference": variants["reference"]}
         outs = {}
         for name, fn in variants.items():
             graph, out = capture(fn)
@@ -196,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
                 lg, tok = outs[name]
                 row["logits_rel_err"] = ((lg - ref_lg).norm() / ref_lg.norm()).item()
                 row["tokens_equal"] = bool(torch.equal(tok, ref_tok))
-                row["pdl_identical"] = name == "fused+pdl" and all(
+                row["pdl_identical"] = name != "fused" and all(
                     torch.equal(a, b) for a, b in zip(outs[name], outs["fused"])
                 )
             steps.append(row)
@@ -205,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
             mr.kv_cache.release(p)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   copy_gbps=gbps, model=MODEL, context=CONTEXT, kernels=kernel_rows,
+                  best_blocks=best_blocks, logit_err_cublas_vs_gemv=yardstick,
                   steps=steps, seconds=time.perf_counter() - t_start)  # fmt: skip
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -216,14 +249,16 @@ def main(argv: list[str] | None = None) -> dict:
         for t in s["top"]:
             print(f"  {t['us']:8.1f} {t['calls']:5.0f}  {t['name']}")
     print(f"\ncopy bandwidth {gbps:.0f} GB/s; {result['seconds']:.0f} s in all")
-    print(f"{'kernel (bs=1)':>20} {'pdl':>4} {'us/call':>8} {'GB/s':>6} {'floor us':>8}")
+    print(f"{'kernel (bs=1)':>15} {'pdl':>5} {'tiles':>16} {'us/call':>8} {'GB/s':>6} "
+          f"{'floor us':>8}")  # fmt: skip
     for k in kernel_rows:
-        print(f"{k['kernel']:>20} {k['pdl']!s:>5} {k['us']:8.2f} {k['gbps']:6.0f} "
-              f"{k['floor_us']:8.2f}")  # fmt: skip
-    print(f"{'variant':>10} {'bs':>3} {'ms/step':>8} {'floor':>6} {'% floor':>7} {'kernels':>7} "
+        print(f"{k['kernel']:>15} {k['pdl']!s:>5} {str(k['blocks'] or 'default'):>16} "
+              f"{k['us']:8.2f} {k['gbps']:6.0f} {k['floor_us']:8.2f}")  # fmt: skip
+    print(f"best tiles {best_blocks}; logit error cuBLAS vs GEMV reference: {yardstick:.2e}")
+    print(f"{'variant':>14} {'bs':>3} {'ms/step':>8} {'floor':>6} {'% floor':>7} {'kernels':>7} "
           f"{'logit err':>9} tokens")  # fmt: skip
     for s in steps:
-        print(f"{s['variant']:>10} {s['bs']:>3} {s['ms']:8.3f} {s['floor_ms']:6.3f} "
+        print(f"{s['variant']:>14} {s['bs']:>3} {s['ms']:8.3f} {s['floor_ms']:6.3f} "
               f"{100 * s['fraction']:6.1f}% {s['kernels_per_step']:7.0f} "
               f"{s.get('logits_rel_err', 0):9.2e} {s.get('tokens_equal', '')}"
               f"{' pdl==nopdl' if s.get('pdl_identical') else ''}")  # fmt: skip

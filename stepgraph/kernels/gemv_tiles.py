@@ -10,10 +10,14 @@ epilogues: gate and up, or the two halves of a RoPE head) and walks K in ``BLOCK
   previous kernel finishes (for K = 2048 it is the whole of the program's rows).
 - ``row_inv_rms`` recomputes ``rsqrt(mean(x^2) + eps)`` of each activation row in every program:
   the row (4 KB at hidden 2048) comes from L2, and no norm kernel or launch is needed.
-- ``gemv_loop`` accumulates ``acc[m, n] = sum_k xn[m, k] w[n, k]`` in float32, loading the next
-  weight tile before it multiplies the current one (one tile ahead, by hand: the first tile
-  already came before the wait). ``xn`` is the activation rounded the way the unfused torch path
-  rounds: ``norm_w * (x * inv_rms).to(dtype)``, in the model dtype.
+- ``gemv_loop`` accumulates ``acc[m, n] = sum_k xn[m, k] w[n, k]`` in float32: the first chunk
+  from the tile loaded before the wait, then a plain loop over the rest, as ``gemv.py``.
+  ``xn`` is the activation rounded the way the unfused torch path rounds:
+  ``norm_w * (x * inv_rms).to(dtype)``, in the model dtype. One row (``BLOCK_M == 1``, the
+  case that matters) keeps x 1-D and the products in a ``[BLOCK_N, BLOCK_K]`` tile. The first
+  version (x as ``[1, BLOCK_K]``, a hand-written one-tile-ahead prefetch) ran gate-up at 64% of
+  copy bandwidth on the H200 where ``gemv.py`` reaches ~93%: its PTX had a layout conversion
+  with barriers in every iteration and 168 registers a thread.
 """
 
 from __future__ import annotations
@@ -39,9 +43,16 @@ def row_inv_rms(
     x_ptr, stride_xm, M, K, eps,
     BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # -> [BLOCK_M] float32, rsqrt(mean(x[m, :K]^2) + eps); padded rows get rsqrt(eps)
-    offs_m = tl.arange(0, BLOCK_M)
+    # -> rsqrt(mean(x[m, :K]^2) + eps) in float32: a scalar when BLOCK_M == 1, else [BLOCK_M]
+    # (padded rows get rsqrt(eps))
     offs_k = tl.arange(0, NORM_BLOCK)
+    if BLOCK_M == 1:
+        ss1 = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            x = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+            ss1 += x * x
+        return tl.rsqrt(tl.sum(ss1, axis=0) / K + eps)
+    offs_m = tl.arange(0, BLOCK_M)
     ss = tl.zeros((BLOCK_M, NORM_BLOCK), dtype=tl.float32)
     for k0 in range(0, K, NORM_BLOCK):
         mask = (offs_m < M)[:, None] & ((k0 + offs_k) < K)[None, :]
@@ -58,18 +69,36 @@ def x_tile(
     x_ptr, nw_ptr, stride_xm, k0, M, K, inv_rms,
     NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # -> [BLOCK_M, BLOCK_K] float32: x[:, k0:k0 + BLOCK_K], normed and weighted when NORM
-    offs_m = tl.arange(0, BLOCK_M)
+    # -> x[:, k0:k0 + BLOCK_K] in float32, normed and weighted when NORM: [BLOCK_K] when
+    # BLOCK_M == 1 (1-D, so that x[None, :] is a slice of the weight tile's layout: no layout
+    # conversion through shared memory in the loop), else [BLOCK_M, BLOCK_K]
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
-    mask = (offs_m < M)[:, None] & mask_k[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    if BLOCK_M == 1:
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        mask = (offs_m < M)[:, None] & mask_k[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
     if NORM:
         # -- as torch: (x * inv_rms) in float32, to the dtype, times the weight, to the dtype --
-        xn = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
         nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        x = (xn * nw[None, :]).to(x.dtype)
+        if BLOCK_M == 1:
+            xn = (x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
+            x = (xn * nw).to(x.dtype)
+        else:
+            xn = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
+            x = (xn * nw[None, :]).to(x.dtype)
     return x.to(tl.float32)
+
+
+@triton.jit
+def _mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
+    # BLOCK_M == 1: acc [BLOCK_N, BLOCK_K] += w * x[None, :] (one reduction after the loop);
+    # else acc [BLOCK_M, BLOCK_N] += sum_k x[m, k] * w[n, k]
+    if BLOCK_M == 1:
+        return acc + w.to(tl.float32) * x[None, :]
+    return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
@@ -79,43 +108,33 @@ def gemv_loop(
     NORM: tl.constexpr, PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # w1_ptrs, w2_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0; w1, w2: their first tiles.
-    # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 each (acc2 = acc1 unless PAIRED)
+    # w1_ptrs, w2_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0; w1, w2: their first tiles, loaded
+    # before the PDL wait. -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 each (acc2 = acc1
+    # unless PAIRED)
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
-        # -- one row: products in a [BLOCK_N, BLOCK_K] tile, one reduction at the end --
-        p1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        p2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         a1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        a2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # -- the next weight tile is in flight while this one is multiplied --
-        mask_next = mask_n[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
-        w1_next = tl.load(
-            w1_ptrs + (k0 + BLOCK_K), mask=mask_next, other=0.0, eviction_policy="evict_first"
-        )
+    a2 = a1
+    # -- the first chunk: its weight tile is already here --
+    x = x_tile(x_ptr, nw_ptr, stride_xm, 0, M, K, inv_rms, NORM, BLOCK_M, BLOCK_K)
+    a1 = _mul_acc(a1, w1, x, BLOCK_M)
+    if PAIRED:
+        a2 = _mul_acc(a2, w2, x, BLOCK_M)
+    # -- the rest: a plain stream of weight tiles (evict_first: never re-read this step) --
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        mask_w = mask_n[:, None] & ((k0 + offs_k) < K)[None, :]
+        w1 = tl.load(w1_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
         if PAIRED:
-            w2_next = tl.load(
-                w2_ptrs + (k0 + BLOCK_K), mask=mask_next, other=0.0,
-                eviction_policy="evict_first",
-            )  # fmt: skip
+            w2 = tl.load(w2_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
         x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, K, inv_rms, NORM, BLOCK_M, BLOCK_K)
-        if BLOCK_M == 1:
-            p1 += w1.to(tl.float32) * x  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
-            if PAIRED:
-                p2 += w2.to(tl.float32) * x
-        else:
-            # -- acc[m, n] += sum_k x[m, k] * w[n, k] --
-            a1 += tl.sum(x[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
-            if PAIRED:
-                a2 += tl.sum(x[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
-        w1 = w1_next
+        a1 = _mul_acc(a1, w1, x, BLOCK_M)
         if PAIRED:
-            w2 = w2_next
+            a2 = _mul_acc(a2, w2, x, BLOCK_M)
     if BLOCK_M == 1:
-        a1 = tl.sum(p1, axis=1)[None, :]  # [1, BLOCK_N]
-        a2 = tl.sum(p2, axis=1)[None, :]
+        a1 = tl.sum(a1, axis=1)[None, :]  # [1, BLOCK_N]
+        a2 = tl.sum(a2, axis=1)[None, :]
     if not PAIRED:
         a2 = a1
     return a1, a2
