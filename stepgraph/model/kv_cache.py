@@ -56,6 +56,34 @@ class PageAllocator:
         self._free.sort(reverse=True)
 
 
+def free_bytes(device: torch.device | str) -> int | None:
+    """Bytes free on ``device`` now (CUDA: the driver's count; CPU: the kernel's
+    MemAvailable), or None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def check_memory(nbytes: int, num_pages: int, device: torch.device | str) -> None:
+    """Refuse up front a KV cache that cannot fit, rather than swap or fail minutes later."""
+    free = free_bytes(device)
+    if free is not None and nbytes > free:
+        raise ConfigError(
+            f"the KV cache needs {num_pages} pages, {nbytes / 2**30:.2f} GiB, but only "
+            f"{free / 2**30:.2f} GiB is free on {device}; lower max_bs or max_context_len "
+            "(the cache holds max_bs requests of max_context_len tokens), or pass num_pages."
+        )
+
+
 class KVCache:
     """K/V pages of every layer plus their allocator."""
 
@@ -78,6 +106,9 @@ class KVCache:
         self.page_size = page_size
         self.max_context_len = max_context_len
         self.max_pages_per_request = -(-max_context_len // page_size)
+        # before anything is allocated (the allocator's free list too: 1e9 pages is 30 GiB)
+        nbytes = 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim
+        check_memory(nbytes * torch.empty((), dtype=dtype).element_size(), num_pages, device)
         self.allocator = PageAllocator(num_pages)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -119,6 +150,8 @@ class KVCache:
     def slot(self, pages: list[int], pos: int) -> int:
         """Flat slot of token ``pos`` of the request owning ``pages``."""
         page, offset = divmod(pos, self.page_size)
+        if pos < 0:  # divmod would index pages[-1]: another page's slot
+            raise ConfigError(f"token position {pos} is negative; positions start at 0.")
         if page >= len(pages):
             raise ConfigError(
                 f"token position {pos} is past the {len(pages)} pages reserved for the request."
@@ -138,4 +171,4 @@ class KVCache:
         return pages + [SCRATCH_PAGE] * (self.max_pages_per_request - len(pages))
 
 
-__all__ = ["KVCache", "PageAllocator", "SCRATCH_PAGE"]
+__all__ = ["KVCache", "PageAllocator", "SCRATCH_PAGE", "check_memory", "free_bytes"]
