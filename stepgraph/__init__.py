@@ -6,24 +6,17 @@
 
 Subpackages: ``stepgraph.graph_update`` (per-token exec update of kernel nodes),
 ``stepgraph.kernels`` (Triton split-KV flash decode), ``stepgraph.model`` (reference
-Llama/Qwen2, engine), ``stepgraph.configs`` / ``stepgraph.piecewise`` (declarative capture).
+Llama/Qwen2, engine), ``stepgraph.runner`` (seed 001), ``stepgraph.configs`` (seed 004).
 """
 
 from __future__ import annotations
 
-from .backends import CpuGraphBackend, CudaGraphBackend, GraphBackend
+from .backends import CpuGraphBackend, CudaGraphBackend, GraphBackend, GraphPool
 from .batch import AttentionBackend, ForwardBatch, ForwardMode, ModelRunnerLike
 from .buckets import default_capture_sizes, distribute_tokens, pad_to_bucket
-from .capture import (
-    freeze_gc,
-    get_global_graph_memory_pool,
-    is_capture_mode,
-    model_capture_mode,
-    set_global_graph_memory_pool,
-)
-from .config_runner import ConfigGraphRunner
 from .configs import (
     BatchedCudaGraphConfig,
+    ConfigGraphRunner,
     CudaGraphConfig,
     CudaGraphConfigType,
     PackedCudaGraphConfig,
@@ -33,10 +26,18 @@ from .configs import (
     PiecewiseConfigType,
     PiecewiseCudaGraphConfig,
     PiecewisePackedConfig,
+    PiecewiseRunner,
 )
 from .errors import CaptureError, ConfigError, GraphUpdateError, ReplayError, StepGraphError
-from .piecewise import PiecewiseRunner
-from .runner import CudaGraphRunner, RunnerConfig
+from .runner import (
+    CudaGraphRunner,
+    RunnerConfig,
+    freeze_gc,
+    get_global_graph_memory_pool,
+    is_capture_mode,
+    model_capture_mode,
+    set_global_graph_memory_pool,
+)
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = [
     "ForwardBatch",
     "ForwardMode",
     "GraphBackend",
+    "GraphPool",
     "GraphUpdateError",
     "ModelRunnerLike",
     "PackedCudaGraphConfig",

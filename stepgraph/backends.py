@@ -10,13 +10,45 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .capture import GraphPool
+from .errors import ConfigError
 
 Output = torch.Tensor
+
+
+class CpuPoolHandle:
+    """What the CPU stand-in uses as a pool handle: an object whose identity says who shares."""
+
+    def __repr__(self) -> str:
+        return f"CpuPoolHandle({id(self):#x})"
+
+
+class GraphPool:
+    """One graph memory pool, shared by every graph captured into it: graphs that replay one
+    after another on one stream reuse each other's temporaries (largest captured first).
+
+    ``handle`` is what ``torch.cuda.graph(pool=...)`` takes; ``None`` until the first capture
+    creates one, which is then handed to ``on_create`` (the seed's global pool adopts it).
+    Releasing graphs frees the pool's memory; the handle stays valid for later captures."""
+
+    def __init__(self, handle: Any = None, on_create: Callable[[Any], None] | None = None):
+        self.handle = handle
+        self._on_create = on_create
+
+    def get_or_create(self, device: torch.device) -> Any:
+        if self.handle is None:
+            cuda = device.type == "cuda"
+            self.handle = torch.cuda.graph_pool_handle() if cuda else CpuPoolHandle()
+            if self._on_create is not None:
+                self._on_create(self.handle)
+        return self.handle
+
+    def __repr__(self) -> str:
+        return f"GraphPool({self.handle!r})"
 
 
 class CapturedGraph(ABC):
@@ -59,8 +91,8 @@ class GraphBackend(ABC):
         """Capture one call of ``fn``. On failure nothing half-captured is kept."""
 
     def release(self) -> None:
+        """Forget the capture order (the caller releases the graphs, which frees the pool)."""
         self.capture_order.clear()
-        self.pool.release()
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +201,7 @@ class CpuCapturedGraph(CapturedGraph):
 
 class CpuGraphBackend(GraphBackend):
     def capture(self, fn: Callable[[], Output], *, key: object) -> CpuCapturedGraph:
+        self.pool.get_or_create(self.device)  # pool sharing is observable on the CPU too
         with _RefuseHostSync():
             output = fn()
         if not isinstance(output, torch.Tensor):
@@ -195,6 +228,4 @@ def make_backend(
         return CudaGraphBackend(device, pool)
     if kind == "cpu":
         return CpuGraphBackend(device, pool)
-    from .errors import ConfigError
-
     raise ConfigError(f"unknown graph backend {kind!r}; use 'auto', 'cuda' or 'cpu'.")

@@ -13,6 +13,7 @@ One decode step, as data (DESIGN §2). Every tensor's first dim is the batch ``b
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
@@ -35,7 +36,7 @@ class ForwardBatch:
     mode: ForwardMode = ForwardMode.DECODE
     # Host int max(seq_lens) when the caller knows it (saves a reduction per step); else None.
     max_seq_len: int | None = None
-    # Optional packed form [bs, PACKED_COLS + pages] int64 of the same values (see pack_batch):
+    # Optional packed form [bs, PACKED.width(pages)] int64 of the same values (``PACKED``):
     # the graph runner then fills its static inputs with ONE copy and unpacks inside the graph.
     packed: torch.Tensor | None = None
 
@@ -63,17 +64,55 @@ BATCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# Columns of a packed decode batch; the block table follows from column PACKED_COLS on.
-PACKED_FIELDS = ("input_ids", "positions", "out_cache_loc", "seq_lens")
-PACKED_COLS = len(PACKED_FIELDS)
+@dataclass(frozen=True)
+class PackedLayout:
+    """The packed decode batch: one int64 row per request, the scalar fields, then the table.
+
+        column   0          1          2              3         4 ... 4 + max_pages - 1
+                 input_ids  positions  out_cache_loc  seq_lens  block_table[0 .. max_pages)
+
+    Built on the host and copied once, it costs a replay one input copy instead of one per
+    field. This object is the only place that knows the column order."""
+
+    fields: tuple[str, ...] = ("input_ids", "positions", "out_cache_loc", "seq_lens")
+
+    @property
+    def table_col(self) -> int:
+        """The first block-table column."""
+        return len(self.fields)
+
+    def width(self, max_pages: int) -> int:
+        return self.table_col + max_pages
+
+    def row(self, *, block_table: Sequence[int], **values: int) -> list[int]:
+        """One request's row: ``values`` names every field in ``fields``."""
+        return [int(values[f]) for f in self.fields] + [int(p) for p in block_table]
+
+    def pack(self, batch: ForwardBatch) -> torch.Tensor:  # [bs, width] int64
+        cols = torch.stack([getattr(batch, f).to(torch.int64) for f in self.fields], dim=1)
+        return torch.cat([cols, batch.block_table.to(torch.int64)], dim=1)
+
+    def column(self, packed: torch.Tensor, name: str) -> torch.Tensor:  # [bs] int64 view
+        return packed[:, self.fields.index(name)]
+
+    def table(self, packed: torch.Tensor) -> torch.Tensor:  # [bs, max_pages] int64 view
+        return packed[:, self.table_col :]
+
+    def low_words(self, packed: torch.Tensor, name: str | None) -> torch.Tensor:
+        """Zero-copy int32 view of a column (``None``: of the block table): the low word of
+        each int64 (little-endian; values in [0, 2**31))."""
+        words = packed.view(torch.int32)  # [bs, 2 * width]: (low, high) word of each int64
+        if name is None:
+            return words[:, 2 * self.table_col :: 2]
+        return words[:, 2 * self.fields.index(name)]
+
+
+PACKED = PackedLayout()
 
 
 def pack_batch(batch: ForwardBatch) -> torch.Tensor:
-    """``[bs, PACKED_COLS + max_pages]`` int64: one row per request, ``input_ids, positions,
-    out_cache_loc, seq_lens, block_table...``. Build it on the host and copy it once, and a
-    replay costs one input copy instead of one per field."""
-    cols = torch.stack([getattr(batch, f).to(torch.int64) for f in PACKED_FIELDS], dim=1)
-    return torch.cat([cols, batch.block_table.to(torch.int64)], dim=1)
+    """``[bs, PACKED.width(max_pages)]`` int64: ``batch`` in the packed layout."""
+    return PACKED.pack(batch)
 
 
 def unpacked_batch(
@@ -84,26 +123,26 @@ def unpacked_batch(
     ``copy=True`` gives contiguous fields of the right dtypes (a few device kernels; for eager
     steps). ``copy=False`` gives zero-copy strided views, enough for a graph runner with packed
     inputs (it copies only ``packed``): the int32 fields view the low words of the int64
-    columns (little-endian, values in [0, 2**31)).
+    columns.
     """
+    col = lambda name: PACKED.column(packed, name)  # noqa: E731
     if copy:
         return ForwardBatch(
-            input_ids=packed[:, 0].contiguous(),
-            positions=packed[:, 1].contiguous(),
-            out_cache_loc=packed[:, 2].contiguous(),
-            seq_lens=packed[:, 3].to(torch.int32),
+            input_ids=col("input_ids").contiguous(),
+            positions=col("positions").contiguous(),
+            out_cache_loc=col("out_cache_loc").contiguous(),
+            seq_lens=col("seq_lens").to(torch.int32),
             seq_lens_cpu=seq_lens_cpu,
-            block_table=packed[:, PACKED_COLS:].to(torch.int32),
+            block_table=PACKED.table(packed).to(torch.int32),
             packed=packed,
         )
-    words = packed.view(torch.int32)  # [bs, 2 * width]: (low, high) word of each int64
     return ForwardBatch(
-        input_ids=packed[:, 0],
-        positions=packed[:, 1],
-        out_cache_loc=packed[:, 2],
-        seq_lens=words[:, 2 * 3],
+        input_ids=col("input_ids"),
+        positions=col("positions"),
+        out_cache_loc=col("out_cache_loc"),
+        seq_lens=PACKED.low_words(packed, "seq_lens"),
         seq_lens_cpu=seq_lens_cpu,
-        block_table=words[:, 2 * PACKED_COLS :: 2],
+        block_table=PACKED.low_words(packed, None),
         packed=packed,
     )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .batch import ForwardBatch, pack_batch
-from .capture import is_capture_mode
+from .runner.capture import is_capture_mode
 
 
 class ToyAttentionBackend:

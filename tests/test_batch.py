@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from stepgraph.batch import PACKED_COLS, pack_batch, unpacked_batch
+from stepgraph.batch import PACKED, pack_batch, unpacked_batch
 from stepgraph.toy_model import ToyModelRunner
 
 
@@ -11,7 +11,7 @@ def test_pack_then_unpack_round_trips_every_field():
     batch = mr.random_batch(5, torch.Generator().manual_seed(3))
     packed = pack_batch(batch)
     assert packed.dtype is torch.int64
-    assert packed.shape == (5, PACKED_COLS + mr.max_pages_per_request)
+    assert packed.shape == (5, PACKED.width(mr.max_pages_per_request))
     for copy in (True, False):
         back = unpacked_batch(packed, batch.seq_lens_cpu, copy=copy)
         for name, t in batch.device_tensors().items():

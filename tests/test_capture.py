@@ -3,9 +3,10 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
-from stepgraph import capture
 from stepgraph.errors import CaptureError
+from stepgraph.runner import capture
 
 
 def test_model_capture_mode_sets_flag_and_refuses_nesting():
@@ -35,14 +36,79 @@ def test_freeze_gc_freezes_and_unfreezes():
         assert gc.get_freeze_count() == before
 
 
-def test_global_pool_helpers_back_onto_one_state_object():
+@pytest.fixture
+def fresh_global_pool():
     old = capture.get_global_graph_memory_pool()
-    try:
-        capture.set_global_graph_memory_pool(("pool", 7))
-        assert capture.get_global_graph_memory_pool() == ("pool", 7)
-        assert capture.STATE.pool.handle == ("pool", 7)
-    finally:
-        capture.set_global_graph_memory_pool(old)
+    capture.set_global_graph_memory_pool(None)
+    yield
+    capture.set_global_graph_memory_pool(old)
+
+
+def test_global_pool_helpers_back_onto_one_state_object(fresh_global_pool):
+    capture.set_global_graph_memory_pool(("pool", 7))
+    assert capture.get_global_graph_memory_pool() == ("pool", 7)
+    assert capture.STATE.pool == ("pool", 7)
+    assert capture.STATE.pool_for_new_runner().handle == ("pool", 7)
+
+
+def _three_runners():
+    """A decode runner, a config runner and a piecewise runner, captured on the CPU stand-in."""
+    from stepgraph import (
+        BatchedCudaGraphConfig,
+        ConfigGraphRunner,
+        CudaGraphRunner,
+        PiecewiseBatchedConfig,
+        PiecewiseRunner,
+        RunnerConfig,
+    )
+    from stepgraph.toy_model import ToyModelRunner
+
+    class Walks(torch.nn.Module):
+        def forward_batched(self, *, walk, inputs):
+            return inputs["x"] * 2.0
+
+    decode = CudaGraphRunner(
+        ToyModelRunner(num_pages=64), RunnerConfig(capture_bs=(1, 2), show_progress=False)
+    )
+    one = {"x": torch.randn(3)}
+    configs = ConfigGraphRunner(
+        Walks(),
+        [BatchedCudaGraphConfig("w", one, capture_batch_sizes=[1, 2])],
+        device="cpu",
+        show_progress=False,
+    )
+    piecewise = PiecewiseRunner(
+        PiecewiseBatchedConfig(
+            capture_fn=lambda call: {"y": call.static_inputs["x"] + 1.0},
+            make_static_inputs=lambda shape: {"x": torch.randn(shape.bs, 2, 3)},
+            seq_len=2,
+        ),
+        device="cpu",
+        batch_sizes=[1, 2],
+    )
+    return decode, configs, piecewise
+
+
+def test_the_first_runner_creates_the_global_pool_and_later_runners_share_it(fresh_global_pool):
+    decode, configs, piecewise = _three_runners()
+    handle = capture.get_global_graph_memory_pool()
+    assert handle is not None and decode.pool.handle is handle
+    assert configs.pool.handle is handle and piecewise.pool.handle is handle
+    # shutting one runner down leaves the others' (and the global) pool in place
+    decode.shutdown()
+    assert configs.pool.handle is handle and capture.get_global_graph_memory_pool() is handle
+
+
+def test_set_global_pool_reaches_every_runner_created_afterwards(fresh_global_pool):
+    mine = object()
+    capture.set_global_graph_memory_pool(mine)
+    runners = _three_runners()
+    assert [r.pool.handle for r in runners] == [mine] * 3
+    capture.set_global_graph_memory_pool(None)  # the next runner creates (and shares) a new one
+    fresh = _three_runners()
+    assert fresh[0].pool.handle is not mine
+    assert {id(r.pool.handle) for r in fresh} == {id(fresh[0].pool.handle)}
+    assert runners[0].pool.handle is mine  # runners created before keep theirs
 
 
 def test_capture_stats_sum_buckets():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.config_runner import ConfigGraphRunner, GraphKey
 from stepgraph.configs import CU_SEQLENS, BatchedCudaGraphConfig, PackedCudaGraphConfig
+from stepgraph.configs.forward_runner import ConfigGraphRunner, GraphKey
 from stepgraph.errors import CaptureError, ConfigError, ReplayError
 
 D, VOCAB = 8, 11
@@ -115,13 +115,17 @@ def test_packed_key_selection_padding_and_outputs(model):
     assert (4, 4) in {(k.bs, k.total_tokens) for k in runner.keys[0]}
     assert all(k.total_tokens >= k.bs for k in runner.keys[0])
     g = torch.Generator().manual_seed(1)
-    cases = {  # lengths -> (bs, total) of the key that must be replayed
-        (3,): (2, 4),  # (1, 4) has no padded request for the leftover token
+    cases = {  # lengths -> (bs, total) of the smallest key holding them (tokens, then bs)
+        (3,): (1, 4),  # the spare slot takes the leftover token
         (4,): (1, 4),
         (4, 4): (2, 8),  # exactly on the bucket edge
-        (3, 2): (4, 8),  # (2, 8) has no padded request for the 3 leftover tokens
+        (3, 2): (2, 8),
         (4, 4, 1): (4, 16),  # one token past the 8-bucket
         (1, 1, 1, 1): (4, 4),
+        (2, 2, 2, 1): (4, 8),  # the cases: a full bs-4 key with leftover tokens
+        (3, 3, 3, 3): (4, 16),
+        (5, 2, 1, 1): (4, 16),
+        (2, 1, 1): (4, 4),  # a padded request and the spare, both empty
         (5, 6, 2): (4, 16),
     }
     for lens, (kbs, kt) in cases.items():
@@ -153,7 +157,7 @@ def test_batched_above_largest_bucket_runs_eagerly_in_chunks(model):
     assert [rows for _, rows in model.calls] == [9]
 
 
-def test_packed_above_token_bucket_chunks_or_raises(model):
+def test_packed_above_token_bucket_chunks_or_runs_whole(model):
     g = torch.Generator().manual_seed(3)
     reqs = [rand_req(n, g) for n in (7, 6, 5, 3)]  # 21 tokens > 16
     cfg = packed_cfg()
@@ -162,11 +166,15 @@ def test_packed_above_token_bucket_chunks_or_raises(model):
     model.calls.clear()
     torch.testing.assert_close(runner.run("prefill", reqs), want)
     assert [rows for _, rows in model.calls] == [13, 8]  # <= 16 tokens per chunk
-    strict = make(model, packed_cfg(caps_eager_batch_size=False))
-    with pytest.raises(ReplayError, match=r"21 tokens exceed.*\(16\).*caps_eager_batch_size=True"):
-        strict.run("prefill", reqs)
+    # caps_eager_batch_size=False: as its docstring says, the batch runs eagerly whole
+    whole = make(model, packed_cfg(caps_eager_batch_size=False))
+    model.calls.clear()
+    torch.testing.assert_close(whole.run("prefill", reqs), want)
+    assert [rows for _, rows in model.calls] == [21]
+    assert whole.stats.eager_calls == 1 and whole.stats.eager_reasons["too_large"] == 1
     ok = [rand_req(n, g) for n in (2, 3)]
-    torch.testing.assert_close(strict.run("prefill", ok), eager(model, "prefill", cfg, ok))
+    torch.testing.assert_close(whole.run("prefill", ok), eager(model, "prefill", cfg, ok))
+    assert whole.stats.replays == 1
 
 
 def test_bad_requests_raise_before_copy_and_runner_stays_usable(model):
@@ -181,7 +189,7 @@ def test_bad_requests_raise_before_copy_and_runner_stays_usable(model):
         runner.run("prefill", bad)
     bad = [good[0], {"ids": good[1]["ids"], "h": torch.randn(2, D + 1)}]
     with pytest.raises(
-        ReplayError, match=rf"'h' of request 1 has shape \(2, {D + 1}\).*\(16, {D}\)"
+        ReplayError, match=rf"'h' of request 1 has shape \(2, {D + 1}\).*\[n, {D}\]"
     ):
         runner.run("prefill", bad)
     bad = [{"ids": torch.zeros(2, dtype=torch.int64), "h": torch.randn(3, D)}]
@@ -191,7 +199,7 @@ def test_bad_requests_raise_before_copy_and_runner_stays_usable(model):
     with pytest.raises(ReplayError, match="float64"):
         runner.run("prefill", bad)
     d = [{"ids": torch.zeros(3, dtype=torch.int64), "h": torch.randn(3, D)}]
-    with pytest.raises(ReplayError, match=r"'ids' of request 0 has shape \(3,\).*\(4, 2\).*\[2\]"):
+    with pytest.raises(ReplayError, match=r"'ids' of request 0 has shape \(3,\).*\[2\]"):
         runner.run("decode", d)
     with pytest.raises(ReplayError, match="empty batch"):
         runner.run("decode", [])

@@ -120,22 +120,40 @@ def test_packed_config_methods():
     assert inputs["h"].shape == (10, 3)
     assert inputs[CU_SEQLENS].tolist() == [0, 4, 7, 10]
     assert inputs[CU_SEQLENS].dtype == torch.int32
-    # padding: 2 real requests (5 + 2 tokens) into (bs=4, total=12) -> pads of 1 and 4
+    # padding: 2 real requests (5 + 2 tokens) into (bs=4, total=12) -> 2 padded requests of
+    # 1 token, then the spare slot with the 3 left over
     pads = c.padding_requests([5, 2], 4, 12)
-    assert [p["ids"].shape[0] for p in pads] == [1, 4]
-    with pytest.raises(ConfigError, match="padded requests"):
-        c.padding_requests([5, 2], 2, 8)
+    assert [p["ids"].shape[0] for p in pads] == [1, 1, 3]
+    assert [p["ids"].shape[0] for p in c.padding_requests([5, 3], 2, 8)] == [0]  # spare only
+    with pytest.raises(ConfigError, match="do not fit"):
+        c.padding_requests([5, 4], 2, 8)  # 9 tokens > 8
+    with pytest.raises(ConfigError, match="do not fit"):
+        c.padding_requests([1, 1, 1], 2, 8)  # 3 requests > 2
+    # the capture-time batch of a key carries the empty spare slot
+    assert [r["ids"].shape[0] for r in c.capture_requests(3, 10)] == [4, 3, 3, 0]
     assert c.template()["h"].shape == (4, 3)
     assert packed().batch_sizes() == [1, 2, 4, 8, 16]  # capped by the largest token bucket
 
 
 def test_pad_lengths_rule():
-    assert pad_lengths(7, 2, 4, 12) == [1, 4]
-    assert pad_lengths(7, 2, 2, 7) == []
-    assert pad_lengths(7, 2, 3, 8) == [1]
-    assert pad_lengths(7, 2, 2, 8) is None  # leftover token but no padded request
-    assert pad_lengths(7, 2, 5, 9) is None  # 3 padded requests, only 2 leftover tokens
-    assert pad_lengths(7, 3, 2, 9) is None
+    # (tokens, real requests, key bs, key tokens) -> padded requests + the spare, last
+    assert pad_lengths(7, 2, 4, 12) == [1, 1, 3]
+    assert pad_lengths(7, 2, 2, 7) == [0]  # exactly full: the spare is empty
+    assert pad_lengths(7, 2, 3, 8) == [1, 0]
+    assert pad_lengths(7, 2, 2, 8) == [1]  # a leftover token and no padded request: the spare
+    assert pad_lengths(7, 2, 5, 9) == [1, 1, 0, 0]  # tokens run out: padded requests get 0
+    assert pad_lengths(7, 3, 2, 9) is None  # 3 requests > 2
+    assert pad_lengths(10, 2, 4, 9) is None  # 10 tokens > 9
+    assert pad_lengths(0, 0, 4, 9) is None  # nothing to run
+    # every fitting batch fills the key exactly, with no negative length
+    for n in range(1, 13):
+        for real in range(1, 5):
+            for bs in range(1, 5):
+                lens = pad_lengths(n, real, bs, 12)
+                assert (lens is not None) == (real <= bs and n <= 12)
+                if lens is not None:
+                    assert len(lens) == bs - real + 1 and min(lens) >= 0
+                    assert n + sum(lens) == 12
 
 
 def test_piecewise_shapes():
@@ -147,13 +165,14 @@ def test_piecewise_shapes():
     ]
     p = pw_packed(total_tokens=[3, 10])
     assert p.get_config_type() is PiecewiseConfigType.PACKED
-    assert p.get_capture_shapes([1, 3, 4]) == [
-        PiecewiseCaptureShape(1, [3], 3),
-        PiecewiseCaptureShape(1, [10], 10),
-        PiecewiseCaptureShape(3, [1, 1, 1], 3),
-        PiecewiseCaptureShape(3, [4, 3, 3], 10),
-        PiecewiseCaptureShape(4, [4, 2, 2, 2], 10),  # (4, 3) skipped: 3 tokens < 4 requests
+    assert p.get_capture_shapes([1, 3, 4]) == [  # each packed shape ends in the spare slot
+        PiecewiseCaptureShape(1, [3, 0], 3),
+        PiecewiseCaptureShape(1, [10, 0], 10),
+        PiecewiseCaptureShape(3, [1, 1, 1, 0], 3),
+        PiecewiseCaptureShape(3, [4, 3, 3, 0], 10),
+        PiecewiseCaptureShape(4, [4, 2, 2, 2, 0], 10),  # (4, 3) skipped: 3 tokens < 4 requests
     ]
+    assert p.get_capture_shapes([4])[0].num_requests == 5
     with pytest.raises(ConfigError, match="sorted"):
         p.get_capture_shapes([2, 1])
 
@@ -168,12 +187,13 @@ def test_replay_seq_lens_padding():
     with pytest.raises(ConfigError, match="real_bs"):
         b.replay_seq_lens(shape, None, 5)
     p = pw_packed(total_tokens=[12])
-    shape = PiecewiseCaptureShape(4, [3, 3, 3, 3], 12)
-    assert p.replay_seq_lens(shape, [5, 2], 2) == [5, 2, 1, 4]
-    assert p.replay_seq_lens(shape, [5, 2, 1], 3) == [5, 2, 1, 4]
-    assert p.replay_seq_lens(shape, [3, 3, 3, 3], 4) == [3, 3, 3, 3]  # exactly on the edge
-    with pytest.raises(ConfigError, match="spare request slot"):
-        p.replay_seq_lens(shape, [3, 3, 3, 2], 4)
+    shape = PiecewiseCaptureShape(4, [3, 3, 3, 3, 0], 12)
+    assert p.replay_seq_lens(shape, [5, 2], 2) == [5, 2, 1, 1, 3]
+    assert p.replay_seq_lens(shape, [5, 2, 1], 3) == [5, 2, 1, 1, 3]
+    assert p.replay_seq_lens(shape, [3, 3, 3, 3], 4) == [3, 3, 3, 3, 0]  # exactly on the edge
+    assert p.replay_seq_lens(shape, [3, 3, 3, 2], 4) == [3, 3, 3, 2, 1]  # the spare holds 1
+    with pytest.raises(ConfigError, match="do not fit"):
+        p.replay_seq_lens(shape, [7, 3, 3], 3)  # 13 tokens > 12
     with pytest.raises(ConfigError, match="needs seq_lens"):
         p.replay_seq_lens(shape, None, 2)
 

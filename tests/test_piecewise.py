@@ -13,9 +13,9 @@ from stepgraph.configs import (
     PiecewiseCallInputs,
     PiecewiseCaptureShape,
     PiecewisePackedConfig,
+    PiecewiseRunner,
 )
 from stepgraph.errors import CaptureError, ConfigError, ReplayError
-from stepgraph.piecewise import PiecewiseRunner
 
 D = 6
 
@@ -85,7 +85,7 @@ def packed_static(shape: PiecewiseCaptureShape) -> dict[str, torch.Tensor]:
 def leased_static(shape: PiecewiseCaptureShape) -> dict[str, torch.Tensor]:
     return {
         "x": torch.zeros(shape.total_tokens, D),
-        "lens": torch.zeros(shape.bs, dtype=torch.int32),
+        "lens": torch.zeros(shape.num_requests, dtype=torch.int32),  # bs + the spare slot
     }
 
 
@@ -122,7 +122,16 @@ def test_packed_replay_equals_eager_with_padding(region, lease):
     assert runner.capture_order[0] == (4, 16)  # largest first
     assert (4, 4) in runner.graphs and (8, 4) not in runner.graphs  # total < bs is skipped
     g = torch.Generator().manual_seed(0)
-    cases = {(3,): (2, 4), (4, 4): (2, 8), (3, 2): (4, 8), (4, 4, 1): (4, 16), (7, 1, 5): (4, 16)}
+    cases = {  # lengths -> the smallest (bs, total) holding them: tokens first, then bs
+        (3,): (1, 4),
+        (4, 4): (2, 8),
+        (3, 2): (2, 8),
+        (4, 4, 1): (4, 16),
+        (7, 1, 5): (4, 16),
+        (1, 1, 1, 1): (4, 4),
+        (2, 2, 2, 1): (4, 8),
+        (5, 2, 1, 1): (4, 16),
+    }
     for lens, key in cases.items():
         x = torch.randn(sum(lens), D, generator=g)
         want_y, want_pooled = region.reference(x, list(lens), 0.5, batched=False)
@@ -134,12 +143,13 @@ def test_packed_replay_equals_eager_with_padding(region, lease):
         assert out["pooled"].abs().sum() > 0
         torch.testing.assert_close(out["y"], want_y)
         torch.testing.assert_close(out["pooled"], want_pooled)
-        # The declared step carries the padded lengths: real ones, then 1s, leftover on the last.
+        # The declared step carries the padded lengths: real ones, then padded requests and the
+        # spare slot, which together fill the shape's tokens.
         names, declared = steps.declared[-1]
         assert declared[: len(lens)] == list(lens) and sum(declared) == key[1]
         assert out["y"].data_ptr() == runner.outputs[key]["y"].data_ptr()
         assert runner.last_call.resources["lens"].tolist() == declared
-    assert steps.declared[-1][1] == [7, 1, 5, 3]
+    assert steps.declared[-1][1] == [5, 2, 1, 1, 7]  # the last case: 4 real + the spare
     assert runner._leases == {}  # every lease released
     assert all(kw == {"scale": 0.5} for kw in region.kwargs_seen)
 
@@ -188,10 +198,10 @@ def test_lease_blocks_a_second_lease_until_released(region):
 def test_bad_live_inputs_raise_and_runner_stays_usable(region):
     runner = packed_runner(region, Steps())
     x = torch.randn(5, D)
-    with pytest.raises(ReplayError, match=r"live inputs \['z'\].*static inputs \['x'\]"):
+    with pytest.raises(ReplayError, match=r"inputs \['z'\].*static inputs are \['x'\]"):
         runner.replay({"z": x}, [5])
     with pytest.raises(
-        ReplayError, match=rf"'x' has shape \(5, {D + 1}\).*'x' has shape \(16, {D}\)"
+        ReplayError, match=rf"'x' of the live batch has shape \(5, {D + 1}\).*\(16, {D}\)"
     ):
         runner.replay({"x": torch.randn(5, D + 1)}, [5])
     with pytest.raises(ReplayError, match="float64"):

@@ -104,19 +104,30 @@ def test_poisoned_static_buffers_do_not_leak(pair):
     _check(pair, [9, 14], seed=8)  # padding rows are refilled on every replay
 
 
-def test_batches_no_shape_holds_run_eagerly(pair):
+@pytest.mark.parametrize(
+    "lens, graph",
+    [
+        ([1, 1, 1, 1], True),  # a full bs-4 shape with leftover tokens: the spare slot holds them
+        ([2, 2, 2, 1], True),
+        ([5, 2, 1, 1], True),
+        ([2] * 5, False),  # 5 prompts > the largest bs (4)
+    ],
+)
+def test_batches_run_from_a_graph_iff_some_shape_holds_them(pair, lens, graph):
     ref_mr, pp = pair
-    g = torch.Generator().manual_seed(9)
-    for lens in ([1, 1, 1, 1], [2] * 5):  # 4 prompts with leftover tokens; 5 > max bs
-        assert not pp.can_run(lens)
-        prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lens]
-        pages = [pp.mr.kv_cache.reserve(n) for n in lens]
-        eager = pp.stats.eager_batches
-        got = pp.prefill(prompts, pages).clone()
-        assert pp.stats.eager_batches == eager + 1
-        torch.testing.assert_close(got, ref_mr.prefill(prompts, pages), **TOL)
-        for p in pages:
-            pp.mr.kv_cache.release(p)
+    g = torch.Generator().manual_seed(9 + sum(lens))
+    assert pp.can_run(lens) == graph
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lens]
+    pages = [pp.mr.kv_cache.reserve(n) for n in lens]
+    eager, graphs = pp.stats.eager_batches, pp.stats.graph_batches
+    got = pp.prefill(prompts, pages).clone()
+    assert (pp.stats.graph_batches, pp.stats.eager_batches) == (
+        graphs + graph,
+        eager + (not graph),
+    )
+    torch.testing.assert_close(got, ref_mr.prefill(prompts, pages), **TOL)
+    for p in pages:
+        pp.mr.kv_cache.release(p)
 
 
 def test_config_errors(pair):

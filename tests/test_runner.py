@@ -157,7 +157,7 @@ def test_bad_packed_input_errors_before_any_copy(mr, bad, match):
 
 def test_packed_batch_with_a_narrower_block_table(mr):
     """Requests short enough for two pages may send only two table columns."""
-    from stepgraph.batch import PACKED_COLS, unpacked_batch
+    from stepgraph.batch import PACKED, unpacked_batch
 
     runner = CudaGraphRunner(mr, CFG)
     g = torch.Generator().manual_seed(21)
@@ -168,7 +168,7 @@ def test_packed_batch_with_a_narrower_block_table(mr):
     last = batch.positions
     page = batch.block_table.long().gather(1, (last // mr.page_size)[:, None])[:, 0]
     batch.out_cache_loc = page * mr.page_size + last % mr.page_size
-    narrow = unpacked_batch(pack_batch(batch)[:, : PACKED_COLS + 2], batch.seq_lens_cpu)
+    narrow = unpacked_batch(pack_batch(batch)[:, : PACKED.width(2)], batch.seq_lens_cpu)
     want, _ = mr.eager_reference(batch)
     torch.testing.assert_close(runner.replay(narrow), want, rtol=1e-5, atol=1e-5)
 
@@ -207,8 +207,7 @@ def test_shutdown_then_any_call_raises(mr):
     runner = CudaGraphRunner(mr, CFG)
     batch = mr.random_batch(2, torch.Generator().manual_seed(1))
     runner.shutdown()
-    assert runner.graphs == {} and runner.output_buffers == {}
-    assert runner._backend.pool.handle is None
+    assert runner.graphs == {} and runner.output_buffers == {} and runner.capture_order == []
     assert not runner.can_run(batch) and runner.stats.fallbacks["shut_down"] == 1
     with pytest.raises(ReplayError, match="after shutdown"):
         runner.replay(batch)
@@ -225,7 +224,7 @@ def test_host_sync_in_forward_fails_capture_cleanly():
     runner = CudaGraphRunner(mr, CFG, capture=False)
     with pytest.raises(CaptureError):
         runner.capture()
-    assert runner.graphs == {} and runner._backend.pool.handle is None
+    assert runner.graphs == {} and runner.capture_order == []
     # Fix the model and capture again: the same runner works.
     mr.sync_in_forward = False
     runner.capture()

@@ -1,56 +1,27 @@
-"""Declarative capture configs (seed 004): what to capture, at which sizes, with which layout.
+"""Whole-forward capture configs (seed 004): which forward method (walk) of a model is captured,
+at which keys ``(walk, bs, total_tokens, additional_key_info)``, and with which input layout.
 
-Two families:
+- ``BatchedCudaGraphConfig`` stacks equal requests as ``[bs, tokens_per_request, ...]``.
+- ``PackedCudaGraphConfig`` packs variable-length requests as ``[total_tokens, ...]`` plus
+  ``cu_seqlens [bs + 2] int32`` (``bs`` request slots and one spare: ``padding.py``).
 
-- ``CudaGraphConfig`` describes a whole ``forward_batched``-style method the engine drives
-  (``config_runner.ConfigGraphRunner``). ``BatchedCudaGraphConfig`` lays requests out as
-  ``[bs, tokens_per_request, ...]``; ``PackedCudaGraphConfig`` packs them as
-  ``[total_tokens, ...]`` plus ``cu_seqlens [bs + 1] int32``.
-- ``PiecewiseCudaGraphConfig`` describes one sub-region a submodule invokes itself while its
-  preamble stays eager (``piecewise.PiecewiseRunner``).
-
-Each config type owns its buffer layout and its padding rule; the runners only copy and replay.
-The defaulted fields of ``CudaGraphConfig`` are keyword-only so that subclasses can add their
-required fields in the seed's positional order (``BatchedCudaGraphConfig(walk, inputs)``).
+A subclass needs only the seed's three abstract methods (``get_config_type``,
+``get_node_inputs``, ``get_total_tokens``); the layout, the padding and the token counts follow
+from the config type. Arguments keep the seed's positional order.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 from typing import Any
 
 import torch
 
-from .buckets import DEFAULT_MAX_BS, default_capture_sizes, distribute_tokens, validate_buckets
-from .errors import ConfigError
-
-# One request's inputs: name -> tensor. Packed: first dim is that request's tokens.
-# Batched: the per-request tensor [tokens_per_request, ...].
-NodeInputs = dict[str, torch.Tensor]
-
-CU_SEQLENS = "cu_seqlens"  # packed layouts: cumulative request offsets, [bs + 1] int32
-PAD_SEQ_LEN = 1  # the length a padded request declares: the minimum, never 0
-
-__all__ = [
-    "BatchedCudaGraphConfig",
-    "CU_SEQLENS",
-    "CudaGraphConfig",
-    "CudaGraphConfigType",
-    "NodeInputs",
-    "PAD_SEQ_LEN",
-    "PackedCudaGraphConfig",
-    "PiecewiseBatchedConfig",
-    "PiecewiseCallInputs",
-    "PiecewiseCaptureShape",
-    "PiecewiseConfigType",
-    "PiecewiseCudaGraphConfig",
-    "PiecewisePackedConfig",
-    "distribute_tokens",
-    "pad_lengths",
-]
+from ..buckets import DEFAULT_MAX_BS, default_capture_sizes, distribute_tokens, validate_buckets
+from ..errors import ConfigError
+from .padding import CU_SEQLENS, SPARE_SLOTS, NodeInputs, cu_seqlens, pad_lengths, rows_of
 
 
 class CudaGraphConfigType(Enum):
@@ -58,80 +29,43 @@ class CudaGraphConfigType(Enum):
     FLASH_INFER_PACKED = "flash_infer_packed"
 
 
-class PiecewiseConfigType(Enum):
-    BATCHED = "batched"
-    PACKED = "packed"
-
-
-def pad_lengths(num_real_tokens: int, real_bs: int, bs: int, total_tokens: int) -> list[int] | None:
-    """Lengths of the ``bs - real_bs`` padded requests that fill a packed bucket exactly.
-
-    Each padded request gets ``PAD_SEQ_LEN`` (1) token; the leftover tokens of the bucket go onto
-    the LAST padded request. Padding tokens never join a real request, so they cannot change a
-    real output. ``None`` when no such plan exists: leftover tokens but no padded request to hold
-    them, or fewer leftover tokens than padded requests.
-
-    >>> pad_lengths(7, 2, 4, 12)
-    [1, 4]
-    """
-    pad_bs, pad_tokens = bs - real_bs, total_tokens - num_real_tokens
-    if pad_bs < 0 or pad_tokens < 0:
-        return None
-    if pad_bs == 0:
-        return [] if pad_tokens == 0 else None
-    if pad_tokens < pad_bs * PAD_SEQ_LEN:
-        return None
-    return [PAD_SEQ_LEN] * (pad_bs - 1) + [pad_tokens - PAD_SEQ_LEN * (pad_bs - 1)]
-
-
-def _cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
-    """[len(lengths) + 1] int32 on the host: 0, l0, l0 + l1, ..."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(list(lengths), dtype=torch.int64).cumsum(0)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Whole-forward configs
-
-
-@dataclass(frozen=True)
 class CudaGraphConfig(ABC):
     """One forward method (walk) of a model, captured per ``(walk, bs, total_tokens, key info)``.
 
     ``capture_graph_walk`` is the walk captured; walks in ``replay_graph_walks`` replay the same
     graphs. ``additional_key_info`` extends the graph key. ``caps_eager_batch_size``: a batch
-    above the largest bucket runs eagerly in chunks no larger than it (``False``: eagerly whole).
+    above the largest key runs eagerly in chunks no larger than the largest key (``False``: it
+    runs eagerly whole, in one call).
     """
 
-    capture_graph_walk: str
-    _: KW_ONLY
-    replay_graph_walks: list[str] | None = None
-    additional_key_info: Any | None = None
-    compile: bool = True
-    capture_batch_sizes: list[int] | None = None
-    capture_forward_method: str = "forward_batched"
-    caps_eager_batch_size: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.capture_graph_walk, str) or not self.capture_graph_walk:
+    def __init__(
+        self,
+        capture_graph_walk: str,
+        replay_graph_walks: list[str] | None = None,
+        additional_key_info: Any | None = None,
+        compile: bool = True,
+        capture_batch_sizes: list[int] | None = None,
+        capture_forward_method: str = "forward_batched",
+        caps_eager_batch_size: bool = True,
+    ) -> None:
+        if not isinstance(capture_graph_walk, str) or not capture_graph_walk:
             raise ConfigError(
-                "capture_graph_walk must be a non-empty walk name, "
-                f"got {self.capture_graph_walk!r}."
+                f"capture_graph_walk must be a non-empty walk name, got {capture_graph_walk!r}."
             )
-        if self.capture_batch_sizes is not None:
-            validate_buckets(self.capture_batch_sizes, "capture_batch_sizes")
+        if capture_batch_sizes is not None:
+            validate_buckets(capture_batch_sizes, "capture_batch_sizes")
+        self.capture_graph_walk = capture_graph_walk
+        self.replay_graph_walks = replay_graph_walks
+        self.additional_key_info = additional_key_info
+        self.compile = compile
+        self.capture_batch_sizes = capture_batch_sizes
+        self.capture_forward_method = capture_forward_method
+        self.caps_eager_batch_size = caps_eager_batch_size
 
-    @property
-    def walks(self) -> list[str]:
-        """Every walk these graphs serve: the captured one first."""
-        return [self.capture_graph_walk, *(self.replay_graph_walks or [])]
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.capture_graph_walk!r})"
 
-    def batch_sizes(self) -> list[int]:
-        """``capture_batch_sizes``, or ``default_capture_sizes`` up to ``DEFAULT_MAX_BS``."""
-        if self.capture_batch_sizes is not None:
-            return list(self.capture_batch_sizes)
-        return default_capture_sizes(DEFAULT_MAX_BS)
+    # -- the seed's three abstract methods ----------------------------------------------------
 
     @abstractmethod
     def get_config_type(self) -> CudaGraphConfigType: ...
@@ -144,27 +78,78 @@ class CudaGraphConfig(ABC):
     def get_total_tokens(self, bs: int) -> list[int]:
         """The token buckets captured for ``bs`` requests (one graph each)."""
 
-    @abstractmethod
-    def model_inputs(
-        self, requests: Sequence[NodeInputs], out: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Lay ``requests`` out as the model's ``inputs``, into ``out``'s tensors when given."""
+    # -- derived from the config type ---------------------------------------------------------
 
-    @abstractmethod
-    def padding_requests(self, real_lens: Sequence[int], bs: int, total: int) -> list[NodeInputs]:
-        """Requests that pad a live batch with lengths ``real_lens`` to the key ``(bs, total)``;
-        raises ``ConfigError`` when the key cannot hold the batch."""
+    @property
+    def packed(self) -> bool:
+        return self.get_config_type() is CudaGraphConfigType.FLASH_INFER_PACKED
 
-    @abstractmethod
-    def num_tokens(self, request: NodeInputs) -> int:
-        """The tokens one request contributes to ``total_tokens``."""
+    @property
+    def walks(self) -> list[str]:
+        """Every walk these graphs serve: the captured one first."""
+        return [self.capture_graph_walk, *(self.replay_graph_walks or [])]
+
+    def batch_sizes(self) -> list[int]:
+        """``capture_batch_sizes``, or ``default_capture_sizes`` up to ``DEFAULT_MAX_BS``."""
+        if self.capture_batch_sizes is not None:
+            return list(self.capture_batch_sizes)
+        return default_capture_sizes(DEFAULT_MAX_BS)
 
     def template(self) -> NodeInputs:
         """One request's inputs: the names, trailing shapes, dtypes live requests must match."""
         return self.get_node_inputs(1, self.get_total_tokens(1)[0])[0]
 
+    def num_tokens(self, request: NodeInputs) -> int:
+        """The tokens one request contributes to ``total_tokens``."""
+        if self.packed:
+            return int(next(iter(request.values())).shape[0])
+        return self.get_total_tokens(1)[0]
 
-def _check_names(inputs: Mapping[str, torch.Tensor], what: str) -> None:
+    def padding_request(self, n: int) -> NodeInputs:
+        """One padded request (``n`` tokens when packed): rows of the capture-time request."""
+        return rows_of(self.template(), n) if self.packed else self.template()
+
+    def capture_requests(self, bs: int, total_tokens: int) -> list[NodeInputs]:
+        """The capture-time batch of a key: ``get_node_inputs``, plus the empty spare slot of a
+        packed key."""
+        reqs = self.get_node_inputs(bs, total_tokens)
+        return reqs + [self.padding_request(0)] * SPARE_SLOTS if self.packed else reqs
+
+    def padding_requests(self, real_lens: Sequence[int], bs: int, total: int) -> list[NodeInputs]:
+        """Requests that pad a live batch with lengths ``real_lens`` to the key ``(bs, total)``
+        (packed: the padded requests and the spare); ``ConfigError`` when it does not fit."""
+        if not self.packed:
+            if len(real_lens) > bs:
+                raise ConfigError(f"{len(real_lens)} requests do not fit a key of {bs} requests.")
+            return [self.padding_request(1)] * (bs - len(real_lens))
+        lens = pad_lengths(sum(real_lens), len(real_lens), bs, total)
+        if lens is None:
+            raise ConfigError(
+                f"{len(real_lens)} requests of {sum(real_lens)} tokens do not fit the key of "
+                f"{bs} requests and {total} tokens."
+            )
+        return [self.padding_request(n) for n in lens]
+
+    def model_inputs(
+        self, requests: Sequence[NodeInputs], out: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Lay ``requests`` out as the model's ``inputs``, into ``out``'s tensors when given.
+        Batched: ``name -> [bs, *per_request_shape]``. Packed: ``name -> [total_tokens, ...]``
+        and ``cu_seqlens -> [len(requests) + 1] int32``."""
+        names = list(requests[0])
+        dst = (lambda n: None) if out is None else (lambda n: out[n])  # noqa: E731
+        if not self.packed:
+            return {n: torch.stack([r[n] for r in requests], out=dst(n)) for n in names}
+        inputs = {n: torch.cat([r[n] for r in requests], out=dst(n)) for n in names}
+        cu = cu_seqlens([self.num_tokens(r) for r in requests])
+        if out is None:
+            inputs[CU_SEQLENS] = cu.to(inputs[names[0]].device)
+        else:
+            inputs[CU_SEQLENS] = out[CU_SEQLENS].copy_(cu, non_blocking=True)
+        return inputs
+
+
+def check_input_names(inputs: Mapping[str, torch.Tensor], what: str) -> None:
     if not inputs:
         raise ConfigError(f"{what} is empty; give at least one named input tensor.")
     if CU_SEQLENS in inputs:
@@ -174,7 +159,6 @@ def _check_names(inputs: Mapping[str, torch.Tensor], what: str) -> None:
             raise ConfigError(f"{what}[{name!r}] is a {type(t).__name__}, expected a tensor.")
 
 
-@dataclass(frozen=True)
 class BatchedCudaGraphConfig(CudaGraphConfig):
     """Requests of equal shape: each input is stacked to ``[bs, tokens_per_request, ...]``.
 
@@ -183,17 +167,35 @@ class BatchedCudaGraphConfig(CudaGraphConfig):
     ``bs * total_tokens_multiplier`` tokens (1 for decode, k + 1 for k-token speculation).
     """
 
-    single_request_inputs: NodeInputs
-    total_tokens_multiplier: int = field(default=1, kw_only=True)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_names(self.single_request_inputs, "single_request_inputs")
-        if not isinstance(self.total_tokens_multiplier, int) or self.total_tokens_multiplier < 1:
+    def __init__(
+        self,
+        capture_graph_walk: str,
+        single_request_inputs: NodeInputs,
+        replay_graph_walks: list[str] | None = None,
+        additional_key_info: Any | None = None,
+        compile: bool = True,
+        capture_batch_sizes: list[int] | None = None,
+        capture_forward_method: str = "forward_batched",
+        caps_eager_batch_size: bool = True,
+        total_tokens_multiplier: int = 1,
+    ) -> None:
+        super().__init__(
+            capture_graph_walk,
+            replay_graph_walks,
+            additional_key_info,
+            compile,
+            capture_batch_sizes,
+            capture_forward_method,
+            caps_eager_batch_size,
+        )
+        check_input_names(single_request_inputs, "single_request_inputs")
+        if not isinstance(total_tokens_multiplier, int) or total_tokens_multiplier < 1:
             raise ConfigError(
                 f"total_tokens_multiplier must be an int >= 1 (tokens per request), "
-                f"got {self.total_tokens_multiplier!r}."
+                f"got {total_tokens_multiplier!r}."
             )
+        self.single_request_inputs = single_request_inputs
+        self.total_tokens_multiplier = total_tokens_multiplier
 
     def get_config_type(self) -> CudaGraphConfigType:
         return CudaGraphConfigType.BASIC_BATCHED
@@ -209,40 +211,40 @@ class BatchedCudaGraphConfig(CudaGraphConfig):
             )
         return [dict(self.single_request_inputs) for _ in range(bs)]
 
-    def num_tokens(self, request: NodeInputs) -> int:
-        return self.total_tokens_multiplier
 
-    def padding_requests(self, real_lens: Sequence[int], bs: int, total: int) -> list[NodeInputs]:
-        if len(real_lens) > bs:
-            raise ConfigError(f"{len(real_lens)} requests do not fit a key of {bs} requests.")
-        return [self.single_request_inputs] * (bs - len(real_lens))
-
-    def model_inputs(
-        self, requests: Sequence[NodeInputs], out: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
-        # name -> [bs, *per_request_shape]
-        return {
-            name: torch.stack([r[name] for r in requests], out=None if out is None else out[name])
-            for name in self.single_request_inputs
-        }
-
-
-@dataclass(frozen=True)
 class PackedCudaGraphConfig(CudaGraphConfig):
     """Variable-length requests packed end to end: ``[total_tokens, ...]`` per input, plus
-    ``cu_seqlens [bs + 1] int32``. ``capture_token_lengths`` are the token buckets;
-    ``make_node_input(n)`` builds one request of ``n`` tokens (used at capture and for padding).
-    A key needs ``total_tokens >= bs`` (every request holds at least one token).
+    ``cu_seqlens``. ``capture_token_lengths`` are the token buckets; ``make_node_input(n)``
+    builds one request of ``n`` tokens (at capture and for padding; ``n`` may be 0 for the spare
+    slot). A key needs ``total_tokens >= bs`` (every request holds at least one token).
     """
 
-    capture_token_lengths: list[int]
-    make_node_input: Callable[[int], NodeInputs]
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        validate_buckets(self.capture_token_lengths, "capture_token_lengths")
-        if not callable(self.make_node_input):
+    def __init__(
+        self,
+        capture_graph_walk: str,
+        capture_token_lengths: list[int],
+        make_node_input: Callable[[int], NodeInputs],
+        replay_graph_walks: list[str] | None = None,
+        additional_key_info: Any | None = None,
+        compile: bool = True,
+        capture_batch_sizes: list[int] | None = None,
+        capture_forward_method: str = "forward_batched",
+        caps_eager_batch_size: bool = True,
+    ) -> None:
+        super().__init__(
+            capture_graph_walk,
+            replay_graph_walks,
+            additional_key_info,
+            compile,
+            capture_batch_sizes,
+            capture_forward_method,
+            caps_eager_batch_size,
+        )
+        validate_buckets(capture_token_lengths, "capture_token_lengths")
+        if not callable(make_node_input):
             raise ConfigError("make_node_input must be a callable n -> NodeInputs of n tokens.")
+        self.capture_token_lengths = list(capture_token_lengths)
+        self.make_node_input = make_node_input
 
     def get_config_type(self) -> CudaGraphConfigType:
         return CudaGraphConfigType.FLASH_INFER_PACKED
@@ -258,40 +260,5 @@ class PackedCudaGraphConfig(CudaGraphConfig):
     def get_node_inputs(self, bs: int, num_tokens: int) -> list[NodeInputs]:
         return [self.make_node_input(n) for n in distribute_tokens(num_tokens, bs)]
 
-    def num_tokens(self, request: NodeInputs) -> int:
-        return next(iter(request.values())).shape[0]
-
-    def padding_requests(self, real_lens: Sequence[int], bs: int, total: int) -> list[NodeInputs]:
-        lens = pad_lengths(sum(real_lens), len(real_lens), bs, total)
-        if lens is None:
-            raise ConfigError(
-                f"{len(real_lens)} requests of {sum(real_lens)} tokens cannot be padded to "
-                f"{bs} requests of {total} tokens (padding tokens need padded requests)."
-            )
-        return [self.make_node_input(n) for n in lens]
-
-    def model_inputs(
-        self, requests: Sequence[NodeInputs], out: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
-        # name -> [total_tokens, ...]; cu_seqlens -> [bs + 1] int32
-        names = list(requests[0])
-        inputs = {
-            n: torch.cat([r[n] for r in requests], out=None if out is None else out[n])
-            for n in names
-        }
-        cu = _cu_seqlens([self.num_tokens(r) for r in requests])
-        if out is None:
-            inputs[CU_SEQLENS] = cu.to(inputs[names[0]].device)
-        else:
-            inputs[CU_SEQLENS] = out[CU_SEQLENS].copy_(cu, non_blocking=True)
-        return inputs
-
-
-# The piecewise family lives in its own module; re-exported here, as the seed has one module.
-from .piecewise_configs import (  # noqa: E402
-    PiecewiseBatchedConfig,
-    PiecewiseCallInputs,
-    PiecewiseCaptureShape,
-    PiecewiseCudaGraphConfig,
-    PiecewisePackedConfig,
-)
+    def padding_request(self, n: int) -> NodeInputs:
+        return self.make_node_input(n)

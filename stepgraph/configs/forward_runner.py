@@ -8,18 +8,18 @@ Calling convention. For every key ``(walk, bs, total_tokens, additional_key_info
 captures ``getattr(model, config.capture_forward_method)(walk=walk, inputs=inputs)`` where
 ``walk`` is ``config.capture_graph_walk`` and ``inputs`` is a dict of static tensors laid out by
 the config: batched ``name -> [bs, *single_request_inputs[name].shape]``; packed
-``name -> [total_tokens, ...]`` plus ``"cu_seqlens" -> [bs + 1] int32``. The method returns one
+``name -> [total_tokens, ...]`` plus ``"cu_seqlens" -> [bs + 2] int32`` (``bs`` request slots
+and the spare, see ``padding.py``; padded requests may be empty). The method returns one
 tensor whose first dim is ``bs`` (batched) or ``total_tokens`` (packed), rows in request order;
 it must read only ``inputs`` and model state and must not sync with the host. Eager runs use the
 same call with the live walk and live inputs.
 
-Capture goes through the shared ``capture_loop`` / ``capture_step`` of ``capture_steps.py``,
+Capture goes through the shared ``capture_loop`` / ``capture_step`` of ``runner/capture.py``,
 as the decode runner's and the piecewise runner's do.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,16 +27,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .backends import CapturedGraph, CpuGraphBackend, canonical_device, make_backend
-from .capture import (
-    BucketStats,
-    CaptureStats,
-)
-from .capture_steps import GraphRunnerBase, capture_loop, capture_step, storage_ptrs
-from .configs import CU_SEQLENS, CudaGraphConfig, NodeInputs, PackedCudaGraphConfig, pad_lengths
-from .errors import CaptureError, ConfigError, ReplayError
+from ..backends import CapturedGraph, CpuGraphBackend, GraphPool, canonical_device
+from ..errors import CaptureError, ConfigError, ReplayError
+from ..runner.base import GraphRunnerBase
+from ..runner.capture import capture_loop, capture_step, logger, storage_ptrs
+from ..runner.stats import BucketStats, CaptureStats
+from .fit import check_inputs, smallest_fit
+from .forward import CudaGraphConfig
+from .padding import CU_SEQLENS, SPARE_SLOTS, NodeInputs
 
-logger = logging.getLogger("stepgraph")
+__all__ = ["ConfigGraphRunner", "ConfigRunnerStats", "GraphKey", "logger"]
 
 
 class GraphKey(NamedTuple):
@@ -72,12 +72,15 @@ class ConfigGraphRunner(GraphRunnerBase):
         backend: str = "auto",
         show_progress: bool = True,
         capture: bool = True,
+        pool: GraphPool | None = None,
     ) -> None:
+        """``pool``: the graph memory pool to capture into; default: the process-wide pool
+        (``set_global_graph_memory_pool``), shared by every runner."""
         self.model = model
         self.configs = list(configs)
         self.device = canonical_device(device)
         self.show_progress = show_progress
-        self._backend = make_backend(self.device, backend)
+        self._init_graphs(self.device, backend, pool)
         self.compile_enabled = not isinstance(self._backend, CpuGraphBackend)
         self._route: dict[tuple[str, Any], int] = {}  # (walk, key info) -> config index
         for i, c in enumerate(self.configs):
@@ -96,9 +99,8 @@ class ConfigGraphRunner(GraphRunnerBase):
         self.keys = {i: self._keys_of(c) for i, c in enumerate(self.configs)}
         self._templates = [_to(c.template(), self.device) for c in self.configs]
         self._static = [self._allocate(i) for i in range(len(self.configs))]
-        self.graphs: dict[GraphKey, CapturedGraph] = {}
+        self.graphs: dict[GraphKey, CapturedGraph]
         self.stats = ConfigRunnerStats()
-        self._shut_down = False
         if capture:
             self.capture()
 
@@ -120,13 +122,14 @@ class ConfigGraphRunner(GraphRunnerBase):
         """Static inputs, once, at the largest key (every key uses a leading slice of them)."""
         c, keys = self.configs[i], self.keys[i]
         max_bs, max_t = max(k.bs for k in keys), max(k.total_tokens for k in keys)
-        reqs = [_to(r, self.device) for r in c.get_node_inputs(max_bs, max_t)]
+        reqs = [_to(r, self.device) for r in c.capture_requests(max_bs, max_t)]
         return c.model_inputs(reqs)
 
     def _view(self, i: int, key: GraphKey) -> dict[str, torch.Tensor]:
-        rows = key.total_tokens if isinstance(self.configs[i], PackedCudaGraphConfig) else key.bs
+        rows = key.total_tokens if self.configs[i].packed else key.bs
+        slots = key.bs + SPARE_SLOTS
         return {
-            n: t[: key.bs + 1] if n == CU_SEQLENS else t[:rows] for n, t in self._static[i].items()
+            n: t[: slots + 1] if n == CU_SEQLENS else t[:rows] for n, t in self._static[i].items()
         }
 
     # ---------------------------------------------------------------------------------------
@@ -145,7 +148,7 @@ class ConfigGraphRunner(GraphRunnerBase):
     def _capture_one(self, item: tuple[int, GraphKey]) -> BucketStats:
         i, key = item
         c, static = self.configs[i], self._view(i, item[1])
-        reqs = [_to(r, self.device) for r in c.get_node_inputs(key.bs, key.total_tokens)]
+        reqs = [_to(r, self.device) for r in c.capture_requests(key.bs, key.total_tokens)]
         c.model_inputs(reqs, out=static)  # the capture-time batch, in the static buffers
         forward = getattr(self.model, c.capture_forward_method)
         if c.compile and self.compile_enabled:
@@ -185,7 +188,7 @@ class ConfigGraphRunner(GraphRunnerBase):
     ) -> torch.Tensor:
         """Run ``requests`` through ``walk``: replay the smallest key that fits, padded, and
         return its first rows (a view of a static output: the next replay overwrites it), or run
-        eagerly (above the largest bucket, or when no key can be padded to the batch)."""
+        eagerly when no key holds the batch (more requests or tokens than the largest key)."""
         self._check_alive("run")
         i = self._route.get((walk, additional_key_info))
         if i is None:
@@ -198,9 +201,10 @@ class ConfigGraphRunner(GraphRunnerBase):
         c = self.configs[i]
         if not requests:
             raise ReplayError("empty batch; there is nothing to run, skip the step.")
-        self._check_requests(i, requests)
+        for j, r in enumerate(requests):  # checked before anything is copied
+            check_inputs(r, self._templates[i], label=f"request {j}", full_shape=not c.packed)
         lens = [c.num_tokens(r) for r in requests]
-        key = next((k for k in self.keys[i] if _fits(k, lens)), None)
+        key = smallest_fit(self.keys[i], _shape, len(requests), sum(lens), c.packed)
         if key is None:
             return self._run_eager(i, walk, requests, lens)
         static = self._view(i, key)
@@ -209,21 +213,13 @@ class ConfigGraphRunner(GraphRunnerBase):
         graph = self.graphs[key]
         graph.replay()
         self.stats.replays += 1
-        rows = sum(lens) if isinstance(c, PackedCudaGraphConfig) else len(requests)
+        rows = sum(lens) if c.packed else len(requests)
         return graph.output[:rows]
 
     def _run_eager(self, i: int, walk: str, requests: list[NodeInputs], lens: list[int]):
         c, keys = self.configs[i], self.keys[i]
         max_bs, max_t = max(k.bs for k in keys), max(k.total_tokens for k in keys)
-        packed = isinstance(c, PackedCudaGraphConfig)
-        if packed and sum(lens) > max_t and not c.caps_eager_batch_size:
-            raise ReplayError(
-                f"walk {walk!r}: {sum(lens)} tokens exceed the largest token bucket ({max_t}) "
-                "and caps_eager_batch_size=False; set caps_eager_batch_size=True to run it "
-                f"eagerly in chunks, or add a bucket >= {sum(lens)}."
-            )
-        reason = "too_large" if len(requests) > max_bs or sum(lens) > max_t else "no_padding"
-        self.stats.eager_reasons[reason] += 1
+        self.stats.eager_reasons["too_large"] += 1
         chunks = [requests]
         if c.caps_eager_batch_size:
             chunks = _chunk(requests, lens, max_bs, max_t)
@@ -231,33 +227,6 @@ class ConfigGraphRunner(GraphRunnerBase):
         outs = [forward(walk=walk, inputs=c.model_inputs(chunk)) for chunk in chunks]
         self.stats.eager_calls += len(chunks)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _check_requests(self, i: int, requests: list[NodeInputs]) -> None:
-        """Names, trailing shapes, dtypes and device of each live request; raises ReplayError
-        before anything is copied, naming the input and both shapes."""
-        c, tmpl, static = self.configs[i], self._templates[i], self._static[i]
-        packed = isinstance(c, PackedCudaGraphConfig)
-        for j, r in enumerate(requests):
-            if set(r) != set(tmpl):
-                raise ReplayError(
-                    f"request {j} has inputs {sorted(r)}, the static inputs are {sorted(tmpl)}; "
-                    "build requests with the config's names."
-                )
-            rows = {t.shape[0] if t.dim() else None for t in r.values()}
-            for name, t in r.items():
-                want = tmpl[name]
-                same = t.shape[1:] == want.shape[1:] if packed else t.shape == want.shape
-                if not same or (packed and (len(rows) != 1 or t.dim() == 0 or t.shape[0] < 1)):
-                    raise ReplayError(
-                        f"input {name!r} of request {j} has shape {tuple(t.shape)}; the static "
-                        f"input has shape {tuple(static[name].shape)}, so a request's must be "
-                        f"{_per_request(want, packed)}. Fix the request, or run it eagerly."
-                    )
-                if t.dtype != want.dtype or t.device != self.device:
-                    raise ReplayError(
-                        f"input {name!r} of request {j} is {t.dtype} on {t.device}; the static "
-                        f"input is {want.dtype} on {self.device}. Convert it first."
-                    )
 
     # ---------------------------------------------------------------------------------------
     # lifetime
@@ -269,10 +238,8 @@ class ConfigGraphRunner(GraphRunnerBase):
         self._shut_down = True
 
 
-def _fits(key: GraphKey, lens: list[int]) -> bool:
-    """The key holds the batch and its padding plan exists (padding tokens need padded requests;
-    for batched keys this reduces to ``bs <= key.bs``)."""
-    return pad_lengths(sum(lens), len(lens), key.bs, key.total_tokens) is not None
+def _shape(key: GraphKey) -> tuple[int, int]:
+    return key.bs, key.total_tokens
 
 
 def _chunk(requests: list, lens: list[int], max_bs: int, max_t: int) -> list[list]:
@@ -287,10 +254,6 @@ def _chunk(requests: list, lens: list[int], max_bs: int, max_t: int) -> list[lis
         chunks[-1].append(r)
         tokens += n
     return chunks
-
-
-def _per_request(t: torch.Tensor, packed: bool) -> str:
-    return f"[n, {', '.join(map(str, t.shape[1:]))}]" if packed else str(list(t.shape))
 
 
 def _to(inputs: NodeInputs, device: torch.device) -> NodeInputs:

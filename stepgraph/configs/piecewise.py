@@ -1,7 +1,5 @@
 """Piecewise capture configs (seed 004): one sub-region of a submodule's forward, captured per
-shape while the surrounding preamble stays eager (run by ``piecewise.PiecewiseRunner``).
-
-``stepgraph.configs`` re-exports every name here, as the seed's single module does.
+shape while the surrounding preamble stays eager (run by ``piecewise_runner.PiecewiseRunner``).
 """
 
 from __future__ import annotations
@@ -9,13 +7,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 
-from .buckets import distribute_tokens, validate_buckets
-from .configs import PAD_SEQ_LEN, PiecewiseConfigType, pad_lengths
-from .errors import ConfigError
+from ..buckets import distribute_tokens, validate_buckets
+from ..errors import ConfigError
+from .padding import PAD_SEQ_LEN, SPARE_SLOTS, pad_lengths
+
+
+class PiecewiseConfigType(Enum):
+    BATCHED = "batched"
+    PACKED = "packed"
 
 
 @dataclass(frozen=True)
@@ -24,8 +28,13 @@ class PiecewiseCaptureShape:
     declaration so both generalize across config types."""
 
     bs: int
-    seq_lens: list[int]
+    seq_lens: list[int]  # per request slot; packed shapes add the spare slot (padding.py)
     total_tokens: int
+
+    @property
+    def num_requests(self) -> int:
+        """Request slots: ``bs``, plus the spare slot of a packed shape."""
+        return len(self.seq_lens)
 
 
 @dataclass(frozen=True)
@@ -146,8 +155,9 @@ class PiecewisePackedConfig(PiecewiseCudaGraphConfig):
     """Packed variable-length capture: static input ``[total_tokens, D]``.
 
     One graph per (bs, token bucket). Each bucket is partitioned across bs requests for the
-    capture-time plan (``distribute_tokens``); real per-request lengths arrive at replay.
-    Shapes with ``total_tokens < bs`` are skipped (each request holds at least one token).
+    capture-time plan (``distribute_tokens``) plus an empty spare slot; real per-request lengths
+    arrive at replay. Any batch of at most ``bs`` requests and ``total_tokens`` tokens fits the
+    shape (``padding.py``). Shapes with ``total_tokens < bs`` are skipped.
     """
 
     total_tokens: list[int]
@@ -162,7 +172,7 @@ class PiecewisePackedConfig(PiecewiseCudaGraphConfig):
     def get_capture_shapes(self, batch_sizes: list[int]) -> list[PiecewiseCaptureShape]:
         sizes = validate_buckets(batch_sizes, "batch_sizes")
         return [
-            PiecewiseCaptureShape(bs, distribute_tokens(t, bs), t)
+            PiecewiseCaptureShape(bs, distribute_tokens(t, bs) + [0] * SPARE_SLOTS, t)
             for bs in sizes
             for t in self.total_tokens
             if t >= bs
@@ -171,14 +181,11 @@ class PiecewisePackedConfig(PiecewiseCudaGraphConfig):
     def replay_seq_lens(
         self, shape: PiecewiseCaptureShape, seq_lens: list[int] | None, real_bs: int
     ) -> list[int]:
-        """Real lengths first, unchanged; then the ``shape.bs - real_bs`` padded requests get
-        ``PAD_SEQ_LEN`` (1) token each, and the tokens of the bucket still left over go onto the
-        LAST padded request, so the lengths sum to ``shape.total_tokens``. Padding tokens never
-        join a real request, so they cannot change a real output. A shape whose leftover tokens
-        have no padded request to go to (``real_bs == shape.bs`` and fewer real tokens than the
-        bucket) cannot hold the batch: ``ConfigError``.
+        """Real lengths first, unchanged; then the ``shape.bs - real_bs`` padded requests and
+        the spare slot (``padding.pad_lengths``), so the lengths sum to ``shape.total_tokens``.
+        Padding tokens never join a real request, so they cannot change a real output.
 
-        Example: shape (bs=4, total=12), real [5, 2] -> [5, 2, 1, 4].
+        Example: shape (bs=4, total=12), real [5, 2] -> [5, 2, 1, 1, 3].
         """
         self._check_real_bs(shape, real_bs)
         if seq_lens is None or len(seq_lens) != real_bs or any(n < 1 for n in seq_lens):
@@ -189,7 +196,6 @@ class PiecewisePackedConfig(PiecewiseCudaGraphConfig):
         if pad is None:
             raise ConfigError(
                 f"{real_bs} requests of {sum(seq_lens)} tokens do not fit shape "
-                f"(bs={shape.bs}, total_tokens={shape.total_tokens}): leftover tokens need "
-                "padded requests to hold them; pick a shape with a spare request slot."
+                f"(bs={shape.bs}, total_tokens={shape.total_tokens}); pick a larger shape."
             )
         return list(seq_lens) + pad

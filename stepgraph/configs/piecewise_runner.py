@@ -27,17 +27,18 @@ from typing import Any
 
 import torch
 
-from .backends import CapturedGraph, CpuGraphBackend, canonical_device, make_backend
-from .capture import BucketStats, CaptureStats, GraphPool
-from .capture_steps import GraphRunnerBase, capture_loop, capture_step, storage_ptrs
-from .configs import (
+from ..backends import CapturedGraph, CpuGraphBackend, GraphPool, canonical_device
+from ..errors import CaptureError, ConfigError, ReplayError
+from ..runner.base import GraphRunnerBase
+from ..runner.capture import capture_loop, capture_step, storage_ptrs
+from ..runner.stats import BucketStats, CaptureStats
+from .fit import check_inputs, smallest_fit
+from .piecewise import (
     PiecewiseCallInputs,
     PiecewiseCaptureShape,
     PiecewiseCudaGraphConfig,
     PiecewisePackedConfig,
-    pad_lengths,
 )
-from .errors import CaptureError, ConfigError, ReplayError
 
 DEFAULT_BATCH_SIZES = [1, 2, 4, 8]  # used when neither the config nor the runner gives sizes
 PAD_VALUE = 0  # what padding rows of the static inputs hold at replay
@@ -123,8 +124,9 @@ class PiecewiseRunner(GraphRunnerBase):
         capture: bool = True,
         pool: GraphPool | None = None,
     ) -> None:
-        """``pool``: share one graph memory pool with other runners whose graphs replay one
-        after another on the same stream, in capture order (e.g. the regions of one forward)."""
+        """``pool``: the graph memory pool to capture into; default: the process-wide pool
+        (``set_global_graph_memory_pool``), shared by every runner. Runners sharing a pool
+        replay one after another on the same stream (e.g. the regions of one forward)."""
         self.config = config
         self.device = canonical_device(device)
         self.show_progress = show_progress
@@ -134,18 +136,17 @@ class PiecewiseRunner(GraphRunnerBase):
         if not self.shapes:
             raise ConfigError("the config yields no capture shape; check its sizes.")
         self.packed = isinstance(config, PiecewisePackedConfig)
-        self._backend = make_backend(self.device, backend, pool)
+        self._init_graphs(self.device, backend, pool)
         self.compile_enabled = config.compile and not isinstance(self._backend, CpuGraphBackend)
         self.static_inputs: dict[Key, dict[str, torch.Tensor]] = {}
         self.outputs: dict[Key, dict[str, torch.Tensor]] = {}
-        self.graphs: dict[Key, CapturedGraph] = {}
+        self.graphs: dict[Key, CapturedGraph]
         self._step_layout: dict[Key, dict[str, tuple[int, tuple[int, ...]]]] = {}
         self._leases: dict[Key, BufferLease] = {}
         self.active_lease: BufferLease | None = None  # the lease of the step being declared
         self.last_call: PiecewiseCallInputs | None = None
         self.stats = CaptureStats()
         self.replays = 0
-        self._shut_down = False
         if capture:
             self.capture()
 
@@ -177,10 +178,10 @@ class PiecewiseRunner(GraphRunnerBase):
             known = [*static.values(), *resources.values(), *call.kwargs.values(), *earlier]
             outputs = region.seal(storage_ptrs(known))
             for name, t in outputs.items():
-                if t.dim() == 0 or t.shape[0] not in (shape.bs, shape.total_tokens):
+                if t.dim() == 0 or t.shape[0] not in (shape.num_requests, shape.total_tokens):
                     raise CaptureError(
                         f"{what}: output {name!r} has shape {tuple(t.shape)}; its first dim "
-                        f"must be one row per request ({shape.bs}) or per token "
+                        f"must be one row per request slot ({shape.num_requests}) or per token "
                         f"({shape.total_tokens}) so the real rows can be handed back."
                     )
         except BaseException:
@@ -264,7 +265,7 @@ class PiecewiseRunner(GraphRunnerBase):
         self.last_call, self.replays = call, self.replays + 1
         real_tokens = sum(lens[:real_bs]) if self.packed else rows * self.config.seq_len
         return {
-            name: t[:real_bs] if t.shape[0] == shape.bs else t[:real_tokens]
+            name: t[:real_bs] if t.shape[0] == shape.num_requests else t[:real_tokens]
             for name, t in self.outputs[key].items()
         }
 
@@ -272,48 +273,20 @@ class PiecewiseRunner(GraphRunnerBase):
         """Check the live inputs against the static ones and pick the smallest shape holding
         them; returns (shape, live rows). Raises before anything is copied."""
         template = self.static_inputs[_key(self.shapes[-1])]
-        names = set(live)
-        wanted = set(template)
-        if (
-            not names
-            or not names <= wanted
-            or (self.config.declare_step is None and names != wanted)
-        ):
-            raise ReplayError(
-                f"live inputs {sorted(names)} do not match the static inputs {sorted(wanted)}; "
-                "pass every static input (those a declared step fills may be left out)."
-            )
-        rows = {t.shape[0] if t.dim() else -1 for t in live.values()}
-        for name, t in live.items():
-            st = template[name]
-            if t.dim() != st.dim() or t.shape[1:] != st.shape[1:] or len(rows) != 1:
-                raise ReplayError(
-                    f"live input {name!r} has shape {tuple(t.shape)}; the static input {name!r} "
-                    f"has shape {tuple(st.shape)}: the trailing dims must match and every live "
-                    "input must have the same number of rows. Fix the input or run eagerly."
-                )
-            if t.dtype != st.dtype or t.device != st.device:
-                raise ReplayError(
-                    f"live input {name!r} is {t.dtype} on {t.device}; the static input is "
-                    f"{st.dtype} on {st.device}. Convert it first."
-                )
-        (n,) = rows
+        subset_ok = self.config.declare_step is not None  # a declared step may fill the rest
+        n = check_inputs(live, template, label="the live batch", subset_ok=subset_ok)
         if self.packed and (seq_lens is None or sum(seq_lens) != n or not seq_lens):
             raise ReplayError(
                 f"a packed replay needs seq_lens summing to the {n} live tokens, got {seq_lens}."
             )
         bs = len(seq_lens) if self.packed else n
-        for shape in self.shapes:
-            if self.packed:
-                if pad_lengths(n, bs, shape.bs, shape.total_tokens) is not None:
-                    return shape, n
-            elif shape.bs >= bs:
-                return shape, n
+        shape = smallest_fit(self.shapes, _key, bs, n, self.packed)
+        if shape is not None:
+            return shape, n
         raise ReplayError(
             f"no captured shape holds {bs} requests of {n} rows (largest: bs="
             f"{self.shapes[-1].bs}, total={self.shapes[-1].total_tokens}); run this step "
-            "eagerly, or capture larger shapes (a packed shape needs a spare request slot "
-            "when it has leftover tokens)."
+            "eagerly, or capture larger shapes."
         )
 
     # ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Exact split geometry for the runner: per-bucket update plans, applied before each replay.
+"""The runner's exec updater (mode "exact"): per-bucket update plans, applied before each replay.
 
 The runner talks to an ``ExecUpdater``; the default one retunes flash-decode attention nodes
 through ``stepgraph.graph_update`` (DESIGN §5). Tests on the CPU inject their own.
@@ -10,8 +10,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .backends import CapturedGraph
-from .errors import CaptureError
+from ..backends import CapturedGraph
+from ..errors import CaptureError
+from .flash import fa_apply, fa_plan
+from .nodes import kernel_nodes
 
 
 class ExecUpdater(Protocol):
@@ -34,8 +36,6 @@ class FlashExecUpdater:
         self.num_sms = num_sms
 
     def plan(self, graph: CapturedGraph, bs: int) -> Any:
-        from .graph_update import fa_plan, kernel_nodes
-
         raw = getattr(graph, "raw_cuda_graph", None)
         if raw is None:
             raise CaptureError(
@@ -53,8 +53,6 @@ class FlashExecUpdater:
         return plan
 
     def apply(self, plan: Any, graph: CapturedGraph, t_kv: int) -> int:
-        from .graph_update import fa_apply
-
         return fa_apply(plan, graph.raw_cuda_graph_exec(), t_kv)
 
     def invalidate(self, plan: Any) -> None:

@@ -36,11 +36,10 @@ import torch
 from ..backends import canonical_device
 from ..batch import ForwardBatch, ForwardMode
 from ..buckets import default_capture_sizes
-from ..capture import is_capture_mode
-from ..config_runner import ConfigGraphRunner
-from ..configs import BatchedCudaGraphConfig, NodeInputs
+from ..configs import BatchedCudaGraphConfig, ConfigGraphRunner, NodeInputs
 from ..errors import ConfigError
-from ..input_buffers import PAD_PAGE, PAD_POSITION, PAD_SLOT, PAD_TOKEN_ID
+from ..runner.capture import is_capture_mode
+from ..runner.input_buffers import PAD_PAGE, PAD_POSITION, PAD_SLOT, PAD_TOKEN_ID
 from .model_runner import ModelRunner
 
 DECODE_WALK = "decode"

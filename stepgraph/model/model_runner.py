@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from ..batch import ForwardBatch, ForwardMode, unpacked_batch
+from ..batch import PACKED, ForwardBatch, ForwardMode, unpacked_batch
 from ..errors import ConfigError
 from .attention import PagedAttentionBackend
 from .config import ModelConfig, get_preset
@@ -17,6 +19,7 @@ from .llama import LlamaModel, build_model, init_random
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_CONTEXT_LEN = 4096
+PREFILL_PROGRESS_DELAY_S = 2.0  # eager prefills longer than this show a progress bar
 GEMV_MAX_BS = 1  # batches up to this many rows use the Triton GEMV on CUDA, larger ones cuBLAS
 
 
@@ -177,13 +180,19 @@ class ModelRunner:
         """The decode batch where request ``i`` (owning ``pages[i]``) feeds ``tokens[i]`` at
         ``positions[i]``; its KV then holds ``positions[i] + 1`` tokens.
 
-        One host->device copy of the packed rows ``[bs, PACKED_COLS + max_pages]`` int64
-        (``stepgraph.batch.pack_batch`` layout). ``contiguous_fields=False`` leaves the fields as
+        One host->device copy of the packed rows ``[bs, PACKED.width(max_pages)]`` int64
+        (``stepgraph.batch.PACKED``). ``contiguous_fields=False`` leaves the fields as
         zero-copy views, which is all a graph runner with packed inputs reads."""
         kv = self.kv_cache
         seq_lens = [p + 1 for p in positions]
         rows = [
-            [tok, pos, kv.slot(pg, pos), pos + 1, *kv.block_table_row(pg)]
+            PACKED.row(
+                input_ids=tok,
+                positions=pos,
+                out_cache_loc=kv.slot(pg, pos),
+                seq_lens=pos + 1,
+                block_table=kv.block_table_row(pg),
+            )
             for tok, pos, pg in zip(tokens, positions, pages)
         ]
         host = torch.tensor(rows, dtype=torch.int64).view(len(rows), -1)
@@ -218,7 +227,18 @@ class ModelRunner:
         if len(prompts) != len(pages):
             raise ConfigError(f"{len(prompts)} prompts but {len(pages)} page lists.")
         last = []
-        for prompt, req_pages in zip(prompts, pages):
+        # Progress on stderr only once prefilling has taken PREFILL_PROGRESS_DELAY_S (stdout
+        # stays clean for --json); one tick per prompt.
+        todo = tqdm(
+            zip(prompts, pages),
+            total=len(prompts),
+            desc="prefill",
+            unit="prompt",
+            delay=PREFILL_PROGRESS_DELAY_S,
+            leave=False,
+            file=sys.stderr,
+        )
+        for prompt, req_pages in todo:
             n = len(prompt)
             if n == 0:
                 raise ConfigError("an empty prompt has no last token; give at least one token.")

@@ -43,14 +43,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..backends import canonical_device
+from ..backends import GraphPool, canonical_device
 from ..buckets import validate_buckets
-from ..capture import CaptureStats, GraphPool
-from ..configs import PiecewiseCallInputs, PiecewisePackedConfig, pad_lengths
+from ..configs import PiecewiseCallInputs, PiecewisePackedConfig, PiecewiseRunner, pad_lengths
 from ..errors import ConfigError
 from ..kernels.kv_write import write_kv
 from ..kernels.rope_kv import apply_rope
-from ..piecewise import PiecewiseRunner
+from ..runner.stats import CaptureStats
 from .model_runner import ModelRunner
 
 DEFAULT_TOKEN_BUCKETS = (16, 64, 256, 2048)
@@ -61,8 +60,9 @@ MASKED_ATTENTION_MAX_TOKENS = 256  # above: one causal SDPA per prompt instead o
 @dataclass(frozen=True)
 class PrefillGraphConfig:
     """Shapes of a ``PiecewisePrefill``: every ``(bs, tokens)`` pair with ``tokens >= bs``.
-    ``max(batch_sizes)`` must be below ``min(token_buckets)`` (a shape's per-request rows and
-    per-token rows must differ so the runner can tell its outputs apart)."""
+    ``max(batch_sizes) + 1`` must be below ``min(token_buckets)``: a shape's per-request rows
+    (``bs`` plus the spare slot) and per-token rows must differ so the runner can tell its
+    outputs apart."""
 
     token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
@@ -72,10 +72,10 @@ class PrefillGraphConfig:
     def __post_init__(self) -> None:
         validate_buckets(self.token_buckets, "token_buckets")
         validate_buckets(self.batch_sizes, "batch_sizes")
-        if max(self.batch_sizes) >= min(self.token_buckets):
+        if max(self.batch_sizes) + 1 >= min(self.token_buckets):
             raise ConfigError(
-                f"max(batch_sizes)={max(self.batch_sizes)} must be < min(token_buckets)="
-                f"{min(self.token_buckets)}; drop the large batch sizes or the small bucket."
+                f"max(batch_sizes)={max(self.batch_sizes)} must be < min(token_buckets) - 1 ="
+                f"{min(self.token_buckets) - 1}; drop the large batch sizes or the small bucket."
             )
 
 

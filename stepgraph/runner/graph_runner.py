@@ -15,73 +15,24 @@ refresh its static metadata, optionally retunes attention nodes to the live KV l
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from .backends import CapturedGraph, canonical_device, make_backend
-from .batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
-from .buckets import DEFAULT_MAX_BS, default_capture_sizes, pad_to_bucket, validate_buckets
-from .capture import BucketStats, CaptureStats
-from .capture_steps import GraphRunnerBase, capture_loop, capture_step
-from .errors import CaptureError, ConfigError, ReplayError
-from .exact import ExecUpdater, default_exec_updater
+from ..backends import CapturedGraph, GraphPool, canonical_device
+from ..batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
+from ..buckets import pad_to_bucket
+from ..errors import CaptureError, ReplayError
+from ..graph_update.exec_updater import ExecUpdater, default_exec_updater
+from .base import GraphRunnerBase
+from .capture import capture_loop, capture_step, logger
+from .config import RunnerConfig
 from .input_buffers import GraphInputBuffers
+from .stats import BucketStats, CaptureStats, RunnerStats
 
-MODES = ("graph", "exact")
 _DEVICE_FIELDS = tuple((n, d) for n, d in BATCH_DTYPES.items() if n != "seq_lens_cpu")
 
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """How a ``CudaGraphRunner`` captures.
-
-    ``capture_bs`` defaults to ``[1, 2, 4, 8] + 16..max_bs step 16``; when given, ``max_bs`` is
-    its largest entry. ``mode="exact"`` retunes split-KV attention nodes to the live KV length
-    before each replay (needs ``stepgraph.graph_update`` and flash-decode kernels in the step).
-    """
-
-    max_bs: int = DEFAULT_MAX_BS
-    capture_bs: tuple[int, ...] | None = None
-    mode: str = "graph"
-    enable_torch_compile: bool = False
-    torch_compile_max_bs: int = 32
-    warmup_iters: int = 2
-    backend: str = "auto"  # "cuda", "cpu" (stand-in) or "auto" (by device)
-    show_progress: bool = True
-    freeze_gc: bool = True
-    # Fill static inputs with one copy of a packed batch and unpack inside the graph (a few
-    # device copies) instead of one host launch per field. See ``stepgraph.batch.pack_batch``.
-    packed_inputs: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}.")
-        if self.warmup_iters < 1:
-            raise ConfigError(
-                "warmup_iters must be >= 1: capture needs one eager warm-up "
-                "to compile kernels and settle lazy buffers."
-            )
-        if self.capture_bs is not None:
-            validate_buckets(self.capture_bs)
-        elif self.max_bs < 1:
-            raise ConfigError(f"max_bs must be >= 1, got {self.max_bs}.")
-
-    def buckets(self) -> list[int]:
-        if self.capture_bs is not None:
-            return list(self.capture_bs)
-        return default_capture_sizes(self.max_bs)
-
-
-@dataclass
-class RunnerStats:
-    capture: CaptureStats | None = None
-    replays: int = 0
-    node_edits: int = 0  # attention nodes pushed by exact mode
-    packed_here: int = 0  # replays whose batch came without ``packed`` (packed by the runner)
-    fallbacks: Counter = field(default_factory=Counter)  # reason -> batches refused by can_run
+__all__ = ["CudaGraphRunner", "RunnerConfig", "logger"]
 
 
 class CudaGraphRunner(GraphRunnerBase):
@@ -96,7 +47,10 @@ class CudaGraphRunner(GraphRunnerBase):
         *,
         exec_updater: ExecUpdater | None = None,
         capture: bool = True,
+        pool: GraphPool | None = None,
     ) -> None:
+        """``pool``: the graph memory pool to capture into; default: the process-wide pool
+        (``set_global_graph_memory_pool``), shared by every runner."""
         self.model_runner = model_runner
         self.config = config = config if config is not None else RunnerConfig()
         self.device = canonical_device(model_runner.device)
@@ -104,19 +58,15 @@ class CudaGraphRunner(GraphRunnerBase):
         self.max_bs = self.capture_bs[-1]
         self.enable_torch_compile = config.enable_torch_compile
         self.torch_compile_max_bs = config.torch_compile_max_bs
-        self.compile_bs = [
-            bs
-            for bs in self.capture_bs
-            if self.enable_torch_compile and bs <= self.torch_compile_max_bs
-        ]
+        self.compile_bs = config.compile_buckets()
         self.seq_len_fill_value = model_runner.attn_backend.get_cuda_graph_seq_len_fill_value()
         self.buffers = GraphInputBuffers.allocate(
             self.max_bs, model_runner.max_pages_per_request, self.device, self.seq_len_fill_value
         )
-        self.graphs: dict[int, CapturedGraph] = {}
+        self._init_graphs(self.device, config.backend, pool)
+        self.graphs: dict[int, CapturedGraph]
         self.output_buffers: dict[int, torch.Tensor] = {}
         self.stats = RunnerStats()
-        self._backend = make_backend(self.device, config.backend)
         self._static: dict[int, ForwardBatch] = {}
         self._updater = exec_updater
         if config.mode == "exact" and exec_updater is None:
@@ -125,7 +75,6 @@ class CudaGraphRunner(GraphRunnerBase):
         self._shared_output: torch.Tensor | None = None  # [max_bs, ...]: every bucket's output
         self._max_context: int | None = getattr(model_runner, "max_context_len", None)
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
-        self._shut_down = False
         if capture:
             self.capture()
 
@@ -264,35 +213,8 @@ class CudaGraphRunner(GraphRunnerBase):
         """Replay the graph of the smallest bucket holding ``batch``; return its ``[bs, ...]``
         output rows. The result is a view into a static buffer: the next replay overwrites it,
         so copy or consume it (e.g. sample) before the next step."""
-        self._check_alive("replay")
-        if batch.mode is not ForwardMode.DECODE:
-            raise ReplayError(
-                f"replay serves decode batches, got {batch.mode.value}; run it "
-                "eagerly with model_runner.forward."
-            )
-        bs = batch.batch_size
-        bucket = pad_to_bucket(bs, self.capture_bs)
-        problem = self._input_problem(batch)
-        if problem is not None:  # checked before anything is copied
-            raise ReplayError(
-                f"cannot replay this batch: {problem}. Build the batch with "
-                "these dtypes on the model's device, or run it eagerly."
-            )
-        t_kv = batch.max_seq_len
-        if self._max_context is not None or self._updater is not None:
-            if t_kv is None:
-                t_kv = int(batch.seq_lens_cpu.max())
-            if self._max_context is not None and t_kv > self._max_context:
-                raise ReplayError(
-                    f"a request of {t_kv} tokens is longer than the {self._max_context} the "
-                    "graphs were captured for (model_runner.max_context_len); finish or "
-                    "truncate it, or build the model runner with a larger max_context_len."
-                )
-        if self.config.packed_inputs:
-            if not self.buffers.copy_packed_from(batch, bucket):
-                self.stats.packed_here += 1
-        else:
-            self.buffers.copy_from(batch, bucket)
+        bucket, t_kv = self._check_replay(batch)  # raises before anything is copied
+        self._copy_inputs(batch, bucket)
         self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
             bucket, self._static[bucket]
         )
@@ -301,7 +223,42 @@ class CudaGraphRunner(GraphRunnerBase):
             self.stats.node_edits += self._updater.apply(self._plans[bucket], graph, t_kv)
         graph.replay()
         self.stats.replays += 1
-        return self.output_buffers[bucket][:bs]
+        return self.output_buffers[bucket][: batch.batch_size]
+
+    def _check_replay(self, batch: ForwardBatch) -> tuple[int, int | None]:
+        """The bucket of ``batch`` and its longest KV length (``None`` when nothing needs it);
+        ``ReplayError`` naming the problem and the fix when it cannot be replayed."""
+        self._check_alive("replay")
+        if batch.mode is not ForwardMode.DECODE:
+            raise ReplayError(
+                f"replay serves decode batches, got {batch.mode.value}; run it "
+                "eagerly with model_runner.forward."
+            )
+        bucket = pad_to_bucket(batch.batch_size, self.capture_bs)
+        problem = self._input_problem(batch)
+        if problem is not None:
+            raise ReplayError(
+                f"cannot replay this batch: {problem}. Build the batch with "
+                "these dtypes on the model's device, or run it eagerly."
+            )
+        t_kv = batch.max_seq_len
+        if self._max_context is None and self._updater is None:
+            return bucket, t_kv
+        if t_kv is None:
+            t_kv = int(batch.seq_lens_cpu.max())
+        if self._max_context is not None and t_kv > self._max_context:
+            raise ReplayError(
+                f"a request of {t_kv} tokens is longer than the {self._max_context} the "
+                "graphs were captured for (model_runner.max_context_len); finish or "
+                "truncate it, or build the model runner with a larger max_context_len."
+            )
+        return bucket, t_kv
+
+    def _copy_inputs(self, batch: ForwardBatch, bucket: int) -> None:
+        if not self.config.packed_inputs:
+            self.buffers.copy_from(batch, bucket)
+        elif not self.buffers.copy_packed_from(batch, bucket):
+            self.stats.packed_here += 1
 
     # ---------------------------------------------------------------------------------------
     # lifetime

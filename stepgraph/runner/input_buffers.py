@@ -10,7 +10,7 @@ Those values are defined here and nowhere else:
     out_cache_loc PAD_SLOT (0: so a padded row writes its K/V only into scratch)
 
 With packed inputs (``RunnerConfig.packed_inputs``) the host fills only ``packed``
-``[max_bs, PACKED_COLS + max_pages]`` int64, with ONE copy per replay; the captured graph starts by
+``[max_bs, PACKED.width(max_pages)]`` int64, with ONE copy per replay; the captured graph starts by
 unpacking it into the per-field buffers (``unpack``), a few device copies that cost far less than
 the host launches they replace.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import BATCH_DTYPES, PACKED_COLS, ForwardBatch, ForwardMode, pack_batch
+from ..batch import BATCH_DTYPES, PACKED, ForwardBatch, ForwardMode, pack_batch
 
 PAD_TOKEN_ID = 0
 PAD_POSITION = 0
@@ -46,8 +46,8 @@ class GraphInputBuffers:
     block_table: torch.Tensor  # [max_bs, max_pages] int32
     out_cache_loc: torch.Tensor  # [max_bs] int64
     seq_lens_cpu: torch.Tensor  # [max_bs] int32, host
-    packed: torch.Tensor  # [max_bs, PACKED_COLS + max_pages] int64: the packed-input rows
-    packed_pad: torch.Tensor  # [PACKED_COLS + max_pages] int64: one padding row
+    packed: torch.Tensor  # [max_bs, PACKED.width(max_pages)] int64: the packed-input rows
+    packed_pad: torch.Tensor  # [PACKED.width(max_pages)] int64: one padding row
     seq_len_fill_value: int
     # Rows [:dirty_rows] may hold a previous batch's live values; rows past it hold padding.
     dirty_rows: int = 0
@@ -149,11 +149,9 @@ class GraphInputBuffers:
     def unpack(self, bs: int) -> None:
         """Inside the captured step: packed rows ``[:bs]`` -> the per-field static buffers."""
         p = self.packed[:bs]
-        self.input_ids[:bs].copy_(p[:, 0])
-        self.positions[:bs].copy_(p[:, 1])
-        self.out_cache_loc[:bs].copy_(p[:, 2])
-        self.seq_lens[:bs].copy_(p[:, 3])
-        self.block_table[:bs].copy_(p[:, PACKED_COLS:])
+        for name in PACKED.fields:
+            getattr(self, name)[:bs].copy_(PACKED.column(p, name))
+        self.block_table[:bs].copy_(PACKED.table(p))
 
     def pad_packed_rows(self, start: int, stop: int) -> None:
         """Set packed rows ``[start:stop]`` to the padding row (built by ``pad_row``)."""
@@ -171,7 +169,12 @@ class GraphInputBuffers:
 
 
 def pad_row(max_pages: int, seq_len_fill_value: int, device: torch.device) -> torch.Tensor:
-    """One packed padding row ``[PACKED_COLS + max_pages]`` int64 (columns as ``PACKED_FIELDS``)."""
-    row = torch.full((PACKED_COLS + max_pages,), PAD_PAGE, dtype=torch.int64, device=device)
-    row[:PACKED_COLS] = torch.tensor([PAD_TOKEN_ID, PAD_POSITION, PAD_SLOT, seq_len_fill_value])
-    return row
+    """One packed padding row ``[PACKED.width(max_pages)]`` int64."""
+    row = PACKED.row(
+        input_ids=PAD_TOKEN_ID,
+        positions=PAD_POSITION,
+        out_cache_loc=PAD_SLOT,
+        seq_lens=seq_len_fill_value,
+        block_table=[PAD_PAGE] * max_pages,
+    )
+    return torch.tensor(row, dtype=torch.int64, device=device)

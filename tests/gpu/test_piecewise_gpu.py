@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stepgraph.config_runner import ConfigGraphRunner, GraphKey
-from stepgraph.configs import BatchedCudaGraphConfig, PiecewisePackedConfig
+from stepgraph.configs import BatchedCudaGraphConfig, PiecewisePackedConfig, PiecewiseRunner
+from stepgraph.configs.forward_runner import ConfigGraphRunner, GraphKey
 from stepgraph.errors import CaptureError
-from stepgraph.piecewise import PiecewiseRunner
 
 pytestmark = pytest.mark.cuda
 

@@ -1,0 +1,59 @@
+"""``RunnerConfig``: how a ``CudaGraphRunner`` captures, as one frozen object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..buckets import DEFAULT_MAX_BS, default_capture_sizes, validate_buckets
+from ..errors import ConfigError
+
+MODES = ("graph", "exact")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How a ``CudaGraphRunner`` captures.
+
+    ``capture_bs`` defaults to ``[1, 2, 4, 8] + 16..max_bs step 16``; when given, ``max_bs`` is
+    its largest entry. ``mode="exact"`` retunes split-KV attention nodes to the live KV length
+    before each replay (needs ``stepgraph.graph_update`` and flash-decode kernels in the step).
+    ``enable_torch_compile`` compiles the forward of every bucket up to ``torch_compile_max_bs``
+    before capturing it (``compile_bs``); larger buckets capture the forward as it is.
+    """
+
+    max_bs: int = DEFAULT_MAX_BS
+    capture_bs: tuple[int, ...] | None = None
+    mode: str = "graph"
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
+    warmup_iters: int = 2
+    backend: str = "auto"  # "cuda", "cpu" (stand-in) or "auto" (by device)
+    show_progress: bool = True
+    freeze_gc: bool = True
+    # Fill static inputs with one copy of a packed batch and unpack inside the graph (a few
+    # device copies) instead of one host launch per field. See ``stepgraph.batch.pack_batch``.
+    packed_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.warmup_iters < 1:
+            raise ConfigError(
+                "warmup_iters must be >= 1: capture needs one eager warm-up "
+                "to compile kernels and settle lazy buffers."
+            )
+        if self.capture_bs is not None:
+            validate_buckets(self.capture_bs)
+        elif self.max_bs < 1:
+            raise ConfigError(f"max_bs must be >= 1, got {self.max_bs}.")
+
+    def buckets(self) -> list[int]:
+        if self.capture_bs is not None:
+            return list(self.capture_bs)
+        return default_capture_sizes(self.max_bs)
+
+    def compile_buckets(self) -> list[int]:
+        """The buckets whose forward is compiled before capture (empty without compile)."""
+        if not self.enable_torch_compile:
+            return []
+        return [bs for bs in self.buckets() if bs <= self.torch_compile_max_bs]
