@@ -365,8 +365,11 @@ def test_spec_validation_and_registry_conflicts():
 
 
 def test_default_spec_matches_the_kernel_module_and_its_ladder():
-    fd_mod = pytest.importorskip("stepgraph.kernels.flash_decode")
+    fd_mod = pytest.importorskip("stepgraph.kernels.split_kv")
     splits = pytest.importorskip("stepgraph.kernels.splits")
+    # the names the driver reports are the Triton functions' own names
+    assert fd_mod.MAIN_KERNEL_NAME == fd_mod._split_kv_kernel.fn.__name__
+    assert fd_mod.COMBINE_KERNEL_NAME == fd_mod._combine_kernel.fn.__name__
     assert FLASH_DECODE_SPEC.main == fd_mod.MAIN_KERNEL_NAME
     assert FLASH_DECODE_SPEC.combine == fd_mod.COMBINE_KERNEL_NAME
     assert FLASH_DECODE_SPEC.main_ptr_arg == fd_mod.MAIN_PARTIAL_O_ARG
@@ -400,7 +403,7 @@ def test_without_edges_distinct_pointers_still_pair_and_shared_ones_are_refused(
 
 
 def test_monotone_ladder_table_agrees_with_direct_evaluation():
-    from stepgraph.graph_update.registry import monotone_steps
+    from stepgraph.kernels.splits import monotone_steps
 
     rng = random.Random(19)
     for _ in range(20):
@@ -442,3 +445,20 @@ def test_switching_ladders_recomputes_even_inside_a_cached_interval():
         for fn, want in ((one, min(layers[0].bucket, t)), (big, 1)):
             fa_apply(plan, ex, t, split_keys=fn)
             assert all(exec_splits(fd, ex, lay) == (want, want) for lay in layers)
+
+
+def test_seed_two_argument_ladder_retunes_like_its_four_argument_form():
+    """The seed's ladder signature is ``split_keys(t_kv, n_kv)``; fa_apply takes it as is."""
+    rng = random.Random(19)
+    fd, g, layers = build(rng, 6)
+    two = lambda t, n_kv: max(64, t // (2 * n_kv))  # noqa: E731
+    plan = fa_plan(kernel_nodes(g, driver=fd), max_t_kv=1 << 16, num_sms=SMS)
+    ex = fd.cuda.instantiate(g)
+    ts = [1, 64, 65, 1000, *rng.sample(range(1, 1 << 16), 30), 1 << 16, 3]
+    for t in ts:
+        fa_apply(plan, ex, t, split_keys=two)
+        for lay in layers:
+            want = max(1, min(lay.bucket, math.ceil(t / two(t, lay.n_kv))))
+            assert exec_splits(fd, ex, lay) == (want, want), (t, lay)
+    with pytest.raises(TypeError):
+        fa_apply(plan, ex, 5, split_keys=lambda t: 64)  # neither signature

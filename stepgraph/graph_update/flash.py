@@ -13,28 +13,40 @@ need not be rebuilt.
 
 from __future__ import annotations
 
+import inspect
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, GraphUpdateError
+from ..kernels.splits import fa_split_keys, monotone_steps, splits_from_keys
 from .nodes import _GRID_FIELDS, KernelNode, read_i32_arg, read_ptr_arg
-from .registry import DEFAULT_REGISTRY, SplitKernelRegistry, SplitKernelSpec, monotone_steps
+from .registry import DEFAULT_REGISTRY, SplitKernelRegistry, SplitKernelSpec
 
 SplitKeys = Callable[[int, int, int, int], int]  # (t_kv, n_kv_heads, bs, num_sms) -> keys/split
+SeedSplitKeys = Callable[[int, int], int]  # the seed's signature: (t_kv, n_kv_heads) -> keys
 
-_default_split_keys: SplitKeys | None = None
+_default_split_keys: SplitKeys = fa_split_keys
 
 
-def _ladder() -> SplitKeys:
-    # Imported on first use: the kernels package is optional for a plan of user kernels.
-    global _default_split_keys
-    if _default_split_keys is None:
-        from ..kernels.splits import fa_split_keys
+def as_split_keys(ladder: SplitKeys | SeedSplitKeys | None) -> SplitKeys | None:
+    """``ladder`` with our four-argument signature. The seed's two-argument ladders
+    ``split_keys(t_kv, n_kv)`` are wrapped (they ignore ``bs`` and ``num_sms``); a ``monotone``
+    mark carries over."""
+    if ladder is None:
+        return None
+    try:
+        inspect.signature(ladder).bind(1, 1, 1, 1)
+        return ladder
+    except TypeError:
+        inspect.signature(ladder).bind(1, 1)  # neither signature: let the TypeError say so
 
-        _default_split_keys = fa_split_keys
-    return _default_split_keys
+    def four(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> int:
+        return ladder(t_kv, n_kv_heads)
+
+    four.monotone = getattr(ladder, "monotone", False)  # type: ignore[attr-defined]
+    return four
 
 
 @dataclass(eq=False)
@@ -87,6 +99,7 @@ class FaPlan:
     _exec_key: Any = field(default=None, repr=False)
     _exec_handle: Any = field(default=None, repr=False)
     _split_keys: Any = field(default=None, repr=False)  # the ladder the intervals were built for
+    _ladder: Any = field(default=None, repr=False)  # ... with our four-argument signature
     _has_ladder: bool = field(default=False, repr=False)
 
     def invalidate(self) -> None:
@@ -219,7 +232,7 @@ def fa_apply(
     plan: FaPlan,
     exec_: Any,
     t_kv: int,
-    split_keys: SplitKeys | None = None,
+    split_keys: SplitKeys | SeedSplitKeys | None = None,
     driver: Any = None,
 ) -> int:
     """Retune every main and combine of ``plan`` in ``exec_`` to the eager split count for
@@ -227,7 +240,8 @@ def fa_apply(
 
     Ladder: ``ceil(t_kv / split_keys(t_kv, n_kv_heads, bs, num_sms))``; self-limiting:
     ``ceil(t_kv / block_n)``; both clamped to ``[1, bucket_splits]``. ``split_keys`` defaults to
-    ``stepgraph.kernels.splits.fa_split_keys``, the ladder eager uses, so the two stay in step.
+    ``stepgraph.kernels.splits.fa_split_keys``, the ladder eager uses, so the two stay in step;
+    the seed's two-argument ladders ``split_keys(t_kv, n_kv_heads)`` work too.
     Per-token hot path: keep it lean.
     """
     if exec_ != plan._exec_key:  # first apply, or a new exec (re-instantiated): push all
@@ -241,16 +255,16 @@ def fa_apply(
             "captured for); capture a larger bucket, or run this step eagerly"
         )
     if split_keys is None and plan._has_ladder:
-        split_keys = _default_split_keys or _ladder()
+        split_keys = _default_split_keys
     if split_keys is not plan._split_keys:  # another ladder: the cached intervals do not hold
-        plan._split_keys = split_keys
+        plan._split_keys, plan._ladder = split_keys, as_split_keys(split_keys)
         for g in plan._groups:
             g.lo, g.hi, g.table = 1, 0, None
     pushed = 0
     for g in plan._groups:
         if g.lo <= t_kv <= g.hi:  # the applied count holds here: the per-token no-op
             continue
-        ns, lo, hi = _split_count(plan, g, t_kv, split_keys)
+        ns, lo, hi = _split_count(plan, g, t_kv, plan._ladder)
         if ns != g.applied:
             pushed += _push(plan, g, ns, driver if driver is not None else plan.driver)
         g.lo, g.hi = lo, hi
@@ -269,7 +283,7 @@ def _split_count(plan: FaPlan, g: _Group, t_kv: int, split_keys: Any) -> tuple[i
         keys = split_keys(t, g.n_kv_heads, g.bs, plan.num_sms)
         if keys < 1:
             raise GraphUpdateError(f"split_keys returned {keys} for t_kv = {t}; need >= 1")
-        return max(1, min(g.bucket, -(-t // keys)))
+        return splits_from_keys(t, keys, g.bucket)
 
     # A ladder whose count never decreases as t_kv grows (ours; or one marked ``monotone``) is
     # tabulated once, so the per-token check is an interval test instead of a ladder call.

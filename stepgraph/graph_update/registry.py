@@ -8,11 +8,12 @@ with their own split kernel describes it with a :class:`SplitKernelSpec` and cal
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError
+from ..kernels import split_kv
 
 Rule = Literal["ladder", "self_limiting"]
 
@@ -73,15 +74,14 @@ class SplitKernelSpec:
             raise ConfigError(f"{self.main}: a pointer and a split count share an argument index")
 
 
-# Our kernel: partial_o is argument 0 of both; the main's split count is grid z; the combine's
-# n_splits is argument 1 (int32, in do_not_specialize). tests/test_graph_update_flash.py checks
-# these against the constants of stepgraph.kernels.flash_decode once that module exists.
+# Our kernel (``stepgraph/kernels/split_kv.py``): partial_o pairs the two; the main's split
+# count is grid z; the combine's n_splits is an int32 argument in do_not_specialize.
 FLASH_DECODE_SPEC = SplitKernelSpec(
-    main="_split_kv_kernel",
-    combine="_combine_kernel",
-    main_ptr_arg=0,
-    combine_ptr_arg=0,
-    combine_splits_arg=1,
+    main=split_kv.MAIN_KERNEL_NAME,
+    combine=split_kv.COMBINE_KERNEL_NAME,
+    main_ptr_arg=split_kv.MAIN_PARTIAL_O_ARG,
+    combine_ptr_arg=split_kv.COMBINE_PARTIAL_O_ARG,
+    combine_splits_arg=split_kv.COMBINE_N_SPLITS_ARG,
     split_axis=2,
     rule="ladder",
 )
@@ -121,24 +121,6 @@ class SplitKernelRegistry:
 
 
 DEFAULT_REGISTRY = SplitKernelRegistry([FLASH_DECODE_SPEC])
-
-
-def monotone_steps(ns_of: Callable[[int], int], max_t: int) -> tuple[list[int], list[int]]:
-    """The steps of a non-decreasing step function on ``[1, max_t]``: ``(starts, values)``.
-
-    Found by bisection (about 17 evaluations per step for 128k), so a ladder of a handful of steps
-    costs well under a millisecond once, and every later look-up is a ``bisect``.
-    """
-    starts, values = [1], [ns_of(1)]
-    last = ns_of(max_t)
-    while values[-1] != last:
-        lo, hi = starts[-1], max_t  # ns_of(lo) == values[-1] != ns_of(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if ns_of(mid) == values[-1] else (lo, mid)
-        starts.append(hi)
-        values.append(ns_of(hi))
-    return starts, values
 
 
 def register_split_kernel(

@@ -33,6 +33,8 @@ Example, Llama-3.2-1B (8 KV heads) on an H200 (132 SMs), 4 per SM: bs=1 caps at 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 BLOCK_N = 64  # keys per tile of the main kernel; chunk sizes are rounded up to it
 MIN_SPLIT_KEYS = BLOCK_N  # the ladder never gives a split fewer keys than one tile
 PROGRAMS_PER_SM = 4  # occupancy target of the main kernel's grid (the sweep tries 2, 4, 8)
@@ -74,6 +76,12 @@ def fa_split_keys(
     return max(MIN_SPLIT_KEYS, -(-t_kv // ns))
 
 
+def splits_from_keys(t_kv: int, split_keys: int, max_splits: int) -> int:
+    """``ns = ceil(t_kv / split_keys)`` clamped to ``[1, max_splits]``: what a ladder's keys per
+    split mean as a split count (eager, graph capture and exact mode all go through here)."""
+    return max(1, min(max_splits, -(-t_kv // split_keys)))
+
+
 def num_splits_for(
     t_kv: int,
     n_kv_heads: int,
@@ -86,7 +94,26 @@ def num_splits_for(
     if max_splits < 1:
         raise ValueError(f"max_splits must be >= 1, got {max_splits}")
     split_keys = fa_split_keys(t_kv, n_kv_heads, bs, num_sms, programs_per_sm)
-    return max(1, min(max_splits, -(-t_kv // split_keys)))
+    return splits_from_keys(t_kv, split_keys, max_splits)
+
+
+def monotone_steps(ns_of: Callable[[int], int], t_max: int) -> tuple[list[int], list[int]]:
+    """The steps of a non-decreasing step function on ``[1, t_max]``: ``(starts, values)``, where
+    ``values[i]`` holds from ``starts[i]`` up to the next start.
+
+    Found by bisection (about 17 evaluations per step for 128k), so a ladder of a handful of
+    steps costs well under a millisecond once, and every later look-up is a ``bisect``.
+    """
+    starts, values = [1], [ns_of(1)]
+    last = ns_of(t_max)
+    while values[-1] != last and starts[-1] < t_max:
+        lo, hi = starts[-1], t_max  # ns_of(lo) == values[-1] != ns_of(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ns_of(mid) == values[-1] else (lo, mid)
+        starts.append(hi)
+        values.append(ns_of(hi))
+    return starts, values
 
 
 def ladder_steps(
@@ -100,19 +127,11 @@ def ladder_steps(
     """``[(t_kv, ns), ...]``: ``(1, ns(1))`` and then every ``t_kv <= t_max`` where ``ns`` changes.
 
     ``len(result) - 1`` is the number of steps (node edits in exact mode) from 1 to ``t_max``.
-    Each step is found by bisection, which relies on ``ns`` being non-decreasing in ``t_kv``
-    (tests/test_splits.py checks that on a dense sweep).
+    Relies on ``ns`` being non-decreasing in ``t_kv`` (tests/test_splits.py checks that on a
+    dense sweep).
     """
-    ns_of = lambda t: num_splits_for(t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm)
-    steps = [(1, ns_of(1))]
-    last = ns_of(t_max)
-    while steps[-1][1] != last and steps[-1][0] < t_max:
-        lo, hi = steps[-1][0], t_max  # ns_of(lo) is the current count, ns_of(hi) is larger
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if ns_of(mid) == steps[-1][1] else (lo, mid)
-        steps.append((hi, ns_of(hi)))
-    return steps
+    ns_of = lambda t: num_splits_for(t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm)  # noqa: E731
+    return list(zip(*monotone_steps(ns_of, t_max)))
 
 
 __all__ = [
@@ -124,5 +143,7 @@ __all__ = [
     "fa_split_keys",
     "ladder_cap",
     "ladder_steps",
+    "monotone_steps",
     "num_splits_for",
+    "splits_from_keys",
 ]
