@@ -130,9 +130,9 @@ def time_graph_ms(graph) -> tuple[float, list[float]]:
 SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps) per kernel at bs=1 (pairs for the paired kernels)
     "qkv_rope": [None, (1, 2048, 4), (4, 1024, 4), (8, 512, 4), (2, 2048, 8)],
     "o_proj+res": [None, (2, 2048, 4), (8, 1024, 4), (4, 1024, 4), (4, 2048, 8)],
-    "gate_up_silu": [None, (8, 512, 4), (4, 1024, 4), (16, 256, 8), (8, 256, 4)],
+    "gate_up_silu": [None, (8, 512, 4), (4, 1024, 4), (2, 2048, 4), (16, 256, 8), (8, 256, 4)],
     "down+res": [None, (2, 2048, 4), (8, 1024, 4), (2, 4096, 4), (4, 2048, 8)],
-    "lm_head+argmax": [None, (16, 512, 4), (8, 1024, 4), (32, 256, 8), (64, 128, 4)],
+    "lm_head+argmax": [None, (16, 512, 4), (8, 1024, 4), (4, 2048, 4), (32, 256, 8)],
 }
 
 

@@ -45,23 +45,26 @@ def row_inv_rms(
 ):  # fmt: skip
     # -> rsqrt(mean(x[m, :K]^2) + eps) in float32: a scalar when BLOCK_M == 1, else [BLOCK_M]
     # (padded rows get rsqrt(eps))
+    # (one return statement: the compiler checks every return, constexpr branches included)
     offs_k = tl.arange(0, NORM_BLOCK)
     if BLOCK_M == 1:
         ss1 = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, NORM_BLOCK):
             x = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
             ss1 += x * x
-        return tl.rsqrt(tl.sum(ss1, axis=0) / K + eps)
-    offs_m = tl.arange(0, BLOCK_M)
-    ss = tl.zeros((BLOCK_M, NORM_BLOCK), dtype=tl.float32)
-    for k0 in range(0, K, NORM_BLOCK):
-        mask = (offs_m < M)[:, None] & ((k0 + offs_k) < K)[None, :]
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=mask, other=0.0
-        )
-        xf = x.to(tl.float32)
-        ss += xf * xf
-    return tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+        inv_rms = tl.rsqrt(tl.sum(ss1, axis=0) / K + eps)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        ss = tl.zeros((BLOCK_M, NORM_BLOCK), dtype=tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            mask = (offs_m < M)[:, None] & ((k0 + offs_k) < K)[None, :]
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=mask, other=0.0
+            )
+            xf = x.to(tl.float32)
+            ss += xf * xf
+        inv_rms = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    return inv_rms
 
 
 @triton.jit
@@ -97,8 +100,10 @@ def _mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
     # BLOCK_M == 1: acc [BLOCK_N, BLOCK_K] += w * x[None, :] (one reduction after the loop);
     # else acc [BLOCK_M, BLOCK_N] += sum_k x[m, k] * w[n, k]
     if BLOCK_M == 1:
-        return acc + w.to(tl.float32) * x[None, :]
-    return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = acc + w.to(tl.float32) * x[None, :]
+    else:
+        acc = acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
 
 
 @triton.jit
