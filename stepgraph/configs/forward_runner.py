@@ -32,6 +32,7 @@ from ..errors import CaptureError, ConfigError, ReplayError
 from ..runner.base import GraphRunnerBase
 from ..runner.capture import capture_loop, capture_step, logger, storage_ptrs
 from ..runner.stats import BucketStats, CaptureStats
+from ..runner.stats_table import as_dict, by_reason, capture_rows, table
 from .fit import check_inputs, smallest_fit
 from .forward import CudaGraphConfig
 from .padding import CU_SEQLENS, SPARE_SLOTS, NodeInputs
@@ -52,6 +53,15 @@ class ConfigRunnerStats:
     replays: int = 0
     eager_calls: int = 0  # eager forward calls (a chunk counts once)
     eager_reasons: Counter = field(default_factory=Counter)  # reason -> batches run eagerly
+
+    def as_dict(self) -> dict:
+        """Every field and capture total, JSON-ready (``repr`` shows the same data)."""
+        return as_dict(self)
+
+    def __str__(self) -> str:
+        eager = f"{self.eager_calls} calls; batches by reason: {by_reason(self.eager_reasons)}"
+        rows = [*capture_rows(self.capture), ("replays", str(self.replays)), ("eager", eager)]
+        return table("ConfigGraphRunner stats", rows)
 
 
 class ConfigGraphRunner(GraphRunnerBase):
