@@ -86,6 +86,15 @@ class GraphBackend(ABC):
         mark is what the pool took (0 on the CPU)."""
         return 0
 
+    def held_bytes(self) -> int:
+        """Bytes the allocator holds now, without emptying its cache (0 on the CPU)."""
+        return 0
+
+    def pool_held_bytes(self) -> int | None:
+        """Bytes of the segments the allocator keeps for this backend's pool, by its own count
+        (``None`` where there is no such count: the CPU, or no pool yet)."""
+        return None
+
     @abstractmethod
     def capture(self, fn: Callable[[], Output], *, key: object) -> CapturedGraph:
         """Capture one call of ``fn``. On failure nothing half-captured is kept."""
@@ -141,6 +150,20 @@ class CudaGraphBackend(GraphBackend):
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self.device)
+
+    def held_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def pool_held_bytes(self) -> int | None:
+        handle = self.pool.handle
+        if handle is None:
+            return None
+        return sum(
+            seg["total_size"]
+            for seg in torch.cuda.memory_snapshot()
+            if seg.get("device") == self.device.index
+            and tuple(seg.get("segment_pool_id", ())) == tuple(handle)
+        )
 
     def capture(self, fn: Callable[[], Output], *, key: object) -> CudaCapturedGraph:
         # keep_graph=True keeps the template graph (and its kernel nodes) alive after capture,

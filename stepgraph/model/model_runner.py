@@ -203,21 +203,30 @@ class ModelRunner:
             packed, torch.tensor(seq_lens, dtype=torch.int32), copy=contiguous_fields
         )
         batch.max_seq_len = max(seq_lens, default=0)
+        batch.packed_cpu = host  # the runner checks values here, before its copy
         return batch
 
     # -- steps -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [bs, vocab] float32 logits
+    def forward(
+        self, batch: ForwardBatch, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [bs, vocab] float32 logits
         """One decode step: each request's token at its position, K/V written at
         ``out_cache_loc``. Called eagerly, it prepares the attention metadata itself; on the
-        graph runner's static batch it uses what the capture/replay hook prepared."""
+        graph runner's static batch it uses what the capture/replay hook prepared.
+
+        ``out`` ``[bs, vocab]`` float32: write the logits there (the graph runner passes rows of
+        its shared output, so no float32 ``[bs, vocab]`` temporary lands in the graph pool)."""
         if batch.mode is not ForwardMode.DECODE:
             raise ConfigError("ModelRunner.forward runs decode batches; use prefill() for prompts.")
         if not self.attn_backend.is_prepared_for(batch):
             self.attn_backend.init_forward_metadata(batch)
         h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [bs, hidden]
-        return self.model.logits(h)
+        if out is None:
+            return self.model.logits(h)
+        # lm_head: float32 from the GEMV, the model dtype from cuBLAS; the copy casts.
+        return out.copy_(self.model.lm_head(h))
 
     @torch.no_grad()
     def prefill(

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from ..backends import CapturedGraph, GraphBackend, GraphPool
 from ..errors import CaptureError
-from .stats import BucketStats, CaptureStats, Stopwatch, reserved_bytes
+from .stats import BucketStats, CaptureStats, Stopwatch
 
 logger = logging.getLogger("stepgraph")
 
@@ -118,9 +118,11 @@ def capture_loop(
     *,
     show_progress: bool,
     freeze: bool = True,
+    backend: GraphBackend | None = None,
 ) -> CaptureStats:
     """Capture every item in order inside one frozen-GC capture-mode block, with a progress bar
-    and a one-line summary (graphs, seconds, pool MiB) at the end."""
+    and a one-line summary (graphs, seconds, pool MiB) at the end. ``backend``: whose pool the
+    allocator is asked about afterwards (``CaptureStats.pool_held_bytes``)."""
     stats = CaptureStats()
     bar = tqdm(
         list(items), desc="stepgraph capture", unit="graph", disable=not show_progress, leave=False
@@ -129,6 +131,8 @@ def capture_loop(
         for item in bar:
             stats.buckets.append(capture_one(item))
             bar.set_postfix(pool_mib=f"{stats.pool_bytes / 2**20:.1f}")
+    if backend is not None:
+        stats.pool_held_bytes = backend.pool_held_bytes()
     logger.info("stepgraph: %s", stats.summary())
     if show_progress:
         tqdm.write(f"stepgraph: {stats.summary()}")
@@ -148,8 +152,9 @@ def capture_step(
     ``what`` and chaining the cause; the caller releases what it captured before."""
     with Stopwatch(backend.device) as sw:
         try:
+            start = backend.pool_mark()
             backend.warmup(step, warmup_iters)
-            before = backend.pool_mark()
+            before = backend.pool_mark()  # what the warm-up left live is outside the pool
             graph = backend.capture(step, key=key)
         except CaptureError:
             raise
@@ -158,7 +163,7 @@ def capture_step(
                 f"capturing {what} failed: {e}. {SYNC_HINT}; move that work out of the captured "
                 "call, or run it eagerly."
             ) from e
-    return graph, BucketStats(bs, sw.seconds, before, reserved_bytes(backend.device))
+    return graph, BucketStats(bs, sw.seconds, before, backend.held_bytes(), before - start)
 
 
 def storage_ptrs(tensors: Iterable[Any]) -> set[int]:

@@ -22,12 +22,13 @@ import torch
 from ..backends import CapturedGraph, GraphPool, canonical_device
 from ..batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
 from ..buckets import pad_to_bucket
-from ..errors import CaptureError, ReplayError
+from ..errors import ReplayError
 from ..graph_update.exec_updater import ExecUpdater, default_exec_updater
 from .base import GraphRunnerBase
 from .capture import capture_loop, capture_step, logger
 from .config import RunnerConfig
 from .input_buffers import GraphInputBuffers
+from .shared_output import SharedOutput, takes_out
 from .stats import BucketStats, CaptureStats, RunnerStats
 
 _DEVICE_FIELDS = tuple((n, d) for n, d in BATCH_DTYPES.items() if n != "seq_lens_cpu")
@@ -72,7 +73,8 @@ class CudaGraphRunner(GraphRunnerBase):
         if config.mode == "exact" and exec_updater is None:
             self._updater = default_exec_updater(model_runner)
         self._plans: dict[int, object] = {}
-        self._shared_output: torch.Tensor | None = None  # [max_bs, ...]: every bucket's output
+        self._shared = SharedOutput(self.max_bs)  # [max_bs, ...]: every bucket's output
+        self._forward_takes_out = takes_out(model_runner.forward)  # logits straight into it
         self._max_context: int | None = getattr(model_runner, "max_context_len", None)
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
         if capture:
@@ -92,6 +94,7 @@ class CudaGraphRunner(GraphRunnerBase):
                 reversed(self.capture_bs),
                 self._capture_one,
                 show_progress=self.config.show_progress,
+                backend=self._backend,
                 freeze=self.config.freeze_gc,
             )
         except BaseException:
@@ -105,10 +108,15 @@ class CudaGraphRunner(GraphRunnerBase):
         forward = self._forward_for(bs)
         self.model_runner.attn_backend.init_forward_metadata_capture_cuda_graph(bs, static)
         unpack = self.config.packed_inputs
+        direct = self._forward_takes_out and bs not in self.compile_bs
 
         def step() -> torch.Tensor:  # reads only static buffers
             if unpack:
                 self.buffers.unpack(bs)
+            dst = self._shared.rows(bs) if direct else None
+            if dst is not None:
+                forward(static, out=dst)  # no [bs, vocab] temporary in the pool
+                return dst
             return self._into_shared_output(forward(static), bs)
 
         graph, stats = capture_step(
@@ -126,25 +134,9 @@ class CudaGraphRunner(GraphRunnerBase):
         return stats
 
     def _into_shared_output(self, out: torch.Tensor, bs: int) -> torch.Tensor:
-        """Copy ``out`` into rows ``[:bs]`` of one output buffer shared by every bucket.
-
-        Each graph's own output would otherwise stay allocated in the pool for the runner's life:
-        36 buckets of float32 logits over a 128k vocabulary hold 4.2 GiB. The buffer is
-        allocated by the first (largest) bucket's eager warm-up, outside the pool; inside each
-        graph, ``out`` is a temporary whose blocks the next capture reuses."""
-        shared = self._shared_output
-        if shared is None:
-            shared = self._shared_output = out.new_empty((self.max_bs, *out.shape[1:]))
-        elif shared.shape[1:] != out.shape[1:] or shared.dtype != out.dtype:
-            raise CaptureError(
-                f"the forward for batch size {bs} returned {tuple(out.shape)} {out.dtype}, but "
-                f"other buckets returned [bs, {', '.join(map(str, shared.shape[1:]))}] "
-                f"{shared.dtype}; forward must return [bs, ...] with the same trailing shape "
-                "and dtype for every batch size."
-            )
-        dst = shared[:bs]
-        dst.copy_(out)
-        return dst
+        """Copy ``out`` into rows ``[:bs]`` of one output buffer shared by every bucket
+        (``shared_output.py`` says why)."""
+        return self._shared.copy_in(out, bs)
 
     def _forward_for(self, bs: int) -> Callable[[ForwardBatch], torch.Tensor]:
         if bs not in self.compile_bs:
@@ -280,5 +272,5 @@ class CudaGraphRunner(GraphRunnerBase):
 
     def _forget_graphs(self) -> None:
         self.output_buffers.clear()
-        self._shared_output = None
+        self._shared.release()
         self._plans.clear()

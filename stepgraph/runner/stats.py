@@ -18,12 +18,17 @@ def reserved_bytes(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class BucketStats:
-    """What capturing one bucket cost."""
+    """What capturing one bucket cost: one row of the capture ledger.
+
+    ``pool_bytes``: what the graph pool grew by during the capture (the graph's own blocks that
+    no earlier, larger bucket left free). ``outside_bytes``: what the eager warm-up left
+    allocated outside the pool (shared outputs and workspaces sized by the first bucket)."""
 
     bs: int
     seconds: float
     pool_bytes_before: int
     pool_bytes_after: int
+    outside_bytes: int = 0
 
     @property
     def pool_bytes(self) -> int:
@@ -33,6 +38,9 @@ class BucketStats:
 @dataclass
 class CaptureStats:
     buckets: list[BucketStats] = field(default_factory=list)
+    # The allocator's own count of the pool's segments after capture (None: not measured, e.g.
+    # on the CPU); the ledger's pool column sums to it when the pool was empty before.
+    pool_held_bytes: int | None = None
 
     @property
     def seconds(self) -> float:
@@ -42,11 +50,40 @@ class CaptureStats:
     def pool_bytes(self) -> int:
         return sum(b.pool_bytes for b in self.buckets)
 
+    @property
+    def outside_bytes(self) -> int:
+        return sum(b.outside_bytes for b in self.buckets)
+
     def summary(self) -> str:
         return (
             f"captured {len(self.buckets)} buckets in {self.seconds:.2f} s, "
             f"pool {self.pool_bytes / 2**20:.1f} MiB"
         )
+
+    def ledger(self) -> list[dict[str, float]]:
+        """One row per bucket, in capture order: seconds, pool MiB and outside-pool MiB."""
+        return [
+            {
+                "bs": b.bs,
+                "seconds": round(b.seconds, 4),
+                "pool_mib": round(b.pool_bytes / 2**20, 2),
+                "outside_mib": round(b.outside_bytes / 2**20, 2),
+            }
+            for b in self.buckets
+        ]
+
+    def ledger_table(self) -> str:
+        """The ledger as text: one line per bucket, then the totals."""
+        lines = [f"{'bs':>6} {'seconds':>8} {'pool MiB':>9} {'outside MiB':>11}"]
+        for r in self.ledger():
+            lines.append(
+                f"{r['bs']:>6} {r['seconds']:>8.3f} {r['pool_mib']:>9.1f} {r['outside_mib']:>11.1f}"
+            )
+        lines.append(
+            f"{'total':>6} {self.seconds:>8.3f} {self.pool_bytes / 2**20:>9.1f} "
+            f"{self.outside_bytes / 2**20:>11.1f}"
+        )
+        return "\n".join(lines)
 
 
 @dataclass

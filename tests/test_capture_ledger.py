@@ -1,0 +1,78 @@
+"""The capture ledger (seconds and MiB per bucket) and the shared output rows, on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from stepgraph.backends import CpuGraphBackend
+from stepgraph.model.model_runner import ModelRunner
+from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.runner.shared_output import takes_out
+from stepgraph.toy_model import ToyModelRunner
+
+
+class FakeAllocatorBackend(CpuGraphBackend):
+    """The CPU stand-in with a scripted allocator: each capture grows the pool by its bucket's
+    bytes, the first warm-up leaves ``outside`` bytes live outside it."""
+
+    def __init__(self, device, pool, per_row: int, outside: int) -> None:
+        super().__init__(device, pool)
+        self.reserved = 1000  # bytes held before capture, by someone else
+        self.pool_total = 0
+        self.per_row, self.outside = per_row, outside
+        self._warm = False
+
+    def warmup(self, fn, iters):
+        super().warmup(fn, iters)
+        if not self._warm:
+            self._warm, self.reserved = True, self.reserved + self.outside
+
+    def pool_mark(self) -> int:
+        return self.reserved
+
+    def held_bytes(self) -> int:
+        return self.reserved
+
+    def pool_held_bytes(self) -> int:
+        return self.pool_total
+
+    def capture(self, fn, *, key):
+        graph = super().capture(fn, key=key)
+        grow = self.per_row * key if not self.capture_order[:-1] else self.per_row  # largest first
+        self.reserved += grow
+        self.pool_total += grow
+        return graph
+
+
+def test_ledger_sums_to_the_pool_total():
+    mr = ToyModelRunner(num_pages=160, seed=3)
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=16, show_progress=False), capture=False)
+    fake = FakeAllocatorBackend(runner.device, runner.pool, per_row=2**20, outside=5 * 2**20)
+    runner._backend = fake
+    stats = runner.capture()
+    rows = stats.ledger()
+    assert [r["bs"] for r in rows] == [16, 8, 4, 2, 1]
+    assert sum(b.pool_bytes for b in stats.buckets) == stats.pool_bytes == fake.pool_total
+    assert stats.pool_held_bytes == stats.pool_bytes
+    assert rows[0]["pool_mib"] == 16 and all(r["pool_mib"] == 1 for r in rows[1:])
+    assert stats.outside_bytes == 5 * 2**20 and rows[0]["outside_mib"] == 5
+    assert all(r["seconds"] >= 0 for r in rows)
+    table = stats.ledger_table()
+    assert table.splitlines()[-1].split()[0] == "total" and len(table.splitlines()) == 7
+
+
+def test_model_runner_writes_logits_into_one_shared_buffer():
+    mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, seed=5, max_bs=8, max_context_len=64)
+    assert takes_out(mr.forward) and not takes_out(ToyModelRunner(num_pages=8).forward)
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    base = runner.output_buffers[8]
+    for bs, out in runner.output_buffers.items():
+        assert out.shape == (bs, mr.config.vocab_size) and out.dtype == torch.float32
+        assert out.data_ptr() == base.data_ptr()  # views of one buffer
+        assert out._base is base._base and base._base is not None
+    pages = [mr.kv_cache.reserve(8) for _ in range(3)]
+    batch = mr.decode_batch([5, 6, 7], [3, 4, 5], pages)
+    want = mr.forward(batch).clone()  # eager: a fresh tensor
+    got = runner.replay(batch)
+    assert got.data_ptr() == base.data_ptr()
+    torch.testing.assert_close(got, want)
