@@ -147,9 +147,20 @@ def gemv_loop(
 
 def proj_blocks(m: int, n_rows: int, k: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for ``n_rows`` weight rows per launch (the paired
-    kernels count both sets): as ``gemv.gemv_blocks``, at least ~4 programs per SM of an H200 on
-    the 2k-wide projections and 8k elements of ``BLOCK_M * BLOCK_N * BLOCK_K`` per iteration."""
-    block_m = max(1, triton.next_power_of_2(m))
+    kernels count both sets; they take ``BLOCK_N // 2`` pairs).
+
+    One row: 8k weight elements a program (16 KB of bf16), shorter K chunks as the output
+    grows, so that the 2k-wide projections keep long row segments and the wide ones more
+    programs in flight. Measured on the H200 at Llama-3.2-1B shapes (benchmarks/fused_step.py,
+    2026-11-30, PDL on, µs per call): qkv 3072 rows 5.1 at (8, 1024) vs 5.7 at (4, 2048);
+    gate-up 16384 rows 17.3 at (16, 512) vs 21.1 at (32, 256) and 18.8 at (4, 2048); LM head
+    123 at (16, 512) vs 127 at (32, 256); o_proj and down best at (4, 2048). Several rows: as
+    ``gemv.gemv_blocks`` (slow: the model uses the fused kernels for one row only)."""
+    if m == 1:
+        block_k = 2048 if n_rows <= 2048 else 1024 if n_rows <= 4096 else 512
+        block_k = max(32, min(block_k, triton.next_power_of_2(k)))
+        return max(1, min(8192 // block_k, triton.next_power_of_2(n_rows))), block_k, 4
+    block_m = triton.next_power_of_2(m)
     max_n = max(1, 8192 // (block_m * 256))  # keep >= 256 K per row: 512-byte row segments
     block_n = min(4, max_n)
     while block_n < max_n and triton.cdiv(n_rows, block_n * 2) >= 512:
