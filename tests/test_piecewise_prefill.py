@@ -10,7 +10,7 @@ import torch
 
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
-from stepgraph.model import piecewise_prefill as pp_mod
+from stepgraph.model import prefill_attention as pa_mod
 from stepgraph.model.engine import Engine
 from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillGraphConfig
 from stepgraph.runner import RunnerConfig
@@ -93,7 +93,7 @@ def test_random_mixed_batches(pair):
 
 
 def test_per_prompt_attention_path(pair, monkeypatch):
-    monkeypatch.setattr(pp_mod, "MASKED_ATTENTION_MAX_TOKENS", 0)
+    monkeypatch.setattr(pa_mod, "MASKED_ATTENTION_MAX_TOKENS", 0)
     _check(pair, [13, 7, 2], seed=7)
 
 

@@ -20,16 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..batch import ForwardBatch
 from ..errors import CaptureError, ConfigError
 from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_decode
-from ..kernels.kv_write import write_kv
 from ..kernels.reference import paged_decode_reference
 from ..kernels.rope_kv import rope_kv, rope_kv_reference
 from ..kernels.splits import num_splits_for
 from .kv_cache import KVCache
+from .prefill_attention import prefill_attention
 
 SEQ_LEN_FILL_VALUE = 1  # a padded graph row attends to one slot of scratch page 0
 
@@ -222,16 +221,7 @@ class PagedAttentionBackend:
         """Attention of ``q`` once this step's K/V are in the pages (``k``, ``v``: the prompt's
         own keys and values, read by prefill only)."""
         if isinstance(m, PrefillMetadata):
-            # [1, heads, T, head_dim] for SDPA; query head h reads KV head h // group
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                is_causal=True,
-                scale=self.sm_scale,
-                enable_gqa=True,
-            )
-            return out[0].transpose(0, 1)
+            return prefill_attention(q, k, v, [q.shape[0]], self.sm_scale)
         if self.use_kernel:
             return flash_decode(
                 q, k_cache, v_cache, m.block_table, m.seq_lens,
@@ -241,22 +231,6 @@ class PagedAttentionBackend:
         return paged_decode_reference(
             q, k_cache, v_cache, m.block_table, m.seq_lens, sm_scale=self.sm_scale
         )
-
-    def attention(
-        self,
-        layer_id: int,
-        q: torch.Tensor,  # [T, n_heads, head_dim]   (T = bs for decode, prompt length for prefill)
-        k: torch.Tensor,  # [T, n_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, n_kv_heads, head_dim]
-    ) -> torch.Tensor:  # [T, n_heads, head_dim]
-        """Write this step's (already rotated) K/V into the pages of layer ``layer_id`` and
-        attend: the unfused entry point."""
-        m = self._meta()
-        k_cache = self.kv_cache.k_caches[layer_id]
-        v_cache = self.kv_cache.v_caches[layer_id]
-        slots = m.slots if isinstance(m, PrefillMetadata) else m.out_cache_loc
-        write_kv(k_cache, v_cache, k, v, slots)
-        return self._attend(m, q, k, v, k_cache, v_cache)
 
 
 __all__ = ["DecodeMetadata", "PagedAttentionBackend", "PrefillMetadata", "SEQ_LEN_FILL_VALUE"]

@@ -28,7 +28,6 @@ from ..errors import ConfigError
 from ..kernels.fused_act import silu_mul, silu_mul_reference
 from ..kernels.fused_norm import add_rmsnorm, add_rmsnorm_reference
 from ..kernels.gemv import MAX_M, gemv
-from ..kernels.rope_kv import apply_rope
 from .config import ModelConfig, rope_inv_freq
 
 
@@ -76,6 +75,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """The projections of one attention layer; ``DecoderLayer`` wires them around the backend's
+    ``rope_attention``."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -90,18 +92,6 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T] int64
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin tables [max_positions, head_dim]
-        backend: AttentionFn,
-    ) -> torch.Tensor:  # [T, hidden]
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        o = backend.rope_attention(self.layer_id, qkv, positions, *rope)  # [T, n_heads, hd]
-        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -119,6 +109,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP. The residual stream travels beside the hidden state, so each
+    residual add is fused into the next norm. The two halves around attention are methods of
+    their own, which the piecewise prefill captures while attention stays eager."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -126,18 +120,34 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(
+    def before_attention(
         self,
         x: torch.Tensor,  # [T, hidden], the previous layer's MLP output (or the embeddings)
         residual: torch.Tensor | None,  # [T, hidden], the stream before x (None at layer 0)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (qkv [T, q_size + 2 * kv_size], residual)
+        h, residual = self.input_layernorm(x, residual)
+        return self.self_attn.qkv_proj(h), residual
+
+    def after_attention(
+        self,
+        o: torch.Tensor,  # [T, q_size], attention output (heads flattened)
+        residual: torch.Tensor,  # [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [T, hidden] each
+        h = self.self_attn.o_proj(o)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None,  # [T, hidden] (None at layer 0)
         positions: torch.Tensor,  # [T] int64
         rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [T, hidden] each
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        qkv, residual = self.before_attention(x, residual)
+        o = backend.rope_attention(self.self_attn.layer_id, qkv, positions, *rope)  # [T, H, hd]
+        return self.after_attention(o.reshape(x.shape[0], -1), residual)
 
 
 class LlamaModel(nn.Module):
@@ -266,7 +276,6 @@ __all__ = [
     "Linear",
     "LlamaModel",
     "RMSNorm",
-    "apply_rope",
     "build_model",
     "init_random",
 ]

@@ -6,33 +6,26 @@
 
 The prompts are packed end to end into ``T`` tokens. The decoder is cut at attention into
 ``num_layers + 1`` regions, each a ``PiecewisePackedConfig`` captured by its own
-``PiecewiseRunner`` per ``(bs, token bucket)`` shape:
+``PiecewiseRunner`` per ``(bs, token bucket)`` shape; every region is built from the decoder
+layer's own halves (``DecoderLayer.before_attention`` / ``after_attention``), so the fused
+kernels behind them run as in the eager forward:
 
-    region 0      embed -> layer 0 pre-attention                    -> residual, q, k, v
-    region i      layer i-1 post-attention -> layer i pre-attention -> residual, q, k, v
-    region L      layer L-1 post-attention -> final norm -> last token of each prompt -> logits
+    region 0      embed -> layer 0 before attention                    -> residual, q, k, v
+    region i      layer i-1 after attention -> layer i before attention -> residual, q, k, v
+    region L      layer L-1 after attention -> final norm -> last token of each prompt -> logits
 
-    pre-attention   input norm -> qkv_proj -> RoPE                  (q, k roped; [T, heads, hd])
-    post-attention  o_proj -> + residual -> norm -> MLP -> + residual
+RoPE of q and k happens in the region (``kernels.rope_kv.apply_rope``): the layers' own RoPE
+sits inside the backend's attention call, which this cuts out.
 
-Between regions attention runs eagerly on the real tokens only: it writes their K/V into the
-prompts' pages and attends causally within each prompt (one block-diagonal masked SDPA for short
-batches, one causal SDPA per prompt above ``MASKED_ATTENTION_MAX_TOKENS``). Padded tokens (token
-0 at position 0, zeroed hidden rows) go through the per-token regions only: they never join a
-real prompt's attention and never reach the KV cache, so they cannot change a real output.
+Between regions attention runs eagerly on the real tokens only (``prefill_attention``, shared
+with the eager prefill): it writes their K/V into the prompts' pages and attends causally within
+each prompt. Padded tokens go through the per-token regions only: they never join a real
+prompt's attention and never reach the KV cache, so they cannot change a real output.
 
 The last region's shape-dependent input, the index of each prompt's last token, is a declared
-step (``last_idx [bs] int64``), one persistent tensor per shape rewritten in place.
-
-A batch no shape holds (too many prompts or tokens, or exactly ``max(batch_sizes)`` prompts that
-leave tokens over: padding tokens need a padded request) runs eagerly through
-``ModelRunner.prefill``, counted in ``stats.eager_batches``.
-
-The regions call the decoder's submodules (``embed_tokens``, ``input_layernorm``,
-``self_attn.qkv_proj``, ``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp``, ``norm``,
-``logits``) one by one, so fused kernels behind them are used as they are; a norm may return a
-tensor or ``(normed, residual)``. RoPE (``_rope``, rotate-half as Hugging Face) is done here:
-the layers' own RoPE sits inside their attention call, which this cuts out.
+step (``last_idx [bs + 1] int64``, the spare slot included), one persistent tensor per shape
+rewritten in place. A batch no shape holds (more prompts or tokens than the largest shape) runs
+eagerly through ``ModelRunner.prefill``, counted in ``stats.eager_batches``.
 """
 
 from __future__ import annotations
@@ -41,7 +34,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..backends import GraphPool, canonical_device
 from ..buckets import validate_buckets
@@ -51,10 +43,10 @@ from ..kernels.kv_write import write_kv
 from ..kernels.rope_kv import apply_rope
 from ..runner.stats import CaptureStats
 from .model_runner import ModelRunner
+from .prefill_attention import block_causal_mask, prefill_attention
 
 DEFAULT_TOKEN_BUCKETS = (16, 64, 256, 2048)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
-MASKED_ATTENTION_MAX_TOKENS = 256  # above: one causal SDPA per prompt instead of one masked
 
 
 @dataclass(frozen=True)
@@ -160,23 +152,25 @@ class PiecewisePrefill:
         return {"last_idx": buf}
 
     def _region(self, region: int, call: PiecewiseCallInputs) -> dict[str, torch.Tensor]:
+        """Region ``r``: layer ``r - 1`` after its attention, then layer ``r`` up to its
+        attention (``DecoderLayer.after_attention`` / ``before_attention``), as the eager
+        forward runs them; the first region starts at the embeddings, the last ends in logits."""
         s, layers = call.static_inputs, self.model.layers
         if region == 0:
-            x = self.model.embed_tokens(s["input_ids"])  # [T, hidden]
-        else:  # post-attention of layer region - 1
-            layer = layers[region - 1]
-            x = s["residual"] + layer.self_attn.o_proj(s["attn"])
-            x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))  # [T, hidden]
+            x, residual = self.model.embed_tokens(s["input_ids"]), None  # [T, hidden]
+        else:
+            x, residual = layers[region - 1].after_attention(s["attn"], s["residual"])
         if region == self.num_layers:
-            h = _norm(self.model.norm, x[call.resources["last_idx"]])  # [bs, hidden]
-            return {"logits": self.model.logits(h).float()}  # [bs, vocab] float32
-        layer, t = layers[region], x.shape[0]
-        qkv = layer.self_attn.qkv_proj(_norm(layer.input_layernorm, x))
+            last = call.resources["last_idx"]  # [bs + 1] int64
+            h = self.model.norm(x[last], residual[last])[0]  # [bs + 1, hidden]
+            return {"logits": self.model.logits(h)}  # [bs + 1, vocab] float32
+        qkv, residual = layers[region].before_attention(x, residual)
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         pos = s["positions"]
         cos, sin = self.model.rope_cos[pos], self.model.rope_sin[pos]  # [T, head_dim]
         return {
-            "residual": x,  # [T, hidden]
+            "residual": residual,  # [T, hidden]
             "q": apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin),  # [T, H, hd]
             "k": apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin),  # [T, Hkv, hd]
             "v": v.reshape(t, self.n_kv, self.head_dim),  # [T, Hkv, hd]
@@ -214,7 +208,7 @@ class PiecewisePrefill:
         # one host->device copy of [4, n] int64: token ids, positions, slots, prompt index
         host = torch.tensor([ids, positions, slots, seg], dtype=torch.int64)
         ids_d, pos_d, slots_d, seg_d = host.to(self.device)
-        mask = self._mask(lens, pos_d, seg_d)
+        mask = block_causal_mask(lens, pos_d, seg_d)
         out = self.runners[0].replay({"input_ids": ids_d, "positions": pos_d}, lens)
         for layer_id in range(self.num_layers):
             attn = self._attention(layer_id, out, lens, slots_d, mask)  # [n, q_size]
@@ -224,14 +218,6 @@ class PiecewisePrefill:
             out = self.runners[layer_id + 1].replay(live, lens)
         self.stats.graph_batches += 1
         return out["logits"]
-
-    def _mask(
-        self, lens: list[int], pos: torch.Tensor, seg: torch.Tensor
-    ) -> torch.Tensor | None:  # pos, seg: [n] int64 -> [n, n] bool
-        """Block-diagonal causal mask (``None``: attend per prompt instead)."""
-        if len(lens) == 1 or sum(lens) > MASKED_ATTENTION_MAX_TOKENS:
-            return None
-        return (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
 
     def _attention(
         self,
@@ -244,47 +230,17 @@ class PiecewisePrefill:
         q, k, v = out["q"], out["k"], out["v"]
         kv = self.mr.kv_cache
         write_kv(kv.k_caches[layer_id], kv.v_caches[layer_id], k, v, slots)
-        n = q.shape[0]
-        if mask is not None:  # one SDPA over every prompt; KV heads expanded for the mask path
-            group = self.n_heads // self.n_kv
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
-                v.repeat_interleave(group, dim=1).transpose(0, 1)[None],
-                attn_mask=mask,
-                scale=self.sm_scale,
-            )  # [1, H, n, hd]
-            return o[0].transpose(0, 1).reshape(n, self.q_size)
-        outs, start = [], 0
-        for m in lens:  # [1, heads, m, hd] per prompt, as ModelRunner.prefill attends
-            sl = slice(start, start + m)
-            o = F.scaled_dot_product_attention(
-                q[sl].transpose(0, 1)[None],
-                k[sl].transpose(0, 1)[None],
-                v[sl].transpose(0, 1)[None],
-                is_causal=True,
-                scale=self.sm_scale,
-                enable_gqa=True,
-            )
-            outs.append(o[0].transpose(0, 1))
-            start += m
-        return torch.cat(outs).reshape(n, self.q_size)
+        o = prefill_attention(q, k, v, lens, self.sm_scale, mask)
+        return o.reshape(q.shape[0], self.q_size)
 
     def shutdown(self) -> None:
         for r in self.runners:
             r.shutdown()
 
 
-def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-    """``norm(x)``, whether the module returns the normed tensor or ``(normed, residual)``."""
-    out = norm(x)
-    return out[0] if isinstance(out, tuple) else out
-
-
 __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_TOKEN_BUCKETS",
-    "MASKED_ATTENTION_MAX_TOKENS",
     "PiecewisePrefill",
     "PrefillGraphConfig",
     "PrefillStats",
