@@ -24,14 +24,10 @@ import torch.multiprocessing as mp
 
 from stepgraph.errors import ConfigError
 from stepgraph.model.config import ModelConfig, get_preset
+from stepgraph.model.distributed import init_distributed
 from stepgraph.model.llama import LlamaModel, build_model, init_random
 from stepgraph.model.model_runner import ModelRunner
-from stepgraph.model.parallel import (
-    init_distributed,
-    load_hf_shard,
-    shard_model,
-    tp_layout,
-)
+from stepgraph.model.parallel import load_hf_shard, shard_model, tp_layout
 
 TOL = 1e-5
 WORLD = 2

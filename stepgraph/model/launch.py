@@ -33,9 +33,10 @@ def build_model_runner(
 
     from ..errors import ConfigError
     from .config import get_preset
+    from .distributed import init_distributed
     from .hf_loader import load_hf_config
     from .llama import build_model, init_random
-    from .parallel import init_distributed, load_hf_shard, shard_model
+    from .parallel import load_hf_shard, shard_model
 
     env = init_distributed("nccl" if torch.device(device).type == "cuda" else "gloo")
     if env.world_size != tp:

@@ -16,7 +16,7 @@ query heads read (replicated). The vocab is padded up to a multiple of ``world``
 (their logits are dropped). Collectives run on the current stream, so a CUDA graph captures
 them (see ``docs/tensor_parallel.md``). With ``world_size == 1`` no collective runs.
 
-    env = init_distributed()                                   # under torchrun
+    env = init_distributed()                      # under torchrun (model/distributed.py)
     model = shard_model(full_model, env.rank, env.world_size)  # or load_hf_shard(path, ...)
     runner = ModelRunner.from_model(model, device=env.device, dtype=dtype)
 """
@@ -24,10 +24,6 @@ them (see ``docs/tensor_parallel.md``). With ``world_size == 1`` no collective r
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,87 +35,11 @@ from ..errors import ConfigError
 from .config import ModelConfig
 from .hf_loader import convert_hf_state_dict, load_hf_config, shard_files
 from .llama import LlamaModel
+from .tp_layout import TPLayout, rank_config, shard_state, take_rank_slice, tp_layout
 
 logger = logging.getLogger("stepgraph")
 
 Group = dist.ProcessGroup | None
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-# -- layout: which rows and columns a rank holds ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class TPLayout:
-    """The slices rank ``rank`` of ``world_size`` holds, as ``[start, stop)`` ranges."""
-
-    rank: int
-    world_size: int
-    q_heads: tuple[int, int]
-    kv_heads: tuple[int, int]
-    inter: tuple[int, int]  # rows of gate and of up, columns of down
-    vocab: tuple[int, int]  # rows of the padded vocab; stop - start = vocab_per_rank
-    vocab_size: int  # the real vocab (logits are trimmed to it)
-    head_dim: int
-    replicated_kv: bool
-
-    def span(self, kind: str) -> slice:
-        """Element range of ``kind`` ("q", "kv", "inter", "vocab") on the split dim."""
-        if kind in ("q", "kv"):
-            a, b = self.q_heads if kind == "q" else self.kv_heads
-            return slice(a * self.head_dim, b * self.head_dim)
-        return slice(*(self.inter if kind == "inter" else self.vocab))
-
-    @property
-    def vocab_per_rank(self) -> int:
-        return self.vocab[1] - self.vocab[0]
-
-
-def tp_layout(config: ModelConfig, rank: int, world_size: int) -> TPLayout:
-    """The layout of ``rank``; ``ConfigError`` if the model cannot be split ``world_size`` ways."""
-    w = world_size
-    if w < 1 or not 0 <= rank < w:
-        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={w}.")
-    h, kv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
-    for name, n in (("num_heads", h), ("intermediate_size", inter)):
-        if n % w:
-            raise ConfigError(
-                f"{name}={n} is not divisible by the tensor-parallel size {w}; use a "
-                f"world_size that divides it (or run unsharded with world_size=1)."
-            )
-    if kv % w and w % kv:
-        raise ConfigError(
-            f"num_kv_heads={kv} and world_size={w}: one must divide the other so KV heads are "
-            "either split evenly or replicated whole; pick another world_size."
-        )
-    hr = h // w
-    if kv >= w:
-        kv_heads = (rank * kv // w, (rank + 1) * kv // w)
-    else:  # replicate: the KV head that this rank's query heads read
-        first = rank * hr // (h // kv)
-        kv_heads = (first, first + 1)
-    vr = -(-config.vocab_size // w)
-    return TPLayout(
-        rank=rank,
-        world_size=w,
-        q_heads=(rank * hr, (rank + 1) * hr),
-        kv_heads=kv_heads,
-        inter=(rank * inter // w, (rank + 1) * inter // w),
-        vocab=(rank * vr, (rank + 1) * vr),
-        vocab_size=config.vocab_size,
-        head_dim=config.head_dim,
-        replicated_kv=kv < w,
-    )
-
-
-def rank_config(config: ModelConfig, layout: TPLayout) -> ModelConfig:
-    """The shapes one rank's layers have (``vocab_size`` stays full: logits are gathered)."""
-    return replace(
-        config,
-        num_heads=layout.q_heads[1] - layout.q_heads[0],
-        num_kv_heads=layout.kv_heads[1] - layout.kv_heads[0],
-        intermediate_size=layout.inter[1] - layout.inter[0],
-    )
 
 
 # -- parallel modules --------------------------------------------------------------------------
@@ -182,47 +102,6 @@ class ParallelLMHead(nn.Module):
 
 
 # -- building a rank's model ------------------------------------------------------------------
-
-# Unfused part -> (split dim, layout span); norms and everything else are replicated.
-_RULES = {
-    "q_proj": (0, "q"), "k_proj": (0, "kv"), "v_proj": (0, "kv"),
-    "gate_proj": (0, "inter"), "up_proj": (0, "inter"),
-    "o_proj": (1, "q"), "down_proj": (1, "inter"),
-    "embed_tokens": (0, "vocab"), "lm_head": (0, "vocab"),
-}  # fmt: skip
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def _take(part: str, get: Callable[[int, slice], torch.Tensor], layout: TPLayout, full: int):
-    """Rank slice of unfused ``part`` of ``full`` rows; ``get(dim, slice)`` reads it."""
-    rule = _RULES.get(part)
-    if rule is None:
-        return get(0, slice(None))
-    dim, kind = rule
-    s = layout.span(kind)
-    if kind != "vocab":
-        return get(dim, s)
-    t = get(0, slice(s.start, min(s.stop, full)))  # the last rank may hold padding rows
-    return torch.cat([t, t.new_zeros(layout.vocab_per_rank - t.shape[0], *t.shape[1:])])
-
-
-def shard_state(
-    state: dict[str, torch.Tensor], config: ModelConfig, layout: TPLayout
-) -> dict[str, torch.Tensor]:
-    """Our parameter names (fused qkv / gate-up) -> this rank's slices, re-fused."""
-    sizes = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size}
-    sizes |= {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
-    out = {}
-    for name, t in state.items():
-        module = name.split(".")[-2]  # layers.3.self_attn.qkv_proj.weight -> qkv_proj
-        parts = _FUSED.get(module, (module,))
-        pieces = t.split([sizes[p] for p in parts]) if len(parts) > 1 else (t,)
-        rank_parts = []
-        for part, x in zip(parts, pieces):
-            get = lambda d, s, x=x: x[s] if d == 0 else x[:, s]
-            rank_parts.append(_take(part, get, layout, config.vocab_size))
-        out[name] = torch.cat(rank_parts)
-    return out
 
 
 def build_tp_model(
@@ -309,52 +188,13 @@ def load_hf_shard(
                 sl = sf.get_slice(name)
                 part = name.split(".")[-2]  # model.layers.3.self_attn.q_proj.weight -> q_proj
                 get = lambda d, s, sl=sl: sl[s] if d == 0 else sl[:, s]
-                hf[name] = _take(part, get, layout, config.vocab_size)
+                hf[name] = take_rank_slice(part, get, layout, config.vocab_size)
     state = convert_hf_state_dict(hf, rank_config(config, layout))
     model = build_tp_model(config, layout, device, dtype, group=group, max_positions=max_positions)
     return _load(model, state)
 
 
-# -- process group ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-
-def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistEnv:
-    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``/``MASTER_PORT``). ``backend`` defaults to nccl with CUDA, else gloo; for
-    nccl the current CUDA device becomes ``cuda:LOCAL_RANK``."""
-    missing = [k for k in _TORCHRUN_VARS if k not in os.environ]
-    if missing:
-        raise ConfigError(
-            f"environment variables {missing} are not set; launch with `torchrun "
-            "--nproc-per-node N script.py`, or set them (or use world_size=1, unsharded)."
-        )
-    rank, world, local_rank = (int(os.environ[k]) for k in _TORCHRUN_VARS[:3])
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are "
-                "visible; run fewer processes per node (--nproc-per-node)."
-            )
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    return DistEnv(rank, world, local_rank, device)
-
-
 __all__ = [
-    "DistEnv", "ParallelLMHead", "RowParallelLinear", "TPLayout", "VocabParallelEmbedding",
-    "build_tp_model", "init_distributed", "load_hf_shard", "rank_config", "shard_model",
-    "shard_state", "tp_layout",
+    "ParallelLMHead", "RowParallelLinear", "TPLayout", "VocabParallelEmbedding",
+    "build_tp_model", "load_hf_shard", "rank_config", "shard_model", "tp_layout",
 ]  # fmt: skip

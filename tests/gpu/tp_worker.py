@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from stepgraph.model.config import get_preset
+from stepgraph.model.distributed import init_distributed
 from stepgraph.model.engine import Engine
 from stepgraph.model.llama import build_model, init_random
 from stepgraph.model.model_runner import ModelRunner
-from stepgraph.model.parallel import init_distributed, shard_model
+from stepgraph.model.parallel import shard_model
 from stepgraph.runner import RunnerConfig
 
 REPO = Path(__file__).resolve().parents[2]
