@@ -1,4 +1,6 @@
-"""The README's quickstart runs as written (on the CPU stand-in, with the toy model)."""
+"""The README runs as written, top to bottom: the CPU-torch step comes before the set-up, the
+test command is CI's, and the "Wrap your own model" snippet runs alone (toy model, CPU stand-in)
+and prints a stats table a person can read."""
 
 from __future__ import annotations
 
@@ -7,18 +9,39 @@ from pathlib import Path
 
 import torch
 
-from stepgraph.toy_model import ToyModelRunner
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
-def test_readme_quickstart_runs():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "README lost its python quickstart"
-    model_runner = ToyModelRunner(num_pages=160, seed=1)
-    batch = model_runner.random_batch(3, torch.Generator().manual_seed(2))
-    want, _ = model_runner.eager_reference(batch)
-    scope = {"model_runner": model_runner, "batch": batch}
-    exec(compile(blocks[0], "README.md", "exec"), scope)
+def test_setup_commands_in_order_and_ci_runs_the_readme_tests():
+    commands = [line.split("#")[0].strip() for b in _blocks("bash") for line in b.splitlines()]
+    cpu = commands.index("pip install torch==2.13.0")
+    setup = commands.index("pip install -e '.[dev]' && stepgraph bench")
+    assert cpu < setup, "the CPU-torch step must come before the install command"
+    test = commands[setup + 1]
+    assert test == "python -m pytest -q tests"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[-1].strip() == test, "keep .ci/run's test command identical to the README's"
+
+
+def test_wrap_your_own_model_snippet_runs_as_written(capsys):
+    snippet = _blocks("python")[0]
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    model_runner, batch = scope["model_runner"], scope["batch"]
+    assert batch.input_ids.shape[0] == 3
+    want, _ = model_runner.eager_reference(batch)  # same inputs, cache restored afterwards
     torch.testing.assert_close(scope["logits"], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(scope["next_ids"], want.argmax(-1))
+    assert scope["runner"].stats.replays == 1
+
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert 3 <= len(printed) <= 20, printed  # a short table, not one 900-character line
+    assert all(len(line) <= 100 for line in printed), printed
+    text = "\n".join(printed)
+    for word in ("buckets", "capture", "MiB", "replays", "fallbacks"):
+        assert word in text, f"{word!r} missing from the stats table:\n{text}"

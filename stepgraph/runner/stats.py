@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .stats_table import as_dict, by_reason, capture_rows, table
+
 
 def reserved_bytes(device: torch.device) -> int:
     """Bytes the caching allocator holds on ``device`` (0 on the CPU). Graph pools live there."""
@@ -60,6 +62,13 @@ class CaptureStats:
             f"pool {self.pool_bytes / 2**20:.1f} MiB"
         )
 
+    def as_dict(self) -> dict:
+        """Every field and total (seconds, pool bytes), JSON-ready; ``repr`` shows the same."""
+        return as_dict(self)
+
+    def __str__(self) -> str:  # the piecewise runner's stats are its capture ledger
+        return table("capture stats", capture_rows(self))
+
     def ledger(self) -> list[dict[str, float]]:
         """One row per bucket, in capture order: seconds, pool MiB and outside-pool MiB."""
         return [
@@ -95,6 +104,18 @@ class RunnerStats:
     node_edits: int = 0  # attention nodes pushed by exact mode
     packed_here: int = 0  # replays whose batch came without ``packed`` (packed by the runner)
     fallbacks: Counter = field(default_factory=Counter)  # reason -> batches refused by can_run
+
+    def as_dict(self) -> dict:
+        """Every field and capture total, JSON-ready (``repr`` shows the same data)."""
+        return as_dict(self)
+
+    def __str__(self) -> str:
+        replays = (
+            f"{self.replays} (exact-mode node edits {self.node_edits}, "
+            f"packed by the runner {self.packed_here})"
+        )
+        rows = [*capture_rows(self.capture), ("replays", replays)]
+        return table("CudaGraphRunner stats", [*rows, ("fallbacks", by_reason(self.fallbacks))])
 
 
 class Stopwatch:
