@@ -61,19 +61,22 @@ def lm_head_argmax(
     weight: torch.Tensor,  # [vocab, K], rows contiguous
     eps: float,
     *,
+    logits_out: torch.Tensor | None = None,  # [M, vocab] float32, rows contiguous
+    tokens_out: torch.Tensor | None = None,  # [M] int64
     use_pdl: bool | None = None,
     blocks: tuple[int, int, int] | None = None,  # norm_gemv's (BLOCK_N, BLOCK_K, num_warps)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [M, vocab] float32, tokens [M] int64)
-    """Float32 logits of ``rmsnorm(x) @ weight.T`` and their argmax per row: two launches."""
+    """Float32 logits of ``rmsnorm(x) @ weight.T`` and their argmax per row: two launches,
+    into ``logits_out`` / ``tokens_out`` when given (a graph's static buffers)."""
     m, k = x.shape
     vocab = weight.shape[0]
     n_prog = argmax_programs(m, vocab, k, blocks)
     part_val = torch.empty(m, n_prog, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(m, n_prog, dtype=torch.int32, device=x.device)
-    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    tokens = tokens_out if tokens_out is not None else x.new_empty(m, dtype=torch.int64)
     logits = norm_gemv(
         x, norm_w, weight, None, eps, torch.float32,
-        argmax_parts=(part_val, part_idx), use_pdl=use_pdl, blocks=blocks,
+        argmax_parts=(part_val, part_idx), out=logits_out, use_pdl=use_pdl, blocks=blocks,
     )  # fmt: skip
     if m:
         pdl = resolve_pdl(use_pdl, x.device)

@@ -116,11 +116,14 @@ def norm_gemv(
     out_dtype: torch.dtype | None = None,
     *,
     argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,  # [M, n_programs] f32, i32
+    out: torch.Tensor | None = None,  # [M, N] out_dtype, rows contiguous: written in place
     use_pdl: bool | None = None,
     blocks: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps)
 ) -> torch.Tensor:  # [M, N], out_dtype (default x.dtype)
     """``rmsnorm(x) @ weight.T + bias`` in one launch, float32 accumulation."""
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    y = out
+    if y is None:
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     if x.shape[0]:
         _launch(
             x, norm_w, weight, bias, None, y, argmax_parts, eps,

@@ -232,5 +232,21 @@ class PagedAttentionBackend:
             q, k_cache, v_cache, m.block_table, m.seq_lens, sm_scale=self.sm_scale
         )
 
+    def decode_attention(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [bs, n_heads, head_dim], rotated
+    ) -> torch.Tensor:  # [bs, n_heads, head_dim]
+        """Decode attention of layer ``layer_id`` once this step's K/V are already in its pages
+        (the fused decode step's qkv kernel writes them): the kernels ``rope_attention`` runs
+        after its ``rope_kv`` launch, same geometry, same results."""
+        m = self._meta()
+        if not isinstance(m, DecodeMetadata):
+            raise ConfigError(
+                "decode_attention needs decode metadata; a prefill goes through rope_attention."
+            )
+        kv = self.kv_cache
+        return self._attend(m, q, None, None, kv.k_caches[layer_id], kv.v_caches[layer_id])
+
 
 __all__ = ["DecodeMetadata", "PagedAttentionBackend", "PrefillMetadata", "SEQ_LEN_FILL_VALUE"]

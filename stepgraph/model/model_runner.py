@@ -14,6 +14,13 @@ from ..batch import PACKED, ForwardBatch, ForwardMode, unpacked_batch
 from ..errors import ConfigError
 from .attention import PagedAttentionBackend
 from .config import ModelConfig, get_preset
+from .fused_decode import (
+    FUSED_MAX_BS,
+    check_kernels,
+    default_kernels,
+    fused_decode_step,
+    unfusable_reason,
+)
 from .kv_cache import KVCache
 from .llama import LlamaModel, build_model, init_random
 
@@ -72,6 +79,33 @@ class ModelRunner:
             device=self.device,
             max_context_len=max_context_len,
         )
+        # "fused" | "reference": which kernels a decode step runs (``fused_decode``); the
+        # greedy tokens of a fused step land in this static buffer, like the logits.
+        self.kernels = default_kernels(self.device)
+        self.greedy_tokens = torch.zeros(max(max_bs, 1), dtype=torch.int64, device=self.device)
+
+    # -- kernels -----------------------------------------------------------------------------
+
+    def set_kernels(self, kernels: str) -> None:
+        """Run decode steps with the "fused" kernels or the "reference" ones; set it before a
+        graph runner captures (a captured graph keeps the kernels it was captured with)."""
+        self.kernels = check_kernels(kernels)
+
+    def uses_fused(self, bs: int) -> bool:
+        """Whether a decode step of ``bs`` rows runs the fused kernels (a pure function of
+        ``bs`` and the set-up: eager, graph and exact steps agree)."""
+        return (
+            self.kernels == "fused"
+            and 1 <= bs <= FUSED_MAX_BS
+            and self.attn_backend.use_kernel
+            and unfusable_reason(self.model) is None
+        )
+
+    def fused_tokens(self, bs: int) -> torch.Tensor | None:
+        """``[bs]`` int64 greedy tokens of the last decode step of ``bs`` rows, computed inside
+        the step (graph included) when it ran the fused kernels; else None (take the argmax of
+        the logits). A static buffer: read it before the next step."""
+        return self.greedy_tokens[:bs] if self.uses_fused(bs) else None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -222,6 +256,12 @@ class ModelRunner:
             raise ConfigError("ModelRunner.forward runs decode batches; use prefill() for prompts.")
         if not self.attn_backend.is_prepared_for(batch):
             self.attn_backend.init_forward_metadata(batch)
+        bs = batch.input_ids.shape[0]
+        if self.uses_fused(bs):
+            return fused_decode_step(
+                self.model, self.attn_backend, batch.input_ids, batch.positions,
+                logits_out=out, tokens_out=self.greedy_tokens[:bs],
+            )  # fmt: skip
         h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [bs, hidden]
         if out is None:
             return self.model.logits(h)

@@ -1,0 +1,53 @@
+"""The fused decode step (``model/fused_decode.py``) on the CPU: its kernels under the Triton
+interpreter against ``ModelRunner.forward``'s reference ops on the tiny preset (logits, greedy
+tokens, the K/V written), and the kernel switch of ``ModelRunner``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
+from stepgraph.errors import ConfigError
+from stepgraph.model.fused_decode import fused_decode_step, unfusable_reason
+
+
+@pytest.fixture(scope="module")
+def mr():
+    runner = build_model_runner("tiny", "cpu", torch.float32, max_bs=4, max_context=64)
+    fill_kv_random(runner)
+    return runner
+
+
+@pytest.mark.parametrize("bs, context", [(1, 17), (3, 1)])
+def test_fused_step_matches_reference(mr, bs, context):
+    batch, pages = decode_batch(mr, Point(bs, context), seed=bs)
+    try:
+        kv0 = [c.clone() for c in (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)]
+        ref = mr.forward(batch)  # [bs, vocab] float32, the reference ops
+        kv_ref = [c.clone() for c in (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)]
+        for c, c0 in zip((*mr.kv_cache.k_caches, *mr.kv_cache.v_caches), kv0):
+            c.copy_(c0)
+        tokens = torch.full((bs,), -1, dtype=torch.int64)
+        logits = fused_decode_step(
+            mr.model, mr.attn_backend, batch.input_ids, batch.positions, tokens_out=tokens
+        )
+        assert ((logits - ref).norm() / ref.norm()).item() < 1e-5
+        assert torch.equal(tokens, ref.argmax(-1))
+        kv = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
+        assert max((a - b).abs().max().item() for a, b in zip(kv, kv_ref)) < 1e-5
+    finally:
+        for p in pages:
+            mr.kv_cache.release(p)
+
+
+def test_kernel_switch_on_cpu(mr):
+    assert mr.kernels == "reference"  # the default off CUDA
+    assert unfusable_reason(mr.model) == "the fused kernels run on CUDA only"
+    mr.set_kernels("fused")
+    try:
+        assert not mr.uses_fused(1) and mr.fused_tokens(1) is None  # CPU: reference ops
+    finally:
+        mr.set_kernels("reference")
+    with pytest.raises(ConfigError, match="kernels must be one of fused, reference"):
+        mr.set_kernels("triton")
