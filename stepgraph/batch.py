@@ -39,6 +39,9 @@ class ForwardBatch:
     # Optional packed form [bs, PACKED.width(pages)] int64 of the same values (``PACKED``):
     # the graph runner then fills its static inputs with ONE copy and unpacks inside the graph.
     packed: torch.Tensor | None = None
+    # The host rows ``packed`` was copied from, when the builder kept them: the runner checks
+    # values there without a device sync (``stepgraph.runner.input_checks``).
+    packed_cpu: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -49,7 +52,7 @@ class ForwardBatch:
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("seq_lens_cpu", "mode", "max_seq_len", "packed")
+            if f.name not in ("seq_lens_cpu", "mode", "max_seq_len", "packed", "packed_cpu")
         }
 
 

@@ -62,6 +62,7 @@ class ToyModelRunner:
         self.page_size = page_size
         self.max_pages_per_request = max_pages_per_request
         self.max_context_len = max_pages_per_request * page_size
+        self.num_pages, self.vocab_size = num_pages, vocab  # bounds of the runner's value checks
         self.attn_backend = ToyAttentionBackend()
         self.sync_in_forward = sync_in_forward
         self.capture_mode_seen = False
@@ -139,8 +140,10 @@ class ToyModelRunner:
             block_table=pages.to(torch.int32),
             out_cache_loc=page * self.page_size + last % self.page_size,
         )
+        if packed:  # built on the host and copied once, as an engine does
+            batch.packed_cpu = pack_batch(batch)
         for name, t in batch.device_tensors().items():
             setattr(batch, name, t.to(self.device))
         if packed:
-            batch.packed = pack_batch(batch)
+            batch.packed = batch.packed_cpu.to(self.device)
         return batch

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -121,6 +122,7 @@ class Engine:
         prefill: str = "eager",
         decode_via: str = "runner",
         prefill_config: Any | None = None,
+        check_same_thread: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -163,10 +165,32 @@ class Engine:
 
             self.prefiller = PiecewisePrefill(model_runner, prefill_config)
         self.stats = EngineStats()
+        self._owner = threading.current_thread()  # one thread drives an engine (runner/base.py)
+        self.check_same_thread = check_same_thread
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
+
+    @property
+    def check_same_thread(self) -> bool:
+        """Refuse calls from threads other than the creator's (``ReplayError``), as the runners
+        do. Set False only where you serialize calls yourself; it applies to the runners too."""
+        return self._check_same_thread
+
+    @check_same_thread.setter
+    def check_same_thread(self, value: bool) -> None:
+        self._check_same_thread = value
+        prefill_runners = getattr(self.prefiller, "runners", [])  # PiecewisePrefill's
+        for r in (self.runner, self.config_runner, *prefill_runners):
+            if r is not None:
+                r.check_same_thread = value
+
+    def _check_thread(self, what: str) -> None:
+        if self._check_same_thread and threading.current_thread() is not self._owner:
+            from ..runner.base import raise_other_thread
+
+            raise_other_thread(self, what, self._owner)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -203,6 +227,7 @@ class Engine:
         after ``max_new_tokens`` or at a sampled id in ``stop_ids`` or the checkpoint's
         ``eos_token_ids`` (the stop id is kept in the output, as transformers does);
         ``ignore_eos`` drops the eos ids (``stop_ids`` still apply)."""
+        self._check_thread("add_request")
         self._check(prompt, max_new_tokens, f"request of {len(prompt)} prompt tokens")
         stops = self.stop_ids(stop_ids, ignore_eos)
         rid = next(self._ids)
@@ -282,6 +307,7 @@ class Engine:
         ``(request id, new token)`` pairs of this step. Any exception (prefill, decode,
         sampling) first aborts every waiting and running request and frees its pages
         (``abort_all``), then propagates: a failed step leaks nothing."""
+        self._check_thread("step")  # before the try: another thread's call aborts nothing
         try:
             return self._step(sampling, generator)
         except BaseException:
@@ -341,6 +367,7 @@ class Engine:
     ) -> list[list[int]]:
         """New token ids of each prompt, in order. Every prompt is checked before any is
         queued: one that cannot fit raises ``ConfigError`` naming it, and nothing runs."""
+        self._check_thread("generate")
         for i, p in enumerate(prompts):
             self._check(p, max_new_tokens, f"prompt {i} ({len(p)} tokens)")
         generator = None

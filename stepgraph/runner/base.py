@@ -2,10 +2,18 @@
 
 Each runner captures into one graph memory pool: the one given, else the process-wide pool of
 the seed API (``set_global_graph_memory_pool``), else a new one that becomes the global pool.
+
+One thread drives a runner: its outputs are static buffers that the next call overwrites, and
+its static inputs are filled per call, so two threads replaying one runner get each other's
+values with no error (issue 13: 155 to 180 of 200 results per thread wrong). The runner
+remembers the thread that created it and refuses calls from any other. Who serializes calls
+and consumes each output before the next one sets ``runner.check_same_thread = False`` (as
+sqlite's ``check_same_thread``).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -23,6 +31,7 @@ class GraphRunnerBase:
     """
 
     EAGER_HINT = "run the step eagerly"
+    check_same_thread = True  # set False on an instance whose calls you serialize yourself
     graphs: dict[Any, CapturedGraph]
     _backend: GraphBackend
     _shut_down: bool
@@ -31,6 +40,7 @@ class GraphRunnerBase:
         self.graphs = {}
         self._backend = make_backend(device, backend, pool or STATE.pool_for_new_runner())
         self._shut_down = False
+        self._owner = threading.current_thread()
 
     @property
     def pool(self) -> GraphPool:
@@ -59,3 +69,16 @@ class GraphRunnerBase:
                 f"{what}() called after shutdown(); create a new {type(self).__name__}, "
                 f"or {self.EAGER_HINT}."
             )
+        if self.check_same_thread and threading.current_thread() is not self._owner:
+            raise_other_thread(self, what, self._owner)
+
+
+def raise_other_thread(obj: object, what: str, owner: threading.Thread) -> None:
+    name = type(obj).__name__
+    raise ReplayError(
+        f"{what}() called from thread {threading.current_thread().name!r}, but this {name} "
+        f"belongs to thread {owner.name!r}, which created it. Outputs are static buffers the "
+        "next call overwrites, so one thread drives a runner: use one per thread, or serialize "
+        "the calls, consume each output before the next call, and set "
+        f"{name}.check_same_thread = False on this instance."
+    )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..buckets import DEFAULT_MAX_BS, default_capture_sizes, validate_buckets
 from ..errors import ConfigError
+from .input_checks import CHECK_LEVELS
 
 MODES = ("graph", "exact")
 
@@ -33,10 +34,25 @@ class RunnerConfig:
     # Fill static inputs with one copy of a packed batch and unpack inside the graph (a few
     # device copies) instead of one host launch per field. See ``stepgraph.batch.pack_batch``.
     packed_inputs: bool = True
+    # Write the packed rows into one of two pinned host slots and copy them to the device
+    # inside the graph (``runner/staging.py``): no device copy launched per replay.
+    pinned_staging: bool = False
+    # Value checks before each replay (``runner/input_checks.py``): "host" checks host copies
+    # (no sync), "full" also device-only tensors (a sync: debugging), "off" nothing.
+    check_inputs: str = "host"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.check_inputs not in CHECK_LEVELS:
+            raise ConfigError(
+                f"check_inputs must be one of {CHECK_LEVELS}, got {self.check_inputs!r}."
+            )
+        if self.pinned_staging and not self.packed_inputs:
+            raise ConfigError(
+                "pinned_staging stages the packed rows; set packed_inputs=True with it, or "
+                "pinned_staging=False."
+            )
         if self.warmup_iters < 1:
             raise ConfigError(
                 "warmup_iters must be >= 1: capture needs one eager warm-up "

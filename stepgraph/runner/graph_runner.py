@@ -28,7 +28,9 @@ from .base import GraphRunnerBase
 from .capture import capture_loop, capture_step, logger
 from .config import RunnerConfig
 from .input_buffers import GraphInputBuffers
+from .input_checks import InputLimits, check_values
 from .shared_output import SharedOutput, takes_out
+from .staging import PinnedStaging
 from .stats import BucketStats, CaptureStats, RunnerStats
 
 _DEVICE_FIELDS = tuple((n, d) for n, d in BATCH_DTYPES.items() if n != "seq_lens_cpu")
@@ -64,6 +66,11 @@ class CudaGraphRunner(GraphRunnerBase):
         self.buffers = GraphInputBuffers.allocate(
             self.max_bs, model_runner.max_pages_per_request, self.device, self.seq_len_fill_value
         )
+        self._staging = (  # pinned host rows, copied to the device inside each graph
+            PinnedStaging(self.buffers.packed_pad, self.max_bs, self.device)
+            if config.pinned_staging
+            else None
+        )
         self._init_graphs(self.device, config.backend, pool)
         self.graphs: dict[int, CapturedGraph]
         self.output_buffers: dict[int, torch.Tensor] = {}
@@ -76,6 +83,7 @@ class CudaGraphRunner(GraphRunnerBase):
         self._shared = SharedOutput(self.max_bs)  # [max_bs, ...]: every bucket's output
         self._forward_takes_out = takes_out(model_runner.forward)  # logits straight into it
         self._max_context: int | None = getattr(model_runner, "max_context_len", None)
+        self._limits = InputLimits.of(model_runner)
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
         if capture:
             self.capture()
@@ -101,6 +109,8 @@ class CudaGraphRunner(GraphRunnerBase):
             self._release_graphs()
             raise
         self.stats.capture = stats
+        if self._staging is not None:
+            self._staging.reset()
         return stats
 
     def _capture_one(self, bs: int) -> BucketStats:
@@ -111,6 +121,8 @@ class CudaGraphRunner(GraphRunnerBase):
         direct = self._forward_takes_out and bs not in self.compile_bs
 
         def step() -> torch.Tensor:  # reads only static buffers
+            if self._staging is not None:
+                self._staging.upload(bs, self.buffers.packed)
             if unpack:
                 self.buffers.unpack(bs)
             dst = self._shared.rows(bs) if direct else None
@@ -214,6 +226,8 @@ class CudaGraphRunner(GraphRunnerBase):
         if self._updater is not None:
             self.stats.node_edits += self._updater.apply(self._plans[bucket], graph, t_kv)
         graph.replay()
+        if self._staging is not None:
+            self._staging.replayed()
         self.stats.replays += 1
         return self.output_buffers[bucket][: batch.batch_size]
 
@@ -233,6 +247,7 @@ class CudaGraphRunner(GraphRunnerBase):
                 f"cannot replay this batch: {problem}. Build the batch with "
                 "these dtypes on the model's device, or run it eagerly."
             )
+        check_values(batch, self._limits, self.config.check_inputs)  # before any copy
         t_kv = batch.max_seq_len
         if self._max_context is None and self._updater is None:
             return bucket, t_kv
@@ -247,7 +262,10 @@ class CudaGraphRunner(GraphRunnerBase):
         return bucket, t_kv
 
     def _copy_inputs(self, batch: ForwardBatch, bucket: int) -> None:
-        if not self.config.packed_inputs:
+        if self._staging is not None:
+            self._staging.stage(batch, bucket)
+            self.buffers.copy_host_lens(batch, bucket)
+        elif not self.config.packed_inputs:
             self.buffers.copy_from(batch, bucket)
         elif not self.buffers.copy_packed_from(batch, bucket):
             self.stats.packed_here += 1

@@ -1,0 +1,133 @@
+"""The runner refuses bad batch values with ReplayError before anything is copied or written:
+seq_lens < 1, positions outside [0, max context), out_cache_loc outside the cache or in
+scratch page 0, block-table entries >= num_pages, token ids >= vocab. The KV cache outside
+page 0, the free pages and the runner's stats stay as they were; a good batch still replays
+equal to eager. Levels: "host" (default, host rows), "full" (device tensors too), "off"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.batch import PACKED, unpacked_batch
+from stepgraph.errors import ConfigError, ReplayError
+from stepgraph.model import ModelRunner
+from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.runner.input_checks import InputLimits, check_values
+from stepgraph.toy_model import ToyModelRunner
+
+from .guards import assert_kv_unchanged, fill_kv_random, kv_snapshot, time_limit
+
+VOCAB, CTX, PAGE = 512, 64, 16
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mr = ModelRunner.from_preset(
+        "tiny", "cpu", torch.float32, seed=8, max_bs=4, max_context_len=CTX
+    )
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=4, show_progress=False))
+    return mr, runner
+
+
+def _batch(mr, seed: int):
+    """Three requests at random positions over freshly reserved pages; random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, CTX - 1, (3,), generator=g).tolist()
+    pages = [mr.kv_cache.reserve(p + 1) for p in pos]
+    tokens = torch.randint(1, VOCAB, (3,), generator=g).tolist()
+    return mr.decode_batch(tokens, pos, pages, contiguous_fields=False), pages
+
+
+def _set(batch, field: str, row: int, value: int, col: int = 0) -> None:
+    """Corrupt the host rows (on the CPU they are the rows the device copy came from)."""
+    host = batch.packed_cpu
+    if field == "block_table":
+        PACKED.table(host)[row, col] = value
+    else:
+        PACKED.column(host, field)[row] = value
+    if field == "seq_lens":
+        batch.seq_lens_cpu[row] = value
+
+
+CASES = [
+    ("seq_lens", 0, "seq_lens"),
+    ("seq_lens", -3, "seq_lens"),
+    ("positions", -1, "positions"),
+    ("positions", CTX, "positions"),
+    ("out_cache_loc", -1, "out_cache_loc"),
+    ("out_cache_loc", 5, "scratch page 0"),  # a slot of page 0, for a real row
+    ("out_cache_loc", 10**6, "out_cache_loc"),
+    ("block_table", 10**6, "block_table"),
+    ("block_table", -2, "block_table"),
+    ("input_ids", VOCAB, "input_ids"),
+    ("input_ids", -1, "input_ids"),
+]
+
+
+@pytest.mark.parametrize("field,value,match", CASES)
+def test_bad_value_is_refused_and_nothing_changes(setup, field, value, match):
+    mr, runner = setup
+    fill_kv_random(mr.kv_cache, seed=hash((field, value)) % 1000)
+    batch, pages = _batch(mr, seed=len(field) + value % 7)
+    try:
+        _set(batch, field, 1, value)
+        kv, free = kv_snapshot(mr.kv_cache), mr.kv_cache.allocator.num_free
+        replays, static = runner.stats.replays, runner.buffers.packed.clone()
+        with time_limit(20), pytest.raises(ReplayError, match=match):
+            runner.replay(batch)
+        assert_kv_unchanged(mr.kv_cache, kv)
+        assert mr.kv_cache.allocator.num_free == free
+        assert runner.stats.replays == replays
+        assert torch.equal(runner.buffers.packed, static)  # nothing copied
+    finally:
+        for p in pages:
+            mr.kv_cache.release(p)
+
+
+def test_good_batch_replays_equal_to_eager(setup):
+    mr, runner = setup
+    fill_kv_random(mr.kv_cache, seed=11)
+    batch, pages = _batch(mr, seed=12)
+    kv = [c.clone() for c in mr.kv_cache.k_caches]
+    graph = runner.replay(batch).clone()
+    for c, k in zip(mr.kv_cache.k_caches, kv):
+        c.copy_(k)
+    eager = mr.forward(unpacked_batch(batch.packed, batch.seq_lens_cpu))
+    assert torch.allclose(graph, eager, atol=1e-5)
+    for p in pages:
+        mr.kv_cache.release(p)
+
+
+def test_full_checks_device_only_batches_and_host_does_not_sync():
+    toy = ToyModelRunner(num_pages=40, page_size=4, max_pages_per_request=4)
+    g = torch.Generator().manual_seed(3)
+    limits = InputLimits.of(toy)
+    assert limits == InputLimits(num_pages=40, page_size=4, vocab_size=97, max_context_len=16)
+    batch = toy.random_batch(3, g)  # device tensors only: no host rows
+    batch.out_cache_loc[2] = -1
+    check_values(batch, limits, "host")  # only seq_lens_cpu is on the host: passes
+    with pytest.raises(ReplayError, match=r"out_cache_loc\[2\] = -1"):
+        check_values(batch, limits, "full")
+    batch.seq_lens_cpu[0] = 0
+    check_values(batch, limits, "off")
+    with pytest.raises(ReplayError, match=r"seq_lens_cpu\[0\] = 0"):
+        check_values(batch, limits, "host")
+
+
+def test_toy_runner_refuses_with_full_checks():
+    toy = ToyModelRunner(num_pages=40, page_size=4, max_pages_per_request=4)
+    runner = CudaGraphRunner(toy, RunnerConfig(max_bs=4, show_progress=False, check_inputs="full"))
+    batch = toy.random_batch(2, torch.Generator().manual_seed(5), packed=True)
+    batch.packed_cpu = None  # a device-only batch: "full" copies it back to check
+    PACKED.table(batch.packed)[0, 1] = 40
+    state = [c.clone() for c in toy.kv]
+    with pytest.raises(ReplayError, match="block_table"):
+        runner.replay(batch)
+    assert all(torch.equal(a, b) for a, b in zip(state, toy.kv))
+    assert runner.stats.replays == 0
+
+
+def test_check_inputs_level_is_validated():
+    with pytest.raises(ConfigError, match="check_inputs"):
+        RunnerConfig(check_inputs="some")
