@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel ranks (torchrun --nproc-per-node N -m stepgraph bench)",
     )
+    p.add_argument(
+        "--kernels",
+        default=None,
+        choices=("fused", "reference"),
+        help="decode-step kernels on CUDA: fused (default; one-row steps) or reference (unfused)",
+    )
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG of ms/token vs context")
     p.add_argument(
@@ -103,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     mr = build_model_runner(
         model, "cuda", DTYPES[args.dtype], max(sizes), max(contexts) + 64, tp=args.tp
     )
+    mr.set_kernels(args.kernels or "fused")
     if args.tp > 1:  # peers run unsharded only; every rank times, rank 0 reports
         modes = [m for m in modes if m in OUR_MODES]
     fill_kv_random(mr)
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     floor_ms = {(p.bs, p.context): (wbytes + kv_bytes(mr, p)) / (gbps * 1e9) * 1e3 for p in points}
     rows: list[Row] = []
 
-    def add(mode, p, ms, capture_s=None, pool=None, note=""):
+    def add(mode, p, ms, capture_s=None, pool=None, note="", kernels=None):
         rows.append(
             Row(
                 mode,
@@ -122,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                 capture_s,
                 pool,
                 note,
+                kernels,
             )
         )
 
@@ -131,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     for mode in tqdm(modes, desc="stepgraph bench", unit="mode", disable=not main_rank):
         if mode in OUR_MODES:
             res = run_mode(mode, mr, points, args.iters)
+            per_bs = {q.bs: k for q, k in res.kernels_per_step.items()}
             for p in points:
                 add(
                     mode,
@@ -139,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                     res.capture_seconds,
                     res.pool_mib,
                     res.error or "",
+                    per_bs.get(p.bs),
                 )
         else:
             res = run_peer(mode, mr, points, peer_allowed(mode, points, args.peer_points))
@@ -168,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "tp": args.tp,
+        "kernels": mr.kernels,
         "allreduce_us_per_step": ar,
     }
     if args.json:

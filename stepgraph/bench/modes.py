@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,22 @@ class ModeResult:
     capture_seconds: float | None = None
     pool_mib: float | None = None
     error: str | None = None
+    kernels_per_step: dict[Point, float] = field(default_factory=dict)
+
+
+def kernels_per_step(step, replays: int = 3) -> float:
+    """Device kernels one ``step()`` launches (torch.profiler over a few steps; kernels inside a
+    replayed CUDA graph count one each)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.device_type == DeviceType.CUDA for e in prof.events()) / replays
 
 
 def time_step(step, iters: int) -> float:
@@ -47,11 +63,14 @@ def run_mode(mode: str, mr: ModelRunner, points: list[Point], iters: int = 10) -
             result.pool_mib = runner.stats.capture.pool_bytes / 2**20
         for point in points:
             batch, pages = decode_batch(mr, point)
-            if runner is None:
-                step = lambda b=batch: mr.forward(b).argmax(-1)
+            run = mr.forward if runner is None else runner.replay
+            if mr.fused_tokens(point.bs) is not None:  # greedy tokens come out of the step
+                step = lambda b=batch, run=run: run(b)
             else:
-                step = lambda b=batch: runner.replay(b).argmax(-1)
+                step = lambda b=batch, run=run: run(b).argmax(-1)
             result.ms_per_token[point] = time_step(step, iters)
+            if not any(p.bs == point.bs for p in result.kernels_per_step):  # once per bs
+                result.kernels_per_step[point] = kernels_per_step(step)
             for req_pages in pages:
                 mr.kv_cache.release(req_pages)
         return result

@@ -17,13 +17,14 @@ class Row:
     capture_s: float | None = None  # ours: capture of all buckets; peers: compile time
     pool_mib: float | None = None
     note: str = ""
+    kernels_per_step: float | None = None  # ours: device kernels one step launches
 
 
 def format_table(rows: list[Row], floor_ms: dict[tuple[int, int], float], gbps: float) -> str:
     lines = [
         f"copy bandwidth {gbps:.0f} GB/s; floor = (weights + live KV) / copy bandwidth",
         f"{'mode':<18}{'bs':>4}{'ctx':>7}{'ms/tok':>9}{'tok/s':>10}{'floor':>8}{'of floor':>9}"
-        f"{'vs eager':>9}  note",
+        f"{'vs eager':>9}{'kernels':>8}  note",
     ]
     eager = {(r.bs, r.context): r.ms_per_token for r in rows if r.mode == "eager"}
     for r in sorted(rows, key=lambda r: (r.bs, r.context, r.mode)):
@@ -36,9 +37,10 @@ def format_table(rows: list[Row], floor_ms: dict[tuple[int, int], float], gbps: 
             if r.ms_per_token and eager.get(key)
             else f"{'-':>9}"
         )
+        kern = f"{r.kernels_per_step:8.0f}" if r.kernels_per_step else f"{'-':>8}"
         lines.append(
             f"{r.mode:<18}{r.bs:>4}{r.context:>7}{ms}{tps}{floor_ms[key]:8.3f}{frac:>9}"
-            f"{speed}  {r.note}"
+            f"{speed}{kern}  {r.note}"
         )
     return "\n".join(lines)
 

@@ -138,6 +138,16 @@ class GraphInputBuffers:
         self._repad_stale_rows(bs, bucket, self.pad_packed_rows)
         return came_packed
 
+    def copy_host_lens(self, batch: ForwardBatch, bucket: int) -> None:
+        """Pinned-staging path (``staging.py`` stages the packed rows): only the host
+        ``seq_lens_cpu`` rows here, stale ones re-padded."""
+        bs = batch.batch_size
+        self.rows(bs).seq_lens_cpu.copy_(batch.seq_lens_cpu)
+        self._repad_stale_rows(bs, bucket, self.pad_host_lens)
+
+    def pad_host_lens(self, start: int, stop: int) -> None:
+        self.seq_lens_cpu[start:stop] = self.seq_len_fill_value
+
     def _repad_stale_rows(self, bs: int, bucket: int, pad: Callable[[int, int], None]) -> None:
         """Pad rows ``[bs:bucket]`` that a previous, larger batch left holding live values."""
         stale_stop = min(self.dirty_rows, bucket)

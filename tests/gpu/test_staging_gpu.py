@@ -1,0 +1,92 @@
+"""Pinned staging on the GPU: the host writes the next batch while the previous replay runs.
+
+A sleep kernel before each replay keeps the GPU behind the host, so the host stages batch k + 2
+into the slot replay k reads while replay k's copy has not run yet, unless it waits for the
+slot's event. The same walk with the wait switched off must go wrong: that proves the test
+would catch a slot overwritten before its copy ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.runner import staging as staging_mod
+from stepgraph.toy_model import ToyModelRunner
+
+SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time per step: the host is always ahead
+SIZES = [1, 7, 16, 2, 33, 3, 64, 1, 1, 9, 40, 5, 17, 2, 64, 8]  # across buckets, up and down
+
+
+@pytest.fixture(scope="module")
+def mr():
+    return ToyModelRunner(
+        hidden=64,
+        num_layers=4,
+        num_pages=600,
+        page_size=16,
+        max_pages_per_request=8,
+        device="cuda",
+        seed=23,
+    )
+
+
+def _batches(mr, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # host rows (packed_cpu) for most steps, device-only batches (a D2H into the slot) for some
+    return [mr.random_batch(bs, g, packed=(i % 3 != 2)) for i, bs in enumerate(SIZES)]
+
+
+def _eager(mr, batches):
+    saved = mr.clone_state()
+    outs = [mr.forward(b).clone() for b in batches]
+    torch.cuda.synchronize()
+    mr.load_state(saved)
+    return outs
+
+
+def _replayed(mr, runner, batches):
+    saved = mr.clone_state()
+    outs = []
+    for b in batches:
+        torch.cuda._sleep(SLEEP_CYCLES)  # the GPU lags; the host runs on
+        outs.append(runner.replay(b).clone())  # ordered on the stream: no host sync
+    torch.cuda.synchronize()
+    mr.load_state(saved)
+    return outs
+
+
+def test_staged_random_walk_equals_eager_with_the_host_ahead(mr):
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=64, show_progress=False, pinned_staging=True))
+    batches = _batches(mr, 1)
+    want = _eager(mr, batches)
+    got = _replayed(mr, runner, batches)
+    for k, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"step {k}")
+    assert runner._staging.waits > 0  # the host really was ahead and had to wait
+    runner.shutdown()
+
+
+def test_without_the_event_wait_a_slot_is_overwritten_and_the_walk_fails(mr, monkeypatch):
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=64, show_progress=False, pinned_staging=True))
+    monkeypatch.setattr(staging_mod, "_done", lambda ev: True)  # never wait: the bug
+    batches = _batches(mr, 2)
+    want = _eager(mr, batches)
+    got = _replayed(mr, runner, batches)
+    wrong = [k for k, (g, w) in enumerate(zip(got, want)) if not torch.allclose(g, w, 1e-4, 1e-4)]
+    assert wrong, "overwriting a slot before its copy ran went unnoticed"
+    runner.shutdown()
+
+
+def test_staged_replay_equals_unstaged_at_every_bucket(mr):
+    plain = CudaGraphRunner(mr, RunnerConfig(max_bs=64, show_progress=False))
+    staged = CudaGraphRunner(mr, RunnerConfig(max_bs=64, show_progress=False, pinned_staging=True))
+    g = torch.Generator().manual_seed(3)
+    for bs in plain.capture_bs:
+        batch = mr.random_batch(bs, g, packed=True)
+        want, _ = mr.eager_reference(batch)
+        torch.testing.assert_close(plain.replay(batch), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(staged.replay(batch), want, rtol=1e-4, atol=1e-4)
+    plain.shutdown()
+    staged.shutdown()

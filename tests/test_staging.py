@@ -1,0 +1,82 @@
+"""Pinned staging on the CPU stand-in: replay equals eager under a random walk of batch sizes,
+the slot parity follows the host's count, and no slot is written before its event completed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.batch import pack_batch
+from stepgraph.errors import ConfigError
+from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.runner.input_buffers import pad_row
+from stepgraph.runner.staging import PinnedStaging
+from stepgraph.toy_model import ToyModelRunner
+
+CFG = RunnerConfig(max_bs=16, show_progress=False, pinned_staging=True)
+
+
+def test_staging_needs_packed_inputs():
+    with pytest.raises(ConfigError, match="packed_inputs=True"):
+        RunnerConfig(pinned_staging=True, packed_inputs=False)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_random_walk_of_batch_sizes_equals_eager(packed):
+    mr = ToyModelRunner(num_pages=160, seed=11)
+    runner = CudaGraphRunner(mr, CFG)
+    staging = runner._staging
+    assert staging.count == 0 and int(staging.parity) == 0
+    g = torch.Generator().manual_seed(7)
+    sizes = [16, 1, 9, 3, 16, 2, 5, 5, 12, 1, 8, 7]  # grow and shrink across buckets
+    for k, bs in enumerate(sizes):
+        batch = mr.random_batch(bs, g, packed=packed)
+        want, want_state = mr.eager_reference(batch)
+        got = runner.replay(batch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for have, ref in zip(mr.kv, want_state):  # padded rows wrote only into scratch page 0
+            torch.testing.assert_close(have[mr.page_size :], ref[mr.page_size :])
+        assert staging.count == k + 1 and int(staging.parity) == (k + 1) % 2
+        bucket = min(b for b in runner.capture_bs if b >= bs)
+        slot = k % 2  # the slot this replay read: live rows, then padding up to the bucket
+        torch.testing.assert_close(staging.host[slot, :bs], pack_batch(batch).cpu())
+        assert (staging.host[slot, bs:bucket] == staging.pad).all()
+
+
+class FakeEvent:
+    """A pending event until synchronize(); remembers what slot 0 held when the host waited."""
+
+    def __init__(self, staging: PinnedStaging, slot: int) -> None:
+        self.staging, self.slot = staging, slot
+        self.pending = False
+        self.seen_at_wait: torch.Tensor | None = None
+
+    def record(self) -> None:
+        self.pending = True
+
+    def query(self) -> bool:
+        return not self.pending
+
+    def synchronize(self) -> None:
+        self.seen_at_wait = self.staging.host[self.slot].clone()
+        self.pending = False
+
+
+def test_a_slot_is_not_overwritten_before_its_copy_ran():
+    mr = ToyModelRunner(num_pages=160, seed=2)
+    width = mr.max_pages_per_request + 4
+    staging = PinnedStaging(pad_row(mr.max_pages_per_request, 1, torch.device("cpu")), 8, mr.device)
+    assert staging.host.shape == (2, 8, width)
+    staging.events = [FakeEvent(staging, 0), FakeEvent(staging, 1)]
+    g = torch.Generator().manual_seed(3)
+    a, b, c = (mr.random_batch(4, g, packed=True) for _ in range(3))
+    staging.stage(a, 4)  # replay 0 reads slot 0; its copy has not run (the event is pending)
+    staging.replayed()
+    staging.stage(b, 4)  # slot 1: free, no wait
+    staging.replayed()
+    assert staging.waits == 0 and staging.events[0].seen_at_wait is None
+    staging.stage(c, 4)  # slot 0 again: must wait for replay 0's event before writing
+    assert staging.waits == 1
+    torch.testing.assert_close(staging.events[0].seen_at_wait[:4], pack_batch(a))
+    torch.testing.assert_close(staging.host[0, :4], pack_batch(c))
+    torch.testing.assert_close(staging.host[1, :4], pack_batch(b))
