@@ -69,6 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_bs=max(len(prompts), 1),
         max_context_len=max(longest, 64),
     )
+    if args.kernels:
+        mr.set_kernels(args.kernels)  # default: fused on CUDA (one-row steps), reference on CPU
     engine = Engine(mr, mode=args.mode)
     outputs = engine.generate(
         prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
@@ -106,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="text (needs a tokenizer in --model DIR)")
     gen.add_argument("--max-new-tokens", type=int, default=16)
     gen.add_argument("--mode", default="graph", choices=("eager", "graph", "exact"))
+    gen.add_argument(
+        "--kernels",
+        default=None,
+        choices=("fused", "reference"),
+        help="decode-step kernels: fused (default on CUDA) or reference (unfused)",
+    )
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None)
     gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     gen.add_argument("--temperature", type=float, default=0.0)
