@@ -21,8 +21,6 @@ in ``runner.last_call`` only, since a graph cannot see new Python objects.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,73 +37,10 @@ from .piecewise import (
     PiecewiseCudaGraphConfig,
     PiecewisePackedConfig,
 )
+from .region_outputs import BufferLease, DictRegion, Key, key_of, resource_layout
 
 DEFAULT_BATCH_SIZES = [1, 2, 4, 8]  # used when neither the config nor the runner gives sizes
 PAD_VALUE = 0  # what padding rows of the static inputs hold at replay
-
-Key = tuple[int, int]  # (bs, total_tokens)
-
-
-def _key(shape: PiecewiseCaptureShape) -> Key:
-    return shape.bs, shape.total_tokens
-
-
-@dataclass
-class BufferLease:
-    """A shape's static inputs, marked in use until ``release()``."""
-
-    shape: PiecewiseCaptureShape
-    buffers: dict[str, torch.Tensor]
-    _leases: dict[Key, BufferLease]
-
-    def release(self) -> None:
-        self._leases.pop(_key(self.shape), None)
-
-
-class _DictRegion:
-    """Adapts a ``dict[str, Tensor]``-returning region to the backend's tensor-returning capture.
-
-    Warm-up calls are kept alive (so a fresh allocation can't reuse their addresses) and only
-    type-checked. ``seal()`` after capture makes the capture call's dict the static outputs; a
-    later call (the CPU stand-in's replay re-runs the region) copies its results into them."""
-
-    def __init__(self, fn: Callable[[], Any], what: str) -> None:
-        self._fn, self.what = fn, what
-        self.calls: list[dict[str, torch.Tensor]] = []
-        self.outputs: dict[str, torch.Tensor] | None = None
-
-    def __call__(self) -> torch.Tensor:
-        out = self._fn()
-        if self.outputs is not None:
-            for name, t in out.items():
-                self.outputs[name].copy_(t)
-            return next(iter(self.outputs.values()))
-        if not isinstance(out, dict) or not out:
-            raise CaptureError(
-                f"{self.what}: capture_fn returned {type(out).__name__}; it must return a "
-                "non-empty dict[str, Tensor] of outputs it allocates."
-            )
-        for name, t in out.items():
-            if not isinstance(t, torch.Tensor):
-                raise CaptureError(
-                    f"{self.what}: capture_fn output {name!r} is a {type(t).__name__}; "
-                    "return tensors only."
-                )
-        self.calls.append(out)
-        return next(iter(out.values()))
-
-    def seal(self, preexisting: set[int]) -> dict[str, torch.Tensor]:
-        *warmups, captured = self.calls
-        old = preexisting | storage_ptrs(t for w in warmups for t in w.values())
-        for name, t in captured.items():
-            if storage_ptrs([t]) & old:
-                raise CaptureError(
-                    f"{self.what}: output {name!r} was not allocated by the captured call (it "
-                    "shares storage with a static input, a resource, a kwarg, an earlier output "
-                    "or a tensor from before capture); return a new tensor, e.g. x.clone()."
-                )
-        self.outputs, self.calls = captured, []
-        return captured
 
 
 class PiecewiseRunner(GraphRunnerBase):
@@ -132,7 +67,7 @@ class PiecewiseRunner(GraphRunnerBase):
         self.show_progress = show_progress
         sizes = config.capture_batch_sizes or batch_sizes or DEFAULT_BATCH_SIZES
         # Ascending (total_tokens, bs): the first shape that holds a batch is the smallest.
-        self.shapes = sorted(config.get_capture_shapes(list(sizes)), key=_key)
+        self.shapes = sorted(config.get_capture_shapes(list(sizes)), key=key_of)
         if not self.shapes:
             raise ConfigError("the config yields no capture shape; check its sizes.")
         self.packed = isinstance(config, PiecewisePackedConfig)
@@ -162,17 +97,17 @@ class PiecewiseRunner(GraphRunnerBase):
         return self.stats
 
     def _capture_one(self, shape: PiecewiseCaptureShape) -> BucketStats:
-        key, what = _key(shape), f"piecewise shape (bs={shape.bs}, total={shape.total_tokens})"
+        key, what = key_of(shape), f"piecewise shape (bs={shape.bs}, total={shape.total_tokens})"
         try:
             static = self._make_static(shape, what)
             step = self._declare(shape, static, shape.seq_lens)  # leased as at replay
             call = PiecewiseCallInputs(static, None, self.config.forward_kwargs, step)
             resources = call.resources
-            self._step_layout[key] = _layout(resources)
+            self._step_layout[key] = resource_layout(resources)
             fn = self.config.capture_fn
             if self.compile_enabled:
                 fn = torch.compile(fn, dynamic=False)
-            region = _DictRegion(lambda: fn(call), what)
+            region = DictRegion(lambda: fn(call), what)
             graph, stats = capture_step(self._backend, region, key=key, bs=shape.bs, what=what)
             earlier = [t for out in self.outputs.values() for t in out.values()]
             known = [*static.values(), *resources.values(), *call.kwargs.values(), *earlier]
@@ -220,10 +155,10 @@ class PiecewiseRunner(GraphRunnerBase):
     def lease(self, shape: PiecewiseCaptureShape) -> BufferLease:
         """Mark ``shape``'s static inputs as in use and hand them over. A second lease of the same
         shape before ``release()`` raises ``ReplayError``."""
-        return self._lease(shape, self.static_inputs[_key(shape)])
+        return self._lease(shape, self.static_inputs[key_of(shape)])
 
     def _lease(self, shape: PiecewiseCaptureShape, buffers: dict) -> BufferLease:
-        key = _key(shape)
+        key = key_of(shape)
         if key in self._leases:
             raise ReplayError(
                 f"the static buffers of shape (bs={shape.bs}, total={shape.total_tokens}) are "
@@ -246,15 +181,15 @@ class PiecewiseRunner(GraphRunnerBase):
         ``seq_lens``; batched ones take it optionally (lengths within ``seq_len``)."""
         self._check_alive("replay")
         shape, rows = self._pick(live_inputs, seq_lens)
-        key = _key(shape)
+        key = key_of(shape)
         real_bs = len(seq_lens) if self.packed else rows
         lens = self.config.replay_seq_lens(shape, seq_lens, real_bs)
         static = self.static_inputs[key]
         step = self._declare(shape, static, lens)
         call = PiecewiseCallInputs(static, engine_inputs, self.config.forward_kwargs, step)
-        if _layout(call.resources) != self._step_layout[key]:
+        if resource_layout(call.resources) != self._step_layout[key]:
             raise ReplayError(
-                f"declare_step returned resources {_layout(call.resources)} at replay but "
+                f"declare_step returned resources {resource_layout(call.resources)} at replay but "
                 f"{self._step_layout[key]} at capture; a graph reads only the tensors it "
                 "captured: write the new step into the same tensors, in place."
             )
@@ -272,7 +207,7 @@ class PiecewiseRunner(GraphRunnerBase):
     def _pick(self, live: dict[str, torch.Tensor], seq_lens: list[int] | None):
         """Check the live inputs against the static ones and pick the smallest shape holding
         them; returns (shape, live rows). Raises before anything is copied."""
-        template = self.static_inputs[_key(self.shapes[-1])]
+        template = self.static_inputs[key_of(self.shapes[-1])]
         subset_ok = self.config.declare_step is not None  # a declared step may fill the rest
         n = check_inputs(live, template, label="the live batch", subset_ok=subset_ok)
         if self.packed and (seq_lens is None or sum(seq_lens) != n or not seq_lens):
@@ -280,7 +215,7 @@ class PiecewiseRunner(GraphRunnerBase):
                 f"a packed replay needs seq_lens summing to the {n} live tokens, got {seq_lens}."
             )
         bs = len(seq_lens) if self.packed else n
-        shape = smallest_fit(self.shapes, _key, bs, n, self.packed)
+        shape = smallest_fit(self.shapes, key_of, bs, n, self.packed)
         if shape is not None:
             return shape, n
         raise ReplayError(
@@ -300,12 +235,3 @@ class PiecewiseRunner(GraphRunnerBase):
     def _forget_graphs(self) -> None:
         self.outputs.clear()
         self.static_inputs.clear()
-
-
-def _layout(resources: dict[str, Any]) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """(address, shape) of each tensor resource: what a graph baked in at capture."""
-    return {
-        n: (t.data_ptr(), tuple(t.shape))
-        for n, t in resources.items()
-        if isinstance(t, torch.Tensor)
-    }

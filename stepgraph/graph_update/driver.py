@@ -218,9 +218,3 @@ def get_driver() -> Driver:
     if _DRIVER is None:
         _DRIVER = Driver()
     return _DRIVER
-
-
-def __getattr__(name: str) -> Any:  # ``driver.DRIVER``: created lazily, on first access
-    if name == "DRIVER":
-        return get_driver()
-    raise AttributeError(name)

@@ -13,40 +13,24 @@ need not be rebuilt.
 
 from __future__ import annotations
 
-import inspect
 from bisect import bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, GraphUpdateError
 from ..kernels.splits import fa_split_keys, monotone_steps, splits_from_keys
 from .nodes import _GRID_FIELDS, KernelNode, read_i32_arg, read_ptr_arg
-from .registry import DEFAULT_REGISTRY, SplitKernelRegistry, SplitKernelSpec
-
-SplitKeys = Callable[[int, int, int, int], int]  # (t_kv, n_kv_heads, bs, num_sms) -> keys/split
-SeedSplitKeys = Callable[[int, int], int]  # the seed's signature: (t_kv, n_kv_heads) -> keys
+from .registry import (
+    DEFAULT_REGISTRY,
+    SeedSplitKeys,
+    SplitKernelRegistry,
+    SplitKernelSpec,
+    SplitKeys,
+    as_split_keys,
+)
 
 _default_split_keys: SplitKeys = fa_split_keys
-
-
-def as_split_keys(ladder: SplitKeys | SeedSplitKeys | None) -> SplitKeys | None:
-    """``ladder`` with our four-argument signature. The seed's two-argument ladders
-    ``split_keys(t_kv, n_kv)`` are wrapped (they ignore ``bs`` and ``num_sms``); a ``monotone``
-    mark carries over."""
-    if ladder is None:
-        return None
-    try:
-        inspect.signature(ladder).bind(1, 1, 1, 1)
-        return ladder
-    except TypeError:
-        inspect.signature(ladder).bind(1, 1)  # neither signature: let the TypeError say so
-
-    def four(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> int:
-        return ladder(t_kv, n_kv_heads)
-
-    four.monotone = getattr(ladder, "monotone", False)  # type: ignore[attr-defined]
-    return four
 
 
 @dataclass(eq=False)

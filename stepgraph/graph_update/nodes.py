@@ -58,10 +58,6 @@ class KernelNode:
         p = self.params
         return (p.blockDimX, p.blockDimY, p.blockDimZ)
 
-    @property
-    def shared_mem(self) -> int:
-        return self.params.sharedMemBytes
-
     def set_grid(self, axis: int, value: int) -> None:
         """Set one grid axis (0 = x, 1 = y, 2 = z). Pushed by :func:`set_exec_params`."""
         if axis not in (0, 1, 2):

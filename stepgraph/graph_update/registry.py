@@ -8,7 +8,8 @@ with their own split kernel describes it with a :class:`SplitKernelSpec` and cal
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import inspect
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,6 +17,27 @@ from ..errors import ConfigError
 from ..kernels import split_kv
 
 Rule = Literal["ladder", "self_limiting"]
+SplitKeys = Callable[[int, int, int, int], int]  # (t_kv, n_kv_heads, bs, num_sms) -> keys/split
+SeedSplitKeys = Callable[[int, int], int]  # the seed's signature: (t_kv, n_kv_heads) -> keys
+
+
+def as_split_keys(ladder: SplitKeys | SeedSplitKeys | None) -> SplitKeys | None:
+    """``ladder`` with our four-argument signature. The seed's two-argument ladders
+    ``split_keys(t_kv, n_kv)`` are wrapped (they ignore ``bs`` and ``num_sms``); a ``monotone``
+    mark carries over."""
+    if ladder is None:
+        return None
+    try:
+        inspect.signature(ladder).bind(1, 1, 1, 1)
+        return ladder
+    except TypeError:
+        inspect.signature(ladder).bind(1, 1)  # neither signature: let the TypeError say so
+
+    def four(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> int:
+        return ladder(t_kv, n_kv_heads)
+
+    four.monotone = getattr(ladder, "monotone", False)  # type: ignore[attr-defined]
+    return four
 
 
 @dataclass(frozen=True)

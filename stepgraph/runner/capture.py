@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..backends import CapturedGraph, GraphBackend, GraphPool
 from ..errors import CaptureError
+from .config import RunnerConfig
 from .stats import BucketStats, CaptureStats, Stopwatch
 
 logger = logging.getLogger("stepgraph")
@@ -146,7 +147,7 @@ def capture_step(
     key: object,
     bs: int,
     what: str,
-    warmup_iters: int = 2,
+    warmup_iters: int = RunnerConfig.warmup_iters,
 ) -> tuple[CapturedGraph, BucketStats]:
     """Warm ``step`` up eagerly, then capture it. Failures become ``CaptureError`` naming
     ``what`` and chaining the cause; the caller releases what it captured before."""
