@@ -22,8 +22,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--max-bs", type=int, default=512)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--model", default="llama-3.2-1b", help="preset (random weights)")
+    ap.add_argument("--ledger", action="store_true", help="print the per-bucket ledger")
     args = ap.parse_args()
-    mr = build_model_runner("llama-3.2-1b", "cuda", torch.bfloat16, args.max_bs, args.context)
+    mr = build_model_runner(args.model, "cuda", torch.bfloat16, args.max_bs, args.context)
     rows = {}
     for mode in ("graph", "exact"):
         runner = CudaGraphRunner(
@@ -35,10 +37,21 @@ def main() -> None:
             "seconds": round(s.seconds, 3),
             "pool_mib": round(s.pool_bytes / 2**20, 1),
             "slowest_bucket_s": round(max(b.seconds for b in s.buckets), 3),
+            # outside the pool: the shared output and workspaces the warm-ups left live
+            "outside_mib": round(s.outside_bytes / 2**20, 1),
+            "pool_held_mib": None
+            if s.pool_held_bytes is None
+            else round(s.pool_held_bytes / 2**20, 1),
+            "ledger": s.ledger(),  # seconds and MiB per bucket, in capture order
         }
+        if args.ledger:
+            print(f"{mode}:\n{s.ledger_table()}")
         runner.shutdown()
         torch.cuda.empty_cache()
-    rows["summary"] = {f"{m}_{k}": v for m in ("graph", "exact") for k, v in rows[m].items()}
+    rows["model"] = args.model
+    rows["summary"] = {
+        f"{m}_{k}": v for m in ("graph", "exact") for k, v in rows[m].items() if k != "ledger"
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -46,7 +59,9 @@ def main() -> None:
         r = rows[mode]
         print(
             f"{mode:<6} {r['buckets']} buckets in {r['seconds']:.2f} s (target <= 3), "
-            f"pool {r['pool_mib']:.0f} MiB (target <= 256), slowest {r['slowest_bucket_s']} s"
+            f"pool {r['pool_mib']:.0f} MiB (target <= 256; allocator's count "
+            f"{r['pool_held_mib']}), outside {r['outside_mib']:.0f} MiB, "
+            f"slowest {r['slowest_bucket_s']} s"
         )
 
 

@@ -22,6 +22,7 @@ import torch
 from stepgraph.batch import pack_batch
 from stepgraph.bench.timing import cuda_time_ms
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.runner.input_checks import check_values
 from stepgraph.toy_model import ToyModelRunner
 
 
@@ -99,6 +100,7 @@ def main() -> None:
     runner = CudaGraphRunner(mr, RunnerConfig(max_bs=32, show_progress=False))
     b1 = random_batch(mr, 1, 1)
     b1.packed = pack_batch(b1)  # what an engine builds on the host and copies once
+    b1.packed_cpu = b1.packed.cpu()  # the host rows it keeps: checks and staging read them
     rows["kernels_per_step"] = count_kernels(mr, b1)
     graph = runner.graphs[1]
     runner.replay(b1)
@@ -114,6 +116,20 @@ def main() -> None:
     unpacked.replay(b1_fields)
     rows["host_us_runner_replay_unpacked"] = host_us_per_call(lambda: unpacked.replay(b1_fields))
     unpacked.shutdown()
+    # Pinned staging: the host writes the rows into a pinned slot; the copy runs in the graph.
+    # Value checks are on (RunnerConfig.check_inputs defaults to "host") in both figures.
+    staged = CudaGraphRunner(mr, RunnerConfig(max_bs=32, show_progress=False, pinned_staging=True))
+    staged.replay(b1)
+    full_staged = host_us_per_call(lambda: staged.replay(b1))
+    rows["host_us_runner_replay_staged"] = full_staged
+    rows["host_us_runner_overhead_staged"] = full_staged - bare
+    rows["check_inputs"] = staged.config.check_inputs
+    rows["host_us_parts_staged"] = {
+        "stage": host_us_per_call(lambda: staged._staging.stage(b1, 1)),
+        "replayed_event": host_us_per_call(staged._staging.events[0].record),
+        "copy_host_lens": host_us_per_call(lambda: staged.buffers.copy_host_lens(b1, 1)),
+    }
+    staged.shutdown()
     # Where the runner's host time goes (each piece timed alone).
     bucket = runner._static[1]
     rows["host_us_parts"] = {
@@ -122,7 +138,16 @@ def main() -> None:
             lambda: mr.attn_backend.init_forward_metadata_replay_cuda_graph(1, bucket)
         ),
         "input_checks": host_us_per_call(lambda: runner._input_problem(b1)),
+        # RunnerConfig.check_inputs="host" (default): value checks of seq_lens_cpu and the
+        # host rows (runner/input_checks.py); the issue-13 budget is the replay overhead above
+        "value_checks": host_us_per_call(
+            lambda: check_values(b1, runner._limits, runner.config.check_inputs)
+        ),
     }
+    no_checks = CudaGraphRunner(mr, RunnerConfig(max_bs=32, show_progress=False, check_inputs="off"))
+    no_checks.replay(b1)
+    rows["host_us_runner_replay_checks_off"] = host_us_per_call(lambda: no_checks.replay(b1))
+    no_checks.shutdown()
 
     # -- eager vs graph step time -------------------------------------------------------------
     steps = []
@@ -135,6 +160,7 @@ def main() -> None:
 
     rows["summary"] = {
         "replay_overhead_us": round(full - bare, 2),
+        "replay_overhead_staged_us": round(full_staged - bare, 2),
         "speedup_bs1": round(steps[0]["speedup"], 2),
         "ms_per_bucket_all": round(rows["capture_all_256"]["ms_per_bucket"], 2),
         "pool_ratio": round(rows["pool_ratio_all_vs_largest"], 3),
@@ -148,6 +174,10 @@ def main() -> None:
     print(
         f"  replay host overhead at bs=1: {full - bare:6.1f} us  (bare graph.replay {bare:.1f}"
         f" us, runner.replay {full:.1f} us; target <= 15)"
+    )
+    print(
+        f"  with pinned staging:          {full_staged - bare:6.1f} us  (runner.replay "
+        f"{full_staged:.1f} us, check_inputs={rows['check_inputs']})"
     )
     for s in steps:
         print(
