@@ -27,6 +27,7 @@ class RunnerConfig:
     mode: str = "graph"
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
+    torch_compile_mode: str = "max-autotune-no-cudagraphs"  # the graph runner owns the graphs
     warmup_iters: int = 2
     backend: str = "auto"  # "cuda", "cpu" (stand-in) or "auto" (by device)
     show_progress: bool = True

@@ -155,7 +155,7 @@ class CudaGraphRunner(GraphRunnerBase):
             return self.model_runner.forward
         if self._compiled is None:
             self._compiled = torch.compile(
-                self.model_runner.forward, mode="max-autotune-no-cudagraphs", dynamic=False
+                self.model_runner.forward, mode=self.config.torch_compile_mode, dynamic=False
             )
         return self._compiled
 

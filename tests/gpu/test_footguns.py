@@ -1,6 +1,20 @@
 """What silently differs under CUDA-graph replay: a catalogue, as tests (after tinygrad's
 test_jit_footguns.py). Each test asserts the footgun really happens, so that the docs stay true,
-and where stepgraph guards against it, that the guard works."""
+and where stepgraph guards against it, that the guard works.
+
+    footgun                                        severity   stepgraph's guard
+    -------------------------------------------------------------------------------------------
+    Python constants frozen at capture             wrong      none: pass values as tensors
+    host-side branches frozen at capture           wrong      none: branch on static shapes only
+    device tensors built from host data            crash      CaptureError names the host sync
+    output overwritten by the next replay          wrong      documented: consume before replay
+    inputs rebound instead of written in place     wrong      static buffers, copied in place
+    dirty padding rows write into live KV          corrupt    padding rows re-padded (scratch)
+    stale node edit after re-instantiation         wrong      reinstantiate() invalidates plans
+
+"wrong": silently wrong outputs; "corrupt": another request's state changes; "crash": capture
+fails (loudly, which is the good case).
+"""
 
 from __future__ import annotations
 
@@ -89,4 +103,34 @@ def test_dirty_padding_rows_would_corrupt_live_kv_and_the_runner_prevents_it():
     small = mr.random_batch(5, g)
     runner.replay(small)
     assert runner.buffers.out_cache_loc[5:8].eq(0).all()  # re-padded to the scratch slot
+    runner.shutdown()
+
+
+def test_stale_node_edit_after_reinstantiation_and_the_runner_reapplies_it():
+    """Exact mode edits the exec's attention nodes; a fresh exec from ``instantiate()`` starts
+    from the captured split count again. A plan that believed its edits still applied would
+    skip the push and replay the wrong geometry; ``runner.reinstantiate()`` invalidates the
+    plans so the next replay pushes every edit again, bit-identical to eager."""
+    from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
+    from stepgraph.model import ModelRunner
+
+    mr = ModelRunner.from_preset(
+        "llama-3.2-1b", "cuda", torch.bfloat16, seed=5, num_layers=2, max_bs=1,
+        max_context_len=4096,
+    )  # fmt: skip
+    fill_kv_random(mr, seed=6)
+    runner = CudaGraphRunner(mr, RunnerConfig(capture_bs=(1,), mode="exact", show_progress=False))
+    batch, pages = decode_batch(mr, Point(bs=1, context=700), seed=7)
+    want = mr.forward(batch).clone()
+    got = runner.replay(batch).clone()
+    first = runner.stats.node_edits
+    assert first > 0 and torch.equal(got, want)  # 700 keys: fewer splits than the bucket's
+    assert runner.replay(batch) is not None and runner.stats.node_edits == first  # no re-push
+    runner.reinstantiate()  # a fresh exec: every edit is gone
+    assert all(m.ns is None for m in runner._plans[1].mains)  # ... and the plan knows it
+    got = runner.replay(batch).clone()
+    assert runner.stats.node_edits == 2 * first  # every node pushed again
+    assert torch.equal(got, want)
+    for p in pages:
+        mr.kv_cache.release(p)
     runner.shutdown()
