@@ -7,7 +7,8 @@ weights, page size 64, context 512), replayed from a CUDA graph, at bs 1 and 8.
    calls captured in one graph): cuBLAS (F.linear) against the Triton GEMV at a few tile
    configs; microseconds per call and GB/s of weight bytes. The winner per (shape, bs) picks
    the GEMV policy "best" ({shape: largest measured bs it wins at}).
-2. The whole step, three linear policies (cuBLAS everywhere, GEMV everywhere, best): ms per
+2. The whole step, three linear policies (cuBLAS everywhere, GEMV everywhere, best) on the
+   reference kernels, then the fused kernels (``--kernels fused``, issue 12): ms per
    step (CUDA events, median; ``replay(b).argmax(-1)`` as ``stepgraph bench`` times it), the
    bandwidth floor ((weights + live KV) / measured copy bandwidth) and its fraction, kernels per
    step and the top-15 kernels by total time from torch.profiler over a few replays.
@@ -135,8 +136,9 @@ def profile_step(step, replays: int = PROFILE_REPLAYS) -> dict:
     )
 
 
-def time_policy(mr, name: str, policy, floor_ms: dict) -> dict:
+def time_policy(mr, name: str, policy, floor_ms: dict, kernels: str = "reference") -> dict:
     mr.model.use_gemv(policy)
+    mr.set_kernels(kernels)  # "fused": one-row steps run model/fused_decode.py
     cfg = RunnerConfig(max_bs=max(BATCH_SIZES), capture_bs=BATCH_SIZES, show_progress=False)
     t0 = time.perf_counter()
     runner = CudaGraphRunner(mr, cfg)
@@ -144,7 +146,10 @@ def time_policy(mr, name: str, policy, floor_ms: dict) -> dict:
     try:
         for bs in BATCH_SIZES:
             batch, pages = decode_batch(mr, Point(bs, CONTEXT))
-            step = lambda b=batch: runner.replay(b).argmax(-1)  # noqa: E731
+            if mr.fused_tokens(bs) is not None:  # greedy tokens come out of the step
+                step = lambda b=batch: runner.replay(b)  # noqa: E731
+            else:
+                step = lambda b=batch: runner.replay(b).argmax(-1)  # noqa: E731
             ms = [cuda_time_ms(step, warmup=5, iters=20, inner=5) for _ in range(2)]
             prof = {}
             try:
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape_rows, best = time_shapes(mr, gbps)
     policies = [("cublas", None), ("gemv-all", "all"), ("gemv-best", best)]
     steps = [time_policy(mr, name, pol, floor_ms) for name, pol in policies]
+    # the fused step (bs=1; larger batches fall back to the reference kernels, GEMV at 1 row)
+    steps.append(time_policy(mr, "fused", "all", floor_ms, kernels="fused"))
     result = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__,
         copy_gbps=gbps, model=MODEL, context=CONTEXT, shapes=shape_rows,
