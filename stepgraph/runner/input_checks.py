@@ -15,13 +15,14 @@ data that already exists (no device sync):
 Levels: ``"host"`` (default) checks what is on the host; ``"full"`` also copies the device
 tensors of a batch without host rows to the host (a sync per replay: for debugging); ``"off"``
 checks nothing. Limits come from the model runner where it has them (``InputLimits.of``); a
-limit it lacks is not checked. Cost: two numpy reductions over the host rows (see
-``benchmarks/runner_overhead.py``, ``host_us_parts.value_checks``).
+limit it lacks is not checked. Cost: one vectorised compare of the host rows against per-column
+bounds (``benchmarks/runner_overhead.py``, ``host_us_parts.value_checks``); only a bad batch
+pays for finding and naming the value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ class InputLimits:
     page_size: int | None = None  # slots [0, page_size) are scratch page 0
     vocab_size: int | None = None
     max_context_len: int | None = None
+    _bounds: dict = field(default_factory=dict, compare=False, repr=False)  # width -> arrays
 
     @classmethod
     def of(cls, model_runner: Any) -> InputLimits:
@@ -80,11 +82,10 @@ def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> None:
     """``ReplayError`` naming the first bad value of ``batch``; nothing when all are valid."""
     if level == "off":
         return
-    ctx = limits.max_context_len
-    _check_range(
-        "seq_lens_cpu", batch.seq_lens_cpu.numpy(), 1, None if ctx is None else ctx + 1,
-        "the KV length counts this token",
-    )  # fmt: skip
+    seq = batch.seq_lens_cpu.numpy()  # [bs] int32, zero-copy
+    low, span = _bounds(limits, None)
+    if seq.size and (seq - low).view(span.dtype).max() >= span:  # see _outside
+        _check_range("seq_lens_cpu", seq, *limits.column_ranges()["seq_lens"])
     rows = batch.packed_cpu
     if rows is None and level == "full":  # device-only batch: copy it back (a sync)
         rows = (batch.packed if batch.packed is not None else PACKED.pack(batch)).cpu()
@@ -94,22 +95,50 @@ def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> None:
 
 def check_rows(rows: np.ndarray, limits: InputLimits) -> None:
     """Check packed host rows ``[bs, PACKED.width(max_pages)]`` int64 against ``limits``."""
-    if rows.shape[0] == 0:
+    low, span = _bounds(limits, rows.shape[1])
+    if not _any_outside(rows, low, span):  # the fast path: one pass, no Python per column
         return
-    lo, hi = rows.min(axis=0), rows.max(axis=0)  # [width] each: one pass per bound
-    for name, (low, high, why) in limits.column_ranges().items():
-        i = PACKED.fields.index(name)
-        if lo[i] < low or (high is not None and hi[i] >= high):
-            _check_range(name, rows[:, i], low, high, why)
-    t = PACKED.table_col
-    if rows.shape[1] > t:
-        pages = limits.num_pages
-        if lo[t:].min() < 0 or (pages is not None and hi[t:].max() >= pages):
-            row, col = np.argwhere((rows[:, t:] < 0) | (rows[:, t:] >= (pages or 2**62)))[0]
-            raise ReplayError(
-                f"block_table[{row}, {col}] = {rows[row, t + col]} is outside [0, {pages}): a "
-                f"page id indexes the KV cache's {pages} pages. {FIX}"
-            )
+    for name, (lo, hi, why) in limits.column_ranges().items():
+        _check_range(name, rows[:, PACKED.fields.index(name)], lo, hi, why)
+    t, pages = PACKED.table_col, limits.num_pages
+    row, col = np.argwhere(_outside(rows[:, t:], low[t:], span[t:]))[0]
+    raise ReplayError(
+        f"block_table[{row}, {col}] = {rows[row, t + col]} is outside [0, {pages}): a page id "
+        f"indexes the KV cache's {pages} pages. {FIX}"
+    )
+
+
+def _outside(values: np.ndarray, low: np.ndarray, span: np.ndarray) -> np.ndarray:
+    # v in [low, low + span) <=> (v - low) as unsigned < span: one compare covers both ends
+    return (values - low).view(span.dtype) >= span
+
+
+def _any_outside(values: np.ndarray, low: np.ndarray, span: np.ndarray) -> bool:
+    return bool(_outside(values, low, span).any())
+
+
+def _bounds(limits: InputLimits, width: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per packed column (``width``) or for ``seq_lens_cpu`` (``None``): the lowest valid
+    value and the count of valid values, unknown limits spanning everything (cached)."""
+    cached = limits._bounds.get(width)
+    if cached is None:
+        cached = limits._bounds[width] = _make_bounds(limits, width)
+    return cached
+
+
+def _make_bounds(limits: InputLimits, width: int | None) -> tuple[np.ndarray, np.ndarray]:
+    ranges = limits.column_ranges()
+    if width is None:
+        lo, hi, _ = ranges["seq_lens"]
+        return np.array(lo, np.int32), np.array(_span(lo, hi, 2**31), np.uint32)
+    cols = [ranges[f][:2] for f in PACKED.fields]
+    cols += [(0, limits.num_pages)] * (width - PACKED.table_col)
+    low = np.array([lo for lo, _ in cols], np.int64)
+    return low, np.array([_span(lo, hi, 2**63) for lo, hi in cols], np.uint64)
+
+
+def _span(lo: int, hi: int | None, unknown: int) -> int:
+    return unknown if hi is None else max(hi - lo, 0)
 
 
 def _check_range(name: str, values: np.ndarray, low: int, high: int | None, why: str) -> None:
