@@ -11,23 +11,9 @@ from stepgraph.kernels.fused_act import silu_mul
 from stepgraph.kernels.fused_norm import add_rmsnorm
 from stepgraph.kernels.gemv import gemv
 from stepgraph.kernels.rope_kv import apply_rope, rope_kv
+from tests.conftest import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "an output element was never written (still NaN)"
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Make every ``torch.empty``/``empty_like`` the kernels allocate start as NaN."""
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-    monkeypatch.setattr(
-        torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan"))
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -18,23 +18,10 @@ from stepgraph.kernels.norm_gemv import (
 from stepgraph.kernels.pdl import launch_options, pdl_enabled, resolve_pdl
 from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
 from stepgraph.kernels.rope_kv import apply_rope
+from tests.conftest import rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 EPS = 1e-5
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "an output element was never written (still NaN)"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Make every ``torch.empty``/``empty_like`` the kernels allocate start as NaN."""
-    empty, empty_like = torch.empty, torch.empty_like
-    poison = lambda t: t.fill_(float("nan") if t.is_floating_point() else -1)  # noqa: E731
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
 
 
 def rms64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # float64 RMSNorm

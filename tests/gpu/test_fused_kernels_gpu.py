@@ -16,24 +16,11 @@ from stepgraph.kernels import rope_kv as rope_mod
 from stepgraph.kernels.rope_kv import apply_rope
 from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from tests.conftest import rel_err
 
 DEV = "cuda"
 BF16_TOL = 1e-2  # relative Frobenius error of bf16 outputs against float64
 HIDDEN, INTER, N_HEADS, N_KV, HD, VOCAB = 2048, 8192, 32, 8, 64, 128256
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "an output element was never written (still NaN)"
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-    monkeypatch.setattr(
-        torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan"))
-    )
 
 
 def randn(*shape, g, scale=1.0):

@@ -22,16 +22,12 @@ from stepgraph.kernels.fused_norm import add_rmsnorm
 from stepgraph.kernels.gemv import gemv
 from stepgraph.kernels.pdl import pdl_enabled
 from stepgraph.kernels.rope_kv import rope_kv
+from tests.conftest import rel_err
 
 DEV = "cuda"
 EPS = 1e-5
 HIDDEN, INTER, N_HEADS, N_KV, HD, VOCAB = 2048, 8192, 32, 8, 64, 128256
 PAGES, PAGE_SIZE = 9, 64
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "an output element was never written (still NaN)"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def randn(*shape, g, scale=1.0):
