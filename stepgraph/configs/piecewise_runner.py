@@ -6,10 +6,12 @@
 
 Per ``PiecewiseCaptureShape`` the runner builds the static inputs with ``make_static_inputs``,
 declares the capture-time step, and captures ``capture_fn(PiecewiseCallInputs(...))``; the
-tensors it returns (allocated by the call) become the shape's static outputs. At replay it picks
-the smallest shape that holds the batch, pads the lengths (``config.replay_seq_lens``), leases
-the shape's buffers when ``lease_before_step`` is set, declares the step, copies the live inputs
-into the first rows (padding rows are zeroed), replays, and returns views of the real rows.
+tensors it returns (allocated by the call) are copied into rows of one buffer per output name,
+shared by every shape (``shared_outputs.py``): those views are the shape's static outputs. At
+replay it picks the smallest shape that holds the batch, pads the lengths
+(``config.replay_seq_lens``), leases the shape's buffers when ``lease_before_step`` is set,
+declares the step, copies the live inputs into the first rows (padding rows are zeroed where a
+larger batch left them live), replays, and returns views of the real rows.
 
 Declared steps: ``declare_step(names, seq_lens)`` gets the names of the shape's static inputs
 and the padded per-request lengths; what it returns is ``PiecewiseCallInputs.resources``. A graph
@@ -38,6 +40,7 @@ from .piecewise import (
     PiecewisePackedConfig,
 )
 from .region_outputs import BufferLease, DictRegion, Key, key_of, resource_layout
+from .shared_outputs import PadTracker, SharedRegionOutputs
 
 DEFAULT_BATCH_SIZES = [1, 2, 4, 8]  # used when neither the config nor the runner gives sizes
 PAD_VALUE = 0  # what padding rows of the static inputs hold at replay
@@ -82,6 +85,8 @@ class PiecewiseRunner(GraphRunnerBase):
         self.last_call: PiecewiseCallInputs | None = None
         self.stats = CaptureStats()
         self.replays = 0
+        self._shared = SharedRegionOutputs(self.shapes)  # outputs: one buffer per name
+        self._pads = PadTracker()  # padding rows re-written only when dirty
         if capture:
             self.capture()
 
@@ -93,7 +98,9 @@ class PiecewiseRunner(GraphRunnerBase):
         self._check_alive("capture")
         self._release_graphs()
         items = list(reversed(self.shapes))
-        self.stats = capture_loop(items, self._capture_one, show_progress=self.show_progress)
+        self.stats = capture_loop(
+            items, self._capture_one, show_progress=self.show_progress, backend=self._backend
+        )
         return self.stats
 
     def _capture_one(self, shape: PiecewiseCaptureShape) -> BucketStats:
@@ -108,7 +115,15 @@ class PiecewiseRunner(GraphRunnerBase):
             if self.compile_enabled:
                 fn = torch.compile(fn, dynamic=False)
             region = DictRegion(lambda: fn(call), what)
-            graph, stats = capture_step(self._backend, region, key=key, bs=shape.bs, what=what)
+            views: dict[str, torch.Tensor] = {}
+
+            def step() -> torch.Tensor:  # the region, then its outputs into the shared rows
+                region()
+                raw = region.outputs if region.outputs is not None else region.calls[-1]
+                views.update(self._shared.copy_in(raw, shape))
+                return next(iter(views.values()))
+
+            graph, stats = capture_step(self._backend, step, key=key, bs=shape.bs, what=what)
             earlier = [t for out in self.outputs.values() for t in out.values()]
             known = [*static.values(), *resources.values(), *call.kwargs.values(), *earlier]
             outputs = region.seal(storage_ptrs(known))
@@ -119,6 +134,7 @@ class PiecewiseRunner(GraphRunnerBase):
                         f"must be one row per request slot ({shape.num_requests}) or per token "
                         f"({shape.total_tokens}) so the real rows can be handed back."
                     )
+            outputs = dict(views)  # shared rows; the region's own outputs are pool temporaries
         except BaseException:
             self._release_graphs()
             raise
@@ -195,7 +211,7 @@ class PiecewiseRunner(GraphRunnerBase):
             )
         for name, t in live_inputs.items():
             static[name][:rows].copy_(t)
-            static[name][rows:].fill_(PAD_VALUE)
+            self._pads.repad(static[name], rows, PAD_VALUE)
         self.graphs[key].replay()
         self.last_call, self.replays = call, self.replays + 1
         real_tokens = sum(lens[:real_bs]) if self.packed else rows * self.config.seq_len
@@ -232,6 +248,14 @@ class PiecewiseRunner(GraphRunnerBase):
         self._release_graphs()
         self._shut_down = True
 
+    def mark_inputs_dirty(self) -> None:
+        """Re-pad every static input row at the next replay: call it after writing into the
+        static inputs outside ``replay`` (padding rows are otherwise re-written only when a
+        larger batch left them live)."""
+        self._pads.forget()
+
     def _forget_graphs(self) -> None:
         self.outputs.clear()
+        self._shared.release()
+        self._pads.forget()
         self.static_inputs.clear()
