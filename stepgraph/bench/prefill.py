@@ -162,6 +162,9 @@ def run_prefill(args: argparse.Namespace) -> int:
             "seconds": cap.seconds,
             "wall_seconds": capture_wall_s,
             "pool_mib": cap.pool_bytes / 2**20,
+            # the regions share one pool: the last runner's count after capture covers them all
+            "pool_held_mib": _mib(piecewise.runners[-1].stats.pool_held_bytes),
+            "outside_mib": cap.outside_bytes / 2**20,  # warm-up leftovers: shared outputs
         }
         with open(args.json, "w") as f:
             rows_json = [asdict(r) for r in rows]
@@ -169,6 +172,10 @@ def run_prefill(args: argparse.Namespace) -> int:
                       f, indent=1)  # fmt: skip
     piecewise.shutdown()
     return 0
+
+
+def _mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**20
 
 
 __all__ = ["PREFILL_TOKENS", "PrefillRow", "prompt_lengths", "run_prefill"]
