@@ -1,10 +1,22 @@
-"""`stepgraph bench | generate | info`."""
+"""`stepgraph bench | generate | buckets | check | info`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from .cli_args import (
+    Parser,
+    UsageError,
+    check_bench_args,
+    check_prompts,
+    model_config,
+    nonneg_float,
+    positive_int,
+    resolve_device,
+    run_main,
+)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -38,27 +50,36 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
     from .bench.main import DTYPES
     from .model.engine import Engine
     from .model.launch import build_model_runner, finish, is_main_rank
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    config = model_config(args.model)
     if args.prompt is not None:
         if not Path(args.model).is_dir():
-            print(
-                "--prompt needs a tokenizer: pass --model DIR of a local HF checkpoint, or use "
-                "--prompt-ids",
-                file=sys.stderr,
+            raise UsageError(
+                "argument --prompt: text needs a tokenizer; pass --model DIR of a local HF "
+                "checkpoint, or use --prompt-ids"
             )
-            return 2
         from transformers import AutoTokenizer
 
         prompts = [AutoTokenizer.from_pretrained(args.model).encode(args.prompt)]
+    elif args.prompt_file is not None:
+        from .prompts import read_prompt_file
+
+        prompts = read_prompt_file(args.prompt_file)
     else:
-        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids.split(";")]
+        from .prompts import parse_prompt_ids
+
+        prompts = parse_prompt_ids(args.prompt_ids)
+    flag = next(
+        f"--{k.replace('_', '-')}"
+        for k in ("prompt", "prompt_file", "prompt_ids")
+        if getattr(args, k) is not None
+    )
+    check_prompts(prompts, args.max_new_tokens, config, flag)  # before any weight is built
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     mr = build_model_runner(
         args.model,
@@ -67,13 +88,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         tp=args.tp,
         max_bs=max(len(prompts), 1),
-        max_context_len=max(longest, 64),
+        max_context_len=min(max(longest, 64), config.max_position_embeddings),
     )
     if args.kernels:
         mr.set_kernels(args.kernels)  # default: fused on CUDA (one-row steps), reference on CPU
     engine = Engine(mr, mode=args.mode)
+    from .prompts import parse_stop_ids
+
     outputs = engine.generate(
-        prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
+        prompts,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_ids=parse_stop_ids(args.stop_ids) if args.stop_ids else None,
+        ignore_eos=args.ignore_eos,
     )
     engine.shutdown()
     if is_main_rank():  # with --tp every rank holds the same tokens; one prints
@@ -86,14 +115,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.main import run
+def cmd_buckets(args: argparse.Namespace) -> int:
+    from .bucket_plan import plan_buckets, read_trace
+    from .errors import ConfigError
+
+    if args.trace == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.trace) as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"--trace {args.trace}: {e.strerror}; check the path.") from e
+    plan = plan_buckets(read_trace(text, f"trace {args.trace}"), args.max_graphs)
+    print(json.dumps(plan.as_json()) if args.json else plan)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check import run
 
     return run(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.main import run
+
+    check_bench_args(args)
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepgraph", description=__doc__)
+    parser = Parser(prog="stepgraph", description=__doc__)
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (anywhere in argv)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     from .bench.main import add_arguments
 
@@ -106,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", help='token ids, prompts split by ";": "1,2,3;4,5"')
     src.add_argument("--prompt", help="text (needs a tokenizer in --model DIR)")
-    gen.add_argument("--max-new-tokens", type=int, default=16)
+    src.add_argument(
+        "--prompt-file",
+        help="JSON list of token-id lists, or JSON Lines (one list per line); - reads stdin",
+    )
+    gen.add_argument("--max-new-tokens", type=positive_int, default=16)
     gen.add_argument("--mode", default="graph", choices=("eager", "graph", "exact"))
     gen.add_argument(
         "--kernels",
@@ -116,26 +176,61 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None)
     gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=positive_int, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true")
     gen.add_argument(
+        "--stop-ids",
+        default=None,
+        help='extra ids that end a request, "2,7" (the checkpoint\'s eos_token_id always does)',
+    )
+    gen.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at the checkpoint's eos_token_id (--stop-ids still apply)",
+    )
+    gen.add_argument(
         "--tp",
-        type=int,
+        type=positive_int,
         default=1,
         help="tensor-parallel ranks (launch with torchrun --nproc-per-node N)",
     )
     gen.set_defaults(func=cmd_generate)
+
+    buckets = sub.add_parser(
+        "buckets", help="choose capture sizes from a trace of observed decode batch sizes"
+    )
+    buckets.add_argument(
+        "--trace",
+        required=True,
+        help="batch sizes, one per line or a JSON list (Engine.stats.write_trace); - reads stdin",
+    )
+    buckets.add_argument("--max-graphs", type=int, required=True, help="at most this many buckets")
+    buckets.add_argument("--json", action="store_true", help="print buckets and waste as JSON")
+    buckets.set_defaults(func=cmd_buckets)
+
+    from .check import add_arguments as add_check_arguments
+
+    check = sub.add_parser(
+        "check", help="differential check: every mode's tokens against eager on random mixes"
+    )
+    add_check_arguments(check)
+    check.set_defaults(func=cmd_check)
 
     info = sub.add_parser("info", help="versions, GPU, driver, and what is missing")
     info.set_defaults(func=cmd_info)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0, 1 (a check failed), 2 (an error, printed as one line on stderr)."""
+    return run_main(_run, argv)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,22 @@ from .errors import ConfigError
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:
-    """``"1,2,3;4,5"`` -> ``[[1, 2, 3], [4, 5]]`` (prompts split by ``;``, ids by ``,``)."""
-    try:
-        return [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";")]
-    except ValueError as e:
-        raise ConfigError(
-            f"--prompt-ids {text[:40]!r}: {e}; give ints, prompts split by ';': \"1,2,3;4,5\"."
-        ) from e
+    """``"1,2,3;4,5"`` -> ``[[1, 2, 3], [4, 5]]`` (prompts split by ``;``, ids by ``,``). An
+    empty item is an error, not skipped: ``"1,,2"`` is more likely a lost id than ``"1,2"``."""
+    prompts = []
+    for i, part in enumerate(text.split(";")):
+        ids = []
+        for j, item in enumerate(part.split(",")):
+            try:
+                ids.append(int(item))
+            except ValueError:
+                what = "empty" if not item.strip() else f"{item.strip()!r}, not an integer"
+                raise ConfigError(
+                    f"--prompt-ids: prompt {i}, item {j} is {what}; give ints, ids split by ',' "
+                    "and prompts by ';': \"1,2,3;4,5\"."
+                ) from None
+        prompts.append(ids)
+    return prompts
 
 
 def parse_stop_ids(text: str) -> list[int]:

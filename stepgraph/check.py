@@ -1,0 +1,255 @@
+"""`stepgraph check`: a differential harness users run on their own model.
+
+Random request mixes go through one engine per mode, all over the same weights (one KV cache
+and attention backend each), and every mode's tokens are compared with eager's:
+
+    eager   the reference: ``ModelRunner.forward`` every step
+    graph   ``CudaGraphRunner``, fixed split geometry (captured at the bucket's max context)
+    exact   the same graphs, split geometry retuned to the live KV length before each replay
+    walk    ``ConfigGraphRunner`` over the model's decode walk (``model/graph_walks.py``)
+
+A mix: 1 to ``max_bs`` requests; prompts log-uniform from 1 token up to the context;
+1 to 24 new tokens; about a third run with ``max_running`` below the batch (requests join
+mid-stream); about a quarter are sampled (temperature, top-k) from a seed.
+
+Exit status 1 when a strict mode differs from eager in any mix, or when any mode raises.
+Exact is strict: its geometry is eager's, so its tokens must be eager's. The fixed-geometry
+graph and the walk may differ in bf16 (another reduction order flips near-ties), so they are
+reported, not judged, on CUDA. On the CPU there is no exact mode and every graph replay re-runs
+the eager step, so graph and walk are strict there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .cli_args import model_config, positive_int, resolve_device
+
+MODES = ("eager", "graph", "exact", "walk")
+MAX_NEW_TOKENS = 24
+EXPLAIN = (
+    "graph replays the split geometry captured for the bucket's longest context; in bf16 its\n"
+    "reduction order differs from eager's, so a near-tie can flip a token and the rest of the\n"
+    "request follows. exact retunes the geometry to the live KV length before every replay:\n"
+    "it must equal eager. In float32 all modes should agree."
+)
+
+
+@dataclass(frozen=True)
+class Mix:
+    prompts: list[list[int]]
+    max_new_tokens: int
+    max_running: int | None  # below len(prompts): requests join mid-stream
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int | None = None
+
+
+def random_mix(rng: random.Random, vocab: int, max_bs: int, max_prompt: int) -> Mix:
+    n = rng.randint(1, max_bs)
+    lengths = [round(math.exp(rng.uniform(0.0, math.log(max_prompt)))) for _ in range(n)]
+    prompts = [[rng.randrange(1, vocab) for _ in range(max(1, k))] for k in lengths]
+    max_running = rng.randint(1, n - 1) if n > 1 and rng.random() < 0.35 else None
+    mix = Mix(prompts, rng.randint(1, MAX_NEW_TOKENS), max_running)
+    if rng.random() < 0.25:
+        top_k = rng.choice([None, 20])
+        return Mix(mix.prompts, mix.max_new_tokens, max_running, 0.8, top_k, rng.randrange(2**31))
+    return mix
+
+
+@dataclass
+class ModeResult:
+    outputs: list[list[list[int]] | None] = field(default_factory=list)  # per mix
+    first_logits: list[torch.Tensor | None] = field(default_factory=list)  # [bs, vocab] float32
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def build_engines(model_runner, modes: list[str], max_bs: int) -> dict[str, object]:
+    """One engine per mode over ``model_runner``'s weights, each with its own KV cache and
+    attention backend (two runners capturing one backend would share its static metadata)."""
+    from .model.engine import Engine
+    from .model.model_runner import ModelRunner
+    from .runner import RunnerConfig
+
+    engines = {}
+    for mode in modes:
+        mr = model_runner
+        if mode != "eager":
+            mr = ModelRunner.from_model(
+                model_runner.model,
+                device=model_runner.device,
+                dtype=model_runner.dtype,
+                max_bs=max_bs,
+                max_context_len=model_runner.max_context_len,
+                page_size=model_runner.page_size,
+            )
+        config = RunnerConfig(max_bs=max_bs, show_progress=False)
+        if mode == "walk":
+            engines[mode] = Engine(mr, "graph", config, decode_via="configs")
+        else:
+            engines[mode] = Engine(mr, mode, config if mode != "eager" else None)
+    return engines
+
+
+def run_mix(engine, mix: Mix) -> tuple[list[list[int]], torch.Tensor | None]:
+    """The tokens of ``mix`` on ``engine`` and the logits of its first decode step."""
+    first: list[torch.Tensor] = []
+    decode = engine._decode_logits  # recorded here only: the first step's logits, copied
+
+    def record(reqs):
+        logits = decode(reqs)
+        if not first:
+            first.append(logits.float().clone())  # a static buffer: copy before the next replay
+        return logits
+
+    engine._decode_logits = record
+    engine.max_running = mix.max_running
+    try:
+        out = engine.generate(
+            mix.prompts,
+            mix.max_new_tokens,
+            temperature=mix.temperature,
+            top_k=mix.top_k,
+            seed=mix.seed,
+            ignore_eos=True,
+        )
+    finally:
+        del engine._decode_logits  # back to the class's method
+    return out, (first[0] if first else None)
+
+
+def run_check(
+    model_runner,
+    mixes: list[Mix],
+    modes: list[str],
+    max_bs: int,
+    log: Callable[[str], None] = print,
+) -> dict[str, ModeResult]:
+    """Every mix through every mode (eager first). A mode that raises on a mix records the
+    error and goes on with the next mix (the engine has freed the mix's pages)."""
+    results = {m: ModeResult() for m in modes}
+    engines = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        try:
+            engines.update(build_engines(model_runner, [mode], max_bs))
+        except Exception as e:  # a mode that cannot even be built fails the check
+            results[mode].errors.append(f"building the {mode} engine: {type(e).__name__}: {e}")
+        log(f"  {mode}: engine ready in {time.perf_counter() - t0:.1f} s")
+    for mode, engine in engines.items():
+        res = results[mode]
+        for mix in mixes:
+            t0 = time.perf_counter()
+            try:
+                out, logits = run_mix(engine, mix)
+            except Exception as e:
+                out, logits = None, None
+                res.errors.append(f"{type(e).__name__}: {e}")
+            res.seconds += time.perf_counter() - t0
+            res.outputs.append(out)
+            res.first_logits.append(logits)
+        engine.shutdown()
+    return results
+
+
+def compare(eager: ModeResult, other: ModeResult) -> tuple[int, float | None]:
+    """Mixes whose tokens differ from eager's, and the largest first-step logit difference."""
+    differ = sum(a != b for a, b in zip(eager.outputs, other.outputs))
+    diffs = [
+        (a - b).abs().max().item()
+        for a, b in zip(eager.first_logits, other.first_logits)
+        if a is not None and b is not None and a.shape == b.shape
+    ]
+    return differ, (max(diffs) if diffs else None)
+
+
+def report(results: dict[str, ModeResult], strict: set[str], n_mixes: int) -> int:
+    """Print one line per mode; return the exit status."""
+    failed = []
+    print(f"{'mode':<6} {'differ':>8} {'max |dlogit| step 1':>20} {'time':>8}")
+    for mode, res in results.items():
+        if mode == "eager":
+            differ, dmax = 0, 0.0
+        else:
+            differ, dmax = compare(results["eager"], res)
+        dtext = "-" if dmax is None else f"{dmax:.3g}"
+        tag = "  (must be 0)" if mode in strict else ""
+        print(f"{mode:<6} {differ:>4}/{n_mixes:<3} {dtext:>20} {res.seconds:>7.1f}s{tag}")
+        for err in res.errors[:3]:
+            print(f"       error: {err}")
+        if res.errors:
+            failed.append(f"{mode} raised {len(res.errors)} time(s)")
+        if mode in strict and differ:
+            failed.append(f"{mode} differs from eager in {differ} mix(es)")
+    print(EXPLAIN)
+    if failed:
+        print("FAIL: " + "; ".join(failed))
+        return 1
+    print("OK")
+    return 0
+
+
+def default_modes(device: str) -> list[str]:
+    return list(MODES) if device == "cuda" else ["eager", "graph", "walk"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from .bench.constants import DTYPES
+    from .model.launch import build_model_runner
+
+    device = resolve_device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    config = model_config(args.model)
+    modes = args.modes.split(",") if args.modes else default_modes(device)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        from .cli_args import UsageError
+
+        raise UsageError(f"argument --modes: unknown {unknown}; choose from {','.join(MODES)}")
+    modes = ["eager"] + [m for m in modes if m != "eager"]
+    context = args.context or (2048 if device == "cuda" else 128)
+    context = min(context, config.max_position_embeddings)
+    max_prompt = max(1, context - MAX_NEW_TOKENS)
+    rng = random.Random(args.seed)
+    mixes = [
+        random_mix(rng, config.vocab_size, args.max_bs, max_prompt) for _ in range(args.trials)
+    ]
+    print(
+        f"stepgraph check: {args.model}, {str(dtype).removeprefix('torch.')} on {device}, "
+        f"{len(mixes)} mixes of 1-{args.max_bs} requests, prompts 1-{max_prompt} tokens, "
+        f"1-{MAX_NEW_TOKENS} new tokens, seed {args.seed}; modes {','.join(modes)}"
+    )
+    mr = build_model_runner(
+        args.model, device, dtype, seed=args.seed, max_bs=args.max_bs, max_context_len=context
+    )
+    results = run_check(mr, mixes, modes, args.max_bs)
+    strict = {"exact"} if device == "cuda" else {"graph", "walk", "exact"}
+    return report(results, strict & set(modes), len(mixes))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name or local HF directory")
+    p.add_argument("--trials", type=positive_int, default=20, help="random request mixes")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--max-bs", type=positive_int, default=8, help="requests per mix, at most")
+    p.add_argument(
+        "--context", type=positive_int, default=None, help="KV length (default 2048; CPU 128)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="mixes and random weights")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma list of eager,graph,exact,walk (default: all; CPU has no exact)",
+    )
+
+
+__all__ = ["MODES", "Mix", "add_arguments", "compare", "random_mix", "run", "run_check"]

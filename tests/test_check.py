@@ -1,0 +1,86 @@
+"""`stepgraph check` on the CPU: graph and walk equal eager (exit 0); exact made to differ by
+a skewing exec updater, or made to raise, fails the check (exit 1)."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+from stepgraph.check import random_mix
+from stepgraph.cli import main
+from stepgraph.runner import CudaGraphRunner
+
+from .guards import time_limit
+
+ARGS = ["check", "--model", "tiny", "--device", "cpu", "--trials", "4", "--max-bs", "4"]
+ARGS += ["--context", "64", "--seed", "3"]
+
+
+class SkewingUpdater:
+    """An exec updater whose 'retune' reverses the vocabulary of the graph's output: the
+    argmax moves, as a wrong split count would move it on the GPU."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def plan(self, graph, bs):
+        return bs
+
+    def apply(self, plan, graph, t_kv):
+        if self.fail:
+            raise RuntimeError("updater fault")
+        fn = graph._fn  # the CPU stand-in re-runs this callable at replay
+        if not getattr(fn, "skewed", False):
+            skewed = lambda: fn().flip(-1)
+            skewed.skewed = True
+            graph._fn = skewed
+        return 0
+
+    def invalidate(self, plan):
+        pass
+
+
+def _patch_updater(monkeypatch, updater):
+    module = sys.modules[CudaGraphRunner.__module__]
+    monkeypatch.setattr(module, "default_exec_updater", lambda model_runner: updater)
+
+
+def test_check_passes_on_the_cpu(capsys):
+    with time_limit(60):
+        assert main(ARGS) == 0
+    out = capsys.readouterr().out
+    for mode in ("eager", "graph", "walk"):
+        assert any(line.startswith(mode) for line in out.splitlines()), out
+    assert "0/4" in out and "exact" in out and out.strip().endswith("OK")
+
+
+def test_check_exits_1_when_exact_differs(monkeypatch, capsys):
+    _patch_updater(monkeypatch, SkewingUpdater())
+    with time_limit(60):
+        assert main(ARGS + ["--modes", "eager,exact"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: exact differs from eager" in out
+
+
+def test_check_exits_1_when_a_mode_raises(monkeypatch, capsys):
+    _patch_updater(monkeypatch, SkewingUpdater(fail=True))
+    with time_limit(60):
+        assert main(ARGS + ["--modes", "graph,exact"]) == 1
+    out = capsys.readouterr().out
+    assert "updater fault" in out and "exact raised" in out
+
+
+def test_unknown_mode_is_one_line(capsys):
+    assert main(ARGS + ["--modes", "eager,fast"]) == 2
+    assert "--modes" in capsys.readouterr().err
+
+
+def test_mixes_cover_joins_sampling_and_lengths():
+    rng = random.Random(0)
+    mixes = [random_mix(rng, 512, 8, 1000) for _ in range(200)]
+    assert any(m.max_running is not None and m.max_running < len(m.prompts) for m in mixes)
+    assert any(m.seed is not None and m.temperature > 0 for m in mixes)
+    lengths = [len(p) for m in mixes for p in m.prompts]
+    assert min(lengths) == 1 and max(lengths) > 500
+    assert {m.max_new_tokens for m in mixes} == set(range(1, 25))
+    assert {len(m.prompts) for m in mixes} == set(range(1, 9))
