@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from stepgraph.bench.timing import copy_bandwidth_gbps, cuda_time_ms
-from stepgraph.kernels.flash_decode import DecodeWorkspace, default_config, flash_decode
+from stepgraph.kernels.flash_decode import DecodeWorkspace, default_variant, flash_decode
 from stepgraph.kernels.splits import PROGRAMS_PER_SM, num_splits_for
 
 N_HEADS, N_KV, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 64, 64, torch.bfloat16
@@ -122,7 +122,7 @@ def table(rows: list[dict], copy_gbps: float) -> str:
         f"{'bs':>3} {'t_kv':>7} {'ns':>3} {'us':>8} {'%copy':>6} | {'ns_fx':>5} {'us_fx':>8} "
         f"{'%copy':>6} | {'sdpa_us':>8} {'x_sdpa':>6}"
     )
-    cfg = default_config(HEAD_DIM, PAGE_SIZE, DTYPE).name
+    cfg = default_variant(HEAD_DIM, PAGE_SIZE, DTYPE).name
     lines = [f"copy bandwidth {copy_gbps:.0f} GB/s (read+write); kernel {cfg}, ladder "
              f"{PROGRAMS_PER_SM} programs/SM", head, "-" * len(head)]  # fmt: skip
     for r in rows:
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name(0),
         "num_sms": num_sms,
         "copy_gbps": copy_gbps,
-        "config": default_config(HEAD_DIM, PAGE_SIZE, DTYPE).name,
+        "config": default_variant(HEAD_DIM, PAGE_SIZE, DTYPE).name,
         "programs_per_sm": PROGRAMS_PER_SM,
         "shape": {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HEAD_DIM,
                   "page_size": PAGE_SIZE, "dtype": str(DTYPE)},

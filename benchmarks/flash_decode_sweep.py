@@ -3,7 +3,7 @@ heads, 8 KV heads, head dim 64, bf16, page size 64), to choose the default after
 
     PYTHONPATH=. python3 benchmarks/flash_decode_sweep.py --json $OUT/sweep.json
 
-A variant is a ``KernelConfig`` (tile, warps, pipelining depth, page-per-tile lookup, K layout,
+A variant is a ``KernelVariant`` (tile, warps, pipelining depth, page-per-tile lookup, K layout,
 tensor cores) and a ladder target ``programs_per_sm`` (which gives the split count ``ns``). Per
 point, each (config, ns) is captured in a CUDA graph (main + combine) and replayed; the time is
 the median of CUDA-event samples (``cuda_time_ms`` via ``benchmarks/flash_decode.time_us``).
@@ -14,7 +14,7 @@ float64 reference, and every timed output is compared for request 0 with an fp32
 the point. A variant that fails either is flagged and never picked.
 
 The last lines printed: per point the default next to the best variant, then the variant with
-the best geometric mean over all points. To adopt it, edit ``DEFAULT_CONFIGS`` in
+the best geometric mean over all points. To adopt it, edit ``DEFAULT_VARIANTS`` in
 ``stepgraph/kernels/flash_decode.py`` and ``PROGRAMS_PER_SM`` in ``stepgraph/kernels/splits.py``.
 """
 
@@ -30,8 +30,8 @@ import torch
 
 from benchmarks.flash_decode import DTYPE, HEAD_DIM, N_HEADS, N_KV, PAGE_SIZE, graph_of, time_us
 from stepgraph.bench.timing import copy_bandwidth_gbps
-from stepgraph.kernels.flash_decode import DecodeWorkspace, KernelConfig, flash_decode
-from stepgraph.kernels.flash_decode import default_config as _default_config
+from stepgraph.kernels.flash_decode import DecodeWorkspace, KernelVariant, flash_decode
+from stepgraph.kernels.flash_decode import default_variant as _default_variant
 from stepgraph.kernels.reference import paged_decode_reference
 from stepgraph.kernels.splits import PROGRAMS_PER_SM, num_splits_for
 
@@ -43,25 +43,25 @@ DEV = "cuda"
 REL_TOL = 2e-2  # bf16 output against an fp32 / fp64 reference
 
 
-def _variants() -> list[KernelConfig]:
-    seed = KernelConfig(block_n=64, num_warps=4, num_stages=2, page_tile=False, k_rows=False)
-    grid = [KernelConfig(block_n=n, num_warps=w, num_stages=s)
+def _variants() -> list[KernelVariant]:
+    seed = KernelVariant(block_n=64, num_warps=4, num_stages=2, page_tile=False, k_rows=False)
+    grid = [KernelVariant(block_n=n, num_warps=w, num_stages=s)
             for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]  # fmt: skip
     one_off = [  # one factor changed from the predicted default (n64w4s3)
-        KernelConfig(num_stages=3, k_rows=False),
-        KernelConfig(num_stages=3, page_tile=False),
-        KernelConfig(num_stages=3, use_dot=False),
-        KernelConfig(num_stages=3, num_warps=8, use_dot=False),
+        KernelVariant(num_stages=3, k_rows=False),
+        KernelVariant(num_stages=3, page_tile=False),
+        KernelVariant(num_stages=3, use_dot=False),
+        KernelVariant(num_stages=3, num_warps=8, use_dot=False),
     ]
-    out = [seed, *grid, *one_off, _default_config(HEAD_DIM, PAGE_SIZE, DTYPE)]
+    out = [seed, *grid, *one_off, _default_variant(HEAD_DIM, PAGE_SIZE, DTYPE)]
     return list(dict.fromkeys(out))  # dedupe, keep order
 
 
 VARIANTS = _variants()  # also checked one by one in tests/gpu/test_flash_decode_gpu.py
 
 
-def default_config() -> KernelConfig:
-    return _default_config(HEAD_DIM, PAGE_SIZE, DTYPE)
+def default_variant() -> KernelVariant:
+    return _default_variant(HEAD_DIM, PAGE_SIZE, DTYPE)
 
 
 def make_inputs(bs: int, lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
@@ -89,7 +89,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(err.nan_to_num(float("inf")))
 
 
-def check_small(cfg: KernelConfig) -> float:
+def check_small(cfg: KernelVariant) -> float:
     """Relative error on a mixed-length batch (tile and page edges, several splits)."""
     lens = [1, 63, 65, 1000, 4097, 130]
     q, k, v, bt, sl = make_inputs(len(lens), lens, seed=5)
@@ -97,13 +97,13 @@ def check_small(cfg: KernelConfig) -> float:
     errs = []
     for ns in (1, 7, 64):
         ws = DecodeWorkspace.allocate(len(lens), N_HEADS, HEAD_DIM, MAX_SPLITS, DEV)
-        got = flash_decode(q, k, v, bt, sl, num_splits=ns, workspace=ws, config=cfg)
+        got = flash_decode(q, k, v, bt, sl, num_splits=ns, workspace=ws, variant=cfg)
         errs.append(rel_err(got, ref))
     return max(errs)
 
 
 def sweep_point(
-    bs: int, t_kv: int, num_sms: int, copy_gbps: float, configs: list[KernelConfig], bad: set[str]
+    bs: int, t_kv: int, num_sms: int, copy_gbps: float, configs: list[KernelVariant], bad: set[str]
 ) -> dict:
     q, k, v, bt, sl = make_inputs(bs, [t_kv] * bs, seed=bs * 7 + t_kv)
     ws = DecodeWorkspace.allocate(bs, N_HEADS, HEAD_DIM, MAX_SPLITS, DEV)
@@ -118,7 +118,7 @@ def sweep_point(
         by_ns: dict[int, tuple[float, float]] = {}
         for ns in sorted(set(ns_of.values())):
             run = lambda ns=ns, cfg=cfg: flash_decode(
-                q, k, v, bt, sl, num_splits=ns, workspace=ws, out=out, config=cfg
+                q, k, v, bt, sl, num_splits=ns, workspace=ws, out=out, variant=cfg
             )
             us = time_us(graph_of(run).replay)
             err = rel_err(out[:1], ref0)
@@ -139,7 +139,7 @@ def geomean(xs: list[float]) -> float:
 
 
 def summary(points: list[dict], bad: set[str], copy_gbps: float) -> str:
-    dflt = (default_config().name, PROGRAMS_PER_SM)
+    dflt = (default_variant().name, PROGRAMS_PER_SM)
     key = lambda r: (r["variant"], r["programs_per_sm"])
     lines = [f"copy bandwidth {copy_gbps:.0f} GB/s; {len(VARIANTS)} configs x programs_per_sm "
              f"{LADDER_TARGETS}; default {dflt[0]} pps {dflt[1]}"]  # fmt: skip
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "num_sms": num_sms,
-                       "copy_gbps": copy_gbps, "default": default_config().name,
+                       "copy_gbps": copy_gbps, "default": default_variant().name,
                        "programs_per_sm_default": PROGRAMS_PER_SM, "small_check": checks,
                        "flagged": sorted(bad), "points": results}, f, indent=1)  # fmt: skip
     print(summary(results, bad, copy_gbps))

@@ -105,13 +105,13 @@ def test_matches_float64_reference(case_id):
     assert not ws.partial_o[:, :, :ns].isnan().any()
 
 
-VARIANTS = {  # id: KernelConfig; the kernel's constexpr paths, each against the reference
-    "seed_kt_per_key": fd.KernelConfig(block_n=64, k_rows=False, page_tile=False),
-    "n64_page_tile": fd.KernelConfig(block_n=64, num_stages=3),
-    "n128": fd.KernelConfig(block_n=128, num_warps=8),
-    "n16_page_tile": fd.KernelConfig(block_n=16),
-    "fma_k_rows": fd.KernelConfig(use_dot=False),
-    "fma_kt_per_key": fd.KernelConfig(use_dot=False, k_rows=False, page_tile=False),
+VARIANTS = {  # id: KernelVariant; the kernel's constexpr paths, each against the reference
+    "seed_kt_per_key": fd.KernelVariant(block_n=64, k_rows=False, page_tile=False),
+    "n64_page_tile": fd.KernelVariant(block_n=64, num_stages=3),
+    "n128": fd.KernelVariant(block_n=128, num_warps=8),
+    "n16_page_tile": fd.KernelVariant(block_n=16),
+    "fma_k_rows": fd.KernelVariant(use_dot=False),
+    "fma_kt_per_key": fd.KernelVariant(use_dot=False, k_rows=False, page_tile=False),
 }
 VARIANT_CASES = {  # id: (lens, n_heads, n_kv, hd, ps, num_splits, dtype)
     "ps64_mixed": ([1, 64, 65, 200], 8, 2, 32, 64, 3, torch.float32),
@@ -126,7 +126,7 @@ VARIANT_CASES = {  # id: (lens, n_heads, n_kv, hd, ps, num_splits, dtype)
 def test_every_variant_matches_the_reference(variant, case_id):
     lens, n_heads, n_kv, hd, ps, ns, dtype = VARIANT_CASES[case_id]
     c = make_case(sum(map(ord, case_id)), lens, n_heads, n_kv, hd, ps, dtype)
-    got, ws = run(c, num_splits=ns, config=VARIANTS[variant])
+    got, ws = run(c, num_splits=ns, variant=VARIANTS[variant])
     ref = paged_decode_reference(c.q, c.k, c.v, c.bt, c.lens, compute_dtype=torch.float64)
     assert not got.isnan().any()
     assert rel_err(got, ref) < TOL[dtype]
@@ -134,15 +134,15 @@ def test_every_variant_matches_the_reference(variant, case_id):
 
 
 def test_kernel_config_default_table_and_names():
-    cfg = fd.default_config(64, 64, torch.bfloat16)
-    assert cfg is fd.DEFAULT_CONFIGS[(64, 64, torch.bfloat16)]
-    assert fd.default_config(48, 3, torch.float32) is fd.FALLBACK_CONFIG
-    assert fd.KernelConfig(block_n=128, num_warps=8, num_stages=4).name == "n128w8s4"
-    flags = fd.KernelConfig(k_rows=False, page_tile=False, use_dot=False)
+    cfg = fd.default_variant(64, 64, torch.bfloat16)
+    assert cfg is fd.DEFAULT_VARIANTS[(64, 64, torch.bfloat16)]
+    assert fd.default_variant(48, 3, torch.float32) is fd.FALLBACK_VARIANT
+    assert fd.KernelVariant(block_n=128, num_warps=8, num_stages=4).name == "n128w8s4"
+    flags = fd.KernelVariant(k_rows=False, page_tile=False, use_dot=False)
     assert flags.name == "n64w4s2-kt-pk-fma"
     for bad in ({"block_n": 48}, {"block_n": 8}, {"num_warps": 3}, {"num_stages": 0}):
-        with pytest.raises(ConfigError, match="KernelConfig"):
-            fd.KernelConfig(**bad)
+        with pytest.raises(ConfigError, match="KernelVariant"):
+            fd.KernelVariant(**bad)
 
 
 def test_empty_splits_write_minus_inf_and_zero():

@@ -1,5 +1,5 @@
 """What ``flash_decode`` takes besides tensors: the workspace of fp32 partials, the kernel
-variant (``KernelConfig``), and the attribute-only checks of its inputs (no device sync)."""
+variant (``KernelVariant``), and the attribute-only checks of its inputs (no device sync)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
-class KernelConfig:
+class KernelVariant:
     """One variant of the split-KV main kernel; every field is a constexpr or a launch option.
 
     ``page_tile`` takes the one-lookup-per-tile path when ``page_size % block_n == 0`` (a tile
@@ -38,7 +38,7 @@ class KernelConfig:
         ok_n = self.block_n >= 16 and self.block_n & (self.block_n - 1) == 0
         if not ok_n or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ConfigError(
-                f"KernelConfig: block_n must be a power of two >= 16, num_warps one of "
+                f"KernelVariant: block_n must be a power of two >= 16, num_warps one of "
                 f"1, 2, 4, 8, 16 and num_stages >= 1; got {self}"
             )
 
@@ -129,4 +129,4 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, workspace, out, ma
             raise _fail(f"{name}.stride(-1)", "1", t.stride(-1), "Call .contiguous() first.")
 
 
-__all__ = ["DTYPES", "HEAD_DIMS", "DecodeWorkspace", "KernelConfig"]
+__all__ = ["DTYPES", "HEAD_DIMS", "DecodeWorkspace", "KernelVariant"]

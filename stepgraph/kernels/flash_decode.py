@@ -6,9 +6,9 @@
 (``splits.py``) at the live maximum length, or is given (graphs pass the captured one; exact mode
 retunes the captured nodes per token through ``graph_update``).
 
-Variants of the main kernel (``KernelConfig``: tile, warps, pipelining depth, page-per-tile
+Variants of the main kernel (``KernelVariant``: tile, warps, pipelining depth, page-per-tile
 lookup, K layout, tensor cores or not) are constexprs and launch options of this one kernel, so
-every variant keeps the driver-level argument layout of ``split_kv.py``. ``DEFAULT_CONFIGS``
+every variant keeps the driver-level argument layout of ``split_kv.py``. ``DEFAULT_VARIANTS``
 holds the chosen one per shape; ``benchmarks/flash_decode_sweep.py`` times the candidates.
 """
 
@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..errors import ConfigError
-from .decode_inputs import DecodeWorkspace, KernelConfig, _check_inputs
+from .decode_inputs import DecodeWorkspace, KernelVariant, _check_inputs
 from .split_kv import (
     _INTERPRETED,
     COMBINE_KERNEL_NAME,
@@ -35,20 +35,20 @@ from .splits import H200_NUM_SMS, num_splits_for
 
 DEFAULT_MAX_SPLITS = 64
 
-# -- the default variant per (head_dim, page_size, dtype); any other shape gets FALLBACK_CONFIG --
+# -- the default variant per (head_dim, page_size, dtype); any other shape gets FALLBACK_VARIANT --
 # Edit after reading the "best overall" line of benchmarks/flash_decode_sweep.py on the target GPU.
 # Measured on the H200 (2026-11-29, flash_decode_sweep.py, Llama-3.2-1B attention, pps 4):
 # n128w4s2 was best overall (geomean 83.5 us vs 83.8 for n64w4s3; 91-100% of copy bandwidth
 # at >= 32k keys for bs 8 and 32, 64% at bs=1/32k). Other shapes keep the unmeasured fallback.
-FALLBACK_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
-DEFAULT_CONFIGS: dict[tuple[int, int, torch.dtype], KernelConfig] = {
-    (64, 64, torch.bfloat16): KernelConfig(block_n=128, num_warps=4, num_stages=2),
+FALLBACK_VARIANT = KernelVariant(block_n=64, num_warps=4, num_stages=3)
+DEFAULT_VARIANTS: dict[tuple[int, int, torch.dtype], KernelVariant] = {
+    (64, 64, torch.bfloat16): KernelVariant(block_n=128, num_warps=4, num_stages=2),
 }
 
 
-def default_config(head_dim: int, page_size: int, dtype: torch.dtype) -> KernelConfig:
-    """The kernel variant ``flash_decode`` launches when no ``config`` is given."""
-    return DEFAULT_CONFIGS.get((head_dim, page_size, dtype), FALLBACK_CONFIG)
+def default_variant(head_dim: int, page_size: int, dtype: torch.dtype) -> KernelVariant:
+    """The kernel variant ``flash_decode`` launches when no ``variant`` is given."""
+    return DEFAULT_VARIANTS.get((head_dim, page_size, dtype), FALLBACK_VARIANT)
 
 
 def _next_pow2(x: int) -> int:
@@ -80,15 +80,15 @@ def flash_decode(
     sm_scale: float | None = None,
     max_seq_len: int | None = None,
     num_sms: int | None = None,
-    config: KernelConfig | None = None,
+    variant: KernelVariant | None = None,
 ) -> torch.Tensor:  # [bs, n_heads, head_dim], q.dtype
     """Decode attention of one new token per request over its paged keys and values.
 
     ``num_splits=None`` picks the split count from the ladder (``splits.num_splits_for``) at the
     live maximum length: the host int ``max_seq_len`` when given, else ``seq_lens.max().item()``
     (a device sync, refused during graph capture). Inside a graph, pass ``num_splits`` and a
-    ``workspace`` so the graph owns its partials. ``config`` picks the kernel variant (default:
-    ``default_config(head_dim, page_size, dtype)``). Returns ``out`` (allocated when None).
+    ``workspace`` so the graph owns its partials. ``variant`` picks the kernel variant (default:
+    ``default_variant(head_dim, page_size, dtype)``). Returns ``out`` (allocated when None).
     """
     bs, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     if max_splits is None:
@@ -128,7 +128,7 @@ def flash_decode(
         return out
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    cfg = config if config is not None else default_config(head_dim, page_size, q.dtype)
+    cfg = variant if variant is not None else default_variant(head_dim, page_size, q.dtype)
     group = n_heads // n_kv_heads
     group_pad = max(16, _next_pow2(group)) if cfg.use_dot else _next_pow2(group)
     po, lse = workspace.partial_o, workspace.partial_lse
@@ -165,12 +165,12 @@ __all__ = [
     "COMBINE_KERNEL_NAME",
     "COMBINE_N_SPLITS_ARG",
     "COMBINE_PARTIAL_O_ARG",
-    "DEFAULT_CONFIGS",
+    "DEFAULT_VARIANTS",
     "DecodeWorkspace",
-    "FALLBACK_CONFIG",
-    "KernelConfig",
+    "FALLBACK_VARIANT",
+    "KernelVariant",
     "MAIN_KERNEL_NAME",
     "MAIN_PARTIAL_O_ARG",
-    "default_config",
+    "default_variant",
     "flash_decode",
 ]

@@ -68,12 +68,12 @@ def rel_err(got, ref):
 
 
 def check(
-    seed, lens, n_heads, n_kv, hd, ps, num_splits, dtype=torch.bfloat16, max_splits=64, config=None
+    seed, lens, n_heads, n_kv, hd, ps, num_splits, dtype=torch.bfloat16, max_splits=64, variant=None
 ):
     q, k, v, bt, sl = make_case(seed, lens, n_heads, n_kv, hd, ps, dtype)
     ws, out = poisoned(len(lens), n_heads, hd, max_splits, dtype)
     kw = {"num_splits": num_splits} if num_splits else {"max_seq_len": max(lens)}
-    got = fd.flash_decode(q, k, v, bt, sl, workspace=ws, out=out, config=config, **kw)
+    got = fd.flash_decode(q, k, v, bt, sl, workspace=ws, out=out, variant=variant, **kw)
     ref = paged_decode_reference(q, k, v, bt, sl, compute_dtype=torch.float64)
     assert not got.isnan().any()
     err = rel_err(got, ref)
@@ -108,7 +108,7 @@ def test_every_sweep_variant_matches_the_reference(cfg, ps):
     ladder, and tile and page edges. (One compile per variant and page size.)"""
     lens = [1, 63, 64, 65, 127, 128, 129, 1000, 4097, 32768]
     for ns in (1, 7, 64, None):
-        check(sum(map(ord, cfg.name)) + ps, lens, 32, 8, 64, ps, ns, config=cfg)
+        check(sum(map(ord, cfg.name)) + ps, lens, 32, 8, 64, ps, ns, variant=cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
