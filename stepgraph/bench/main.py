@@ -155,16 +155,22 @@ def run(args: argparse.Namespace) -> int:
             for p in points:
                 note = res.error or res.skipped.get(p, "")
                 add(mode, p, res.ms_per_token.get(p), res.compile_seconds, None, note)
-    ar = None
+    ar = ar_graph = None
     if args.tp > 1:
-        from .collectives import allreduce_us_per_step
+        from .collectives import allreduce_in_graph, allreduce_us_per_step
 
-        ar = allreduce_us_per_step(mr, sizes)
+        ar = allreduce_us_per_step(mr, sizes)  # eager calls, one by one
+        ar_graph = allreduce_in_graph(mr, sizes, min(contexts))  # what a graph step pays
     if not main_rank:
         finish()
         return 0
     if ar is not None:
-        print(f"tensor parallel x{args.tp}: all-reduce time per step (us) by bs: {ar}")
+        print(f"tensor parallel x{args.tp}: all-reduce time per step (us) by bs: {ar} eager")
+        for bs, r in (ar_graph or {}).items():
+            print(
+                f"  bs {bs}: in the graph {r['allreduce_us']} us of a {r['step_ms']} ms step "
+                f"({r['allreduce_share']:.0%}; {r['allreduce_us_per_call']} us per all-reduce)"
+            )
     print(
         f"\nmodel {model} ({wbytes / 1e9:.2f} GB of weights, {args.dtype}), "
         f"{time.perf_counter() - t0:.0f} s"
@@ -180,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         "tp": args.tp,
         "kernels": mr.kernels,
         "allreduce_us_per_step": ar,
+        "allreduce_in_graph": ar_graph,  # step with vs without its all-reduces, replayed
     }
     if args.json:
         write_json(args.json, rows, meta)
