@@ -12,11 +12,11 @@ from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
 from stepgraph.model import prefill_attention as pa_mod
 from stepgraph.model.engine import Engine
-from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillGraphConfig
+from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import RunnerConfig
 
 VOCAB = 512
-CFG = PrefillGraphConfig(token_buckets=(8, 32, 128), batch_sizes=(1, 2, 4))
+CFG = PrefillShapes(token_buckets=(8, 32, 128), batch_sizes=(1, 2, 4))
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -134,9 +134,9 @@ def test_batches_run_from_a_graph_iff_some_shape_holds_them(pair, lens, graph):
 
 def test_config_errors(pair):
     with pytest.raises(ConfigError, match="max\\(batch_sizes\\)"):
-        PrefillGraphConfig(token_buckets=(8, 32), batch_sizes=(1, 8))
+        PrefillShapes(token_buckets=(8, 32), batch_sizes=(1, 8))
     with pytest.raises(ConfigError, match="sorted"):
-        PrefillGraphConfig(token_buckets=(32, 8))
+        PrefillShapes(token_buckets=(32, 8))
     with pytest.raises(ConfigError, match="at least one token"):
         pair[1].prefill([[1], []], [[1], [2]])
     with pytest.raises(ConfigError, match="page lists"):

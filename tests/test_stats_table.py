@@ -9,7 +9,7 @@ import torch
 
 from stepgraph.model import ModelRunner
 from stepgraph.model.engine import Engine
-from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillGraphConfig
+from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.runner.stats_table import by_reason, compact_sizes
 from stepgraph.toy_model import ToyModelRunner
@@ -78,7 +78,7 @@ def test_config_runner_and_piecewise_stats_tables():
     assert stats.as_dict()["eager_reasons"] == {"too_large": 2}
     engine.shutdown()
 
-    prefill = PiecewisePrefill(mr, PrefillGraphConfig((8, 16), (1, 2)))
+    prefill = PiecewisePrefill(mr, PrefillShapes((8, 16), (1, 2)))
     region = prefill.runners[0]
     text = str(region.stats)  # a PiecewiseRunner's stats: its capture ledger
     _readable(text)

@@ -65,7 +65,7 @@ def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> floa
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    from ..model.piecewise_prefill import PiecewisePrefill, PrefillGraphConfig
+    from ..model.piecewise_prefill import PiecewisePrefill, PrefillShapes
     from .constants import DTYPES
     from .workload import build_model_runner
 
@@ -92,7 +92,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype] if cuda else torch.float32
     mr = build_model_runner(model, args.device, dtype, PROMPTS_PER_BATCH, max(totals) + 64)
     device = mr.device
-    config = PrefillGraphConfig(totals, (1, 2, 4, 8) if cuda else (1, 2, 4))
+    config = PrefillShapes(totals, (1, 2, 4, 8) if cuda else (1, 2, 4))
     t0 = time.perf_counter()
     piecewise = PiecewisePrefill(mr, config)
     capture_wall_s = time.perf_counter() - t0

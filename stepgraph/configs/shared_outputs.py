@@ -5,7 +5,7 @@ around them: 17 prefill regions x 16 shapes held 4106 MiB (issue 14). So each ca
 copies its outputs into rows ``[:n]`` of one buffer per output name, allocated outside the pool
 by the first (largest) shape's eager warm-up; the region's own outputs are then temporaries
 the next capture reuses. ``n`` is the shape's request slots or tokens, whichever the output's
-first dim is (``PrefillGraphConfig`` keeps the two apart).
+first dim is (``PrefillShapes`` keeps the two apart).
 
     per-token output   [max total_tokens, ...]   shape (bs, T) gets rows [:T]
     per-request output [max num_requests, ...]   shape (bs, T) gets rows [:num_requests]

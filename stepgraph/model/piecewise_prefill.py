@@ -50,7 +50,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
-class PrefillGraphConfig:
+class PrefillShapes:
     """Shapes of a ``PiecewisePrefill``: every ``(bs, tokens)`` pair with ``tokens >= bs``.
     ``max(batch_sizes) + 1`` must be below ``min(token_buckets)``: a shape's per-request rows
     (``bs`` plus the spare slot) and per-token rows must differ so the runner can tell its
@@ -84,12 +84,12 @@ class PiecewisePrefill:
     def __init__(
         self,
         model_runner: ModelRunner,
-        config: PrefillGraphConfig | None = None,
+        config: PrefillShapes | None = None,
         *,
         capture: bool = True,
     ) -> None:
         self.mr = model_runner
-        self.config = config = config or PrefillGraphConfig()
+        self.config = config = config or PrefillShapes()
         self.model = model_runner.model
         self.device = canonical_device(model_runner.device)
         self._pool = GraphPool()  # shared by every region (they replay in capture order)
@@ -242,6 +242,6 @@ __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_TOKEN_BUCKETS",
     "PiecewisePrefill",
-    "PrefillGraphConfig",
+    "PrefillShapes",
     "PrefillStats",
 ]

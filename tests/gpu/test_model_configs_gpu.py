@@ -13,7 +13,7 @@ import torch
 
 from stepgraph.model import ModelRunner
 from stepgraph.model.engine import Engine
-from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillGraphConfig
+from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import RunnerConfig
 
 pytestmark = pytest.mark.cuda
@@ -49,7 +49,7 @@ def test_configs_decode_matches_cuda_graph_runner():
 
 @pytest.fixture(scope="module")
 def pair():
-    config = PrefillGraphConfig(token_buckets=(16, 64, 256, 2048), batch_sizes=(1, 2, 4, 8))
+    config = PrefillShapes(token_buckets=(16, 64, 256, 2048), batch_sizes=(1, 2, 4, 8))
     return _runner(), PiecewisePrefill(_runner(), config)
 
 
