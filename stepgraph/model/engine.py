@@ -25,13 +25,21 @@ import torch
 
 from ..batch import unpacked_batch
 from ..errors import ConfigError, StepGraphError
+from ..runner.base import raise_other_thread
 from .graph_walks import DECODE_WALK
 from .model_runner import ModelRunner
-from .requests import EngineStats, Request, Sampling, check_request
-
-MODES = ("eager", "graph", "exact")
-PREFILLS = ("eager", "piecewise")
-DECODE_VIAS = ("runner", "configs")
+from .requests import (
+    DECODE_VIAS,
+    GREEDY,
+    MODES,
+    PREFILLS,
+    EngineStats,
+    Request,
+    Sampling,
+    check_engine_args,
+    check_request,
+    stop_id_set,
+)
 
 
 class Engine:
@@ -56,19 +64,7 @@ class Engine:
         prefill_config: Any | None = None,
         check_same_thread: bool = True,
     ) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
-        if prefill not in PREFILLS:
-            raise ConfigError(f"prefill must be one of {PREFILLS}, got {prefill!r}.")
-        if decode_via not in DECODE_VIAS:
-            raise ConfigError(f"decode_via must be one of {DECODE_VIAS}, got {decode_via!r}.")
-        if decode_via == "configs" and mode != "graph":
-            raise ConfigError(
-                f"decode_via='configs' replays the captured decode walk as is; it needs "
-                f"mode='graph', got mode={mode!r}. Use decode_via='runner' for mode={mode!r}."
-            )
-        if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
-            raise ConfigError(f"max_running must be >= 1 or None, got {max_running!r}.")
+        check_engine_args(mode, prefill, decode_via, max_running)
         self.model_runner = model_runner
         self.mode = mode
         self.decode_via = decode_via
@@ -97,8 +93,7 @@ class Engine:
 
             self.prefiller = PiecewisePrefill(model_runner, prefill_config)
         self.stats = EngineStats()
-        self._owner = threading.current_thread()  # one thread drives an engine (runner/base.py)
-        self.check_same_thread = check_same_thread
+        self._owner, self.check_same_thread = threading.current_thread(), check_same_thread
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -106,8 +101,8 @@ class Engine:
 
     @property
     def check_same_thread(self) -> bool:
-        """Refuse calls from threads other than the creator's (``ReplayError``), as the runners
-        do. Set False only where you serialize calls yourself; it applies to the runners too."""
+        """Refuse other threads' calls (``ReplayError``); False, set only where you serialize
+        calls yourself, applies to the engine's runners too (``runner/base.py``)."""
         return self._check_same_thread
 
     @check_same_thread.setter
@@ -120,14 +115,9 @@ class Engine:
 
     def _check_thread(self, what: str) -> None:
         if self._check_same_thread and threading.current_thread() is not self._owner:
-            from ..runner.base import raise_other_thread
-
             raise_other_thread(self, what, self._owner)
 
     # -- requests ----------------------------------------------------------------------------
-
-    def _check(self, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
-        check_request(self.model_runner, prompt, max_new_tokens, what)
 
     def add_request(
         self,
@@ -143,7 +133,8 @@ class Engine:
         ``eos_token_ids`` (the stop id is kept in the output, as transformers does);
         ``ignore_eos`` drops the eos ids (``stop_ids`` still apply)."""
         self._check_thread("add_request")
-        self._check(prompt, max_new_tokens, f"request of {len(prompt)} prompt tokens")
+        what = f"request of {len(prompt)} prompt tokens"
+        check_request(self.model_runner, prompt, max_new_tokens, what)
         stops = self.stop_ids(stop_ids, ignore_eos)
         rid = next(self._ids)
         self.waiting.append(Request(rid, list(prompt), max_new_tokens, stop_ids=stops))
@@ -154,15 +145,7 @@ class Engine:
     ) -> frozenset[int]:
         """The ids that end a request: ``stop_ids`` plus, unless ``ignore_eos``, the model's
         ``eos_token_ids`` (from the checkpoint's config.json / generation_config.json)."""
-        vocab = self.model_runner.config.vocab_size
-        extra = list(stop_ids or ())
-        bad = [
-            t for t in extra if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-        ]
-        if bad:
-            raise ConfigError(f"stop ids outside [0, {vocab}): {bad[:5]}; pass vocabulary ids.")
-        eos = () if ignore_eos else getattr(self.model_runner.config, "eos_token_ids", ())
-        return frozenset(eos) | frozenset(extra)
+        return stop_id_set(self.model_runner.config, stop_ids, ignore_eos)
 
     @property
     def has_unfinished(self) -> bool:
@@ -216,7 +199,7 @@ class Engine:
         return mr.forward(batch)
 
     def step(
-        self, sampling: Sampling = Sampling(), generator: torch.Generator | None = None
+        self, sampling: Sampling = GREEDY, generator: torch.Generator | None = None
     ) -> list[tuple[int, int]]:
         """Admit and prefill what fits, decode the running requests once; return the
         ``(request id, new token)`` pairs of this step. Any exception (prefill, decode,
@@ -284,7 +267,7 @@ class Engine:
         queued: one that cannot fit raises ``ConfigError`` naming it, and nothing runs."""
         self._check_thread("generate")
         for i, p in enumerate(prompts):
-            self._check(p, max_new_tokens, f"prompt {i} ({len(p)} tokens)")
+            check_request(self.model_runner, p, max_new_tokens, f"prompt {i} ({len(p)} tokens)")
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.model_runner.device).manual_seed(seed)

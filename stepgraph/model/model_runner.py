@@ -276,17 +276,9 @@ class ModelRunner:
         if len(prompts) != len(pages):
             raise ConfigError(f"{len(prompts)} prompts but {len(pages)} page lists.")
         last = []
-        # Progress on stderr only once prefilling has taken PREFILL_PROGRESS_DELAY_S (stdout
-        # stays clean for --json); one tick per prompt.
-        todo = tqdm(
-            zip(prompts, pages),
-            total=len(prompts),
-            desc="prefill",
-            unit="prompt",
-            delay=PREFILL_PROGRESS_DELAY_S,
-            leave=False,
-            file=sys.stderr,
-        )
+        # a bar on stderr once prefilling has taken PREFILL_PROGRESS_DELAY_S (stdout stays clean)
+        bar = dict(desc="prefill", unit="prompt", delay=PREFILL_PROGRESS_DELAY_S, leave=False)
+        todo = tqdm(zip(prompts, pages), total=len(prompts), file=sys.stderr, **bar)
         for prompt, req_pages in todo:
             n = len(prompt)
             if n == 0:

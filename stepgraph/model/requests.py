@@ -1,0 +1,155 @@
+"""What an ``Engine`` serves, and the checks made before anything runs: a ``Request``,
+``Sampling`` (greedy, or temperature and top-k through Gumbel-max on the device), the
+``EngineStats`` counters, the engine's arguments, each request, and its stop ids."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+MODES = ("eager", "graph", "exact")
+PREFILLS = ("eager", "piecewise")
+DECODE_VIAS = ("runner", "configs")
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    pages: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # a sampled id in here ends the request (kept)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots this request ever needs (the last new token is never fed back)."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    @property
+    def done(self) -> bool:
+        if self.output and self.output[-1] in self.stop_ids:
+            return True
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ConfigError(
+                f"temperature must be a finite number >= 0 (0: greedy), got {t!r}; "
+                "pass --temperature 0 for greedy decoding."
+            )
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"top_k must be an integer >= 1 or unset, got {k!r}; use --top-k 1..")
+
+    def sample(
+        self, logits: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:  # logits: [n, vocab] float32 -> [n] int64
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        scaled = logits / self.temperature
+        idx = None
+        if self.top_k is not None and self.top_k < scaled.shape[-1]:
+            scaled, idx = scaled.topk(self.top_k, dim=-1)  # [n, k] each
+        # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits), no host sync.
+        u = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+        choice = (scaled - torch.log(-torch.log(u))).argmax(-1)  # [n]
+        return choice if idx is None else idx.gather(-1, choice[:, None])[:, 0]
+
+
+GREEDY = Sampling()
+
+
+@dataclass
+class EngineStats:
+    graph_steps: int = 0  # decode steps replayed by the graph runner
+    eager_steps: int = 0  # decode steps run eagerly (by model_runner.forward)
+    prefills: int = 0  # prompts prefilled
+    decode_tokens: int = 0
+    # decode steps by batch size: the trace `stepgraph buckets --trace` picks buckets from
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+
+    def write_trace(self, path: str) -> None:
+        """Write ``batch_sizes`` as a trace, one batch size per decode step and line."""
+        with open(path, "w") as f:
+            for bs, steps in sorted(self.batch_sizes.items()):
+                f.write(f"{bs}\n" * steps)
+
+
+def check_engine_args(mode: str, prefill: str, decode_via: str, max_running: int | None) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+    if prefill not in PREFILLS:
+        raise ConfigError(f"prefill must be one of {PREFILLS}, got {prefill!r}.")
+    if decode_via not in DECODE_VIAS:
+        raise ConfigError(f"decode_via must be one of {DECODE_VIAS}, got {decode_via!r}.")
+    if decode_via == "configs" and mode != "graph":
+        raise ConfigError(
+            f"decode_via='configs' replays the captured decode walk as is; it needs "
+            f"mode='graph', got mode={mode!r}. Use decode_via='runner' for mode={mode!r}."
+        )
+    if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
+        raise ConfigError(f"max_running must be >= 1 or None, got {max_running!r}.")
+
+
+def stop_id_set(config: Any, stop_ids: Sequence[int] | None, ignore_eos: bool) -> frozenset[int]:
+    """``stop_ids`` (checked against the vocabulary) plus, unless ``ignore_eos``, the config's
+    ``eos_token_ids``."""
+    vocab = config.vocab_size
+    extra = list(stop_ids or ())
+    bad = [t for t in extra if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ConfigError(f"stop ids outside [0, {vocab}): {bad[:5]}; pass vocabulary ids.")
+    eos = () if ignore_eos else getattr(config, "eos_token_ids", ())
+    return frozenset(eos) | frozenset(extra)
+
+
+def check_request(model_runner: Any, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
+    """``ConfigError`` naming ``what`` unless ``prompt`` (token ids) plus ``max_new_tokens`` can
+    be served: ids in the vocabulary, within ``max_position_embeddings`` and the KV cache."""
+    vocab = model_runner.config.vocab_size
+    if not prompt:
+        raise ConfigError(f"{what} is empty; give at least one token id.")
+    bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad:
+        raise ConfigError(f"{what} has token ids outside [0, {vocab}): {bad[:5]}.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ConfigError(f"max_new_tokens must be an integer, got {max_new_tokens!r}.")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    limit = model_runner.config.max_position_embeddings
+    if len(prompt) + max_new_tokens - 1 > limit:
+        raise ConfigError(
+            f"{what} plus max_new_tokens={max_new_tokens} needs "
+            f"{len(prompt) + max_new_tokens - 1} positions, more than the model's "
+            f"max_position_embeddings={limit}; shorten the prompt or max_new_tokens."
+        )
+    model_runner.kv_cache.check_fits(len(prompt) + max_new_tokens - 1, what)
+
+
+__all__ = [
+    "DECODE_VIAS",
+    "GREEDY",
+    "MODES",
+    "PREFILLS",
+    "EngineStats",
+    "Request",
+    "Sampling",
+    "check_engine_args",
+    "check_request",
+    "stop_id_set",
+]
