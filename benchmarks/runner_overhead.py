@@ -144,7 +144,9 @@ def main() -> None:
             lambda: check_values(b1, runner._limits, runner.config.check_inputs)
         ),
     }
-    no_checks = CudaGraphRunner(mr, RunnerConfig(max_bs=32, show_progress=False, check_inputs="off"))
+    no_checks = CudaGraphRunner(
+        mr, RunnerConfig(max_bs=32, show_progress=False, check_inputs="off")
+    )
     no_checks.replay(b1)
     rows["host_us_runner_replay_checks_off"] = host_us_per_call(lambda: no_checks.replay(b1))
     no_checks.shutdown()
