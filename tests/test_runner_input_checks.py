@@ -131,3 +131,21 @@ def test_toy_runner_refuses_with_full_checks():
 def test_check_inputs_level_is_validated():
     with pytest.raises(ConfigError, match="check_inputs"):
         RunnerConfig(check_inputs="some")
+
+
+def test_full_refuses_a_slot_in_another_requests_page():
+    mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, 9, max_bs=4, max_context_len=CTX)
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=4, show_progress=False, check_inputs="full"))
+    fill_kv_random(mr.kv_cache, seed=13)
+    batch, pages = _batch(mr, seed=14)
+    # row 0 writes into row 2's last page: in range, not scratch, so "host" lets it through
+    _set(batch, "out_cache_loc", 0, pages[2][-1] * PAGE + 1)
+    check_values(batch, InputLimits.of(mr), "host")
+    kv, free = kv_snapshot(mr.kv_cache), mr.kv_cache.allocator.num_free
+    with pytest.raises(ReplayError, match="another request's page"):
+        runner.replay(batch)
+    assert_kv_unchanged(mr.kv_cache, kv)
+    assert mr.kv_cache.allocator.num_free == free and runner.stats.replays == 0
+    _set(batch, "out_cache_loc", 0, mr.kv_cache.slot(pages[0], int(batch.positions[0])))
+    runner.replay(batch)  # the right slot again: replays
+    assert runner.stats.replays == 1

@@ -13,7 +13,8 @@ data that already exists (no device sync):
                    block-table entries in [0, num_pages)
 
 Levels: ``"host"`` (default) checks what is on the host; ``"full"`` also copies the device
-tensors of a batch without host rows to the host (a sync per replay: for debugging); ``"off"``
+tensors of a batch without host rows to the host (a sync per replay: for debugging) and checks
+that each slot lies in the page the row's own block table maps its position to; ``"off"``
 checks nothing. Limits come from the model runner where it has them (``InputLimits.of``); a
 limit it lacks is not checked. Cost: one vectorised compare of the host rows against per-column
 bounds (``benchmarks/runner_overhead.py``, ``host_us_parts.value_checks``); only a bad batch
@@ -91,6 +92,28 @@ def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> None:
         rows = (batch.packed if batch.packed is not None else PACKED.pack(batch)).cpu()
     if rows is not None:
         check_rows(rows.numpy(), limits)
+        if level == "full" and limits.page_size:
+            check_slot_pages(rows.numpy(), limits.page_size)
+
+
+def check_slot_pages(rows: np.ndarray, page_size: int) -> None:
+    """Each row's K/V slot lies in the page its own block table maps its position to, so the
+    write never lands in another request's page (``"full"`` only: a gather per replay)."""
+    f = PACKED.fields.index
+    pos, slot = rows[:, f("positions")], rows[:, f("out_cache_loc")]
+    col = PACKED.table_col + pos // page_size  # [bs]; positions were checked in range
+    if col.size and col.max() >= rows.shape[1]:
+        row = int(np.flatnonzero(col >= rows.shape[1])[0])
+        raise ReplayError(f"positions[{row}] = {pos[row]} is past its block-table row. {FIX}")
+    page = rows[np.arange(rows.shape[0]), col]
+    bad = np.flatnonzero(page != slot // page_size)
+    if bad.size:
+        row = int(bad[0])
+        raise ReplayError(
+            f"out_cache_loc[{row}] = {slot[row]} is in page {slot[row] // page_size}, but the "
+            f"row's block table maps position {pos[row]} to page {page[row]}: the K/V write "
+            f"would land in another request's page. {FIX}"
+        )
 
 
 def check_rows(rows: np.ndarray, limits: InputLimits) -> None:
@@ -149,4 +172,4 @@ def _check_range(name: str, values: np.ndarray, low: int, high: int | None, why:
         raise ReplayError(f"{name}[{row}] = {values[row]} is {span}: {why}. {FIX}")
 
 
-__all__ = ["CHECK_LEVELS", "InputLimits", "check_rows", "check_values"]
+__all__ = ["CHECK_LEVELS", "InputLimits", "check_rows", "check_slot_pages", "check_values"]
