@@ -82,7 +82,11 @@ def fused_forward(mr, batch, use_pdl: bool, blocks: dict | None = None):
 
 def reference_forward(mr, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, greedy tokens) of today's step: ``ModelRunner.forward`` then ``argmax``."""
-    logits = mr.forward(batch)
+    mr.set_kernels("reference")  # the unfused kernels (ModelRunner's default on CUDA is fused)
+    try:
+        logits = mr.forward(batch)
+    finally:
+        mr.set_kernels("fused")
     return logits, logits.argmax(-1)
 
 
@@ -127,12 +131,13 @@ def time_graph_ms(graph) -> tuple[float, list[float]]:
     return statistics.median(runs), runs
 
 
-SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps) per kernel at bs=1 (pairs for the paired kernels)
-    "qkv_rope": [None, (1, 2048, 4), (4, 1024, 4), (8, 512, 4), (2, 2048, 8)],
-    "o_proj+res": [None, (2, 2048, 4), (8, 1024, 4), (4, 1024, 4), (4, 2048, 8)],
-    "gate_up_silu": [None, (8, 512, 4), (4, 1024, 4), (2, 2048, 4), (16, 256, 8), (8, 256, 4)],
-    "down+res": [None, (2, 2048, 4), (8, 1024, 4), (2, 4096, 4), (4, 2048, 8)],
-    "lm_head+argmax": [None, (16, 512, 4), (8, 1024, 4), (4, 2048, 4), (32, 256, 8)],
+SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps) per kernel at bs=1, PDL on; None: the defaults.
+    # Swept on 2026-11-30 (see gemv_tiles.proj_blocks for the outcome); defaults only now.
+    "qkv_rope": [None],
+    "o_proj+res": [None],
+    "gate_up_silu": [None],
+    "down+res": [None],
+    "lm_head+argmax": [None],
 }
 
 
@@ -194,9 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
     kernel_rows, best_blocks = time_kernels(mr, gbps)
     # yardstick for the logit error: the reference step with cuBLAS against the Triton GEMV
     batch, pages = decode_batch(mr, Point(1, CONTEXT))
-    ref_gemv = mr.forward(batch)
+    ref_gemv = reference_forward(mr, batch)[0]
     mr.model.use_gemv(None)
-    ref_cublas = mr.forward(batch)
+    ref_cublas = reference_forward(mr, batch)[0]
     mr.model.use_gemv("all", max_bs=1)
     yardstick = ((ref_gemv - ref_cublas).norm() / ref_gemv.norm()).item()
     for p in pages:
@@ -210,7 +215,6 @@ def main(argv: list[str] | None = None) -> dict:
             "reference": lambda b=batch: reference_forward(mr, b),
             "fused": lambda b=batch: fused_forward(mr, b, use_pdl=False),
             "fused+pdl": lambda b=batch: fused_forward(mr, b, use_pdl=True),
-            "fused+pdl+best": lambda b=batch: fused_forward(mr, b, True, best_blocks),
         }
         if bs > 1:  # the fused kernels serve one row; larger batches keep the unfused path
             variants = {"reference": variants["reference"]}

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from .decode_inputs import DecodeWorkspace, KernelVariant, _check_inputs
+from .pdl import launch_options, resolve_pdl
 from .split_kv import (
     _INTERPRETED,
     COMBINE_KERNEL_NAME,
@@ -135,6 +136,9 @@ def flash_decode(
     upcast = _INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else None  # None: the default
     upcast = upcast or not cfg.use_dot  # the FMA path computes in fp32
+    # PDL where the GPU has it: constexpr and launch option only, the driver-level parameters
+    # (what graph_update edits in mode "exact") are unchanged
+    pdl = resolve_pdl(None, q.device)
 
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         po, lse, q, k_cache, v_cache, block_table, seq_lens, float(sm_scale),
@@ -147,16 +151,16 @@ def flash_decode(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
         K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
-        NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_STAGES=cfg.num_stages, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )  # fmt: skip
     _combine_kernel[(bs, n_heads)](
         po, num_splits, lse, out,
         po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(workspace.max_splits),
-        num_warps=4,
+        HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(workspace.max_splits), USE_PDL=pdl,
+        num_warps=4, **launch_options(pdl),
     )  # fmt: skip
     return out
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_wait_then_trigger
+
 MAIN_KERNEL_NAME = "_split_kv_kernel"
 COMBINE_KERNEL_NAME = "_combine_kernel"
 MAIN_PARTIAL_O_ARG = 0  # driver-level index, 8-byte pointer
@@ -81,11 +83,15 @@ def _split_kv_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (the default)
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of the key loop (also a launch option)
     UPCAST: tl.constexpr,  # q, K, V in fp32: the FMA path, or the interpreter's bf16 dot (wrong)
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py); adds no parameter
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    # everything below reads the predecessors' output (q, the KV just written, seq_lens):
+    # wait first, before the pipelined key loop
+    pdl_wait_then_trigger(USE_PDL)
 
     # -- this split's key range; chunk is a multiple of BLOCK_N, so every tile starts on one --
     seq_len = tl.load(seq_lens_ptr + cur_batch)
@@ -195,9 +201,11 @@ def _combine_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next_pow2(max_splits): fixed per workspace, not per n_splits
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py); adds no parameter
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
+    pdl_wait_then_trigger(USE_PDL)  # the partials are the split kernel's output
 
     offs_s = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
     offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]

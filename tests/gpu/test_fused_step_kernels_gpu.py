@@ -1,7 +1,7 @@
 """The fused decode-step kernels on a real GPU, in bf16 at Llama-3.2-1B sizes: against float64
 and against the unfused CUDA kernels; PDL on and off bit-identical, eagerly and captured in a
-CUDA graph; and the compiled PTX of every PDL kernel waits (``griddepcontrol.wait``) before its
-first load of anything but weights.
+CUDA graph; and the compiled PTX of every PDL kernel of the step (split-KV attention included)
+waits (``griddepcontrol.wait``) before its first load of anything but weights.
 
 Nothing touches CUDA at import time: without a GPU the module imports and every test skips.
 """
@@ -17,6 +17,8 @@ from stepgraph.kernels import gate_up_silu as gus
 from stepgraph.kernels import lm_head_argmax as lha
 from stepgraph.kernels import norm_gemv as ng
 from stepgraph.kernels import qkv_rope as qr
+from stepgraph.kernels import split_kv
+from stepgraph.kernels.flash_decode import flash_decode
 from stepgraph.kernels.fused_act import silu_mul
 from stepgraph.kernels.fused_norm import add_rmsnorm
 from stepgraph.kernels.gemv import gemv
@@ -146,7 +148,10 @@ PDL_KERNELS = [
     gus._gate_up_silu_kernel,
     qr._qkv_rope_kernel,
     lha._argmax_reduce_kernel,
+    split_kv._split_kv_kernel,
+    split_kv._combine_kernel,
 ]
+NO_WEIGHTS = (lha._argmax_reduce_kernel, split_kv._split_kv_kernel, split_kv._combine_kernel)
 WEIGHT_LOAD = re.compile(r"evict_first|L2::cache_hint")
 
 
@@ -167,6 +172,10 @@ def test_ptx_waits_before_first_dependent_load(kernel):
     w = layer(g)
     fused_chain(w, randn(1, HIDDEN, g=g), 1, rope_inputs(1, g), use_pdl=True)
     fused_chain(w, randn(3, HIDDEN, g=g), 3, rope_inputs(3, g), use_pdl=True)
+    _, _, _, _, (kc, vc) = rope_inputs(2, g)  # the attention between qkv_rope and o_proj
+    table = torch.arange(PAGES, device=DEV, dtype=torch.int32)[None, :].repeat(2, 1)
+    lens = torch.tensor([200, 1], device=DEV, dtype=torch.int32)
+    flash_decode(randn(2, N_HEADS, HD, g=g), kc, vc, table, lens, num_splits=4)
     variants = list(compiled_kernels(kernel))
     flags = [getattr(k.metadata, "launch_pdl", None) for k in variants]
     if all(f is None for f in flags):  # a Triton without the field: go by the PTX
@@ -182,5 +191,5 @@ def test_ptx_waits_before_first_dependent_load(kernel):
         assert not stray, f"{kernel.__name__}: loads before the wait: {stray[:4]}"
         trigger = [i for i, s in enumerate(lines) if "griddepcontrol.launch_dependents" in s]
         assert trigger and trigger[0] > waits[0], f"{kernel.__name__}: trigger before the wait"
-        if kernel is not lha._argmax_reduce_kernel:  # the GEMVs prefetch weights before it
+        if kernel not in NO_WEIGHTS:  # the GEMVs prefetch weights before it
             assert before, f"{kernel.__name__}: no weight load was issued before the wait"
