@@ -44,9 +44,10 @@ def test_distribute_tokens():
     assert distribute_tokens(10, 3) == [4, 3, 3]
     assert distribute_tokens(9, 3) == [3, 3, 3]
     assert distribute_tokens(1, 1) == [1]
+    rng = random.Random(48)
     for _ in range(200):
-        bs = random.randint(1, 40)
-        total = random.randint(bs, 5000)
+        bs = rng.randint(1, 40)
+        total = rng.randint(bs, 5000)
         parts = distribute_tokens(total, bs)
         assert sum(parts) == total and len(parts) == bs and min(parts) >= 1
         assert parts[0] - parts[1 % bs] == (total % bs if bs > 1 else 0)

@@ -75,7 +75,8 @@ def poison(runner):
 
 @pytest.fixture
 def model():
-    return ToyModel(seed=torch.seed() % 2**31)
+    torch.manual_seed(78)  # some tests draw their inputs from the global generator
+    return ToyModel(seed=77)
 
 
 def make(model, *cfgs, **kw):

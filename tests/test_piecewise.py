@@ -91,7 +91,12 @@ def leased_static(shape: PiecewiseCaptureShape) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def region():
-    return Region(seed=torch.seed() % 2**31)
+    return Region(seed=94)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(95)  # the tests below draw their inputs from the global generator
 
 
 def packed_runner(region, steps, *, lease=False, **kw):
