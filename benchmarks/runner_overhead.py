@@ -126,7 +126,7 @@ def main() -> None:
     rows["check_inputs"] = staged.config.check_inputs
     rows["host_us_parts_staged"] = {
         "stage": host_us_per_call(lambda: staged._staging.stage(b1, 1)),
-        "replayed_event": host_us_per_call(staged._staging.events[0].record),
+        "wait_check": host_us_per_call(lambda: staged._staging._wait_for(0)),
         "copy_host_lens": host_us_per_call(lambda: staged.buffers.copy_host_lens(b1, 1)),
     }
     staged.shutdown()

@@ -1,5 +1,5 @@
 """Pinned staging on the CPU stand-in: replay equals eager under a random walk of batch sizes,
-the slot parity follows the host's count, and no slot is written before its event completed."""
+the slot parity follows the host's count, and no slot is written before its copy ran."""
 
 from __future__ import annotations
 
@@ -37,29 +37,11 @@ def test_random_walk_of_batch_sizes_equals_eager(packed):
         for have, ref in zip(mr.kv, want_state):  # padded rows wrote only into scratch page 0
             torch.testing.assert_close(have[mr.page_size :], ref[mr.page_size :])
         assert staging.count == k + 1 and int(staging.parity) == (k + 1) % 2
+        assert int(staging.copied) == k + 1  # the in-graph copy count, mirrored on the host
         bucket = min(b for b in runner.capture_bs if b >= bs)
         slot = k % 2  # the slot this replay read: live rows, then padding up to the bucket
         torch.testing.assert_close(staging.host[slot, :bs], pack_batch(batch).cpu())
         assert (staging.host[slot, bs:bucket] == staging.pad).all()
-
-
-class FakeEvent:
-    """A pending event until synchronize(); remembers what slot 0 held when the host waited."""
-
-    def __init__(self, staging: PinnedStaging, slot: int) -> None:
-        self.staging, self.slot = staging, slot
-        self.pending = False
-        self.seen_at_wait: torch.Tensor | None = None
-
-    def record(self) -> None:
-        self.pending = True
-
-    def query(self) -> bool:
-        return not self.pending
-
-    def synchronize(self) -> None:
-        self.seen_at_wait = self.staging.host[self.slot].clone()
-        self.pending = False
 
 
 def test_a_slot_is_not_overwritten_before_its_copy_ran():
@@ -67,16 +49,22 @@ def test_a_slot_is_not_overwritten_before_its_copy_ran():
     width = mr.max_pages_per_request + 4
     staging = PinnedStaging(pad_row(mr.max_pages_per_request, 1, torch.device("cpu")), 8, mr.device)
     assert staging.host.shape == (2, 8, width)
-    staging.events = [FakeEvent(staging, 0), FakeEvent(staging, 1)]
+    seen_at_wait = []
+
+    def gpu_catches_up():  # the wait's pause: replay 0 copies its slot now
+        seen_at_wait.append(staging.host[0].clone())
+        staging.copied[0] = 1
+
+    staging.pause = gpu_catches_up
     g = torch.Generator().manual_seed(3)
     a, b, c = (mr.random_batch(4, g, packed=True) for _ in range(3))
-    staging.stage(a, 4)  # replay 0 reads slot 0; its copy has not run (the event is pending)
+    staging.stage(a, 4)  # replay 0 reads slot 0; nothing has been copied yet (copied = 0)
     staging.replayed()
     staging.stage(b, 4)  # slot 1: free, no wait
     staging.replayed()
-    assert staging.waits == 0 and staging.events[0].seen_at_wait is None
-    staging.stage(c, 4)  # slot 0 again: must wait for replay 0's event before writing
-    assert staging.waits == 1
-    torch.testing.assert_close(staging.events[0].seen_at_wait[:4], pack_batch(a))
+    assert staging.waits == 0 and seen_at_wait == []
+    staging.stage(c, 4)  # slot 0 again: must wait for replay 0's copy before writing
+    assert staging.waits == 1 and len(seen_at_wait) == 1
+    torch.testing.assert_close(seen_at_wait[0][:4], pack_batch(a))  # still a's rows then
     torch.testing.assert_close(staging.host[0, :4], pack_batch(c))
     torch.testing.assert_close(staging.host[1, :4], pack_batch(b))

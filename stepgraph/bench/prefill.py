@@ -165,6 +165,7 @@ def run_prefill(args: argparse.Namespace) -> int:
             # the regions share one pool: the last runner's count after capture covers them all
             "pool_held_mib": _mib(piecewise.runners[-1].stats.pool_held_bytes),
             "outside_mib": cap.outside_bytes / 2**20,  # warm-up leftovers: shared outputs
+            "ledger": cap.ledger(),  # seconds and MiB per graph, regions in order
         }
         with open(args.json, "w") as f:
             rows_json = [asdict(r) for r in rows]

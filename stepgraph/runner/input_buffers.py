@@ -142,7 +142,7 @@ class GraphInputBuffers:
         """Pinned-staging path (``staging.py`` stages the packed rows): only the host
         ``seq_lens_cpu`` rows here, stale ones re-padded."""
         bs = batch.batch_size
-        self.rows(bs).seq_lens_cpu.copy_(batch.seq_lens_cpu)
+        self.seq_lens_cpu.numpy()[:bs] = batch.seq_lens_cpu.numpy()  # no torch op: ~0.5 us
         self._repad_stale_rows(bs, bucket, self.pad_host_lens)
 
     def pad_host_lens(self, start: int, stop: int) -> None:

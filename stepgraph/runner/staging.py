@@ -1,43 +1,45 @@
 """Pinned staging of the packed input rows, with the host->device copy inside the graph.
 
-Without it a replay launches one device copy of the packed rows from the host (10-17 us of host
-time on the H200 VM). With ``RunnerConfig(pinned_staging=True)`` the host only writes the rows
-into pinned memory (a CPU copy), and each captured step begins by copying them to the device:
+Without it a replay launches one device copy of the packed rows from the host (13 us of host
+time on the H200 VM, where every CUDA call costs 8-17 us). With
+``RunnerConfig(pinned_staging=True)`` the host path makes no CUDA call but the graph launch: it
+writes the rows into pinned memory (numpy), and each captured step begins by fetching them:
 
     host   [2, max_bs, width] int64, pinned     two slots; replay k reads slot k % 2
     device [2, max_bs, width] int64             both slots' rows [:B], two memcpy nodes
     parity [1] int64, device                    which slot this replay reads; flipped in-graph
     packed [max_bs, width]                      rows [:B] of slot ``parity`` (index_select)
+    copied [1] int64, device -> pinned host     replays whose copy has run (a D2H memcpy node)
 
-The rule (also in ``docs/design.md``): the host writes slot ``k % 2`` for replay ``k`` only
-after the event recorded behind replay ``k - 2`` has completed, so it never overwrites rows
-whose copy has not run. It may write slot ``(k + 1) % 2`` while replay ``k`` runs: replay ``k``
-copies that slot too (one copy per slot keeps the graph's addresses fixed) but discards it.
-The device parity and the host's replay count start at 0 after capture and advance together:
-every captured graph flips the parity once per replay, and nothing else touches it.
+The rule (also in ``docs/design.md``): the host writes slot ``k % 2`` for replay ``k`` only once
+``copied >= k - 1``, i.e. once replay ``k - 2``, the last one to read that slot, has copied it;
+so it never overwrites rows whose copy has not run. It may write slot ``(k + 1) % 2`` while
+replay ``k`` runs: replay ``k`` copies that slot too (a graph's addresses are fixed) but
+discards it. The counts start at 0 after capture and advance together: every captured graph
+flips the parity and bumps ``copied`` once per replay, and nothing else touches them. Reading
+``copied`` is a load from pinned memory, not a CUDA call (an event record plus query cost
+16 us there).
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..batch import ForwardBatch, pack_batch
+from ..errors import ReplayError
 
 SLOTS = 2
+WAIT_LIMIT_S = 60.0  # a replay's copy not run after this long: the stream is stuck
 
 
-class _NoEvent:
-    """The CPU stand-in's event: replays there are synchronous, so a slot is always free."""
-
-    def record(self) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
+def _pause() -> None:
+    time.sleep(0)  # let the GPU's DMA land; the host is two replays ahead
 
 
 class PinnedStaging:
-    """Two pinned slots of packed rows, their device mirror, the parity and the two events."""
+    """Two pinned slots of packed rows, their device mirror, the parity and the copy count."""
 
     def __init__(self, pad: torch.Tensor, max_bs: int, device: torch.device) -> None:
         """``pad``: one packed padding row ``[width]`` int64 (``input_buffers.pad_row``)."""
@@ -48,25 +50,34 @@ class PinnedStaging:
         self.host[:] = self.pad
         self.device_rows = torch.empty(SLOTS, max_bs, width, dtype=torch.int64, device=device)
         self.parity = torch.zeros(1, dtype=torch.int64, device=device)
-        self.events = [torch.cuda.Event() if cuda else _NoEvent() for _ in range(SLOTS)]
+        self.copies = torch.zeros(1, dtype=torch.int64, device=device)  # bumped in-graph
+        self.copied = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)  # its host mirror
+        self._host_np, self._pad_np = self.host.numpy(), self.pad.numpy()
+        self._copied_np = self.copied.numpy()
         self.dirty = [0] * SLOTS  # rows [:dirty[s]] of slot s may hold live values
         self.count = 0  # replays staged since capture: replay k reads slot k % 2
-        self.waits = 0  # slot writes that had to wait for their event (a host ahead of the GPU)
+        self.waits = 0  # slot writes that had to wait for a copy (a host ahead of the GPU)
+        self.pause = _pause  # what the wait does between looks (tests replace it)
 
     # -- inside the captured step ------------------------------------------------------------
 
     def upload(self, bucket: int, packed: torch.Tensor) -> None:
         """Captured: both slots' rows ``[:bucket]`` to the device, the slot of this replay into
-        ``packed[:bucket]``, then flip the parity for the next replay."""
+        ``packed[:bucket]``, the parity flipped and the copy counted (on the host too)."""
         for s in range(SLOTS):
             self.device_rows[s, :bucket].copy_(self.host[s, :bucket], non_blocking=True)
         dst = packed[:bucket].unsqueeze(0)  # [1, bucket, width]
         torch.index_select(self.device_rows[:, :bucket], 0, self.parity, out=dst)
         self.parity.bitwise_xor_(1)
+        self.copies.add_(1)
+        self.copied.copy_(self.copies, non_blocking=True)  # after the copies, in stream order
 
     def reset(self) -> None:
-        """After capture: warm-ups flipped the parity; start both counts from slot 0."""
+        """After capture (the warm-ups ran the step): restart every count from 0. Capture
+        synchronizes at its end, so no warm-up's copy into ``copied`` is still in flight."""
         self.parity.zero_()
+        self.copies.zero_()
+        self.copied.zero_()
         self.count = 0
 
     # -- on the host, per replay -------------------------------------------------------------
@@ -74,34 +85,41 @@ class PinnedStaging:
     def stage(self, batch: ForwardBatch, bucket: int) -> None:
         """Write ``batch``'s packed rows into the slot of the next replay, re-padding rows
         ``[bs:bucket]`` that a larger batch left live. Waits first until the replay that read
-        this slot last (two replays ago) has run."""
+        this slot last (two replays ago) has copied it."""
         slot = self.count & 1
-        ev = self.events[slot]
-        if not _done(ev):
-            self.waits += 1
-            ev.synchronize()
+        self._wait_for(self.count - 1)
         bs = batch.batch_size
-        rows = self.host[slot, :bs]  # [bs, width], contiguous, pinned
         src = getattr(batch, "packed_cpu", None)  # host rows the batch was packed from
-        if src is None:  # device rows: a D2H copy, ordered before the graph's H2D on the stream
+        if src is not None:
+            rows = src.numpy()  # [bs, <= width]: a narrower table's missing columns are unread
+            self._host_np[slot, :bs, : rows.shape[1]] = rows
+        else:  # device rows: a D2H copy, ordered before the graph's H2D on the stream
             src = batch.packed if batch.packed is not None else pack_batch(batch)
-        if src.shape[1] == rows.shape[1]:
-            rows.copy_(src, non_blocking=src.is_cuda)
-        else:  # a narrower table: columns past it are never read (seq_len bounds the pages)
-            rows[:, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
+            self.host[slot, :bs, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
         stale = min(self.dirty[slot], bucket)
         if stale > bs:
-            self.host[slot, bs:stale] = self.pad
+            self._host_np[slot, bs:stale] = self._pad_np
         self.dirty[slot] = self.dirty[slot] if self.dirty[slot] > bucket else bs
 
     def replayed(self) -> None:
-        """Right after the graph's replay was queued: mark the slot it reads as busy."""
-        self.events[self.count & 1].record()
+        """Right after the graph's replay was queued."""
         self.count += 1
 
-
-def _done(ev) -> bool:
-    return isinstance(ev, _NoEvent) or ev.query()
+    def _wait_for(self, copies: int) -> None:
+        """Until at least ``copies`` replays have copied their inputs (a pinned-memory load)."""
+        if self._copied_np[0] >= copies:
+            return
+        self.waits += 1
+        deadline = time.monotonic() + WAIT_LIMIT_S
+        while self._copied_np[0] < copies:
+            if time.monotonic() > deadline:
+                raise ReplayError(
+                    f"pinned staging: replay {copies - 1} has not copied its inputs after "
+                    f"{WAIT_LIMIT_S:.0f} s, so its slot cannot be rewritten; the stream is stuck "
+                    "or a graph was replayed outside runner.replay. Synchronize and check the "
+                    "device, or use RunnerConfig(pinned_staging=False)."
+                )
+            self.pause()
 
 
 __all__ = ["PinnedStaging", "SLOTS"]

@@ -2,7 +2,7 @@
 
 A sleep kernel before each replay keeps the GPU behind the host, so the host stages batch k + 2
 into the slot replay k reads while replay k's copy has not run yet, unless it waits for the
-slot's event. The same walk with the wait switched off must go wrong: that proves the test
+slot's copy. The same walk with the wait switched off must go wrong: that proves the test
 would catch a slot overwritten before its copy ran.
 """
 
@@ -68,9 +68,9 @@ def test_staged_random_walk_equals_eager_with_the_host_ahead(mr):
     runner.shutdown()
 
 
-def test_without_the_event_wait_a_slot_is_overwritten_and_the_walk_fails(mr, monkeypatch):
+def test_without_the_wait_a_slot_is_overwritten_and_the_walk_fails(mr, monkeypatch):
     runner = CudaGraphRunner(mr, RunnerConfig(max_bs=64, show_progress=False, pinned_staging=True))
-    monkeypatch.setattr(staging_mod, "_done", lambda ev: True)  # never wait: the bug
+    monkeypatch.setattr(staging_mod.PinnedStaging, "_wait_for", lambda self, n: None)  # the bug
     batches = _batches(mr, 2)
     want = _eager(mr, batches)
     got = _replayed(mr, runner, batches)
