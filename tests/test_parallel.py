@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import socket
+import tempfile
 import time
+import traceback
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -202,39 +203,43 @@ def test_load_hf_shard_equals_shard_model(hf_dir):
 # -- two ranks over gloo -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, port: int, fn_name: str, *args) -> None:
-    """Entry point of a spawned rank: join the group, run ``fn_name(rank, *args)``."""
+def _rank_main(rank: int, rendezvous: str, err_dir: str, fn_name: str, *args) -> None:
+    """Entry point of a spawned rank: join the group, run ``fn_name(rank, *args)``. An exception
+    is written to ``err_dir/rank{rank}.err`` before it propagates, so the test reads each rank's
+    own error whichever rank's death ``join`` happens to see first."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=rendezvous,
         rank=rank,
         world_size=WORLD,
         timeout=timedelta(seconds=60),
     )
     try:
         globals()[fn_name](rank, *args)
+    except BaseException:
+        Path(err_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
 
-def spawn_ranks(fn_name: str, *args) -> None:
+def spawn_ranks(fn_name: str, *args, err_dir: str | None = None) -> None:
     """Run ``fn_name`` on ``WORLD`` spawned ranks. A rank's exception is re-raised here
     (``ProcessRaisedException``, its traceback included) and the other ranks are killed; past
-    ``SPAWN_TIMEOUT_S`` every rank is killed and the test fails."""
-    ctx = mp.spawn(_rank_main, args=(_free_port(), fn_name, *args), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {SPAWN_TIMEOUT_S} s: a collective hung")
+    ``SPAWN_TIMEOUT_S`` every rank is killed and the test fails. The ranks meet through a file
+    store in a fresh directory (no port to pick, so no check-then-use race with other jobs);
+    each failing rank leaves its traceback in ``err_dir/rank{r}.err``."""
+    with tempfile.TemporaryDirectory(prefix="stepgraph-tp-") as tmp:
+        rendezvous = f"file://{Path(tmp, 'store')}"
+        args = (rendezvous, err_dir or tmp, fn_name, *args)
+        ctx = mp.spawn(_rank_main, args=args, nprocs=WORLD, join=False)
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"ranks still running after {SPAWN_TIMEOUT_S} s: a collective hung")
 
 
 def _max_diff(ref: ModelRunner, tp: ModelRunner, vocab: int) -> float:
@@ -286,11 +291,14 @@ def _fail_on_rank_1(rank: int) -> None:
     tp.prefill([[1, 2, 3]], [tp.kv_cache.reserve(3)])  # blocks in the embedding's all_reduce
 
 
-def test_a_failing_rank_is_reported_not_hung():
+def test_a_failing_rank_is_reported_not_hung(tmp_path):
     start = time.monotonic()
-    with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose"):
-        spawn_ranks("_fail_on_rank_1")
+    # join reports whichever rank's death it polls first: rank 1's planted error, or rank 0's
+    # "connection closed" once rank 1 is gone; rank 1's own error is read from its file.
+    with pytest.raises((mp.ProcessRaisedException, mp.ProcessExitedException)):
+        spawn_ranks("_fail_on_rank_1", err_dir=str(tmp_path))
     assert time.monotonic() - start < SPAWN_TIMEOUT_S
+    assert "RuntimeError: rank 1 fails on purpose" in (tmp_path / "rank1.err").read_text()
 
 
 # -- the GPU tier's torchrun worker, smoke-run on the CPU ---------------------------------------
