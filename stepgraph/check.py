@@ -181,8 +181,9 @@ def report(results: dict[str, ModeResult], strict: set[str], n_mixes: int) -> in
         else:
             differ, dmax = compare(results["eager"], res)
         dtext = "-" if dmax is None else f"{dmax:.3g}"
+        ran = f"{differ:>4}/{n_mixes:<3}" if res.outputs else f"{'-':>4} {'':<3}"  # not built
         tag = "  (must be 0)" if mode in strict else ""
-        print(f"{mode:<6} {differ:>4}/{n_mixes:<3} {dtext:>20} {res.seconds:>7.1f}s{tag}")
+        print(f"{mode:<6} {ran} {dtext:>20} {res.seconds:>7.1f}s{tag}")
         for err in res.errors[:3]:
             print(f"       error: {err}")
         if res.errors:
