@@ -12,6 +12,7 @@ from stepgraph.kernels.fused_norm import add_rmsnorm
 from stepgraph.kernels.gemv import gemv
 from stepgraph.kernels.rope_kv import apply_rope, rope_kv
 from tests.conftest import rel_err
+from tests.references import rope64
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -43,6 +44,23 @@ def test_silu_mul(nan_empty, dtype, t, inter, block):
     assert rel_err(out, gate * torch.sigmoid(gate) * up) < TOL[dtype]
 
 
+def test_apply_rope_equals_pairwise_float64_rotation():
+    """``apply_rope`` is the unfused path (and the eager model's): checked against the pairwise
+    rotation written in tests/references.py, at angles that cover every quadrant."""
+    g = torch.Generator().manual_seed(8)
+    t, heads, hd = 5, 3, 16
+    x = torch.randn(t, heads, hd, generator=g, dtype=torch.float64)
+    ang = torch.rand(t, hd // 2, generator=g, dtype=torch.float64) * 4 * torch.pi
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    torch.testing.assert_close(apply_rope(x, cos, sin), rope64(x, cos, sin), rtol=0, atol=1e-12)
+    # one pair by hand: a quarter turn maps (a, b) to (-b, a)
+    quarter = torch.full((1, hd), torch.pi / 2, dtype=torch.float64)
+    one = torch.zeros(1, 1, hd, dtype=torch.float64)
+    one[0, 0, 0], one[0, 0, hd // 2] = 3.0, 5.0
+    got = apply_rope(one, quarter.cos(), quarter.sin())[0, 0]
+    assert abs(got[0] + 5.0) < 1e-12 and abs(got[hd // 2] - 3.0) < 1e-12
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_kv(nan_empty, dtype):
     n_heads, n_kv, hd, pages, ps, t = 4, 2, 16, 5, 8, 3
@@ -60,8 +78,8 @@ def test_rope_kv(nan_empty, dtype):
     # float64 reference: rotate, then place k and v at their slots
     qd, kd, vd = qkv.double().split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
     cos, sin = cos_t[positions].double(), sin_t[positions].double()
-    q_ref = apply_rope(qd.view(t, n_heads, hd), cos, sin)
-    k_ref = apply_rope(kd.view(t, n_kv, hd), cos, sin)
+    q_ref = rope64(qd.view(t, n_heads, hd), cos, sin)
+    k_ref = rope64(kd.view(t, n_kv, hd), cos, sin)
     assert rel_err(q, q_ref) < TOL[dtype]
     k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
     assert rel_err(k_flat[slots], k_ref) < TOL[dtype]

@@ -17,8 +17,8 @@ from stepgraph.kernels.norm_gemv import (
 )
 from stepgraph.kernels.pdl import launch_options, pdl_enabled, resolve_pdl
 from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
-from stepgraph.kernels.rope_kv import apply_rope
 from tests.conftest import rel_err
+from tests.references import rope64
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 EPS = 1e-5
@@ -105,9 +105,9 @@ def test_qkv_rope(nan_empty, dtype, m, bias, blocks):
     qkv = rms64(x, nw) @ w.double().T + (b.double() if bias else 0)
     qd, kd, vd = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
     cos, sin = cos_t[positions].double(), sin_t[positions].double()
-    assert rel_err(q, apply_rope(qd.view(m, n_heads, hd), cos, sin)) < 2 * TOL[dtype]
+    assert rel_err(q, rope64(qd.view(m, n_heads, hd), cos, sin)) < 2 * TOL[dtype]
     k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
-    assert rel_err(k_flat[slots], apply_rope(kd.view(m, n_kv, hd), cos, sin)) < 2 * TOL[dtype]
+    assert rel_err(k_flat[slots], rope64(kd.view(m, n_kv, hd), cos, sin)) < 2 * TOL[dtype]
     assert rel_err(v_flat[slots], vd.view(m, n_kv, hd)) < 2 * TOL[dtype]
     untouched = torch.ones(pages * ps, dtype=torch.bool)
     untouched[slots] = False

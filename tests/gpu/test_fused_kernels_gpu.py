@@ -13,10 +13,10 @@ import torch
 from stepgraph.kernels import fused_act, fused_norm
 from stepgraph.kernels import gemv as gemv_mod
 from stepgraph.kernels import rope_kv as rope_mod
-from stepgraph.kernels.rope_kv import apply_rope
 from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from tests.conftest import rel_err
+from tests.references import rope64
 
 DEV = "cuda"
 BF16_TOL = 1e-2  # relative Frobenius error of bf16 outputs against float64
@@ -67,9 +67,9 @@ def test_rope_kv_bf16(nan_empty, t):
     q = rope_mod.rope_kv(qkv, positions, cos_t, sin_t, k_cache, v_cache, slots, N_HEADS)
     qd, kd, vd = qkv.double().split([N_HEADS * HD, N_KV * HD, N_KV * HD], dim=-1)
     cos, sin = cos_t[positions].double(), sin_t[positions].double()
-    assert rel_err(q, apply_rope(qd.view(t, N_HEADS, HD), cos, sin)) < BF16_TOL
+    assert rel_err(q, rope64(qd.view(t, N_HEADS, HD), cos, sin)) < BF16_TOL
     kf, vf = k_cache.view(-1, N_KV, HD), v_cache.view(-1, N_KV, HD)
-    assert rel_err(kf[slots], apply_rope(kd.view(t, N_KV, HD), cos, sin)) < BF16_TOL
+    assert rel_err(kf[slots], rope64(kd.view(t, N_KV, HD), cos, sin)) < BF16_TOL
     assert torch.equal(vf[slots], qkv[:, (N_HEADS + N_KV) * HD :].view(t, N_KV, HD))
     keep = torch.ones(pages * ps, dtype=torch.bool, device=DEV)
     keep[slots] = False
