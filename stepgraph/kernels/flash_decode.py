@@ -82,6 +82,7 @@ def flash_decode(
     max_seq_len: int | None = None,
     num_sms: int | None = None,
     variant: KernelVariant | None = None,
+    use_pdl: bool | None = False,
 ) -> torch.Tensor:  # [bs, n_heads, head_dim], q.dtype
     """Decode attention of one new token per request over its paged keys and values.
 
@@ -90,6 +91,12 @@ def flash_decode(
     (a device sync, refused during graph capture). Inside a graph, pass ``num_splits`` and a
     ``workspace`` so the graph owns its partials. ``variant`` picks the kernel variant (default:
     ``default_variant(head_dim, page_size, dtype)``). Returns ``out`` (allocated when None).
+
+    ``use_pdl``: launch both kernels with programmatic dependent launch (``kernels/pdl.py``;
+    None: wherever the GPU has it). Off by default: in the fused bs=1 step on the H200
+    (2026-11-30, ``stepgraph bench``, ctx 512) it made the step slower, 0.824 vs 0.802 ms in
+    mode exact, although all the fused kernels around it use PDL; the parameters that mode
+    exact edits are the same either way, and the tests pass with it on.
     """
     bs, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     if max_splits is None:
@@ -136,9 +143,9 @@ def flash_decode(
     upcast = _INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else None  # None: the default
     upcast = upcast or not cfg.use_dot  # the FMA path computes in fp32
-    # PDL where the GPU has it: constexpr and launch option only, the driver-level parameters
-    # (what graph_update edits in mode "exact") are unchanged
-    pdl = resolve_pdl(None, q.device)
+    # PDL: a constexpr and a launch option only; the driver-level parameters (what graph_update
+    # edits in mode "exact") are unchanged
+    pdl = resolve_pdl(use_pdl, q.device)
 
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         po, lse, q, k_cache, v_cache, block_table, seq_lens, float(sm_scale),

@@ -9,10 +9,14 @@
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  2 launches
 
-99 kernels a step for Llama-3.2-1B instead of 164 (``benchmarks/fused_step.py``). Every kernel
-after the embedding is launched with programmatic dependent launch where the GPU has it
-(``kernels/pdl.py``). The roundings are the unfused path's, so at one row the logits equal the
-reference kernels' bit for bit on the H200 (same tiles, same reduction order).
+99 kernels a step for Llama-3.2-1B instead of 164 (``benchmarks/fused_step.py``; 105 and 171
+inside the graph runner, which adds its input copies). The fused kernels are launched with
+programmatic dependent launch where the GPU has it (``kernels/pdl.py``); the two attention
+kernels are not (measured slower with it, see ``flash_decode``). The roundings are the
+unfused path's: at one row and ctx 512 the logits equalled the reference kernels' bit for bit
+on the H200 (same tiles and reduction order as ``gemv.py``). Measured there (2026-11-30,
+``stepgraph bench``, bs=1, ctx 512, mode exact): 0.802 ms, 74% of the bandwidth floor, against
+0.997 ms (60%) with ``--kernels reference``.
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused kernels serve batches of up to
@@ -34,8 +38,9 @@ from .llama import Linear, LlamaModel
 
 KERNEL_CHOICES = ("fused", "reference")
 # Rows the fused kernels serve. At one row they beat the reference step (H200, bs=1, ctx 512:
-# 0.80 vs 0.98 ms); their several-row path is a broadcast-multiply GEMV far slower than cuBLAS
-# (7.2 vs 1.2 ms at bs=8), so larger batches keep cuBLAS until a tl.dot small-M kernel exists.
+# 0.80 vs 1.00 ms); their several-row path is a broadcast-multiply GEMV far slower than cuBLAS
+# (a first version: 7.2 vs 1.2 ms a step at bs=8), so larger batches keep cuBLAS until a tl.dot
+# small-M kernel exists.
 FUSED_MAX_BS = 1
 
 

@@ -175,7 +175,7 @@ def test_ptx_waits_before_first_dependent_load(kernel):
     _, _, _, _, (kc, vc) = rope_inputs(2, g)  # the attention between qkv_rope and o_proj
     table = torch.arange(PAGES, device=DEV, dtype=torch.int32)[None, :].repeat(2, 1)
     lens = torch.tensor([200, 1], device=DEV, dtype=torch.int32)
-    flash_decode(randn(2, N_HEADS, HD, g=g), kc, vc, table, lens, num_splits=4)
+    flash_decode(randn(2, N_HEADS, HD, g=g), kc, vc, table, lens, num_splits=4, use_pdl=True)
     variants = list(compiled_kernels(kernel))
     flags = [getattr(k.metadata, "launch_pdl", None) for k in variants]
     if all(f is None for f in flags):  # a Triton without the field: go by the PTX
