@@ -221,3 +221,22 @@ def test_each_batch_size_replays_its_own_bucket_read_from_the_output(capture_bs,
         torch.testing.assert_close(got[:, :-1], want[:, :-1], rtol=1e-5, atol=1e-5)
         for have, ref in zip(mr.kv, want_state):
             torch.testing.assert_close(have[mr.page_size :], ref[mr.page_size :])
+
+
+def test_shutdown_drops_every_reference_to_static_buffers_and_outputs():
+    """After ``shutdown()`` nothing in the runner keeps its static inputs or shared output alive
+    (the GPU tier checks the bytes; here, weak references to the tensors)."""
+    import gc
+    import weakref
+
+    mr = ToyModelRunner(num_pages=160, seed=43)
+    runner = CudaGraphRunner(mr, CFG)
+    out = runner.replay(mr.random_batch(3, torch.Generator().manual_seed(44)))
+    refs = [weakref.ref(t) for t in vars(runner.buffers).values() if torch.is_tensor(t)]
+    refs.append(weakref.ref(runner.output_buffers[16]))
+    del out
+    runner.shutdown()
+    mr.attn_backend.seq_lens = mr.attn_backend.block_table = None  # the model's own references
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} static tensors outlive shutdown(): {[a.shape for a in alive]}"

@@ -290,5 +290,6 @@ class CudaGraphRunner(GraphRunnerBase):
 
     def _forget_graphs(self) -> None:
         self.output_buffers.clear()
+        self._static.clear()  # views of the static buffers: they would keep them alive
         self._shared.release()
         self._plans.clear()
