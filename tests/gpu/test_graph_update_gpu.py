@@ -275,3 +275,102 @@ def test_self_limiting_user_kernel():
         for i in range(layers):
             ref = x[i, :t].double().sum().item()
             assert abs(outs[i].item() - ref) < 1e-3 * math.sqrt(t) + 1e-4, (i, t)
+
+
+# -- a split kernel that trusts its launch geometry: a missing push shows ---------------------
+def _non_clamping_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def nc_main(partial_ptr, x_ptr, t_ptr, geom_ptr, BLOCK_N: tl.constexpr):
+        # No clamp of its own: ns = grid.y as launched (or as pushed into the exec); split s
+        # sums blocks [s * per, (s + 1) * per) of x[:t], an empty split writes 0.
+        split = tl.program_id(1)
+        ns = tl.num_programs(1)
+        t = tl.load(t_ptr)
+        n_blocks = tl.cdiv(t, BLOCK_N)
+        per = tl.cdiv(n_blocks, ns)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for b in range(split * per, tl.minimum((split + 1) * per, n_blocks)):
+            offs = b * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(x_ptr + offs, mask=offs < t, other=0.0)
+        tl.store(partial_ptr + split, tl.sum(acc))
+        if split == 0:
+            tl.store(geom_ptr, ns)  # the split count this launch really ran
+
+    @triton.jit(do_not_specialize=["n_splits"])
+    def nc_combine(partial_ptr, n_splits, out_ptr, geom_ptr, SPLITS_PAD: tl.constexpr):
+        # No clamp either: sums exactly n_splits partials (NaN-poisoned past what main wrote)
+        offs = tl.arange(0, SPLITS_PAD)
+        tl.store(out_ptr, tl.sum(tl.load(partial_ptr + offs, mask=offs < n_splits, other=0.0)))
+        tl.store(geom_ptr + 1, n_splits)
+
+    return nc_main, nc_combine
+
+
+def test_user_kernel_without_its_own_clamp_needs_every_push():
+    """The self-limiting kernel above would hide a missing push (it clamps itself). These read
+    their split count from the grid and the argument only, and record both: every replay must
+    run exactly ``min(bucket, ceil(t / block_n))`` splits in both kernels, and sum right."""
+    block_n, bucket, max_t, layers = 128, 32, 4096, 3
+    nc_main, nc_combine = _non_clamping_kernels()
+    spec = SplitKernelSpec(
+        main="nc_main",
+        combine="nc_combine",
+        main_ptr_arg=0,
+        combine_ptr_arg=0,
+        combine_splits_arg=1,
+        split_axis=1,
+        rule="self_limiting",
+        block_n=block_n,
+    )
+    registry = SplitKernelRegistry([spec])
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(layers, max_t, device=dev, dtype=torch.float32, generator=g)
+    t_dev = torch.full((1,), max_t, device=dev, dtype=torch.int32)
+    partials = [torch.zeros(bucket, device=dev) for _ in range(layers)]
+    outs = [torch.zeros(1, device=dev) for _ in range(layers)]
+    geoms = [torch.zeros(2, device=dev, dtype=torch.int32) for _ in range(layers)]
+    other = torch.zeros(256, device=dev)
+
+    def step():
+        for i in range(layers):
+            nc_main[(1, bucket)](partials[i], x[i], t_dev, geoms[i], BLOCK_N=block_n)
+            other.mul_(0.5)
+            nc_combine[(1,)](partials[i], bucket, outs[i], geoms[i], SPLITS_PAD=bucket)
+
+    def replay(t: int) -> list[list[int]]:
+        t_dev.fill_(t)
+        for p, o, gm in zip(partials, outs, geoms):
+            p.fill_(float("nan"))  # a combine reading past what main wrote gets NaN
+            o.fill_(float("nan"))
+            gm.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        return [gm.tolist() for gm in geoms]
+
+    graph = _capture(step)
+    plan = fa_plan(
+        kernel_nodes(graph.raw_cuda_graph()), max_t_kv=max_t, num_sms=_num_sms(), registry=registry
+    )
+    assert len(plan.mains) == layers
+    # The control: without a push the exec runs the captured geometry, which this test sees.
+    assert replay(1) == [[bucket, bucket]] * layers
+    rng = random.Random(3)
+    edges = [k * block_n + d for k in range(1, bucket + 1) for d in (-1, 0, 1)]
+    ts = sorted({1, max_t, *rng.sample(range(1, max_t + 1), 12), *edges} & set(range(1, max_t + 1)))
+    for t in ts + ts[::-1]:
+        fa_apply(plan, graph.raw_cuda_graph_exec(), t)
+        ns = min(bucket, math.ceil(t / block_n))
+        assert replay(t) == [[ns, ns]] * layers, f"t={t}: expected {ns} splits in both kernels"
+        for i in range(layers):
+            ref = x[i, :t].double().sum().item()
+            assert abs(outs[i].item() - ref) < 1e-3 * math.sqrt(t) + 1e-4, (i, t, ns)
+    # A fresh exec forgets every push; after invalidate, apply pushes all of them again.
+    graph.instantiate()
+    assert replay(200) == [[bucket, bucket]] * layers
+    plan.invalidate()
+    assert fa_apply(plan, graph.raw_cuda_graph_exec(), 200) == 2 * layers
+    assert replay(200) == [[2, 2]] * layers
