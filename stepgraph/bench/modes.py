@@ -47,6 +47,9 @@ def time_step(step, iters: int) -> float:
 
 def run_mode(mode: str, mr: ModelRunner, points: list[Point], iters: int = 10) -> ModeResult:
     runner = None
+    kernels = mr.kernels
+    if mode == "compile":  # torch.compile of the fused step (PDL launches) is not supported
+        mr.set_kernels("reference")
     try:
         if mode != "eager":
             cfg = RunnerConfig(
@@ -79,4 +82,5 @@ def run_mode(mode: str, mr: ModelRunner, points: list[Point], iters: int = 10) -
     finally:
         if runner is not None:
             runner.shutdown()
+        mr.set_kernels(kernels)
         torch.cuda.empty_cache()

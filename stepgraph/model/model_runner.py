@@ -88,7 +88,8 @@ class ModelRunner:
 
     def set_kernels(self, kernels: str) -> None:
         """Run decode steps with the "fused" kernels or the "reference" ones; set it before a
-        graph runner captures (a captured graph keeps the kernels it was captured with)."""
+        graph runner captures (a captured graph keeps the kernels it was captured with).
+        ``torch.compile`` of a fused step is untested: compile with "reference"."""
         self.kernels = check_kernels(kernels)
 
     def uses_fused(self, bs: int) -> bool:
