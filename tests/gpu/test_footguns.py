@@ -37,49 +37,136 @@ def capture(fn):
 
 
 def test_python_constants_are_frozen_at_capture():
-    x = torch.randn(64, device="cuda")
+    from tests.toy_variants import batch_of, check_kv, post_toy, replay_checked
+
+    x = torch.randn(64, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     state = {"scale": 2.0}
     g, out = capture(lambda: x * state["scale"])
     state["scale"] = 5.0  # the graph does not see this: the scalar was baked into the kernel
     g.replay()
     torch.testing.assert_close(out, x * 2.0)
+    # Through a runner: a forward that reads a Python float keeps its capture-time value.
+    mr = post_toy(seed=11)
+    mr.post = lambda y: y * state["scale"]
+    state["scale"] = 2.0
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    batch = batch_of(mr, 5, seed=12)
+    frozen, frozen_state = mr.eager_reference(batch)  # what the graph baked in: scale 2
+    state["scale"] = 5.0
+    live, _ = mr.eager_reference(batch)
+    got = runner.replay(batch).clone()
+    torch.testing.assert_close(got, frozen, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, live, rtol=1e-2, atol=1e-2)  # the update was lost
+    check_kv(mr, frozen_state)
+    runner.shutdown()
+    # The fix: the value lives in a device tensor, written in place; replay follows it.
+    scale = torch.tensor(2.0, device="cuda")
+    mr.post = lambda y: y * scale
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    scale.fill_(5.0)
+    replay_checked(runner, mr, batch_of(mr, 3, seed=13))
+    runner.shutdown()
 
 
 def test_host_side_branches_are_frozen_at_capture():
-    x = torch.randn(8, device="cuda")
+    from tests.toy_variants import batch_of, check_kv, post_toy, replay_checked
+
+    x = torch.randn(8, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     flags = {"double": True}
     g, out = capture(lambda: x * 2 if flags["double"] else x * 3)
     flags["double"] = False  # the branch was taken on the host, once, at capture
     g.replay()
     torch.testing.assert_close(out, x * 2)
+    # Through a runner: the branch the forward took at capture is the one every replay takes.
+    mr = post_toy(seed=21)
+    flags["double"] = True
+    mr.post = lambda y: y * 2 if flags["double"] else -y
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    batch = batch_of(mr, 7, seed=22)
+    taken, taken_state = mr.eager_reference(batch)
+    flags["double"] = False
+    got = runner.replay(batch).clone()
+    torch.testing.assert_close(got, taken, rtol=1e-4, atol=1e-4)
+    check_kv(mr, taken_state)
+    runner.shutdown()
+    # The fix: branch on static shapes only, or keep both paths in the graph and select with a
+    # device tensor.
+    sign = torch.tensor(2.0, device="cuda")
+    mr.post = lambda y: torch.where(sign > 0, y * 2, -y)
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    sign.fill_(-1.0)
+    replay_checked(runner, mr, batch_of(mr, 2, seed=23))
+    runner.shutdown()
 
 
 def test_building_device_tensors_from_host_data_fails_capture():
     import pytest
 
-    x = torch.randn(8, device="cuda")
+    from stepgraph.errors import CaptureError
+    from tests.toy_variants import batch_of, post_toy, replay_checked
+
+    x = torch.randn(8, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     with pytest.raises(RuntimeError, match="pinned|capture"):
         capture(lambda: x * torch.tensor([3.0], device="cuda"))
+    # Through a runner: the capture fails loudly, naming the bucket and the escape hatch.
+    mr = post_toy(seed=31)
+    mr.post = lambda y: y * torch.tensor([3.0], device=y.device)
+    with pytest.raises(CaptureError, match=r"(?s)batch size 8\b.*eagerly"):
+        CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    # The fix: build the tensor once, outside the captured call.
+    three = torch.tensor([3.0], device="cuda")
+    mr.post = lambda y: y * three
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    for bs, seed in [(8, 32), (3, 33)]:
+        replay_checked(runner, mr, batch_of(mr, bs, seed))
+    runner.shutdown()
 
 
 def test_output_is_overwritten_by_the_next_replay():
-    x = torch.randn(16, device="cuda")
+    from tests.toy_variants import batch_of, post_toy, replay_checked
+
+    gen = torch.Generator("cuda").manual_seed(4)
+    x = torch.randn(16, device="cuda", generator=gen)
     g, out = capture(lambda: x + 1)
     g.replay()
     first = out  # not a copy: a view of the graph's static output
-    x.copy_(torch.randn(16, device="cuda"))
+    x.copy_(torch.randn(16, device="cuda", generator=gen))
     g.replay()
-    assert first.data_ptr() == out.data_ptr()
     torch.testing.assert_close(first, x + 1)
+    # Through a runner: the logits of one step are overwritten by the next replay (same bucket
+    # or not), so consume them (sample, or clone) first.
+    mr = post_toy(seed=41)
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    a = replay_checked(runner, mr, batch_of(mr, 3, seed=42))
+    kept = a.clone()
+    b_batch = batch_of(mr, 4, seed=43)
+    b = replay_checked(runner, mr, b_batch)
+    torch.testing.assert_close(a, b[:3])  # a's rows now hold b's logits
+    assert not torch.allclose(kept, b[:3])
+    runner.shutdown()
 
 
 def test_inputs_must_be_written_in_place_not_rebound():
-    x = torch.randn(16, device="cuda")
+    from tests.toy_variants import batch_of, post_toy, replay_checked
+
+    gen = torch.Generator("cuda").manual_seed(5)
+    x = torch.randn(16, device="cuda", generator=gen)
     holder = {"x": x}
     g, out = capture(lambda: holder["x"] * 3)
-    holder["x"] = torch.randn(16, device="cuda")  # rebinding: the graph still reads old memory
+    holder["x"] = torch.randn(16, device="cuda", generator=gen)  # the graph reads old memory
     g.replay()
     torch.testing.assert_close(out, x * 3)
+    # Through a runner: every step hands a new batch (new tensors); the runner copies it into
+    # its static buffers in place, so each replay follows it.
+    mr = post_toy(seed=51)
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=8, show_progress=False))
+    static = {k: v.data_ptr() for k, v in runner.buffers.view(8).device_tensors().items()}
+    for bs, seed in [(5, 52), (5, 53), (8, 54), (2, 55)]:
+        batch = batch_of(mr, bs, seed)  # fresh tensors: "rebound" from the graph's view
+        replay_checked(runner, mr, batch)
+        now = {k: v.data_ptr() for k, v in runner.buffers.view(8).device_tensors().items()}
+        assert now == static  # written in place, never rebound
+    runner.shutdown()
 
 
 def test_dirty_padding_rows_would_corrupt_live_kv_and_the_runner_prevents_it():
