@@ -82,6 +82,7 @@ class CudaGraphRunner(GraphRunnerBase):
         self._plans: dict[int, object] = {}
         self._shared = SharedOutput(self.max_bs)  # [max_bs, ...]: every bucket's output
         self._forward_takes_out = takes_out(model_runner.forward)  # logits straight into it
+        self._out_rows: dict[int, torch.Tensor] = {}  # bs -> rows [:bs] of the shared output
         self._max_context: int | None = getattr(model_runner, "max_context_len", None)
         self._limits = InputLimits.of(model_runner)
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
@@ -129,7 +130,7 @@ class CudaGraphRunner(GraphRunnerBase):
             if dst is not None:
                 forward(static, out=dst)  # no [bs, vocab] temporary in the pool
                 return dst
-            return self._into_shared_output(forward(static), bs)
+            return self._shared.copy_in(forward(static), bs)  # shared_output.py says why
 
         graph, stats = capture_step(
             self._backend,
@@ -144,11 +145,6 @@ class CudaGraphRunner(GraphRunnerBase):
         if self._updater is not None:
             self._plans[bs] = self._updater.plan(graph, bs)
         return stats
-
-    def _into_shared_output(self, out: torch.Tensor, bs: int) -> torch.Tensor:
-        """Copy ``out`` into rows ``[:bs]`` of one output buffer shared by every bucket
-        (``shared_output.py`` says why)."""
-        return self._shared.copy_in(out, bs)
 
     def _forward_for(self, bs: int) -> Callable[[ForwardBatch], torch.Tensor]:
         if bs not in self.compile_bs:
@@ -229,7 +225,10 @@ class CudaGraphRunner(GraphRunnerBase):
         if self._staging is not None:
             self._staging.replayed()
         self.stats.replays += 1
-        return self.output_buffers[bucket][: batch.batch_size]
+        bs, out = batch.batch_size, self._out_rows  # one view per bs: slicing costs host time
+        if bs not in out:  # every bucket's output is rows of one shared buffer
+            out[bs] = self.output_buffers[bucket][:bs]
+        return out[bs]
 
     def _check_replay(self, batch: ForwardBatch) -> tuple[int, int | None]:
         """The bucket of ``batch`` and its longest KV length (``None`` when nothing needs it);
@@ -252,7 +251,7 @@ class CudaGraphRunner(GraphRunnerBase):
         if self._max_context is None and self._updater is None:
             return bucket, t_kv
         if t_kv is None:
-            t_kv = int(batch.seq_lens_cpu.max())
+            t_kv = int(batch.seq_lens_cpu.numpy().max())  # numpy: a few us less than torch
         if self._max_context is not None and t_kv > self._max_context:
             raise ReplayError(
                 f"a request of {t_kv} tokens is longer than the {self._max_context} the "
@@ -292,4 +291,5 @@ class CudaGraphRunner(GraphRunnerBase):
         self.output_buffers.clear()
         self._static.clear()  # views of the static buffers: they would keep them alive
         self._shared.release()
+        self._out_rows.clear()
         self._plans.clear()
