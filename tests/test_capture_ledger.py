@@ -76,3 +76,25 @@ def test_model_runner_writes_logits_into_one_shared_buffer():
     got = runner.replay(batch)
     assert got.data_ptr() == base.data_ptr()
     torch.testing.assert_close(got, want)
+
+
+def test_runners_sharing_a_pool_share_one_capture_stream(monkeypatch):
+    """The allocator reuses a freed block only on its own stream: every capture into one pool
+    must run on one stream, whichever runner (and GraphPool object) it comes from."""
+    from stepgraph import backends
+
+    made = []
+
+    class FakeStream:
+        def __init__(self, device):
+            made.append(device)
+
+    monkeypatch.setattr(backends.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(backends, "_CAPTURE_STREAMS", {})
+    cpu = torch.device("cpu")
+    first = backends.GraphPool()
+    same = backends.GraphPool(first.get_or_create(cpu))  # another runner, the same handle
+    other = backends.GraphPool()
+    assert first.capture_stream(cpu) is same.capture_stream(cpu)
+    assert other.capture_stream(cpu) is not first.capture_stream(cpu)
+    assert len(made) == 2
