@@ -63,6 +63,13 @@ def test_piecewise_prefill_matches_eager(pair, lens):
     prompts = _prompts(ref_mr.config.vocab_size, lens, seed=sum(lens))
     pages = [ref_mr.kv_cache.reserve(n) for n in lens]
     assert [pp.mr.kv_cache.reserve(n) for n in lens] == pages
+    # The same random K/V in both caches (never zeros), so a stray write anywhere shows.
+    g = torch.Generator(device=DEV).manual_seed(sum(lens) + 1)
+    caches = list(zip(_kv(pp.mr), _kv(ref_mr)))
+    for a, b in caches:
+        a.normal_(generator=g)
+        b.copy_(a)
+    before = [a.clone() for a, _ in caches]
     try:
         graphs = pp.stats.graph_batches
         got = pp.prefill(prompts, pages).clone()
@@ -77,13 +84,26 @@ def test_piecewise_prefill_matches_eager(pair, lens):
         slots = torch.tensor(
             [s for p, n in zip(pages, lens) for s in pp.mr.kv_cache.slots(p, 0, n)], device=DEV
         )
-        for a, b in zip(pp.mr.kv_cache.k_caches, ref_mr.kv_cache.k_caches):
-            got_k, ref_k = a.flatten(0, 1)[slots].float(), b.flatten(0, 1)[slots].float()
-            torch.testing.assert_close(got_k, ref_k, atol=0.1, rtol=0.05)
+        # every other slot keeps its value; page 0 is scratch (padded tokens write there)
+        rest = torch.ones(before[0].shape[0] * before[0].shape[1], dtype=torch.bool, device=DEV)
+        rest[slots] = False
+        rest[: pp.mr.kv_cache.page_size] = False
+        for i, ((a, b), a0) in enumerate(zip(caches, before)):  # K of every layer, then V
+            a, b, a0 = a.flatten(0, 1), b.flatten(0, 1), a0.flatten(0, 1)
+            what = f"{'KV'[i // NUM_LAYERS]} cache of layer {i % NUM_LAYERS}"
+            torch.testing.assert_close(
+                a[slots].float(), b[slots].float(), atol=0.1, rtol=0.05, msg=what
+            )
+            assert torch.equal(a[rest], a0[rest]), f"piecewise prefill wrote outside: {what}"
+            assert torch.equal(b[rest], a0[rest]), f"eager prefill wrote outside: {what}"
     finally:
         for p in pages:
             ref_mr.kv_cache.release(p)
             pp.mr.kv_cache.release(p)
+
+
+def _kv(mr: ModelRunner) -> list[torch.Tensor]:
+    return [*mr.kv_cache.k_caches, *mr.kv_cache.v_caches]
 
 
 def test_piecewise_capture_stats(pair):
