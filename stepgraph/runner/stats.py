@@ -24,7 +24,9 @@ class BucketStats:
 
     ``pool_bytes``: what the graph pool grew by during the capture (the graph's own blocks that
     no earlier, larger bucket left free). ``outside_bytes``: what the eager warm-up left
-    allocated outside the pool (shared outputs and workspaces sized by the first bucket)."""
+    allocated outside the pool when the capture began (shared outputs and workspaces sized by
+    the first bucket; for a piecewise runner also the warm-up results it holds until the
+    capture ends, so their sum over shapes overstates what stays)."""
 
     bs: int
     seconds: float
