@@ -1,0 +1,100 @@
+"""Edges of the pure modules that mutation testing (scripts/mutation-test) found unchecked:
+bucket lists at max_bs 1 and just past a multiple of 16, error messages, the ladder's smallest
+GPU, the step finder's first value, the batch's device fields and unpacked views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.batch import PACKED, ForwardBatch, pack_batch, unpacked_batch
+from stepgraph.buckets import default_capture_sizes, distribute_tokens, validate_buckets
+from stepgraph.errors import ConfigError
+from stepgraph.kernels.splits import fa_split_keys, ladder_cap, monotone_steps, num_splits_for
+
+
+@pytest.mark.parametrize(
+    "max_bs, want",
+    [
+        (1, [1]),
+        (2, [1, 2]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (15, [1, 2, 4, 8, 15]),
+        (16, [1, 2, 4, 8, 16]),
+        (17, [1, 2, 4, 8, 16, 17]),
+        (31, [1, 2, 4, 8, 16, 31]),
+        (32, [1, 2, 4, 8, 16, 32]),
+        (47, [1, 2, 4, 8, 16, 32, 47]),
+        (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+    ],
+)
+def test_default_capture_sizes_hand_written(max_bs, want):
+    assert default_capture_sizes(max_bs) == want
+
+
+def test_bucket_errors_name_the_value_and_the_fix():
+    with pytest.raises(ConfigError, match=r"max_bs must be >= 1, got 0; pass a positive"):
+        default_capture_sizes(0)
+    with pytest.raises(ConfigError, match=r"^capture_bs is empty; give at least one bucket"):
+        validate_buckets([])
+    with pytest.raises(ConfigError, match=r"^capture_bs must hold positive ints, got \[0, 2\]"):
+        validate_buckets([0, 2])
+    with pytest.raises(ConfigError, match=r"^my_bs must be sorted.*sorted\(set\(my_bs\)\)"):
+        validate_buckets([2, 2], what="my_bs")
+    with pytest.raises(ConfigError, match=r"bs must be >= 1, got 0\."):
+        distribute_tokens(5, 0)
+    with pytest.raises(ConfigError, match=r"cannot give 3 requests .* from 2 tokens"):
+        distribute_tokens(2, 3)
+
+
+def test_the_ladder_on_a_one_sm_gpu():
+    # 4 programs on one SM: 1 request x 1 KV head -> cap 4 splits
+    assert ladder_cap(1, 1, 1) == 4
+    assert fa_split_keys(1000, 1, 1, 1) == 250 and num_splits_for(1000, 1, 1, 1, 64) == 4
+    assert fa_split_keys(0, 1, 1, 1) == 64
+
+
+def test_monotone_steps_first_value_and_single_step_functions():
+    assert monotone_steps(lambda t: 1 + (t >= 2), 10) == ([1, 2], [1, 2])
+    assert monotone_steps(lambda t: 5, 10) == ([1], [5])
+    assert monotone_steps(lambda t: 1 + (t >= 10), 10) == ([1, 10], [1, 2])
+    assert monotone_steps(lambda t: t, 4) == ([1, 2, 3, 4], [1, 2, 3, 4])
+
+
+def _batch(bs: int = 3, pages: int = 4) -> ForwardBatch:
+    g = torch.Generator().manual_seed(bs * 10 + pages)
+    lens = torch.randint(1, 50, (bs,), generator=g, dtype=torch.int32)
+    return ForwardBatch(
+        input_ids=torch.randint(1, 1000, (bs,), generator=g),
+        positions=lens.long() - 1,
+        seq_lens=lens,
+        seq_lens_cpu=lens.clone(),
+        block_table=torch.randint(1, 99, (bs, pages), generator=g, dtype=torch.int32),
+        out_cache_loc=torch.randint(16, 2000, (bs,), generator=g),
+    )
+
+
+def test_device_tensors_are_exactly_the_five_device_fields():
+    b = _batch()
+    assert set(b.device_tensors()) == {
+        "input_ids", "positions", "seq_lens", "block_table", "out_cache_loc",
+    }  # fmt: skip
+    assert all(v is getattr(b, k) for k, v in b.device_tensors().items())
+
+
+def test_unpacked_batch_keeps_the_host_lengths_and_copies_by_default():
+    b = _batch()
+    packed = pack_batch(b)
+    assert packed.dtype is torch.int64 and packed.shape == (3, PACKED.width(4))
+    back = unpacked_batch(packed, b.seq_lens_cpu)
+    assert back.seq_lens_cpu is b.seq_lens_cpu and back.packed is packed
+    for name, t in back.device_tensors().items():
+        assert torch.equal(t, getattr(b, name)) and t.dtype == getattr(b, name).dtype, name
+        assert t.is_contiguous(), f"{name}: copy=True is the default and gives contiguous fields"
+        assert t.untyped_storage().data_ptr() != packed.untyped_storage().data_ptr(), name
+    views = unpacked_batch(packed, b.seq_lens_cpu, copy=False)
+    assert views.seq_lens_cpu is b.seq_lens_cpu
+    for name, t in views.device_tensors().items():
+        assert torch.equal(t, getattr(b, name)), name
+        assert t.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr(), name
