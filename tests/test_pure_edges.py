@@ -98,3 +98,16 @@ def test_unpacked_batch_keeps_the_host_lengths_and_copies_by_default():
     for name, t in views.device_tensors().items():
         assert torch.equal(t, getattr(b, name)), name
         assert t.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr(), name
+
+
+def test_rows_of_cycles_rows_whatever_the_width():
+    from stepgraph.configs.padding import rows_of
+
+    g = torch.Generator().manual_seed(7)
+    req = {"x": torch.randn(3, 5, generator=g), "ids": torch.randint(0, 9, (3,), generator=g)}
+    out = rows_of(req, 7)
+    assert torch.equal(out["x"], req["x"][[0, 1, 2, 0, 1, 2, 0]])
+    assert torch.equal(out["ids"], req["ids"][[0, 1, 2, 0, 1, 2, 0]])
+    one = rows_of({"x": req["x"][:1]}, 3)["x"]
+    assert torch.equal(one, req["x"][[0, 0, 0]])
+    assert rows_of(req, 0)["x"].shape == (0, 5)

@@ -94,3 +94,37 @@ def test_max_running_bounds_every_decode_step(mode):
     assert [engine.finished[r].output for r in rids] == [o[:n] for o, n in zip(ref, news)]
     if mode == "graph":
         assert set(b for b, gr in engine.runner.graphs.items() if gr.replays) <= {1, 2}
+
+
+def test_sampling_uses_only_its_generator():
+    logits = torch.randn(500, 30, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(1)
+    a = Sampling(1.0).sample(logits, torch.Generator().manual_seed(9))
+    torch.manual_seed(2)  # the global generator must not matter
+    b = Sampling(1.0).sample(logits, torch.Generator().manual_seed(9))
+    c = Sampling(1.0).sample(logits, torch.Generator().manual_seed(10))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_top_k_edges():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 50, generator=g)  # fewer rows than k: k is compared with the vocab
+    top3 = logits.topk(3, dim=-1).indices
+    for _ in range(100):
+        ids = Sampling(2.0, top_k=3).sample(logits, g)
+        assert all(int(i) in top3[r].tolist() for r, i in enumerate(ids))
+    # top_k = 1 is greedy; top_k >= vocab filters nothing: the same draw as no top_k
+    assert torch.equal(Sampling(2.0, top_k=1).sample(logits, g), logits.argmax(-1))
+    many = torch.randn(300, 6, generator=g)
+    for k in (6, 7):
+        want = Sampling(1.5).sample(many, torch.Generator().manual_seed(6))
+        got = Sampling(1.5, top_k=k).sample(many, torch.Generator().manual_seed(6))
+        assert torch.equal(got, want), k
+
+
+@pytest.mark.parametrize("temperature", [True, "1.0", None, float("nan"), -0.5])
+def test_bad_temperatures_name_the_fix(temperature):
+    from stepgraph.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"temperature must be .*pass --temperature 0 for greedy"):
+        Sampling(temperature)
