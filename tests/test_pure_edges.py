@@ -111,3 +111,23 @@ def test_rows_of_cycles_rows_whatever_the_width():
     one = rows_of({"x": req["x"][:1]}, 3)["x"]
     assert torch.equal(one, req["x"][[0, 0, 0]])
     assert rows_of(req, 0)["x"].shape == (0, 5)
+
+
+def test_config_constructors_keep_every_argument_and_name_bad_inputs():
+    from stepgraph.configs import BatchedCudaGraphConfig, PackedCudaGraphConfig
+
+    x = {"x": torch.ones(1, 2)}
+    make = lambda n: {"x": torch.ones(n, 2)}  # noqa: E731
+    packed = PackedCudaGraphConfig("prefill", [8, 16], make, ["prefill", "extend"], "k")
+    assert packed.compile is True
+    assert PackedCudaGraphConfig("w", [8], make, compile=False).compile is False
+    assert packed.replay_graph_walks == ["prefill", "extend"] and packed.additional_key_info == "k"
+    with pytest.raises(ConfigError, match=r"^make_node_input must be a callable n -> NodeInputs"):
+        PackedCudaGraphConfig("w", [8], None)
+    with pytest.raises(ConfigError, match=r"^single_request_inputs\['y'\] is a int, expected a t"):
+        BatchedCudaGraphConfig("w", {"x": torch.ones(1), "y": 3})
+    with pytest.raises(ConfigError, match=r"^single_request_inputs is empty"):
+        BatchedCudaGraphConfig("w", {})
+    batched = BatchedCudaGraphConfig("w", x, total_tokens_multiplier=3)
+    with pytest.raises(ConfigError, match=r"key of 4 requests holds 12 tokens, got num_tokens=8"):
+        batched.get_node_inputs(4, 8)
