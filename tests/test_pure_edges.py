@@ -131,3 +131,39 @@ def test_config_constructors_keep_every_argument_and_name_bad_inputs():
     batched = BatchedCudaGraphConfig("w", x, total_tokens_multiplier=3)
     with pytest.raises(ConfigError, match=r"key of 4 requests holds 12 tokens, got num_tokens=8"):
         batched.get_node_inputs(4, 8)
+
+
+def test_check_inputs_names_shapes_rows_and_the_fix():
+    from stepgraph.configs.fit import check_inputs
+    from stepgraph.errors import ReplayError
+
+    g = torch.Generator().manual_seed(8)
+    static = {"x": torch.randn(16, 4, 3, generator=g), "ids": torch.zeros(16, dtype=torch.int64)}
+    live = {"x": torch.randn(5, 4, 3, generator=g), "ids": torch.ones(5, dtype=torch.int64)}
+    assert check_inputs(live, static, label="walk w") == 5
+    assert check_inputs({"x": live["x"]}, static, label="w", subset_ok=True) == 5
+    with pytest.raises(ReplayError, match=r"^w has inputs \['x'\], .*; pass exactly those\.$"):
+        check_inputs({"x": live["x"]}, static, label="w")  # subset_ok defaults to False
+    with pytest.raises(ReplayError, match=r"\['x', 'z'\].*pass a non-empty subset of them\.$"):
+        check_inputs({"x": live["x"], "z": live["ids"]}, static, label="w", subset_ok=True)
+    with pytest.raises(ReplayError, match=r"^w has inputs \[\], .*subset of them\.$"):
+        check_inputs({}, static, label="w", subset_ok=True)
+    bad_rows = {"x": live["x"], "ids": torch.ones(4, dtype=torch.int64)}
+    with pytest.raises(ReplayError, match=r"must be \[n, 4, 3\] with one n for every input\. "):
+        check_inputs(bad_rows, static, label="w")
+    with pytest.raises(
+        ReplayError, match=r"input 'x' of w has shape \(5, 4, 2\).*run it\s+eagerly\.$"
+    ):
+        check_inputs({**live, "x": torch.randn(5, 4, 2, generator=g)}, static, label="w")
+    scalar = {"x": torch.tensor(1.0), "ids": torch.tensor(1)}
+    with pytest.raises(ReplayError, match=r"input 'x' of w has shape \(\)"):
+        check_inputs(scalar, {"x": torch.randn(1), "ids": torch.zeros(1)}, label="w")
+    empty = {"x": torch.randn(0, 4, 3, generator=g), "ids": torch.ones(0, dtype=torch.int64)}
+    with pytest.raises(ReplayError, match=r"^w has no rows; drop it from the batch\.$"):
+        check_inputs(empty, static, label="w")
+    # one batched request: the whole shape must match, and the count is one request
+    one = {"x": torch.randn(16, 4, 3, generator=g), "ids": torch.ones(16, dtype=torch.int64)}
+    assert check_inputs(one, static, label="w", full_shape=True) == 1
+    with pytest.raises(ReplayError, match=r"so it must be \[16, 4, 3\]\."):
+        check_inputs(live, static, label="w", full_shape=True)
+    assert check_inputs(live, static, label="w") == 5  # full_shape defaults to False
