@@ -195,9 +195,27 @@ class CudaGraphBackend(GraphBackend):
             graph.instantiate()
         except BaseException:
             graph.reset()
+            _stop_recording_to_pool(self.device, pool)
             raise
         self.capture_order.append(key)
         return CudaCapturedGraph(graph, output)
+
+
+def _stop_recording_to_pool(device: torch.device, pool: Any) -> None:
+    """After a failed capture, make the allocator stop routing allocations to ``pool``.
+
+    ``CUDAGraph.capture_end`` ends the pool's recording only after ``cudaStreamEndCapture``
+    succeeds; when the capture was invalidated (a host sync, say) it raises first, and the next
+    capture into the same pool fails with "beginAllocateToPool: already recording to
+    mempool_id" (seen on the H200, torch 2.11). A pool shared by several runners must survive
+    one runner's failed capture, so end the recording here; it may already be ended."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    try:
+        end(device.index, pool)
+    except RuntimeError:  # "not currently recording": capture_end got that far
+        pass
 
 
 # --------------------------------------------------------------------------------------------

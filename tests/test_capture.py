@@ -120,3 +120,21 @@ def test_capture_stats_sum_buckets():
     )
     assert stats.seconds == 0.75 and stats.pool_bytes == 4 * 2**20
     assert stats.summary() == "captured 2 buckets in 0.75 s, pool 4.0 MiB"
+
+
+def test_a_failed_capture_stops_the_allocator_recording_to_the_pool(monkeypatch):
+    """CUDA's capture_end skips ending the pool's recording when the capture was invalidated;
+    the backend ends it, so the (shared) pool takes the next capture. Ended already is fine."""
+    from stepgraph import backends
+
+    calls = []
+
+    def end(device_index, pool):
+        calls.append((device_index, pool))
+        if len(calls) > 1:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    backends._stop_recording_to_pool(torch.device("cuda", 3), (0, 7))
+    backends._stop_recording_to_pool(torch.device("cuda", 3), (0, 7))  # swallowed
+    assert calls == [(3, (0, 7))] * 2
