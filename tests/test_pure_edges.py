@@ -167,3 +167,23 @@ def test_check_inputs_names_shapes_rows_and_the_fix():
     with pytest.raises(ReplayError, match=r"so it must be \[16, 4, 3\]\."):
         check_inputs(live, static, label="w", full_shape=True)
     assert check_inputs(live, static, label="w") == 5  # full_shape defaults to False
+
+
+def test_config_defaults_capture_requests_and_batched_padding():
+    from stepgraph.configs import BatchedCudaGraphConfig, PackedCudaGraphConfig
+
+    x = {"x": torch.arange(6.0).view(3, 2)}
+    batched = BatchedCudaGraphConfig("w", x)
+    assert batched.compile is True and batched.caps_eager_batch_size is True
+    reqs = batched.capture_requests(4, 4)
+    assert len(reqs) == 4  # no spare slot: that is packed only
+    assert all(r.keys() == x.keys() and torch.equal(r["x"], x["x"]) for r in reqs)
+    pads = batched.padding_requests([1, 1], 5, 5)
+    assert len(pads) == 3 and all(torch.equal(p["x"], x["x"]) for p in pads)
+    with pytest.raises(ConfigError, match=r"^6 requests do not fit a key of 5 requests\.$"):
+        batched.padding_requests([1] * 6, 5, 5)
+    with pytest.raises(ConfigError, match=r"^capture_batch_sizes must be sorted"):
+        BatchedCudaGraphConfig("w", x, capture_batch_sizes=[4, 2])
+    packed = PackedCudaGraphConfig("w", [8], lambda n: {"x": torch.ones(n, 2)})
+    reqs = packed.capture_requests(2, 8)
+    assert [r["x"].shape[0] for r in reqs] == [4, 4, 0]  # two requests and the empty spare
