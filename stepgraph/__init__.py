@@ -11,7 +11,7 @@ Llama/Qwen2, engine), ``stepgraph.runner`` (seed 001), ``stepgraph.configs`` (se
 
 from __future__ import annotations
 
-from .backends import CpuGraphBackend, CudaGraphBackend, GraphBackend, GraphPool
+from .backends import CpuGraphBackend, CudaGraphBackend, GraphBackend
 from .batch import AttentionBackend, ForwardBatch, ForwardMode, ModelRunnerLike
 from .buckets import default_capture_sizes, distribute_tokens, pad_to_bucket
 from .configs import (
@@ -29,6 +29,7 @@ from .configs import (
     PiecewiseRunner,
 )
 from .errors import CaptureError, ConfigError, GraphUpdateError, ReplayError, StepGraphError
+from .graph_pool import GraphPool
 from .runner import (
     CudaGraphRunner,
     RunnerConfig,

@@ -125,7 +125,7 @@ def test_capture_stats_sum_buckets():
 def test_a_failed_capture_stops_the_allocator_recording_to_the_pool(monkeypatch):
     """CUDA's capture_end skips ending the pool's recording when the capture was invalidated;
     the backend ends it, so the (shared) pool takes the next capture. Ended already is fine."""
-    from stepgraph import backends
+    from stepgraph import graph_pool
 
     calls = []
 
@@ -135,6 +135,20 @@ def test_a_failed_capture_stops_the_allocator_recording_to_the_pool(monkeypatch)
             raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
 
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
-    backends._stop_recording_to_pool(torch.device("cuda", 3), (0, 7))
-    backends._stop_recording_to_pool(torch.device("cuda", 3), (0, 7))  # swallowed
+    graph_pool.stop_recording_to_pool(torch.device("cuda", 3), (0, 7))
+    graph_pool.stop_recording_to_pool(torch.device("cuda", 3), (0, 7))  # swallowed
     assert calls == [(3, (0, 7))] * 2
+
+
+def test_an_abandoned_pool_gets_a_fresh_handle_and_the_global_pool_follows(fresh_global_pool):
+    pool = capture.STATE.pool_for_new_runner()
+    first = pool.get_or_create(torch.device("cpu"))
+    assert capture.get_global_graph_memory_pool() is first
+    pool.abandon()  # what a failed CUDA capture does
+    assert pool.handle is None and capture.get_global_graph_memory_pool() is None
+    second = pool.get_or_create(torch.device("cpu"))
+    assert second is not first and capture.get_global_graph_memory_pool() is second
+    other = capture.STATE.pool_for_new_runner()
+    capture.set_global_graph_memory_pool(mine := object())
+    other.abandon()  # a pool that is not (or no longer) the global one leaves the global alone
+    assert capture.get_global_graph_memory_pool() is mine

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..backends import GraphPool
+from ..graph_pool import GraphPool
 from ..model import parallel
 from ..model.model_runner import ModelRunner
 from .timing import cuda_time_ms

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from ..backends import CapturedGraph, CpuGraphBackend, GraphPool, canonical_device
+from ..backends import CapturedGraph, CpuGraphBackend, canonical_device
 from ..errors import CaptureError, ConfigError, ReplayError
+from ..graph_pool import GraphPool
 from ..runner.base import GraphRunnerBase
 from ..runner.capture import capture_loop, capture_step, storage_ptrs
 from ..runner.stats import BucketStats, CaptureStats

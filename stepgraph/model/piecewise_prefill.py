@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends import GraphPool, canonical_device
+from ..backends import canonical_device
 from ..buckets import validate_buckets
 from ..configs import PiecewiseCallInputs, PiecewisePackedConfig, PiecewiseRunner, pad_lengths
 from ..errors import ConfigError
+from ..graph_pool import GraphPool
 from ..kernels.kv_write import write_kv
 from ..kernels.rope_kv import apply_rope
 from ..runner.stats import CaptureStats

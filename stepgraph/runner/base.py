@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from ..backends import CapturedGraph, GraphBackend, GraphPool, make_backend
+from ..backends import CapturedGraph, GraphBackend, make_backend
 from ..errors import ReplayError
+from ..graph_pool import GraphPool
 from .capture import STATE
 
 

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..backends import CapturedGraph, GraphBackend, GraphPool
+from ..backends import CapturedGraph, GraphBackend
 from ..errors import CaptureError
+from ..graph_pool import GraphPool
 from .config import RunnerConfig
 from .stats import BucketStats, CaptureStats, Stopwatch
 
@@ -54,7 +55,11 @@ class CaptureState:
             if self.pool is None:
                 self.pool = handle
 
-        return GraphPool(self.pool, on_create=adopt)
+        def forget(handle: Any) -> None:  # a failed capture poisoned it (GraphPool.abandon)
+            if self.pool is handle:
+                self.pool = None
+
+        return GraphPool(self.pool, on_create=adopt, on_abandon=forget)
 
 
 STATE = CaptureState()

@@ -19,10 +19,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..backends import CapturedGraph, GraphPool, canonical_device
+from ..backends import CapturedGraph, canonical_device
 from ..batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
 from ..buckets import pad_to_bucket
 from ..errors import ReplayError
+from ..graph_pool import GraphPool
 from ..graph_update.exec_updater import ExecUpdater, default_exec_updater
 from .base import GraphRunnerBase
 from .capture import capture_loop, capture_step, logger

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.backends import GraphPool
+from stepgraph.graph_pool import GraphPool
 from stepgraph.model.model_runner import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 

@@ -20,9 +20,9 @@ import gc
 import pytest
 import torch
 
-from stepgraph.backends import GraphPool
 from stepgraph.bench.workload import fill_kv_random
 from stepgraph.errors import CaptureError
+from stepgraph.graph_pool import GraphPool
 from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.toy_model import ToyModelRunner

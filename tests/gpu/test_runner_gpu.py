@@ -69,7 +69,7 @@ def test_outputs_are_the_static_buffers(mr, runner):
 def test_capture_stats_are_recorded(mr, runner):
     import time
 
-    from stepgraph.backends import GraphPool
+    from stepgraph.graph_pool import GraphPool
 
     assert [b.bs for b in runner.stats.capture.buckets] == sorted(runner.capture_bs, reverse=True)
     start = time.perf_counter()
