@@ -187,3 +187,21 @@ def test_config_defaults_capture_requests_and_batched_padding():
     packed = PackedCudaGraphConfig("w", [8], lambda n: {"x": torch.ones(n, 2)})
     reqs = packed.capture_requests(2, 8)
     assert [r["x"].shape[0] for r in reqs] == [4, 4, 0]  # two requests and the empty spare
+
+
+def test_the_base_config_defaults():
+    from stepgraph.configs import CudaGraphConfig, CudaGraphConfigType
+
+    class Minimal(CudaGraphConfig):  # the seed's three abstract methods, nothing else
+        def get_config_type(self):
+            return CudaGraphConfigType.BASIC_BATCHED
+
+        def get_node_inputs(self, bs, num_tokens):
+            return [{"x": torch.ones(1)}] * bs
+
+        def get_total_tokens(self, bs):
+            return [bs]
+
+    cfg = Minimal("w")
+    assert cfg.compile is True and cfg.caps_eager_batch_size is True
+    assert cfg.replay_graph_walks is None and cfg.capture_forward_method == "forward_batched"
