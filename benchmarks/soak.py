@@ -118,15 +118,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
-    p.add_argument(
-        "--sdpa",
-        choices=["default", "no-cudnn"],
-        default="default",
-        help="no-cudnn: prefill attention without cuDNN's SDPA (its plans are cached per shape)",
-    )
     args = p.parse_args()
-    if args.sdpa == "no-cudnn":
-        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.short:
         args.tokens, args.last = 10_000, 40
     if not torch.cuda.is_available():
