@@ -81,7 +81,7 @@ def test_model_runner_writes_logits_into_one_shared_buffer():
 def test_runners_sharing_a_pool_share_one_capture_stream(monkeypatch):
     """The allocator reuses a freed block only on its own stream: every capture into one pool
     must run on one stream, whichever runner (and GraphPool object) it comes from."""
-    from stepgraph import backends
+    from stepgraph import graph_pool
 
     made = []
 
@@ -89,12 +89,12 @@ def test_runners_sharing_a_pool_share_one_capture_stream(monkeypatch):
         def __init__(self, device):
             made.append(device)
 
-    monkeypatch.setattr(backends.torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(backends, "_CAPTURE_STREAMS", {})
+    monkeypatch.setattr(graph_pool.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(graph_pool, "_CAPTURE_STREAMS", {})
     cpu = torch.device("cpu")
-    first = backends.GraphPool()
-    same = backends.GraphPool(first.get_or_create(cpu))  # another runner, the same handle
-    other = backends.GraphPool()
+    first = graph_pool.GraphPool()
+    same = graph_pool.GraphPool(first.get_or_create(cpu))  # another runner, the same handle
+    other = graph_pool.GraphPool()
     assert first.capture_stream(cpu) is same.capture_stream(cpu)
     assert other.capture_stream(cpu) is not first.capture_stream(cpu)
     assert len(made) == 2
