@@ -157,6 +157,12 @@ class AttentionBackend(Protocol):
     ``init_forward_metadata`` prepares an eager step. The ``*_cuda_graph`` hooks work on the
     runner's static batch (views of its static buffers, first ``bs`` rows), so that whatever
     the backend derives on the device is recorded inside the graph and refreshed per replay.
+
+    With ``RunnerConfig.packed_inputs`` (the default) the live values reach the per-field static
+    buffers only inside the graph, after the replay hook has run: derive device metadata from
+    them inside the captured forward (or at capture), not with device work launched from
+    ``init_forward_metadata_replay_cuda_graph``. A backend that must do that work in the hook
+    runs with ``packed_inputs=False``, where the hook sees the live batch in place.
     """
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
