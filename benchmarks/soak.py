@@ -25,7 +25,7 @@ import time
 import torch
 
 from stepgraph.model import ModelRunner
-from stepgraph.model.engine import Engine
+from stepgraph.engine import Engine
 from stepgraph.runner import RunnerConfig
 
 GPU_GROWTH_LIMIT = 2**20  # bytes

@@ -6,7 +6,7 @@
 
 Subpackages: ``stepgraph.graph_update`` (per-token exec update of kernel nodes),
 ``stepgraph.kernels`` (Triton split-KV flash decode), ``stepgraph.model`` (reference
-Llama/Qwen2, engine), ``stepgraph.runner`` (seed 001), ``stepgraph.configs`` (seed 004).
+Llama/Qwen2), ``stepgraph.engine`` (the serving path), ``stepgraph.runner`` (seed 001), ``stepgraph.configs`` (seed 004).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from .configs import (
     PiecewisePackedConfig,
     PiecewiseRunner,
 )
+from .engine import Engine, EngineStats, Request, Sampling
 from .errors import CaptureError, ConfigError, GraphUpdateError, ReplayError, StepGraphError
 from .graph_pool import GraphPool
+from .model import PRESETS, ModelConfig, ModelRunner, get_preset
 from .runner import (
     CudaGraphRunner,
     RunnerConfig,
@@ -48,6 +50,8 @@ __all__ = [
     "CaptureError",
     "ConfigError",
     "ConfigGraphRunner",
+    "Engine",
+    "EngineStats",
     "CpuGraphBackend",
     "CudaGraphBackend",
     "CudaGraphConfig",
@@ -58,7 +62,10 @@ __all__ = [
     "GraphBackend",
     "GraphPool",
     "GraphUpdateError",
+    "ModelConfig",
+    "ModelRunner",
     "ModelRunnerLike",
+    "PRESETS",
     "PackedCudaGraphConfig",
     "PiecewiseBatchedConfig",
     "PiecewiseCallInputs",
@@ -68,11 +75,14 @@ __all__ = [
     "PiecewisePackedConfig",
     "PiecewiseRunner",
     "ReplayError",
+    "Request",
     "RunnerConfig",
+    "Sampling",
     "StepGraphError",
     "default_capture_sizes",
     "distribute_tokens",
     "freeze_gc",
+    "get_preset",
     "get_global_graph_memory_pool",
     "is_capture_mode",
     "model_capture_mode",

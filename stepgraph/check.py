@@ -75,7 +75,7 @@ class ModeResult:
 def build_engines(model_runner, modes: list[str], max_bs: int) -> dict[str, object]:
     """One engine per mode over ``model_runner``'s weights, each with its own KV cache and
     attention backend (two runners capturing one backend would share its static metadata)."""
-    from .model.engine import Engine
+    from .engine import Engine
     from .model.model_runner import ModelRunner
     from .runner import RunnerConfig
 

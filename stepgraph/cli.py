@@ -51,7 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench.main import DTYPES
-    from .model.engine import Engine
+    from .engine import Engine
     from .model.launch import build_model_runner, finish, is_main_rank
 
     device = resolve_device(args.device)

@@ -12,7 +12,7 @@ import torch
 
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
-from stepgraph.model.engine import Engine, Sampling
+from stepgraph.engine import Engine, Sampling
 from stepgraph.runner import RunnerConfig
 
 from .guards import assert_kv_unchanged, fill_kv_random, kv_snapshot, time_limit

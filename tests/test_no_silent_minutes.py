@@ -9,7 +9,7 @@ import torch
 
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner, kv_cache, model_runner
-from stepgraph.model.engine import Engine
+from stepgraph.engine import Engine
 
 from .guards import assert_kv_unchanged, fill_kv_random, kv_snapshot, time_limit
 

@@ -11,7 +11,7 @@ import torch
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
 from stepgraph.model import prefill_attention as pa_mod
-from stepgraph.model.engine import Engine
+from stepgraph.engine import Engine
 from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import RunnerConfig
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stepgraph.model import ModelRunner
-from stepgraph.model.engine import Engine, Sampling
+from stepgraph.engine import Engine, Sampling
 from stepgraph.runner import RunnerConfig
 
 N = 20000

@@ -74,7 +74,7 @@ def host_ms(step, iters: int) -> float:
 
 
 def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> int:
-    from ..model.engine import Engine
+    from ..engine import Engine
     from ..runner import CudaGraphRunner, RunnerConfig
 
     modes = cpu_modes(args.modes)

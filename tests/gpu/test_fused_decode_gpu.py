@@ -14,7 +14,7 @@ import torch
 from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
 from stepgraph.kernels.pdl import PDL_ENV
 from stepgraph.model import ModelRunner
-from stepgraph.model.engine import Engine
+from stepgraph.engine import Engine
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 DEV = "cuda"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stepgraph.model import ModelRunner
-from stepgraph.model.engine import Engine
+from stepgraph.engine import Engine
 from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import RunnerConfig
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from stepgraph.model import ModelRunner
-from stepgraph.model.engine import Engine
+from stepgraph.engine import Engine
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 DEV = "cuda"

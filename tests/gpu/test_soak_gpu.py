@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stepgraph.model import ModelRunner
-from stepgraph.model.engine import Engine
+from stepgraph.engine import Engine
 from stepgraph.runner import RunnerConfig
 
 pytestmark = pytest.mark.cuda

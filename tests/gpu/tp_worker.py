@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from stepgraph.model.config import get_preset
 from stepgraph.model.distributed import init_distributed
-from stepgraph.model.engine import Engine
+from stepgraph.engine import Engine
 from stepgraph.model.llama import build_model, init_random
 from stepgraph.model.model_runner import ModelRunner
 from stepgraph.model.parallel import shard_model

@@ -26,8 +26,8 @@ import torch
 from ..batch import unpacked_batch
 from ..errors import ConfigError, StepGraphError
 from ..runner.base import raise_other_thread
-from .graph_walks import DECODE_WALK
-from .model_runner import ModelRunner
+from ..model.graph_walks import DECODE_WALK
+from ..model.model_runner import ModelRunner
 from .requests import (
     DECODE_VIAS,
     GREEDY,
@@ -79,7 +79,7 @@ class Engine:
             if decode_via == "runner":
                 self.runner = CudaGraphRunner(model_runner, replace(config, mode=mode))
             else:
-                from .graph_walks import build_decode_graph_runner
+                from ..model.graph_walks import build_decode_graph_runner
 
                 self.walks, self.config_runner = build_decode_graph_runner(
                     model_runner,
@@ -89,7 +89,7 @@ class Engine:
                 )
         self.prefiller: Any = model_runner  # anything with prefill(prompts, pages) -> logits
         if prefill == "piecewise":
-            from .piecewise_prefill import PiecewisePrefill
+            from ..model.piecewise_prefill import PiecewisePrefill
 
             self.prefiller = PiecewisePrefill(model_runner, prefill_config)
         self.stats = EngineStats()
