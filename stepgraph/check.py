@@ -102,15 +102,15 @@ def build_engines(model_runner, modes: list[str], max_bs: int) -> dict[str, obje
 def run_mix(engine, mix: Mix) -> tuple[list[list[int]], torch.Tensor | None]:
     """The tokens of ``mix`` on ``engine`` and the logits of its first decode step."""
     first: list[torch.Tensor] = []
-    decode = engine._decode_logits  # recorded here only: the first step's logits, copied
+    decode = engine.decoder.logits  # recorded here only: the first step's logits, copied
 
-    def record(reqs):
-        logits = decode(reqs)
+    def record(reqs, stats):
+        logits = decode(reqs, stats)
         if not first:
             first.append(logits.float().clone())  # a static buffer: copy before the next replay
         return logits
 
-    engine._decode_logits = record
+    engine.decoder.logits = record
     engine.max_running = mix.max_running
     try:
         out = engine.generate(
@@ -122,7 +122,7 @@ def run_mix(engine, mix: Mix) -> tuple[list[list[int]], torch.Tensor | None]:
             ignore_eos=True,
         )
     finally:
-        del engine._decode_logits  # back to the class's method
+        del engine.decoder.logits  # back to the class's method
     return out, (first[0] if first else None)
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.errors import ConfigError
-from stepgraph.model import ModelRunner, kv_cache, model_runner
 from stepgraph.engine import Engine
+from stepgraph.engine import engine as engine_module
+from stepgraph.errors import ConfigError
+from stepgraph.model import ModelRunner, kv_cache
 
 from .guards import assert_kv_unchanged, fill_kv_random, kv_snapshot, time_limit
 
@@ -28,7 +29,7 @@ def test_kv_cache_checks_against_free_memory(monkeypatch):
 
 
 def test_slow_eager_prefill_shows_progress_on_stderr(monkeypatch, capsys):
-    monkeypatch.setattr(model_runner, "PREFILL_PROGRESS_DELAY_S", 0.0)  # "slow" from the start
+    monkeypatch.setattr(engine_module, "PREFILL_PROGRESS_DELAY_S", 0.0)  # "slow" from the start
     mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, max_bs=4, max_context_len=64)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 17, 9)]

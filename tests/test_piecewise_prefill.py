@@ -1,5 +1,5 @@
 """Piecewise packed prefill on the CPU stand-in against ``ModelRunner.prefill``: random
-mixed-length batches (on a token-bucket edge and one past it, masked and per-prompt attention),
+mixed-length batches (on a token-bucket edge and one past it), chunks over a cached prefix,
 identical K/V at the prompts' slots and nowhere else, poisoned static buffers, the eager
 fallback, config errors, and the engine option."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stepgraph.engine import Engine
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
-from stepgraph.model import prefill_attention as pa_mod
-from stepgraph.engine import Engine
+from stepgraph.model.extend_batch import PrefillChunk
 from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import RunnerConfig
 
@@ -92,9 +92,30 @@ def test_random_mixed_batches(pair):
         _check(pair, lens, seed=100 + trial)
 
 
-def test_per_prompt_attention_path(pair, monkeypatch):
-    monkeypatch.setattr(pa_mod, "MASKED_ATTENTION_MAX_TOKENS", 0)
-    _check(pair, [13, 7, 2], seed=7)
+@pytest.mark.parametrize("cut", [1, 7, 16, 17])
+def test_chunks_over_a_cached_prefix_match_eager_extend(pair, cut):
+    """A second chunk attends to the first through the cache: piecewise equals eager extend,
+    and both equal the prompt prefilled whole."""
+    ref_mr, pp = pair
+    g = torch.Generator().manual_seed(40 + cut)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (30, 19)]
+    pages = [ref_mr.kv_cache.reserve(n) for n in (30, 19)]
+    assert [pp.mr.kv_cache.reserve(n) for n in (30, 19)] == pages
+    try:
+        whole = ref_mr.prefill(prompts, pages).clone()
+        head = [PrefillChunk(p[:cut], 0, pg) for p, pg in zip(prompts, pages)]
+        tail = [PrefillChunk(p[cut:], cut, pg) for p, pg in zip(prompts, pages)]
+        ref_mr.extend(head)
+        pp.mr.extend(head)
+        graphs = pp.stats.graph_batches
+        got = pp.extend(tail).clone()
+        assert pp.stats.graph_batches == graphs + 1
+        torch.testing.assert_close(got, ref_mr.extend(tail), **TOL)
+        torch.testing.assert_close(got, whole, **TOL)
+    finally:
+        for p in pages:
+            ref_mr.kv_cache.release(p)
+            pp.mr.kv_cache.release(p)
 
 
 def test_poisoned_static_buffers_do_not_leak(pair):
@@ -137,7 +158,7 @@ def test_config_errors(pair):
         PrefillShapes(token_buckets=(8, 32), batch_sizes=(1, 8))
     with pytest.raises(ConfigError, match="sorted"):
         PrefillShapes(token_buckets=(32, 8))
-    with pytest.raises(ConfigError, match="at least one token"):
+    with pytest.raises(ConfigError, match="chunk 1 is empty"):
         pair[1].prefill([[1], []], [[1], [2]])
     with pytest.raises(ConfigError, match="page lists"):
         pair[1].prefill([[1]], [])

@@ -1,12 +1,13 @@
 """``Engine``: serves several requests at once on a ``ModelRunner``.
 
-Each step admits waiting requests whose pages fit and prefills them (``prefill="eager"``: one
-prompt at a time through ``ModelRunner.prefill``; ``"piecewise"``: packed into one batch through
-``PiecewisePrefill``), then runs one decode step of the running ones: through the graph runner
-when it can take the batch, else eagerly. ``decode_via="runner"`` decodes through the
-``CudaGraphRunner``; ``"configs"`` through a ``ConfigGraphRunner`` capturing the model's decode
-walk (``graph_walks.py``). Sampling (greedy, or temperature + top-k with a seeded generator) runs on
-the device outside the graph; the one host sync per step reads the chosen ids.
+Each step admits waiting requests whose pages fit, prefills at most ``max_prefill_tokens`` of
+their prompt tokens as one packed forward (``ModelRunner.extend``, or ``PiecewisePrefill`` with
+``prefill="piecewise"``; a prompt longer than what is left of the budget is split across steps,
+each chunk attending to the ones before it through the cache: ``scheduler.py``), then runs one
+decode step of the requests that have a token to feed: through the graph runner when it can
+take the batch, else eagerly (``decode.py``). Sampling (greedy, or temperature + top-k with a
+seeded generator) runs on the device outside the graph; the one host sync per step reads the
+chosen ids.
 
     engine = Engine(ModelRunner.from_preset("tiny"), mode="graph")
     engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # -> [[...16 ids], [...16 ids]]
@@ -15,19 +16,20 @@ the device outside the graph; the one host sync per step reads the chosen ids.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from ..batch import unpacked_batch
-from ..errors import ConfigError, StepGraphError
-from ..runner.base import raise_other_thread
-from ..model.graph_walks import DECODE_WALK
+from ..errors import ConfigError, ReplayError, StepGraphError
 from ..model.model_runner import ModelRunner
+from ..runner.base import raise_other_thread
+from .decode import DecodePath
+from .prefill import prefill_step
 from .requests import (
     DECODE_VIAS,
     GREEDY,
@@ -40,6 +42,9 @@ from .requests import (
     check_request,
     stop_id_set,
 )
+from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, admit_count, check_budget
+
+PREFILL_PROGRESS_DELAY_S = 2.0  # generate() shows a prefill bar once prefill takes this long
 
 
 class Engine:
@@ -48,9 +53,10 @@ class Engine:
     ``RunnerConfig(max_bs=model_runner.max_bs)``; its ``mode`` is set from ``mode``.
 
     ``prefill``: "eager" (default) or "piecewise" (``PiecewisePrefill`` with
-    ``prefill_config``, default ``PrefillShapes()``). ``decode_via``: "runner" (default,
-    ``CudaGraphRunner``) or "configs" (``ConfigGraphRunner`` over the decode walk, buckets and
-    backend from ``runner_config``; ``mode="graph"`` only)."""
+    ``prefill_config``, default ``PrefillShapes()``). ``max_prefill_tokens``: the most prompt
+    tokens one step prefills; longer prompts are chunked across steps. ``decode_via``:
+    "runner" (default, ``CudaGraphRunner``) or "configs" (``ConfigGraphRunner`` over the decode
+    walk, buckets and backend from ``runner_config``; ``mode="graph"`` only)."""
 
     def __init__(
         self,
@@ -62,32 +68,20 @@ class Engine:
         prefill: str = "eager",
         decode_via: str = "runner",
         prefill_config: Any | None = None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         check_same_thread: bool = True,
     ) -> None:
         check_engine_args(mode, prefill, decode_via, max_running)
+        check_budget(max_prefill_tokens)
+        self.max_prefill_tokens = max_prefill_tokens
         self.model_runner = model_runner
         self.mode = mode
         self.decode_via = decode_via
         self.max_running = max_running
-        self.runner = None  # CudaGraphRunner (decode_via="runner")
-        self.config_runner = None  # ConfigGraphRunner (decode_via="configs")
-        self.walks = None  # its DecodeGraphWalks
-        if mode != "eager":
-            from ..runner import CudaGraphRunner, RunnerConfig
-
-            config = runner_config or RunnerConfig(max_bs=model_runner.max_bs, show_progress=False)
-            if decode_via == "runner":
-                self.runner = CudaGraphRunner(model_runner, replace(config, mode=mode))
-            else:
-                from ..model.graph_walks import build_decode_graph_runner
-
-                self.walks, self.config_runner = build_decode_graph_runner(
-                    model_runner,
-                    capture_batch_sizes=config.buckets(),
-                    backend=config.backend,
-                    show_progress=config.show_progress,
-                )
-        self.prefiller: Any = model_runner  # anything with prefill(prompts, pages) -> logits
+        self.decoder = DecodePath(model_runner, mode, decode_via, runner_config)
+        self.runner = self.decoder.runner  # CudaGraphRunner (decode_via="runner") or None
+        self.config_runner = self.decoder.config_runner  # ConfigGraphRunner ("configs") or None
+        self.prefiller: Any = model_runner  # anything with extend(chunks) -> logits
         if prefill == "piecewise":
             from ..model.piecewise_prefill import PiecewisePrefill
 
@@ -98,6 +92,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
+        self._closed = False
 
     @property
     def check_same_thread(self) -> bool:
@@ -114,6 +109,11 @@ class Engine:
                 r.check_same_thread = value
 
     def _check_thread(self, what: str) -> None:
+        if self._closed:
+            raise ReplayError(
+                f"Engine.{what} after shutdown(): its graph runners are released; build a new "
+                "Engine."
+            )
         if self._check_same_thread and threading.current_thread() is not self._owner:
             raise_other_thread(self, what, self._owner)
 
@@ -153,50 +153,21 @@ class Engine:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def _admit(self) -> list[Request]:
+    def _admit(self) -> None:
         kv = self.model_runner.kv_cache
-        admitted = []
-        while self.waiting and kv.can_reserve(self.waiting[0].kv_tokens):
-            if self.max_running is not None and len(self.running) >= self.max_running:
-                break
+        needs = (kv.pages_for(r.kv_tokens) for r in self.waiting)
+        for _ in range(
+            admit_count(needs, kv.allocator.num_free, len(self.running), self.max_running)
+        ):
             req = self.waiting.popleft()
             req.pages = kv.reserve(req.kv_tokens)
             self.running.append(req)
-            admitted.append(req)
         if self.waiting and not self.running:
             raise ConfigError(
                 f"request {self.waiting[0].rid} needs {kv.pages_for(self.waiting[0].kv_tokens)} "
                 f"pages but only {kv.allocator.num_free} are free and nothing is running; pages "
                 "are held outside this engine."
             )
-        return admitted
-
-    def _decode_logits(self, reqs: list[Request]) -> torch.Tensor:  # [bs, vocab] float32
-        mr = self.model_runner
-        batch = mr.decode_batch(
-            [r.output[-1] for r in reqs],
-            [len(r.prompt) + len(r.output) - 1 for r in reqs],
-            [r.pages for r in reqs],
-            # the graph runner copies only the packed rows: skip building contiguous fields
-            contiguous_fields=self.runner is None or not self.runner.config.packed_inputs,
-        )
-        if self.runner is not None:
-            if self.runner.can_run(batch):
-                self.stats.graph_steps += 1
-                return self.runner.replay(batch)  # a static buffer: sampled before next replay
-            max_seq_len = batch.max_seq_len
-            batch = unpacked_batch(batch.packed, batch.seq_lens_cpu)  # eager needs contiguous
-            batch.max_seq_len = max_seq_len
-        if self.config_runner is not None:  # replays, or runs eagerly above the largest bucket
-            replays = self.config_runner.stats.replays
-            logits = self.config_runner.run(DECODE_WALK, self.walks.requests(batch))
-            if self.config_runner.stats.replays > replays:
-                self.stats.graph_steps += 1
-            else:
-                self.stats.eager_steps += 1
-            return logits
-        self.stats.eager_steps += 1
-        return mr.forward(batch)
 
     def step(
         self, sampling: Sampling = GREEDY, generator: torch.Generator | None = None
@@ -225,21 +196,22 @@ class Engine:
 
     def _step(self, sampling: Sampling, generator: torch.Generator | None) -> list[tuple[int, int]]:
         decoding = [r for r in self.running if r.output]  # requests that have a token to feed
-        new = self._admit()
-        logits = []
-        if new:
-            prompts, pages = [r.prompt for r in new], [r.pages for r in new]
-            logits.append(self.prefiller.prefill(prompts, pages))  # [len(new), vocab]
-            self.stats.prefills += len(new)
+        self._admit()
+        logits, sampled = [], []
+        # one packed forward of this step's chunks: requests whose prompt is now all cached
+        first = prefill_step(self.prefiller, self.running, self.max_prefill_tokens, self.stats)
+        if first is not None:
+            sampled, rows = first
+            logits.append(rows)
         if decoding:
-            logits.append(self._decode_logits(decoding))
+            logits.append(self.decoder.logits(decoding, self.stats))
             self.stats.decode_tokens += len(decoding)
             self.stats.batch_sizes[len(decoding)] += 1
         if not logits:
             return []
         tokens = sampling.sample(torch.cat(logits), generator).tolist()  # the one host sync
         out = []
-        for req, tok in zip(new + decoding, tokens):
+        for req, tok in zip(sampled + decoding, tokens):
             req.output.append(tok)
             out.append((req.rid, tok))
             if req.done:
@@ -274,25 +246,36 @@ class Engine:
         sampling = Sampling(temperature, top_k)  # checks them before anything is queued
         stops = dict(stop_ids=stop_ids, ignore_eos=ignore_eos)  # see add_request
         rids = [self.add_request(p, max_new_tokens, **stops) for p in prompts]
+        # a bar on stderr once prefill has taken PREFILL_PROGRESS_DELAY_S (stdout stays clean)
+        bar = tqdm(
+            total=sum(map(len, prompts)), desc="prefill", unit="tok", file=sys.stderr,
+            delay=PREFILL_PROGRESS_DELAY_S, leave=False,
+        )  # fmt: skip
         try:
             while any(rid not in self.finished for rid in rids):
-                if not self.step(sampling, generator):  # nothing ran: looping would spin
+                prefilled, decoded = self.stats.prefill_tokens, self.stats.decode_tokens
+                self.step(sampling, generator)
+                prefilled = self.stats.prefill_tokens - prefilled
+                if not prefilled and self.stats.decode_tokens == decoded:  # looping would spin
                     raise StepGraphError(
                         f"requests {[r for r in rids if r not in self.finished]} were dropped "
                         "while generating (abort_all from another caller?); nothing is left "
                         "to run. Call generate again."
                     )
+                bar.update(min(prefilled, bar.total - bar.n))
         except BaseException:
             self.abort_all()  # step already did on its own faults; add_request may have run
             for rid in rids:
                 self.finished.pop(rid, None)
             raise
+        finally:
+            bar.close()
         return [self.finished.pop(rid).output for rid in rids]
 
     def shutdown(self) -> None:
-        for r in (self.runner, self.config_runner):
-            if r is not None:
-                r.shutdown()
+        """Release the graph runners; any later step, request or generate raises."""
+        self._closed = True
+        self.decoder.shutdown()
         if self.prefiller is not self.model_runner:
             self.prefiller.shutdown()
 

@@ -27,6 +27,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # a sampled id in here ends the request (kept)
+    prefilled: int = 0  # prompt tokens whose K/V are in the cache (chunked prefill)
 
     @property
     def kv_tokens(self) -> int:
@@ -79,6 +80,8 @@ class EngineStats:
     graph_steps: int = 0  # decode steps replayed by the graph runner
     eager_steps: int = 0  # decode steps run eagerly (by model_runner.forward)
     prefills: int = 0  # prompts prefilled
+    prefill_steps: int = 0  # packed prefill forwards (one per engine step at most)
+    prefill_tokens: int = 0  # prompt tokens prefilled
     decode_tokens: int = 0
     # decode steps by batch size: the trace `stepgraph buckets --trace` picks buckets from
     batch_sizes: Counter[int] = field(default_factory=Counter)

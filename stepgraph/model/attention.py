@@ -12,7 +12,9 @@ writes the new K/V into the pages and attends. On CUDA the rotation and the writ
   captured nodes per step). Graphs share one workspace allocated at ``max_bs``; eager steps use
   their own, grown lazily.
 - Decode on the CPU: ``paged_decode_reference`` (the Triton interpreter is too slow for models).
-- Prefill: causal SDPA over one prompt, its K/V written at the prompt's slots.
+- Prefill ("extend"): packed chunks of several prompts (``extend_batch.ExtendBatch``); their K/V
+  are written at their slots, then each chunk attends to its request's cached prefix and to
+  itself, causally, through the pages (``prefill_attention``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_de
 from ..kernels.reference import paged_decode_reference
 from ..kernels.rope_kv import rope_kv, rope_kv_reference
 from ..kernels.splits import num_splits_for
+from .extend_batch import ExtendBatch
 from .kv_cache import KVCache
-from .prefill_attention import prefill_attention
+from .prefill_attention import extend_attention
 
 SEQ_LEN_FILL_VALUE = 1  # a padded graph row attends to one slot of scratch page 0
 
@@ -41,11 +44,6 @@ class DecodeMetadata:
     num_splits: int  # split-KV geometry of flash_decode (1 on the CPU path)
     workspace: DecodeWorkspace | None  # None on the CPU path
     from_graph: bool  # set by a capture/replay hook, for the runner's static batch
-
-
-@dataclass
-class PrefillMetadata:
-    slots: torch.Tensor  # [T] int64, slot of each prompt token
 
 
 class PagedAttentionBackend:
@@ -77,7 +75,7 @@ class PagedAttentionBackend:
         )
         self.graph_workspace: DecodeWorkspace | None = None  # [max_bs, ...], for captured steps
         self._eager_workspace: DecodeWorkspace | None = None  # grown lazily, reused
-        self.meta: DecodeMetadata | PrefillMetadata | None = None
+        self.meta: DecodeMetadata | ExtendBatch | None = None
         self._graph_meta: dict[int, DecodeMetadata] = {}  # bucket -> metadata of its graph
 
     # -- geometry ----------------------------------------------------------------------------
@@ -168,9 +166,9 @@ class PagedAttentionBackend:
 
     # -- prefill ----------------------------------------------------------------------------
 
-    def init_prefill_metadata(self, slots: torch.Tensor) -> None:
-        """Prepare the prefill of one prompt whose tokens go to ``slots`` ``[T] int64``."""
-        self.meta = PrefillMetadata(slots=slots)
+    def init_extend_metadata(self, batch: ExtendBatch) -> None:
+        """Prepare the prefill of the packed chunks of ``batch``."""
+        self.meta = batch
 
     # -- the layers' call --------------------------------------------------------------------
 
@@ -187,18 +185,13 @@ class PagedAttentionBackend:
         m = self._meta()
         k_cache = self.kv_cache.k_caches[layer_id]
         v_cache = self.kv_cache.v_caches[layer_id]
-        slots = m.slots if isinstance(m, PrefillMetadata) else m.out_cache_loc
-        if not self._fused_rope(qkv, k_cache):
-            q, k, v = rope_kv_reference(
-                qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, self.num_heads
-            )
-            return self._attend(m, q, k, v, k_cache, v_cache)
-        q = rope_kv(qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, self.num_heads)
-        if isinstance(m, PrefillMetadata):  # SDPA wants the prompt's rotated K/V: read them back
-            k = k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
-            v = v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
-            return self._attend(m, q, k, v, k_cache, v_cache)
-        return self._attend(m, q, None, None, k_cache, v_cache)
+        slots = m.slots if isinstance(m, ExtendBatch) else m.out_cache_loc
+        args = (qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, self.num_heads)
+        if self._fused_rope(qkv, k_cache):
+            q = rope_kv(*args)
+        else:
+            q = rope_kv_reference(*args)[0]
+        return self._attend(m, q, k_cache, v_cache)
 
     def _fused_rope(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
         half = self.head_dim // 2
@@ -209,19 +202,18 @@ class PagedAttentionBackend:
             and k_cache.is_contiguous()
         )
 
-    def _meta(self) -> DecodeMetadata | PrefillMetadata:
+    def _meta(self) -> DecodeMetadata | ExtendBatch:
         if self.meta is None:
             raise ConfigError(
-                "attention called before init_forward_metadata / init_prefill_metadata; "
-                "run the model through ModelRunner.forward or ModelRunner.prefill."
+                "attention called before init_forward_metadata / init_extend_metadata; "
+                "run the model through ModelRunner.forward or ModelRunner.extend."
             )
         return self.meta
 
-    def _attend(self, m, q, k, v, k_cache, v_cache) -> torch.Tensor:  # [T, n_heads, head_dim]
-        """Attention of ``q`` once this step's K/V are in the pages (``k``, ``v``: the prompt's
-        own keys and values, read by prefill only)."""
-        if isinstance(m, PrefillMetadata):
-            return prefill_attention(q, k, v, [q.shape[0]], self.sm_scale)
+    def _attend(self, m, q, k_cache, v_cache) -> torch.Tensor:  # [T, n_heads, head_dim]
+        """Attention of ``q`` once this step's K/V are in the pages."""
+        if isinstance(m, ExtendBatch):
+            return extend_attention(q, k_cache, v_cache, m, self.sm_scale)
         if self.use_kernel:
             return flash_decode(
                 q, k_cache, v_cache, m.block_table, m.seq_lens,
@@ -246,7 +238,7 @@ class PagedAttentionBackend:
                 "decode_attention needs decode metadata; a prefill goes through rope_attention."
             )
         kv = self.kv_cache
-        return self._attend(m, q, None, None, kv.k_caches[layer_id], kv.v_caches[layer_id])
+        return self._attend(m, q, kv.k_caches[layer_id], kv.v_caches[layer_id])
 
 
-__all__ = ["DecodeMetadata", "PagedAttentionBackend", "PrefillMetadata", "SEQ_LEN_FILL_VALUE"]
+__all__ = ["DecodeMetadata", "PagedAttentionBackend", "SEQ_LEN_FILL_VALUE"]

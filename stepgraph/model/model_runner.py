@@ -3,17 +3,16 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..batch import PACKED, ForwardBatch, ForwardMode, unpacked_batch
 from ..errors import ConfigError
 from .attention import PagedAttentionBackend
 from .config import ModelConfig, get_preset
+from .extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
 from .fused_decode import (
     FUSED_MAX_BS,
     check_kernels,
@@ -26,7 +25,6 @@ from .llama import LlamaModel, build_model, init_random
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_CONTEXT_LEN = 4096
-PREFILL_PROGRESS_DELAY_S = 2.0  # eager prefills longer than this show a progress bar
 GEMV_MAX_BS = 1  # batches up to this many rows use the Triton GEMV on CUDA, larger ones cuBLAS
 
 
@@ -270,28 +268,24 @@ class ModelRunner:
         return out.copy_(self.model.lm_head(h))
 
     @torch.no_grad()
+    def extend(
+        self, chunks: Sequence[PrefillChunk]
+    ) -> torch.Tensor:  # [n, vocab] float32, logits of each chunk's last token
+        """One packed forward of ``chunks`` (``extend_batch``): each writes its K/V into its
+        pages and attends to its request's earlier tokens there, then to itself, causally. The
+        projections run as GEMMs over every token of every chunk at once."""
+        batch = build_extend_batch(chunks, self.page_size, self.device)
+        self.attn_backend.init_extend_metadata(batch)
+        h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [T, hidden]
+        return self.model.logits(h[batch.last_idx])
+
     def prefill(
         self, prompts: Sequence[Sequence[int]], pages: Sequence[list[int]]
     ) -> torch.Tensor:  # [n, vocab] float32, logits of each prompt's last token
-        """Run each prompt eagerly from position 0, writing its K/V into its ``pages``."""
-        if len(prompts) != len(pages):
-            raise ConfigError(f"{len(prompts)} prompts but {len(pages)} page lists.")
-        last = []
-        # a bar on stderr once prefilling has taken PREFILL_PROGRESS_DELAY_S (stdout stays clean)
-        bar = dict(desc="prefill", unit="prompt", delay=PREFILL_PROGRESS_DELAY_S, leave=False)
-        todo = tqdm(zip(prompts, pages), total=len(prompts), file=sys.stderr, **bar)
-        for prompt, req_pages in todo:
-            n = len(prompt)
-            if n == 0:
-                raise ConfigError("an empty prompt has no last token; give at least one token.")
-            slots = self.kv_cache.slots(req_pages, 0, n)
-            # one host->device copy of [2, n] int64: token ids and slots
-            ids_slots = torch.tensor([list(prompt), slots], dtype=torch.int64).to(self.device)
-            positions = torch.arange(n, device=self.device)
-            self.attn_backend.init_prefill_metadata(ids_slots[1])
-            h = self.model(ids_slots[0], positions, self.attn_backend)  # [n, hidden]
-            last.append(h[-1:])
-        return self.model.logits(torch.cat(last))
+        """Prefill whole ``prompts`` from position 0 in one packed forward (``extend``); each
+        writes its K/V into its ``pages``. The engine splits larger work into chunks under its
+        token budget (``Engine(max_prefill_tokens=...)``)."""
+        return self.extend(prompt_chunks(prompts, pages))
 
 
 __all__ = ["ModelRunner"]

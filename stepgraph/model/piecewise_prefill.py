@@ -2,9 +2,10 @@
 (issue 7, part 4).
 
     prefill = PiecewisePrefill(model_runner)                  # captures every region and shape
-    logits = prefill.prefill(prompts, pages)                  # [n, vocab], like ModelRunner.prefill
+    logits = prefill.extend(chunks)                           # [n, vocab], like ModelRunner.extend
 
-The prompts are packed end to end into ``T`` tokens. The decoder is cut at attention into
+The chunks (``extend_batch.PrefillChunk``: whole prompts, or pieces of them over a cached
+prefix) are packed end to end into ``T`` tokens. The decoder is cut at attention into
 ``num_layers + 1`` regions, each a ``PiecewisePackedConfig`` captured by its own
 ``PiecewiseRunner`` per ``(bs, token bucket)`` shape; every region is built from the decoder
 layer's own halves (``DecoderLayer.before_attention`` / ``after_attention``), so the fused
@@ -18,14 +19,15 @@ RoPE of q and k happens in the region (``kernels.rope_kv.apply_rope``): the laye
 sits inside the backend's attention call, which this cuts out.
 
 Between regions attention runs eagerly on the real tokens only (``prefill_attention``, shared
-with the eager prefill): it writes their K/V into the prompts' pages and attends causally within
-each prompt. Padded tokens go through the per-token regions only: they never join a real
-prompt's attention and never reach the KV cache, so they cannot change a real output.
+with the eager prefill): it writes their K/V into the requests' pages, then each chunk attends
+to its request's cached prefix and to itself, causally, through the pages. Padded tokens go
+through the per-token regions only: they never join a real chunk's attention and never reach
+the KV cache, so they cannot change a real output.
 
 The last region's shape-dependent input, the index of each prompt's last token, is a declared
 step (``last_idx [bs + 1] int64``, the spare slot included), one persistent tensor per shape
-rewritten in place. A batch no shape holds (more prompts or tokens than the largest shape) runs
-eagerly through ``ModelRunner.prefill``, counted in ``stats.eager_batches``.
+rewritten in place. A batch no shape holds (more chunks or tokens than the largest shape) runs
+eagerly through ``ModelRunner.extend``, counted in ``stats.eager_batches``.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from ..graph_pool import GraphPool
 from ..kernels.kv_write import write_kv
 from ..kernels.rope_kv import apply_rope
 from ..runner.stats import CaptureStats
+from .extend_batch import ExtendBatch, PrefillChunk, build_extend_batch, prompt_chunks
 from .model_runner import ModelRunner
-from .prefill_attention import block_causal_mask, prefill_attention
+from .prefill_attention import extend_attention
 
-DEFAULT_TOKEN_BUCKETS = (16, 64, 256, 2048)
+DEFAULT_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 
 
@@ -180,42 +183,38 @@ class PiecewisePrefill:
     # -- prefill -----------------------------------------------------------------------------
 
     def can_run(self, lengths: Sequence[int]) -> bool:
-        """``True`` if a captured shape holds prompts of these lengths."""
+        """``True`` if a captured shape holds chunks of these lengths (each >= 1)."""
         n, bs = sum(lengths), len(lengths)
+        if not bs or min(lengths) < 1:
+            return False
         return any(
             pad_lengths(n, bs, shape.bs, shape.total_tokens) is not None
             for shape in self.runners[0].shapes
         )
 
-    @torch.no_grad()
     def prefill(
         self, prompts: Sequence[Sequence[int]], pages: Sequence[list[int]]
     ) -> torch.Tensor:  # [n, vocab] float32, logits of each prompt's last token
-        """Prefill ``prompts`` (each writing its K/V into its ``pages``) as one packed batch;
-        the same contract as ``ModelRunner.prefill``."""
-        if len(prompts) != len(pages):
-            raise ConfigError(f"{len(prompts)} prompts but {len(pages)} page lists.")
-        lens = [len(p) for p in prompts]
-        if not prompts or min(lens) == 0:
-            raise ConfigError("every prompt needs at least one token; drop empty prompts.")
-        if not self.can_run(lens):
+        """Whole prompts from position 0: ``extend`` of one chunk each."""
+        return self.extend(prompt_chunks(prompts, pages))
+
+    @torch.no_grad()
+    def extend(
+        self, chunks: Sequence[PrefillChunk]
+    ) -> torch.Tensor:  # [n, vocab] float32, logits of each chunk's last token
+        """Prefill ``chunks`` as one packed batch; the contract of ``ModelRunner.extend``."""
+        lens = [len(c.tokens) for c in chunks]
+        if not self.can_run(lens):  # also: no chunks, or an empty one (extend names it)
             self.stats.eager_batches += 1
-            return self.mr.prefill(prompts, pages)
-        kv = self.mr.kv_cache
-        ids = [t for p in prompts for t in p]
-        positions = [i for n in lens for i in range(n)]
-        slots = [s for p, n in zip(pages, lens) for s in kv.slots(p, 0, n)]
-        seg = [i for i, n in enumerate(lens) for _ in range(n)]
-        # one host->device copy of [4, n] int64: token ids, positions, slots, prompt index
-        host = torch.tensor([ids, positions, slots, seg], dtype=torch.int64)
-        ids_d, pos_d, slots_d, seg_d = host.to(self.device)
-        mask = block_causal_mask(lens, pos_d, seg_d)
-        out = self.runners[0].replay({"input_ids": ids_d, "positions": pos_d}, lens)
+            return self.mr.extend(chunks)
+        batch = build_extend_batch(chunks, self.mr.page_size, self.device)
+        inputs = {"input_ids": batch.input_ids, "positions": batch.positions}
+        out = self.runners[0].replay(inputs, lens)
         for layer_id in range(self.num_layers):
-            attn = self._attention(layer_id, out, lens, slots_d, mask)  # [n, q_size]
+            attn = self._attention(layer_id, out, batch)  # [n, q_size]
             live = {"residual": out["residual"], "attn": attn}
             if layer_id + 1 < self.num_layers:
-                live["positions"] = pos_d
+                live["positions"] = batch.positions
             out = self.runners[layer_id + 1].replay(live, lens)
         self.stats.graph_batches += 1
         return out["logits"]
@@ -224,14 +223,13 @@ class PiecewisePrefill:
         self,
         layer_id: int,
         out: dict[str, torch.Tensor],  # q [n, H, hd], k/v [n, Hkv, hd]: real rows
-        lens: list[int],
-        slots: torch.Tensor,  # [n] int64
-        mask: torch.Tensor | None,  # [n, n] bool
+        batch: ExtendBatch,
     ) -> torch.Tensor:  # [n, q_size]
         q, k, v = out["q"], out["k"], out["v"]
         kv = self.mr.kv_cache
-        write_kv(kv.k_caches[layer_id], kv.v_caches[layer_id], k, v, slots)
-        o = prefill_attention(q, k, v, lens, self.sm_scale, mask)
+        k_cache, v_cache = kv.k_caches[layer_id], kv.v_caches[layer_id]
+        write_kv(k_cache, v_cache, k, v, batch.slots)
+        o = extend_attention(q, k_cache, v_cache, batch, self.sm_scale)
         return o.reshape(q.shape[0], self.q_size)
 
     def shutdown(self) -> None:

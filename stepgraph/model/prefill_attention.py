@@ -1,16 +1,24 @@
-"""Causal attention of packed prompts, each over its own tokens: the one prefill attention that
-the eager prefill (``attention.PagedAttentionBackend``) and the piecewise prefill share."""
+"""Prefill ("extend") attention of packed chunks over the paged KV cache: the one attention that
+the eager prefill (``attention.PagedAttentionBackend``) and the piecewise prefill share.
+
+Every chunk's new K/V are already in their pages when it runs. Query ``i`` of a chunk that
+starts at position ``start`` attends to its request's keys ``0 .. start + i``, read through the
+request's pages. On CUDA the Triton kernel ``kernels.extend_attention`` does it in one launch;
+the torch path (``kernels.extend_reference``: one SDPA per chunk over the gathered keys) serves
+the CPU and any head size the kernel does not take.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-MASKED_ATTENTION_MAX_TOKENS = 256  # above: one causal SDPA per prompt instead of one masked
+from ..kernels.extend_attention import extend_attention as extend_kernel
+from ..kernels.extend_inputs import HEAD_DIMS
+from ..kernels.extend_reference import extend_attention_torch
+from .extend_batch import ExtendBatch
 
 # Not cuDNN's SDPA: it builds and caches an execution plan per new shape, and prompts come in
 # every length. Measured on the H200 (benchmarks/soak.py, 100k tokens, prompts of 1..512):
@@ -22,55 +30,24 @@ def _backends(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return sdpa_kernel(SDPA_BACKENDS) if t.is_cuda else contextlib.nullcontext()
 
 
-def prefill_attention(
-    q: torch.Tensor,  # [n, n_heads, head_dim]: every prompt's rows, packed in order
-    k: torch.Tensor,  # [n, n_kv_heads, head_dim], rotated
-    v: torch.Tensor,  # [n, n_kv_heads, head_dim]
-    lens: Sequence[int],  # tokens per prompt, summing to n
+def extend_attention(
+    q: torch.Tensor,  # [T, n_heads, head_dim], rotated, chunk after chunk
+    k_cache: torch.Tensor,  # [num_pages, page_size, n_kv_heads, head_dim], new K/V written
+    v_cache: torch.Tensor,  # [num_pages, page_size, n_kv_heads, head_dim]
+    batch: ExtendBatch,
     scale: float,
-    mask: torch.Tensor | None = None,  # [n, n] bool, from block_causal_mask (or None)
-) -> torch.Tensor:  # [n, n_heads, head_dim]
-    """Each prompt attends causally to its own tokens. With ``mask`` (several short prompts),
-    one SDPA over all of them with KV heads expanded; else one causal SDPA per prompt, query head
-    ``h`` reading KV head ``h // group`` (as transformers computes it)."""
+) -> torch.Tensor:  # [T, n_heads, head_dim]
+    """Each chunk over its request's prefix and itself, causally (module docstring): the Triton
+    kernel on CUDA for the head sizes it takes, else one SDPA per chunk."""
+    if q.is_cuda and q.shape[-1] in HEAD_DIMS:
+        return extend_kernel(
+            q, k_cache, v_cache, batch.qo_indptr, batch.kv_lens, batch.block_table,
+            max_q_len=batch.max_q_len, sm_scale=scale,
+        )  # fmt: skip
     with _backends(q):
-        return _attend(q, k, v, lens, scale, mask)
-
-
-def _attend(q, k, v, lens, scale, mask) -> torch.Tensor:  # shapes as prefill_attention
-    if mask is not None:
-        group = q.shape[1] // k.shape[1]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],  # [1, H, n, hd]
-            k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
-            v.repeat_interleave(group, dim=1).transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=scale,
+        return extend_attention_torch(
+            q, k_cache, v_cache, batch.q_lens, batch.kv_lens_host, batch.pages, scale
         )
-        return o[0].transpose(0, 1)
-    outs, start = [], 0
-    for m in lens:
-        sl = slice(start, start + m)
-        o = F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1)[None],  # [1, H, m, hd]
-            k[sl].transpose(0, 1)[None],
-            v[sl].transpose(0, 1)[None],
-            is_causal=True,
-            scale=scale,
-            enable_gqa=True,
-        )
-        outs.append(o[0].transpose(0, 1))
-        start += m
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def block_causal_mask(
-    lens: Sequence[int],
-    positions: torch.Tensor,  # [n] int64, each prompt from 0
-    segment: torch.Tensor,  # [n] int64, the prompt of each row
-) -> torch.Tensor | None:  # [n, n] bool
-    """The block-diagonal causal mask of packed prompts; ``None`` for one prompt or more than
-    ``MASKED_ATTENTION_MAX_TOKENS`` rows (then per-prompt SDPA is cheaper than an n x n mask)."""
-    if len(lens) == 1 or sum(lens) > MASKED_ATTENTION_MAX_TOKENS:
-        return None
-    return (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
+__all__ = ["SDPA_BACKENDS", "extend_attention"]

@@ -1,0 +1,83 @@
+"""The engine's decode path: one decode step of the running requests, replayed by the
+``CudaGraphRunner`` (``decode_via="runner"``) or by a ``ConfigGraphRunner`` over the model's
+decode walk (``"configs"``), else run eagerly (``mode="eager"``, or a batch no graph holds)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..batch import unpacked_batch
+from ..model.graph_walks import DECODE_WALK
+from ..model.model_runner import ModelRunner
+from .requests import EngineStats, Request
+
+
+class DecodePath:
+    def __init__(
+        self, model_runner: ModelRunner, mode: str, decode_via: str, runner_config: Any | None
+    ) -> None:
+        self.model_runner = model_runner
+        self.runner = None  # CudaGraphRunner (decode_via="runner")
+        self.config_runner = None  # ConfigGraphRunner (decode_via="configs")
+        self.walks = None  # its DecodeGraphWalks
+        if mode == "eager":
+            return
+        from ..runner import CudaGraphRunner, RunnerConfig
+
+        config = runner_config or RunnerConfig(max_bs=model_runner.max_bs, show_progress=False)
+        if decode_via == "runner":
+            self.runner = CudaGraphRunner(model_runner, replace(config, mode=mode))
+        else:
+            from ..model.graph_walks import build_decode_graph_runner
+
+            self.walks, self.config_runner = build_decode_graph_runner(
+                model_runner,
+                capture_batch_sizes=config.buckets(),
+                backend=config.backend,
+                show_progress=config.show_progress,
+            )
+
+    @property
+    def runners(self) -> list[Any]:
+        return [r for r in (self.runner, self.config_runner) if r is not None]
+
+    def logits(
+        self, reqs: Sequence[Request], stats: EngineStats
+    ) -> torch.Tensor:  # [bs, vocab] float32
+        """One decode step of ``reqs``, each feeding its last token; counts it in ``stats``."""
+        mr = self.model_runner
+        batch = mr.decode_batch(
+            [r.output[-1] for r in reqs],
+            [len(r.prompt) + len(r.output) - 1 for r in reqs],
+            [r.pages for r in reqs],
+            # the graph runner copies only the packed rows: skip building contiguous fields
+            contiguous_fields=self.runner is None or not self.runner.config.packed_inputs,
+        )
+        if self.runner is not None:
+            if self.runner.can_run(batch):
+                stats.graph_steps += 1
+                return self.runner.replay(batch)  # a static buffer: sampled before next replay
+            max_seq_len = batch.max_seq_len
+            batch = unpacked_batch(batch.packed, batch.seq_lens_cpu)  # eager needs contiguous
+            batch.max_seq_len = max_seq_len
+        if self.config_runner is not None:  # replays, or runs eagerly above the largest bucket
+            replays = self.config_runner.stats.replays
+            logits = self.config_runner.run(DECODE_WALK, self.walks.requests(batch))
+            if self.config_runner.stats.replays > replays:
+                stats.graph_steps += 1
+            else:
+                stats.eager_steps += 1
+            return logits
+        stats.eager_steps += 1
+        return mr.forward(batch)
+
+    def shutdown(self) -> None:
+        for r in self.runners:
+            r.shutdown()
+
+
+__all__ = ["DecodePath"]
