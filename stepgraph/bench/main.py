@@ -13,6 +13,7 @@ from .constants import CPU_MODES, DTYPES, GPU_MODES
 from .modes import OUR_MODES, run_mode
 from .peers import PEERS, run_peer
 from .report import Row, format_table, plot, write_json
+from .serve_args import add_serve_arguments
 from .workload import Point, build_model_runner, fill_kv_random, kv_bytes, weight_bytes
 
 
@@ -63,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time only packed prefill, eager vs piecewise graphs (stepgraph/bench/prefill.py)",
     )
+    add_serve_arguments(p)  # --serve and its flags (stepgraph/bench/serve_args.py)
 
 
 def _ints(text: str) -> list[int]:
@@ -78,6 +80,10 @@ def peer_allowed(peer: str, points: list[Point], which: str) -> set[Point]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "serve", False):
+        from .serve import run_serve
+
+        return run_serve(args)
     if getattr(args, "prefill", False):
         from .prefill import run_prefill
 

@@ -1,0 +1,163 @@
+"""The flags of `stepgraph bench --serve` and their checks: every value is checked before any
+work starts, and a bad one is a one-line ``ConfigError`` naming the flag (exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .serve_metrics import length_bounds
+
+DEFAULT_INPUT_LEN, DEFAULT_RANGE_RATIO = 576, 7 / 9  # prompts of 128-1024 tokens
+MAX_RUNNING = 64  # default --max-running: min(--num-requests, this)
+LATENCY_INPUT, LATENCY_OUTPUT = 512, 256  # the one-request latency case
+ENGINE_MODES = ("eager", "graph", "exact")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--serve`` flags (``stepgraph bench --serve --help``)."""
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="serving benchmark: seeded random requests through the Engine, TTFT/TPOT/ITL/E2E "
+        "as `vllm bench serve` reports them, next to the GPU step time and transformers peers "
+        "(stepgraph/bench/serve.py; --modes picks the engine mode, default graph)",
+    )
+    p.add_argument("--num-requests", type=int, default=64, help="--serve: requests (default 64)")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=DEFAULT_INPUT_LEN,
+        help="--serve: mean prompt tokens (default 576; with --range-ratio 7/9: 128-1024)",
+    )
+    p.add_argument("--output-len", type=int, default=128, help="--serve: new tokens per request")
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=DEFAULT_RANGE_RATIO,
+        help="--serve: prompt lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (vLLM's "
+        "random dataset; outputs stay exactly --output-len) (default 0.778 = 7/9)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="--serve: Poisson arrivals at this many requests/s (default inf: all at once)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="--serve: workload and arrival seed")
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="--serve: largest running batch, the graph runner's max_bs "
+        f"(default min(--num-requests, {MAX_RUNNING}))",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=8192,
+        help="--serve: prompt tokens one engine step prefills, where the engine takes it",
+    )
+    p.add_argument(
+        "--peers",
+        default=None,
+        help="--serve: comma list of hf-cb (transformers generate_batch), hf-static-compile "
+        "(one-request latency), or none (default: both on CUDA, none on the CPU)",
+    )
+    p.add_argument(
+        "--latency",
+        action="store_true",
+        help=f"--serve: add the one-request case ({LATENCY_INPUT} in, {LATENCY_OUTPUT} out); "
+        "always run when a peer runs",
+    )
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    model: str
+    mode: str
+    peers: tuple[str, ...]
+    max_running: int
+    latency: bool
+
+
+def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
+    """Every ``--serve`` flag, before any work: one-line ``ConfigError`` naming the flag."""
+    from .serve_peers import SERVE_PEERS
+
+    cuda = args.device == "cuda"
+    counts = {
+        "--num-requests": args.num_requests,
+        "--input-len": args.input_len,
+        "--output-len": args.output_len,
+        "--max-running": 1 if args.max_running is None else args.max_running,
+        "--max-prefill-tokens": args.max_prefill_tokens,
+    }
+    for flag, value in counts.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}.")
+    r = args.range_ratio
+    if not 0 <= r < 1:
+        raise ConfigError(
+            f"--range-ratio must be in [0, 1) (prompt lengths in [len*(1-r), len*(1+r)]), got {r}."
+        )
+    if not args.request_rate > 0:  # NaN too
+        raise ConfigError(
+            f"--request-rate must be > 0 requests/s (inf: all at once), got {args.request_rate}."
+        )
+    unused = {
+        "--batch-sizes": args.batch_sizes is not None,
+        "--contexts": args.contexts is not None,
+        "--peer-points": args.peer_points != "small",
+        "--tp": args.tp != 1,
+        "--prefill": args.prefill,
+    }
+    for flag, given in unused.items():
+        if given:
+            raise ConfigError(
+                f"{flag} does not apply to --serve (one unsharded engine on its own requests); "
+                f"drop {flag}, or drop --serve."
+            )
+    mode = args.modes or "graph"
+    if mode not in ENGINE_MODES or (mode == "exact" and not cuda):
+        choices = "eager, graph or exact" if cuda else "eager or graph on the CPU"
+        raise ConfigError(f"--modes {mode}: --serve runs one engine mode, {choices}.")
+    names = args.peers if args.peers is not None else (",".join(SERVE_PEERS) if cuda else "none")
+    peers = tuple(n for n in names.split(",") if n and n != "none")
+    if any(n not in SERVE_PEERS for n in peers) or (not cuda and "hf-static-compile" in peers):
+        raise ConfigError(
+            f"--peers {names}: choose from {','.join(SERVE_PEERS)} or none (hf-static-compile "
+            "is timed with CUDA syncs: not with --device cpu)."
+        )
+    limit = config.max_position_embeddings
+    high = length_bounds(args.input_len, r)[1]
+    if high + args.output_len - 1 > limit:
+        raise ConfigError(
+            f"--input-len {args.input_len} with --range-ratio {r:.3g} gives prompts up to {high} "
+            f"tokens; with --output-len {args.output_len} that needs "
+            f"{high + args.output_len - 1} positions, more than {model}'s "
+            f"max_position_embeddings={limit}; lower --input-len, --range-ratio or --output-len."
+        )
+    latency = args.latency or bool(peers)
+    if latency and LATENCY_INPUT + LATENCY_OUTPUT - 1 > limit:
+        raise ConfigError(
+            f"--latency needs {LATENCY_INPUT + LATENCY_OUTPUT - 1} positions, more than "
+            f"{model}'s {limit}; drop --latency (and --peers)."
+        )
+    max_running = args.max_running or min(args.num_requests, MAX_RUNNING)
+    return ServePlan(model, mode, peers, max_running, latency)
+
+
+__all__ = [
+    "DEFAULT_INPUT_LEN",
+    "DEFAULT_RANGE_RATIO",
+    "ENGINE_MODES",
+    "LATENCY_INPUT",
+    "LATENCY_OUTPUT",
+    "MAX_RUNNING",
+    "ServePlan",
+    "add_serve_arguments",
+    "check_serve_args",
+]
