@@ -257,6 +257,8 @@ BAD = {
     "sm-scale-none": (_bad(sm_scale=None), "sm_scale"),
     "sm-scale-nan": (_bad(sm_scale=NAN), "sm_scale"),
     "sm-scale-bool": (_bad(sm_scale=True), "sm_scale"),
+    "sm-scale-zero": (_bad(sm_scale=0.0), "sm_scale must be a positive"),
+    "sm-scale-negative": (_bad(sm_scale=-0.125), "sm_scale must be a positive"),
     "out-shape": (_bad(out=torch.empty(_TOTAL, 4, 32)), "out must have"),
     "out-dtype": (
         _bad(out=torch.empty(_TOTAL, 4, 64, dtype=torch.float16)),

@@ -55,7 +55,7 @@ def _attend_keys(
     k_head, v_head,  # K/V cache pointers, offset to this program's KV head
     bt_row,  # this request's block-table row
     start, end,  # keys [start, end); start is a multiple of BLOCK_N
-    qk_scale,  # sm_scale * log2(e): the softmax runs on exp2
+    qk_scale,  # sm_scale * log2(e) > 0: the softmax runs on exp2
     stride_kp, stride_ks, stride_vp, stride_vs,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # the diagonal band: mask keys past each query and past `end`
@@ -89,19 +89,17 @@ def _attend_keys(
             v = v.to(tl.float32)
 
         # -- scores: [BLOCK_M, BLOCK_N], log2 units --
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # unscaled
         if MASKED:  # causal: key k_idx is visible to a query at q_pos >= k_idx
             visible = (k_idx[None, :] <= q_pos[:, None]) & mask_n[None, :]
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        else:
-            qk = qk * qk_scale
+            qk = tl.where(visible, qk, float("-inf"))
 
-        # -- update m_i and l_i --
+        # -- update m_i and l_i (qk_scale > 0, so the max commutes with the scaling) --
         # m_new is finite: a query's first tile always holds a key it sees (key 0 or an
         # unmasked run before the band), and later all-masked rows keep their m_i
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
-        p = tl.exp2(qk - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(qk * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N], one FMA + exp2
         l_i = l_i * alpha + tl.sum(p, 1)
 
         # -- update acc: [BLOCK_M, HEAD_DIM] --

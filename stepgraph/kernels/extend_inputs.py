@@ -134,9 +134,12 @@ def check_extend_inputs(
     if (
         not isinstance(sm_scale, (int, float))
         or isinstance(sm_scale, bool)
-        or not math.isfinite(sm_scale)
+        or not (math.isfinite(sm_scale) and sm_scale > 0)
     ):
-        _fail(f"sm_scale must be a finite float (usually head_dim ** -0.5), got {sm_scale!r}.")
+        _fail(
+            f"sm_scale must be a positive finite float (usually head_dim ** -0.5), "
+            f"got {sm_scale!r}."
+        )
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != q.shape:
             _fail(f"out must have q's shape {tuple(q.shape)}, got {_shape_of(out)}.")
