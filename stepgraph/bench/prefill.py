@@ -1,4 +1,5 @@
-"""`stepgraph bench --prefill`: packed prefill, eager vs piecewise graphs.
+"""`stepgraph bench --prefill`: packed prefill, eager vs piecewise graphs; then packed prefill of
+1, 8 and 32 prompts of 512 tokens against transformers' batched forward (``prefill_packed``).
 
 For each total of ``PREFILL_TOKENS`` four prompts of uneven lengths fill exactly that many tokens;
 ``ModelRunner.prefill`` (one prompt at a time) and ``PiecewisePrefill.prefill`` (one packed
@@ -20,6 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import ConfigError
+from .prefill_packed import CPU_POINTS, PACKED_POINTS, format_packed, run_packed
+from .prefill_packed import rows_json as packed_json
 
 PREFILL_TOKENS = (16, 64, 256, 2048)
 PROMPTS_PER_BATCH = 4
@@ -90,9 +93,11 @@ def run_prefill(args: argparse.Namespace) -> int:
     model = args.model or ("llama-3.2-1b" if cuda else "tiny")
     totals = PREFILL_TOKENS if cuda else CPU_TOKENS
     dtype = DTYPES[args.dtype] if cuda else torch.float32
-    mr = build_model_runner(model, args.device, dtype, PROMPTS_PER_BATCH, max(totals) + 64)
+    points = PACKED_POINTS if cuda else CPU_POINTS
+    max_bs = max(PROMPTS_PER_BATCH, *(b for b, _ in points))
+    mr = build_model_runner(model, args.device, dtype, max_bs, max(totals) + 64)
     device = mr.device
-    config = PrefillShapes(totals, (1, 2, 4, 8) if cuda else (1, 2, 4))
+    config = PrefillShapes() if cuda else PrefillShapes(totals, (1, 2, 4))
     t0 = time.perf_counter()
     piecewise = PiecewisePrefill(mr, config)
     capture_wall_s = time.perf_counter() - t0
@@ -141,6 +146,10 @@ def run_prefill(args: argparse.Namespace) -> int:
         f"{len(piecewise.runners[0].shapes)} shapes) in {cap.seconds:.2f} s "
         f"({capture_wall_s:.2f} s wall), pool {cap.pool_bytes / 2**20:.1f} MiB"
     )
+    time_packed = lambda fn: _time_ms(fn, device, iters)  # noqa: E731
+    packed, hf_error = run_packed(mr, points, time_packed, piecewise, with_hf=cuda)
+    print(f"\npacked prefill, one forward of every prompt ({model}):")
+    print(format_packed(packed, hf_error))
     for name, ok in targets.items():
         if cuda:
             print(f"target {name}: {'met' if ok else 'MISSED'}")
@@ -169,8 +178,10 @@ def run_prefill(args: argparse.Namespace) -> int:
         }
         with open(args.json, "w") as f:
             rows_json = [asdict(r) for r in rows]
-            json.dump({"meta": meta, "rows": rows_json, "capture": capture, "targets": targets},
-                      f, indent=1)  # fmt: skip
+            out = {"meta": meta, "rows": rows_json, "capture": capture, "targets": targets}
+            out["packed"] = packed_json(packed)
+            out["packed_hf_error"] = hf_error
+            json.dump(out, f, indent=1)
     piecewise.shutdown()
     return 0
 
