@@ -33,7 +33,8 @@ def test_serve_on_cuda_replays_graphs_and_gives_a_fresh_engines_tokens(tmp_path)
     assert data["latency"]["output_len"] == 256 and data["latency"]["tpot_ms"] > 0
 
     prompts = sm.random_prompts(8, 64, 7 / 9, 512, seed=0)
-    mr = workload.build_model_runner("tiny", "cuda", torch.float32, 8, max(map(len, prompts)) + 16)
+    context = max(max(map(len, prompts)) + 16, 512 + 256)  # the bench's KV size (--latency)
+    mr = workload.build_model_runner("tiny", "cuda", torch.float32, 8, context)
     mr.set_kernels("fused")  # as the bench sets them
     engine = Engine(mr, mode="graph", max_running=8)
     try:
