@@ -10,8 +10,9 @@ contiguous tensors (gather not timed), ``is_causal`` and ``enable_gqa`` (with a 
 lower-right causal bias). TFLOP/s count the causal FLOPs (``causal_flops``); "x SDPA" is SDPA's
 time over ours (above 1: we are faster). Each output is checked against SDPA's before timing.
 
-``--sweep`` first times the candidate tiles of ``SWEEP`` on the 8 x 2048 shapes, prints the
-best per head_dim (the figure to copy into ``DEFAULT_TILES``), and adds its rows to the table.
+``--sweep`` also times every candidate tile of ``SWEEP`` on every shape and prints, per
+head_dim, "x SDPA" per tile and shape and its geomean over the shapes: the figures behind
+``DEFAULT_TILES`` in ``stepgraph/kernels/extend_attention.py``.
 
 Target (reported, not tested): >= 0.9x SDPA's speed at 8 x 2048 for head_dim 64 and 128.
 """
@@ -36,22 +37,27 @@ from stepgraph.kernels.extend_attention import (
 )
 
 N_HEADS, N_KV, PAGE_SIZE, DTYPE = 32, 8, 16, torch.bfloat16
-SHAPES = [  # (bs, prefix, q_len, head_dim)
+SHAPES = [  # (bs, prefix, q_len, head_dim); the first two carry the target
     (8, 0, 2048, 64),
     (8, 0, 2048, 128),
     (1, 0, 512, 64),
     (32, 0, 512, 64),
     (1, 3584, 512, 64),
+    (1, 0, 2048, 64),
+    (4, 1024, 1024, 64),
     (1, 0, 512, 128),
     (32, 0, 512, 128),
     (1, 3584, 512, 128),
+    (1, 0, 2048, 128),
+    (4, 1024, 1024, 128),
 ]
 _T = ExtendTile
 SWEEP = {  # candidate tiles per head_dim: (block_m, block_n, num_warps, num_stages)
-    64: [_T(128, 64, 4, 3), _T(128, 64, 4, 2), _T(128, 128, 8, 2), _T(128, 64, 8, 3),
-         _T(64, 64, 4, 3), _T(128, 32, 4, 3), _T(128, 128, 4, 2), _T(64, 128, 4, 2)],
-    128: [_T(128, 64, 8, 2), _T(128, 64, 8, 3), _T(128, 64, 4, 2), _T(128, 128, 8, 2),
-          _T(64, 64, 4, 3), _T(128, 32, 4, 3), _T(64, 128, 4, 2), _T(128, 32, 8, 3)],
+    64: [_T(128, 128, 4, 2), _T(128, 128, 4, 3), _T(128, 64, 8, 3), _T(128, 64, 4, 3),
+         _T(64, 128, 4, 3), _T(64, 64, 4, 3), _T(128, 128, 8, 3), _T(64, 64, 4, 2)],
+    128: [_T(128, 32, 4, 3), _T(64, 64, 4, 3), _T(128, 64, 8, 2), _T(64, 64, 4, 2),
+          _T(64, 32, 4, 3), _T(128, 32, 4, 4), _T(64, 128, 8, 2), _T(128, 64, 8, 3),
+          _T(64, 64, 8, 3)],
 }  # fmt: skip
 PEER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
@@ -131,69 +137,76 @@ def check(w: Work, ours_out: torch.Tensor, peer_out: torch.Tensor) -> float:
     return err
 
 
-def sweep() -> tuple[dict[int, ExtendTile], list[dict]]:
-    best, rows = {}, []
-    for bs, prefix, q_len, hd in SHAPES[:2]:
-        w = Work(bs, prefix, q_len, hd)
-        peer_out = w.peer()()
-        for tile in SWEEP[hd]:
-            try:
-                err = check(w, w.ours(tile)(), peer_out)
-                us = time_us(w.ours(tile))
-            except Exception as e:  # a tile that does not compile here (shared memory, ...)
-                print(f"sweep {w.name()} {tile.name}: failed: {type(e).__name__}: {e}"[:200])
-                continue
-            rows.append(dict(shape=w.name(), tile=tile.name, us=us, tflops=w.flops / us / 1e6))
-            print(f"sweep {w.name():>20} {tile.name:>12} {us:9.1f} us {w.flops / us / 1e6:6.1f} "
-                  f"TFLOP/s  err {err:.1e}", flush=True)  # fmt: skip
-            if hd not in best or us < best[hd][1]:
-                best[hd] = (tile, us)
-        print(f"best hd{hd}: {best[hd][0]} ({best[hd][1]:.1f} us)", flush=True)
-    return {hd: t for hd, (t, _) in best.items()}, rows
+def bench_shape(w: Work, tiles: list[ExtendTile]) -> list[dict]:
+    """One row per tile: ours against the peer, timed after a correctness check."""
+    peer = w.peer()
+    peer_us, peer_out = time_us(peer), peer()
+    rows = []
+    for tile in tiles:
+        try:
+            err = check(w, w.ours(tile)(), peer_out)
+        except Exception as e:  # a wrong answer, or a tile that does not compile here
+            print(f"{w.name()} {tile.name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
+            continue
+        us = time_us(w.ours(tile))
+        rows.append(dict(
+            shape=w.name(), tile=tile.name, default=tile == default_tile(w.hd, DTYPE),
+            us=us, sdpa_us=peer_us, tflops=w.flops / us / 1e6,
+            sdpa_tflops=w.flops / peer_us / 1e6, x_sdpa=peer_us / us,
+            rel_err_vs_sdpa=err, sdpa_gqa=w.peer_gqa,
+        ))  # fmt: skip
+        print(f"row {rows[-1]}", flush=True)
+    return rows
+
+
+def print_sweep(rows: list[dict]) -> None:
+    """x SDPA of every tile on every shape, per head_dim, and the geomean over the shapes."""
+    for hd in SWEEP:
+        sub = [r for r in rows if r["shape"].endswith(f"hd{hd}")]
+        shapes = list(dict.fromkeys(r["shape"] for r in sub))
+        print(f"\nsweep hd{hd}: x SDPA per tile ('*': the default)")
+        print(
+            f"{'tile':>14} " + " ".join(f"{s[: -len(f' hd{hd}')]:>13}" for s in shapes) + " geomean"
+        )
+        for tile in dict.fromkeys(r["tile"] for r in sub):
+            x = {r["shape"]: r["x_sdpa"] for r in sub if r["tile"] == tile}
+            star = "*" if any(r["default"] for r in sub if r["tile"] == tile) else " "
+            gm = math.exp(sum(map(math.log, x.values())) / len(x)) if len(x) == len(shapes) else 0
+            cells = " ".join(f"{x[s]:13.2f}" if s in x else f"{'-':>13}" for s in shapes)
+            print(f"{star + tile:>14} {cells} {gm:7.3f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--sweep", action="store_true", help="time the candidate tiles first")
+    ap.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP")
     args = ap.parse_args()
-    best, sweep_rows = sweep() if args.sweep else ({}, [])
 
     rows = []
     for bs, prefix, q_len, hd in SHAPES:
         w = Work(bs, prefix, q_len, hd)
-        peer = w.peer()
-        peer_us = time_us(peer)
-        tiles = [("default", default_tile(hd, DTYPE))]
-        if hd in best and best[hd] != tiles[0][1]:
-            tiles.append(("swept", best[hd]))
-        for label, tile in tiles:
-            try:
-                err = check(w, w.ours(tile)(), peer())
-            except ValueError as e:
-                print(f"row {w.name()} {tile.name}: {e}", flush=True)
-                continue
-            us = time_us(w.ours(tile))
-            rows.append(dict(
-                shape=w.name(), tile=f"{label} {tile.name}", us=us, sdpa_us=peer_us,
-                tflops=w.flops / us / 1e6, sdpa_tflops=w.flops / peer_us / 1e6,
-                x_sdpa=peer_us / us, rel_err_vs_sdpa=err, sdpa_gqa=w.peer_gqa,
-            ))  # fmt: skip
-            print(f"row {rows[-1]}", flush=True)
+        tiles = [default_tile(hd, DTYPE)]
+        if args.sweep:
+            tiles += [t for t in SWEEP[hd] if t != tiles[0]]
+        rows += bench_shape(w, tiles)
+        del w
+        torch.cuda.empty_cache()
 
+    if args.sweep:
+        print_sweep(rows)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, page {PAGE_SIZE}")
-    print(f"{'shape':>22} {'tile':>20} {'us':>9} {'TFLOP/s':>8} {'SDPA us':>9} {'SDPA TF/s':>9} "
+    print(f"{'shape':>22} {'tile':>12} {'us':>8} {'TFLOP/s':>8} {'SDPA us':>8} {'SDPA TF/s':>9} "
           f"{'x SDPA':>7}")  # fmt: skip
-    for r in rows:
-        print(f"{r['shape']:>22} {r['tile']:>20} {r['us']:9.1f} {r['tflops']:8.1f} "
-              f"{r['sdpa_us']:9.1f} {r['sdpa_tflops']:9.1f} {r['x_sdpa']:7.2f}")  # fmt: skip
+    for r in (r for r in rows if r["default"]):
+        print(f"{r['shape']:>22} {r['tile']:>12} {r['us']:8.1f} {r['tflops']:8.1f} "
+              f"{r['sdpa_us']:8.1f} {r['sdpa_tflops']:9.1f} {r['x_sdpa']:7.2f}")  # fmt: skip
     if args.json:
         import triton
 
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     triton=triton.__version__, dtype="bf16", page_size=PAGE_SIZE)  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, sweep=sweep_rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
