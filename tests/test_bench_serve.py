@@ -175,6 +175,7 @@ def test_serve_end_to_end_json_tokens_and_plot(tmp_path, capsys):
     assert (lat["input_len"], lat["output_len"]) == (512, 256)
     assert lat["tpot_ms"] > 0 and lat["ms_per_output_token"] > 0
     assert data["peers"] == {} and data["workload"]["request_rate"] == "inf"
+    assert data["meta"]["warmup_seconds"] > 0 and "untimed warm-up" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 

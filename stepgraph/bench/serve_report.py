@@ -79,7 +79,15 @@ def _peer(run, ours: dict, main, latency: dict | None) -> dict:
 
 
 def build_report(
-    args: argparse.Namespace, plan, mr, main, gpu_main, latency, gpu_latency, peers: dict
+    args: argparse.Namespace,
+    plan,
+    mr,
+    main,
+    gpu_main: list[dict],
+    latency,
+    gpu_latency: list[dict],
+    peers: dict,
+    warmup_s: float,
 ) -> dict:
     cuda = mr.device.type == "cuda"
     lens = [t.input_len for t in main.timings]
@@ -96,6 +104,7 @@ def build_report(
             "max_running": plan.max_running,
             "max_prefill_tokens": args.max_prefill_tokens,
             "kernels": getattr(mr, "kernels", None),
+            "warmup_seconds": warmup_s,  # every prompt once, untimed (kernels compile)
         },
         "workload": {
             "num_requests": len(lens),
@@ -147,6 +156,7 @@ def print_report(r: dict) -> None:
         f"req/s, {m['output_throughput']:.0f} output tok/s, {m['total_token_throughput']:.0f} "
         "total tok/s"
     )
+    print(f"untimed warm-up before it: every prompt once, {meta['warmup_seconds']:.2f} s")
     s = r["steps"]
     ints = {k: v for k, v in s["engine_stats"].items() if isinstance(v, int)}
     stats = " ".join(f"{k}={v}" for k, v in ints.items())
@@ -240,10 +250,10 @@ def plot_requests(path: str, report: dict, main, hf_cb=None) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for label, timings in series:
         x = list(range(len(timings)))
-        axes[0].plot(x, [t.ttft * 1e3 for t in timings], marker=".", label=label)
+        axes[0].plot(x, [t.ttft * 1e3 for t in timings], marker=".", lw=0.8, label=label)
         tpot = [(i, t.tpot * 1e3) for i, t in enumerate(timings) if t.tpot is not None]
         if tpot:
-            axes[1].plot(*zip(*tpot), marker=".", label=label)
+            axes[1].plot(*zip(*tpot), marker=".", lw=0.8, label=label)
     for ax, name in zip(axes, ("TTFT: time to first token", "TPOT: time per output token")):
         ax.set_title(name)
         ax.set_xlabel("request (arrival order)")
