@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cli_args import model_config, positive_int, resolve_device
+from .cli_args import UsageError, choose_modes, model_config, positive_int, resolve_device, seed_int
 
 MODES = ("eager", "graph", "exact", "walk")
+CPU_MODES = ("eager", "graph", "walk")  # exact edits CUDA graph kernel nodes: not on the CPU
 MAX_NEW_TOKENS = 24
 EXPLAIN = (
     "graph replays the split geometry captured for the bucket's longest context; in bf16 its\n"
@@ -104,8 +105,8 @@ def run_mix(engine, mix: Mix) -> tuple[list[list[int]], torch.Tensor | None]:
     first: list[torch.Tensor] = []
     decode = engine.decoder.logits  # recorded here only: the first step's logits, copied
 
-    def record(reqs, stats):
-        logits = decode(reqs, stats)
+    def record(*args, **kwargs):  # the decoder's own arguments, passed through
+        logits = decode(*args, **kwargs)
         if not first:
             first.append(logits.float().clone())  # a static buffer: copy before the next replay
         return logits
@@ -182,7 +183,7 @@ def report(results: dict[str, ModeResult], strict: set[str], n_mixes: int) -> in
             differ, dmax = compare(results["eager"], res)
         dtext = "-" if dmax is None else f"{dmax:.3g}"
         ran = f"{differ:>4}/{n_mixes:<3}" if res.outputs else f"{'-':>4} {'':<3}"  # not built
-        tag = "  (must be 0)" if mode in strict else ""
+        tag = "  (strict: differ must be 0)" if mode in strict else ""
         print(f"{mode:<6} {ran} {dtext:>20} {res.seconds:>7.1f}s{tag}")
         for err in res.errors[:3]:
             print(f"       error: {err}")
@@ -190,6 +191,10 @@ def report(results: dict[str, ModeResult], strict: set[str], n_mixes: int) -> in
             failed.append(f"{mode} raised {len(res.errors)} time(s)")
         if mode in strict and differ:
             failed.append(f"{mode} differs from eager in {differ} mix(es)")
+    print(
+        "differ: mixes whose tokens differ from eager's (a strict mode must have 0); the logit "
+        "difference is reported, not judged"
+    )
     print(EXPLAIN)
     if failed:
         print("FAIL: " + "; ".join(failed))
@@ -199,7 +204,28 @@ def report(results: dict[str, ModeResult], strict: set[str], n_mixes: int) -> in
 
 
 def default_modes(device: str) -> list[str]:
-    return list(MODES) if device == "cuda" else ["eager", "graph", "walk"]
+    return list(MODES) if device == "cuda" else list(CPU_MODES)
+
+
+def check_args(args: argparse.Namespace, device: str, config) -> tuple[list[str], int]:
+    """The modes (eager first) and the KV length of ``stepgraph check``, refused before any
+    work when they cannot run: exact on the CPU, or a context no mix fits in."""
+    why = "with --device cpu: exact edits CUDA graph kernel nodes; the CPU stand-in has none"
+    runnable = MODES if device == "cuda" else CPU_MODES
+    modes = choose_modes(args.modes, MODES, runnable, why) or default_modes(device)
+    context = args.context or min(2048 if device == "cuda" else 128, config.max_position_embeddings)
+    limit = config.max_position_embeddings
+    if context < MAX_NEW_TOKENS:  # a one-token prompt and 24 new tokens need 24 KV slots
+        raise UsageError(
+            f"argument --context: {context} holds no mix: a mix runs up to {MAX_NEW_TOKENS} new "
+            f"tokens after a prompt of at least one; pass --context {MAX_NEW_TOKENS} or more"
+        )
+    if context > limit:
+        raise UsageError(
+            f"argument --context: {context} is more than {args.model}'s "
+            f"max_position_embeddings={limit}; pass --context {limit} or less"
+        )
+    return ["eager"] + [m for m in modes if m != "eager"], context
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,15 +235,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     config = model_config(args.model)
-    modes = args.modes.split(",") if args.modes else default_modes(device)
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        from .cli_args import UsageError
-
-        raise UsageError(f"argument --modes: unknown {unknown}; choose from {','.join(MODES)}")
-    modes = ["eager"] + [m for m in modes if m != "eager"]
-    context = args.context or (2048 if device == "cuda" else 128)
-    context = min(context, config.max_position_embeddings)
+    modes, context = check_args(args, device, config)
     max_prompt = max(1, context - MAX_NEW_TOKENS)
     rng = random.Random(args.seed)
     mixes = [
@@ -239,13 +257,24 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name or local HF directory")
     p.add_argument("--trials", type=positive_int, default=20, help="random request mixes")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="default: bfloat16 on CUDA, float32 on the CPU",
+    )
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when a GPU is seen"
+    )
     p.add_argument("--max-bs", type=positive_int, default=8, help="requests per mix, at most")
     p.add_argument(
-        "--context", type=positive_int, default=None, help="KV length (default 2048; CPU 128)"
+        "--context",
+        type=positive_int,
+        default=None,
+        help=f"KV length, {MAX_NEW_TOKENS} to the model's max_position_embeddings "
+        "(default 2048; CPU 128)",
     )
-    p.add_argument("--seed", type=int, default=0, help="mixes and random weights")
+    p.add_argument("--seed", type=seed_int, default=0, help="mixes and random weights")
     p.add_argument(
         "--modes",
         default=None,
@@ -253,4 +282,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-__all__ = ["MODES", "Mix", "add_arguments", "compare", "random_mix", "run", "run_check"]
+__all__ = [
+    "CPU_MODES",
+    "MODES",
+    "Mix",
+    "add_arguments",
+    "check_args",
+    "compare",
+    "random_mix",
+    "run",
+    "run_check",
+]

@@ -91,7 +91,7 @@ def test_decoding_goes_on_while_a_long_prompt_prefills():
     """Budget 16: a running request gets a token at every step of a 100-token prefill."""
     mr = _runner(max_context_len=160)
     short, long_ = _prompts(4, [4, 100])
-    engine = Engine(mr, "eager", max_prefill_tokens=16)
+    engine = Engine(mr, "eager", max_prefill_tokens=16, overlap=False)  # tokens of this step
     a = engine.add_request(short, 20)
     assert engine.step() == [(a, engine.running[0].output[0])]  # prefilled, first token
     b = engine.add_request(long_, 3)

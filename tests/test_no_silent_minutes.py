@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stepgraph.engine import Engine
-from stepgraph.engine import engine as engine_module
+from stepgraph.engine import offline as engine_module
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner, kv_cache
 

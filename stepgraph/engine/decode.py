@@ -13,6 +13,7 @@ import torch
 from ..batch import unpacked_batch
 from ..model.graph_walks import DECODE_WALK
 from ..model.model_runner import ModelRunner
+from .overlap import InFlight
 from .requests import EngineStats, Request
 
 
@@ -46,16 +47,23 @@ class DecodePath:
         return [r for r in (self.runner, self.config_runner) if r is not None]
 
     def logits(
-        self, reqs: Sequence[Request], stats: EngineStats
+        self, reqs: Sequence[Request], stats: EngineStats, prev: InFlight | None = None
     ) -> torch.Tensor:  # [bs, vocab] float32
-        """One decode step of ``reqs``, each feeding its last token; counts it in ``stats``."""
+        """One decode step of ``reqs``, each feeding its last token; counts it in ``stats``.
+        With ``prev`` (the step before, still in flight) the tokens are read from its device
+        output, row by row; else from each request's output on the host."""
         mr = self.model_runner
+        if prev is None:
+            tokens, source = [r.output[-1] for r in reqs], None
+        else:  # every request decoding now sampled a token in the step before
+            tokens, source = [prev.row_of[r.rid] for r in reqs], prev.tokens
         batch = mr.decode_batch(
-            [r.output[-1] for r in reqs],
-            [len(r.prompt) + len(r.output) - 1 for r in reqs],
+            tokens,
+            [len(r.prompt) + r.scheduled - 1 for r in reqs],
             [r.pages for r in reqs],
             # the graph runner copies only the packed rows: skip building contiguous fields
             contiguous_fields=self.runner is None or not self.runner.config.packed_inputs,
+            tokens_from=source,
         )
         if self.runner is not None:
             if self.runner.can_run(batch):

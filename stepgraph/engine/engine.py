@@ -6,8 +6,13 @@ their prompt tokens as one packed forward (``ModelRunner.extend``, or ``Piecewis
 each chunk attending to the ones before it through the cache: ``scheduler.py``), then runs one
 decode step of the requests that have a token to feed: through the graph runner when it can
 take the batch, else eagerly (``decode.py``). Sampling (greedy, or temperature + top-k with a
-seeded generator) runs on the device outside the graph; the one host sync per step reads the
-chosen ids.
+seeded generator) runs on the device (``launch.py``).
+
+Overlapped (``overlap=True``, the default), a step launches all of that and returns at once
+with the tokens of the step before, while the device runs this one; the next decode reads its
+input ids from the device (``overlap.py``). Stop ids therefore take effect one step late, and
+the token a finished request got in the step in flight is dropped. ``overlap=False`` waits for
+each step's tokens (the synchronous loop; the same tokens).
 
     engine = Engine(ModelRunner.from_preset("tiny"), mode="graph")
     engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # -> [[...16 ids], [...16 ids]]
@@ -15,21 +20,22 @@ chosen ids.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from ..errors import ConfigError, ReplayError, StepGraphError
+from ..errors import ReplayError
 from ..model.model_runner import ModelRunner
 from ..runner.base import raise_other_thread
 from .decode import DecodePath
-from .prefill import prefill_step
+from .launch import launch_step
+from .offline import run_to_completion
+from .overlap import InFlight, PendingPages
 from .requests import (
     DECODE_VIAS,
     GREEDY,
@@ -42,9 +48,7 @@ from .requests import (
     check_request,
     stop_id_set,
 )
-from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, admit_count, check_budget
-
-PREFILL_PROGRESS_DELAY_S = 2.0  # generate() shows a prefill bar once prefill takes this long
+from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_budget
 
 
 class Engine:
@@ -69,6 +73,7 @@ class Engine:
         decode_via: str = "runner",
         prefill_config: Any | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        overlap: bool = True,
         check_same_thread: bool = True,
     ) -> None:
         check_engine_args(mode, prefill, decode_via, max_running)
@@ -92,6 +97,10 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
+        self.overlap = overlap
+        self._inflight: InFlight | None = None  # the step launched last, tokens on the device
+        self._draining: list[Request] = []  # budget spent, the last token still in flight
+        self._pending = PendingPages(model_runner.kv_cache.release)
         self._closed = False
 
     @property
@@ -149,33 +158,20 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests wait or run, or a step's tokens have not landed yet."""
+        return bool(self.waiting or self.running or self._draining or self._inflight)
 
     # -- steps -------------------------------------------------------------------------------
-
-    def _admit(self) -> None:
-        kv = self.model_runner.kv_cache
-        needs = (kv.pages_for(r.kv_tokens) for r in self.waiting)
-        for _ in range(
-            admit_count(needs, kv.allocator.num_free, len(self.running), self.max_running)
-        ):
-            req = self.waiting.popleft()
-            req.pages = kv.reserve(req.kv_tokens)
-            self.running.append(req)
-        if self.waiting and not self.running:
-            raise ConfigError(
-                f"request {self.waiting[0].rid} needs {kv.pages_for(self.waiting[0].kv_tokens)} "
-                f"pages but only {kv.allocator.num_free} are free and nothing is running; pages "
-                "are held outside this engine."
-            )
 
     def step(
         self, sampling: Sampling = GREEDY, generator: torch.Generator | None = None
     ) -> list[tuple[int, int]]:
         """Admit and prefill what fits, decode the running requests once; return the
-        ``(request id, new token)`` pairs of this step. Any exception (prefill, decode,
-        sampling) first aborts every waiting and running request and frees its pages
-        (``abort_all``), then propagates: a failed step leaks nothing."""
+        ``(request id, new token)`` pairs that reached the host. Overlapped (the default), that
+        is the step before's tokens, while this one runs on the device; else this step's. Any
+        exception (prefill, decode, sampling) first aborts every waiting and running request
+        and frees its pages once the device is idle (``abort_all``), then propagates: a failed
+        step leaks nothing."""
         self._check_thread("step")  # before the try: another thread's call aborts nothing
         try:
             return self._step(sampling, generator)
@@ -183,46 +179,87 @@ class Engine:
             self.abort_all()
             raise
 
-    def abort_all(self) -> list[int]:
-        """Drop every waiting and running request and free its pages; return their ids.
-        The KV cache is then as free as it was before they were added."""
-        dropped = [r.rid for r in itertools.chain(self.waiting, self.running)]
-        pages = [p for r in self.running for p in r.pages]
-        self.waiting.clear()
-        self.running.clear()
-        if pages:
-            self.model_runner.kv_cache.release(pages)
-        return dropped
-
     def _step(self, sampling: Sampling, generator: torch.Generator | None) -> list[tuple[int, int]]:
-        decoding = [r for r in self.running if r.output]  # requests that have a token to feed
-        self._admit()
-        logits, sampled = [], []
-        # one packed forward of this step's chunks: requests whose prompt is now all cached
-        first = prefill_step(self.prefiller, self.running, self.max_prefill_tokens, self.stats)
-        if first is not None:
-            sampled, rows = first
-            logits.append(rows)
-        if decoding:
-            logits.append(self.decoder.logits(decoding, self.stats))
-            self.stats.decode_tokens += len(decoding)
-            self.stats.batch_sizes[len(decoding)] += 1
-        if not logits:
-            return []
-        tokens = sampling.sample(torch.cat(logits), generator).tolist()  # the one host sync
+        prev = self._inflight
+        for req in [r for r in self.running if r.scheduled >= r.max_new_tokens]:
+            # its budget is spent (its last token still in flight): no later step touches its
+            # pages, and its running slot is free now, as in the synchronous loop
+            self.running.remove(req)
+            self._draining.append(req)
+            self._pending.add(prev, req.pages)
+            req.pages = []
+        self._pending.reclaim(wait=bool(self.waiting))  # a waiting request may need them now
+        step = launch_step(self, sampling, generator, prev)
+        if not self.overlap:
+            prev, step = step, None  # land this step's own tokens now
+        self._inflight = step
+        out = self._land(prev, step) if prev is not None else []
+        self._pending.reclaim()  # what is already free goes back now (never blocks)
+        return out
+
+    def _land(self, step: InFlight, after: InFlight | None) -> list[tuple[int, int]]:
+        """Take ``step``'s tokens to the requests (``after``: the step launched since)."""
         out = []
-        for req, tok in zip(sampled + decoding, tokens):
+        for req, tok in zip(step.rows, step.wait()):
+            if req.closed:  # finished or aborted before this token: dropped
+                continue
             req.output.append(tok)
             out.append((req.rid, tok))
             if req.done:
-                self._finish(req)
+                self._close(req, after)
+                self.finished[req.rid] = req
+        self.stats.landed_tokens += len(out)
         return out
 
-    def _finish(self, req: Request) -> None:
-        self.running.remove(req)
-        self.model_runner.kv_cache.release(req.pages)
+    def _close(self, req: Request, after: InFlight | None) -> None:
+        """Stop ``req``; its pages go back once the step in flight (if it holds it) has run."""
+        req.closed = True
+        (self.running if req in self.running else self._draining).remove(req)
+        in_flight = after is not None and req.rid in after.row_of
+        self._pending.add(after if in_flight else None, req.pages)
         req.pages = []
-        self.finished[req.rid] = req
+
+    def abort(self, rid: int) -> bool:
+        """Cancel request ``rid`` (waiting or running); its pages go back after the step in
+        flight, the other requests run on. Return False if no such request is unfinished."""
+        self._check_thread("abort")
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.closed = True
+                return True
+        for req in itertools.chain(self.running, self._draining):
+            if req.rid == rid:
+                self._close(req, self._inflight)
+                self._pending.reclaim()
+                return True
+        return False
+
+    def abort_all(self) -> list[int]:
+        """Drop every waiting and running request and the step in flight, wait until the
+        device is idle, then free every page; return their ids. The KV cache is then as free
+        as it was before they were added."""
+        everyone = list(itertools.chain(self.waiting, self.running, self._draining))
+        for req in everyone:
+            req.closed = True
+            self._pending.add(None, req.pages)
+            req.pages = []
+        self.waiting.clear()
+        self.running.clear()
+        self._draining.clear()
+        self._inflight = None
+        if self.model_runner.device.type == "cuda":
+            with contextlib.suppress(Exception):  # a faulted device may fail here too
+                torch.cuda.synchronize(self.model_runner.device)
+        self._pending.reclaim(wait=True)
+        return [r.rid for r in everyone]
+
+    def drain(self) -> list[tuple[int, int]]:
+        """Land the step in flight and free every page it held; return its tokens."""
+        step, self._inflight = self._inflight, None
+        out = self._land(step, None) if step is not None else []
+        self._pending.reclaim(wait=True)
+        return out
 
     def generate(
         self,
@@ -238,39 +275,10 @@ class Engine:
         """New token ids of each prompt, in order. Every prompt is checked before any is
         queued: one that cannot fit raises ``ConfigError`` naming it, and nothing runs."""
         self._check_thread("generate")
-        for i, p in enumerate(prompts):
-            check_request(self.model_runner, p, max_new_tokens, f"prompt {i} ({len(p)} tokens)")
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.model_runner.device).manual_seed(seed)
-        sampling = Sampling(temperature, top_k)  # checks them before anything is queued
-        stops = dict(stop_ids=stop_ids, ignore_eos=ignore_eos)  # see add_request
-        rids = [self.add_request(p, max_new_tokens, **stops) for p in prompts]
-        # a bar on stderr once prefill has taken PREFILL_PROGRESS_DELAY_S (stdout stays clean)
-        bar = tqdm(
-            total=sum(map(len, prompts)), desc="prefill", unit="tok", file=sys.stderr,
-            delay=PREFILL_PROGRESS_DELAY_S, leave=False,
+        return run_to_completion(
+            self, prompts, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+            stop_ids=stop_ids, ignore_eos=ignore_eos,
         )  # fmt: skip
-        try:
-            while any(rid not in self.finished for rid in rids):
-                prefilled, decoded = self.stats.prefill_tokens, self.stats.decode_tokens
-                self.step(sampling, generator)
-                prefilled = self.stats.prefill_tokens - prefilled
-                if not prefilled and self.stats.decode_tokens == decoded:  # looping would spin
-                    raise StepGraphError(
-                        f"requests {[r for r in rids if r not in self.finished]} were dropped "
-                        "while generating (abort_all from another caller?); nothing is left "
-                        "to run. Call generate again."
-                    )
-                bar.update(min(prefilled, bar.total - bar.n))
-        except BaseException:
-            self.abort_all()  # step already did on its own faults; add_request may have run
-            for rid in rids:
-                self.finished.pop(rid, None)
-            raise
-        finally:
-            bar.close()
-        return [self.finished.pop(rid).output for rid in rids]
 
     def shutdown(self) -> None:
         """Release the graph runners; any later step, request or generate raises."""

@@ -28,6 +28,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # a sampled id in here ends the request (kept)
     prefilled: int = 0  # prompt tokens whose K/V are in the cache (chunked prefill)
+    scheduled: int = 0  # tokens sampled, on the host or still in flight (overlap)
+    closed: bool = False  # finished or aborted: a later token of it is dropped
 
     @property
     def kv_tokens(self) -> int:
@@ -83,6 +85,7 @@ class EngineStats:
     prefill_steps: int = 0  # packed prefill forwards (one per engine step at most)
     prefill_tokens: int = 0  # prompt tokens prefilled
     decode_tokens: int = 0
+    landed_tokens: int = 0  # tokens returned to the host (one step after launch, overlapped)
     # decode steps by batch size: the trace `stepgraph buckets --trace` picks buckets from
     batch_sizes: Counter[int] = field(default_factory=Counter)
 

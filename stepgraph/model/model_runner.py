@@ -209,9 +209,14 @@ class ModelRunner:
         pages: Sequence[list[int]],
         *,
         contiguous_fields: bool = True,
+        tokens_from: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """The decode batch where request ``i`` (owning ``pages[i]``) feeds ``tokens[i]`` at
         ``positions[i]``; its KV then holds ``positions[i] + 1`` tokens.
+
+        ``tokens_from`` ``[n]`` int64 on the device (e.g. the last step's sampled ids): then
+        ``tokens[i]`` is a row of it, and the id is gathered on the device, with no host round
+        trip (the overlapped loop's input). The host copy ``packed_cpu`` then holds the rows.
 
         One host->device copy of the packed rows ``[bs, PACKED.width(max_pages)]`` int64
         (``stepgraph.batch.PACKED``). ``contiguous_fields=False`` leaves the fields as
@@ -232,6 +237,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = host.pin_memory()
         packed = host.to(self.device, non_blocking=True)
+        if tokens_from is not None:
+            ids = PACKED.column(packed, "input_ids")  # [bs] rows of tokens_from, for now
+            ids.copy_(tokens_from[ids])
         batch = unpacked_batch(
             packed, torch.tensor(seq_lens, dtype=torch.int32), copy=contiguous_fields
         )

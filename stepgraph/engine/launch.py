@@ -1,0 +1,65 @@
+"""One engine step on the device: admit what fits, prefill one budget of prompt tokens as one
+packed forward, decode the requests that have a token to feed, and sample, leaving the tokens
+on the device (``overlap.InFlight``). Nothing here waits for the device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .overlap import InFlight
+from .prefill import prefill_step
+from .requests import Sampling
+from .scheduler import admit_count
+
+
+def admit(engine: Any) -> None:
+    """Start the requests at the head of the queue that fit (``scheduler.admit_count``)."""
+    kv = engine.model_runner.kv_cache
+    needs = (kv.pages_for(r.kv_tokens) for r in engine.waiting)
+    for _ in range(
+        admit_count(needs, kv.allocator.num_free, len(engine.running), engine.max_running)
+    ):
+        req = engine.waiting.popleft()
+        req.pages = kv.reserve(req.kv_tokens)
+        engine.running.append(req)
+    if engine.waiting and not engine.running:
+        raise ConfigError(
+            f"request {engine.waiting[0].rid} needs {kv.pages_for(engine.waiting[0].kv_tokens)} "
+            f"pages but only {kv.allocator.num_free} are free and nothing is running; pages "
+            "are held outside this engine."
+        )
+
+
+def launch_step(
+    engine: Any,  # the Engine (not imported: it imports this module)
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    prev: InFlight | None,
+) -> InFlight | None:
+    """Admit, prefill one budget, decode once and sample, all on the device; the tokens
+    stay there (``InFlight``)."""
+    decoding = [r for r in engine.running if 0 < r.scheduled < r.max_new_tokens]
+    admit(engine)
+    logits, rows = [], []
+    # one packed forward of this step's chunks: requests whose prompt is now all cached
+    first = prefill_step(engine.prefiller, engine.running, engine.max_prefill_tokens, engine.stats)
+    if first is not None:
+        rows, prefill_logits = first
+        logits.append(prefill_logits)
+    if decoding:
+        logits.append(engine.decoder.logits(decoding, engine.stats, prev))
+        engine.stats.decode_tokens += len(decoding)
+        engine.stats.batch_sizes[len(decoding)] += 1
+    if not logits:
+        return None
+    rows += decoding
+    tokens = sampling.sample(torch.cat(logits), generator)  # [n] int64, no host sync
+    for req in rows:
+        req.scheduled += 1
+    return InFlight.launch(rows, tokens)
+
+
+__all__ = ["admit", "launch_step"]

@@ -1,0 +1,90 @@
+"""Overlap scheduling: the host builds step N+1 while the GPU runs step N.
+
+A launched step keeps its sampled tokens on the device (``InFlight.tokens``); the next step's
+decode batch reads its input ids from there, gathered by row on the device, so no token makes
+a host round trip before it is fed back. The tokens reach the host one step later, through a
+pinned ``non_blocking`` copy and an event (``InFlight.wait``), and only then are stop ids
+checked: a stop lags one step, and a token computed for a request that had already finished is
+dropped, never returned (SGLang's overlap scheduler, vLLM's async scheduling).
+
+Every launch goes to one stream, in order. Pages a request may still write in a launched step
+go back to the allocator only once that step's event has completed (``PendingPages``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .requests import Request
+
+
+@dataclass
+class InFlight:
+    """One launched step: which request each sampled row belongs to, and its tokens."""
+
+    rows: list[Request]  # first tokens of prefilled requests, then the decode rows
+    tokens: torch.Tensor  # [n] int64 on the device: this step's sampled ids
+    host: torch.Tensor  # [n] int64 on the host (pinned on CUDA): their copy, once ``done``
+    event: torch.cuda.Event | None  # recorded after the copy; None where it is synchronous
+    row_of: dict[int, int] = field(default_factory=dict)  # request id -> its row
+
+    @classmethod
+    def launch(cls, rows: Sequence[Request], tokens: torch.Tensor) -> InFlight:
+        """Start the copy of ``tokens`` to the host; return at once."""
+        event = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = tokens
+        return cls(list(rows), tokens, host, event, {r.rid: i for i, r in enumerate(rows)})
+
+    @property
+    def done(self) -> bool:
+        """True once the step ran and its tokens are on the host (never blocks)."""
+        return self.event is None or self.event.query()
+
+    def wait(self) -> list[int]:
+        """The step's tokens on the host; blocks until the step has run."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class PendingPages:
+    """Pages that a launched step may still write: each list goes back to the allocator once
+    its step is done (``None``: at once)."""
+
+    def __init__(self, release) -> None:
+        self._release = release  # the KV cache's release(pages)
+        self._items: list[tuple[InFlight | None, list[int]]] = []
+
+    def __len__(self) -> int:
+        return sum(len(pages) for _, pages in self._items)
+
+    def add(self, step: InFlight | None, pages: list[int]) -> None:
+        if pages:
+            self._items.append((step, pages))
+
+    def reclaim(self, wait: bool = False) -> int:
+        """Release the pages whose step is done (``wait``: wait for every step first);
+        return how many went back."""
+        keep, freed = [], 0
+        for step, pages in self._items:
+            if step is None or wait or step.done:
+                if step is not None and wait:
+                    step.wait()
+                self._release(pages)
+                freed += len(pages)
+            else:
+                keep.append((step, pages))
+        self._items = keep
+        return freed
+
+
+__all__ = ["InFlight", "PendingPages"]
