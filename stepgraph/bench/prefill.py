@@ -147,7 +147,11 @@ def run_prefill(args: argparse.Namespace) -> int:
         f"({capture_wall_s:.2f} s wall), pool {cap.pool_bytes / 2**20:.1f} MiB"
     )
     time_packed = lambda fn: _time_ms(fn, device, iters)  # noqa: E731
-    packed, hf_error = run_packed(mr, points, time_packed, piecewise, with_hf=cuda)
+    from ..model.graph_prefill import GraphPrefill
+
+    graph = GraphPrefill(mr) if cuda else GraphPrefill(mr, (16, 64), max_chunks=4)
+    packed, hf_error = run_packed(mr, points, time_packed, piecewise, with_hf=cuda, graph=graph)
+    graph.shutdown()
     print(f"\npacked prefill, one forward of every prompt ({model}):")
     print(format_packed(packed, hf_error))
     for name, ok in targets.items():

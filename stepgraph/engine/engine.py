@@ -56,8 +56,9 @@ class Engine:
     (``mode="eager"``, which never builds a runner). ``runner_config`` defaults to
     ``RunnerConfig(max_bs=model_runner.max_bs)``; its ``mode`` is set from ``mode``.
 
-    ``prefill``: "eager" (default) or "piecewise" (``PiecewisePrefill`` with
-    ``prefill_config``, default ``PrefillShapes()``). ``max_prefill_tokens``: the most prompt
+    ``prefill``: "eager" (default), "piecewise" (``PiecewisePrefill`` with ``prefill_config``,
+    default ``PrefillShapes()``) or "graph" (``GraphPrefill``, ``prefill_config`` its keyword
+    arguments: whole-forward graphs per token bucket). ``max_prefill_tokens``: the most prompt
     tokens one step prefills; longer prompts are chunked across steps. ``decode_via``:
     "runner" (default, ``CudaGraphRunner``) or "configs" (``ConfigGraphRunner`` over the decode
     walk, buckets and backend from ``runner_config``; ``mode="graph"`` only)."""
@@ -91,6 +92,10 @@ class Engine:
             from ..model.piecewise_prefill import PiecewisePrefill
 
             self.prefiller = PiecewisePrefill(model_runner, prefill_config)
+        elif prefill == "graph":
+            from ..model.graph_prefill import GraphPrefill
+
+            self.prefiller = GraphPrefill(model_runner, **(prefill_config or {}))
         self.stats = EngineStats()
         self._owner, self.check_same_thread = threading.current_thread(), check_same_thread
         self._ids = itertools.count()

@@ -15,7 +15,7 @@ import torch
 from ..errors import ConfigError
 
 MODES = ("eager", "graph", "exact")
-PREFILLS = ("eager", "piecewise")
+PREFILLS = ("eager", "piecewise", "graph")
 DECODE_VIAS = ("runner", "configs")
 
 

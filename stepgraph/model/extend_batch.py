@@ -50,6 +50,7 @@ class ExtendBatch:
     q_lens: list[int]  # host copies: the attention's geometry needs no device sync
     kv_lens_host: list[int]
     pages: list[list[int]]  # each request's pages (the CPU attention gathers through them)
+    max_q_len_bound: int | None = None  # a graph's bucket: rows past the live chunks are padding
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +58,8 @@ class ExtendBatch:
 
     @property
     def max_q_len(self) -> int:
-        return max(self.q_lens)
+        """The longest chunk, or the bound a captured graph sized its grid for."""
+        return self.max_q_len_bound if self.max_q_len_bound is not None else max(self.q_lens)
 
 
 def check_chunks(chunks: Sequence[PrefillChunk], page_size: int) -> None:

@@ -44,10 +44,12 @@ def extend_attention(
             q, k_cache, v_cache, batch.qo_indptr, batch.kv_lens, batch.block_table,
             max_q_len=batch.max_q_len, sm_scale=scale,
         )  # fmt: skip
+    live = sum(batch.q_lens)  # a graph's padded rows past it (GraphPrefill) stay zero
     with _backends(q):
-        return extend_attention_torch(
-            q, k_cache, v_cache, batch.q_lens, batch.kv_lens_host, batch.pages, scale
+        o = extend_attention_torch(
+            q[:live], k_cache, v_cache, batch.q_lens, batch.kv_lens_host, batch.pages, scale
         )
+    return o if live == q.shape[0] else torch.cat([o, o.new_zeros(q.shape[0] - live, *o.shape[1:])])
 
 
 __all__ = ["SDPA_BACKENDS", "extend_attention"]
