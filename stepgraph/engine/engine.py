@@ -45,6 +45,7 @@ from .requests import (
     Request,
     Sampling,
     check_engine_args,
+    check_min_tokens,
     check_request,
     stop_id_set,
 )
@@ -140,18 +141,36 @@ class Engine:
         *,
         stop_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        min_tokens: int = 0,
+        sampling: Sampling | None = None,
+        seed: int | None = None,
     ) -> int:
         """Queue a request; its id keys ``finished``. ``ConfigError`` at once (and nothing
         queued) if it could never fit the KV cache; other requests are unaffected. It stops
         after ``max_new_tokens`` or at a sampled id in ``stop_ids`` or the checkpoint's
-        ``eos_token_ids`` (the stop id is kept in the output, as transformers does);
-        ``ignore_eos`` drops the eos ids (``stop_ids`` still apply)."""
+        ``eos_token_ids`` (the stop id is kept in the output, as transformers does), the stop
+        ids only from its ``min_tokens``-th token on; ``ignore_eos`` drops the eos ids
+        (``stop_ids`` still apply). ``sampling``: its own temperature and top-k instead of the
+        step's, drawn from its own generator, seeded with ``seed`` (None: a random seed)."""
         self._check_thread("add_request")
         what = f"request of {len(prompt)} prompt tokens"
         check_request(self.model_runner, prompt, max_new_tokens, what)
+        check_min_tokens(min_tokens, max_new_tokens)
         stops = self.stop_ids(stop_ids, ignore_eos)
+        generator = None
+        if sampling is not None and sampling.temperature > 0:
+            generator = torch.Generator(device=self.model_runner.device)
+            if seed is None:
+                generator.seed()  # a random seed of its own
+            else:
+                generator.manual_seed(seed)
+        else:
+            sampling = None  # greedy: the step's batched argmax
         rid = next(self._ids)
-        self.waiting.append(Request(rid, list(prompt), max_new_tokens, stop_ids=stops))
+        self.waiting.append(
+            Request(rid, list(prompt), max_new_tokens, stop_ids=stops, min_tokens=min_tokens,
+                    sampling=sampling, generator=generator)
+        )  # fmt: skip
         return rid
 
     def stop_ids(

@@ -11,7 +11,7 @@ import torch
 from ..errors import ConfigError
 from .overlap import InFlight
 from .prefill import prefill_step
-from .requests import Sampling
+from .requests import Sampling, sample_rows
 from .scheduler import admit_count
 
 
@@ -56,7 +56,7 @@ def launch_step(
     if not logits:
         return None
     rows += decoding
-    tokens = sampling.sample(torch.cat(logits), generator)  # [n] int64, no host sync
+    tokens = sample_rows(torch.cat(logits), rows, sampling, generator)  # [n] int64, no host sync
     for req in rows:
         req.scheduled += 1
     return InFlight.launch(rows, tokens)

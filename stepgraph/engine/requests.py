@@ -30,6 +30,9 @@ class Request:
     prefilled: int = 0  # prompt tokens whose K/V are in the cache (chunked prefill)
     scheduled: int = 0  # tokens sampled, on the host or still in flight (overlap)
     closed: bool = False  # finished or aborted: a later token of it is dropped
+    min_tokens: int = 0  # stop ids are not checked before this many tokens (vLLM's min_tokens)
+    sampling: Sampling | None = None  # its own sampling (None: the step's, ``sample_rows``)
+    generator: torch.Generator | None = None  # its own draws, with ``sampling`` (seeded)
 
     @property
     def kv_tokens(self) -> int:
@@ -38,9 +41,10 @@ class Request:
 
     @property
     def done(self) -> bool:
-        if self.output and self.output[-1] in self.stop_ids:
+        n = len(self.output)
+        if n >= self.max_new_tokens:
             return True
-        return len(self.output) >= self.max_new_tokens
+        return n >= max(self.min_tokens, 1) and self.output[-1] in self.stop_ids
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,13 @@ class Sampling:
             raise ConfigError(f"top_k must be an integer >= 1 or unset, got {k!r}; use --top-k 1..")
 
     def sample(
-        self, logits: torch.Tensor, generator: torch.Generator | None
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None,
+        row_generators: Sequence[torch.Generator | None] | None = None,
     ) -> torch.Tensor:  # logits: [n, vocab] float32 -> [n] int64
+        """``row_generators`` (one per row): row i draws its noise, ``[1, k]``, from its own
+        generator, as a one-prompt ``generate`` draws it; else ``generator`` draws ``[n, k]``."""
         if self.temperature <= 0:
             return logits.argmax(-1)
         scaled = logits / self.temperature
@@ -69,12 +78,43 @@ class Sampling:
         if self.top_k is not None and self.top_k < scaled.shape[-1]:
             scaled, idx = scaled.topk(self.top_k, dim=-1)  # [n, k] each
         # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits), no host sync.
-        u = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+        if row_generators is None:
+            u = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+        else:
+            row, dev = (1, scaled.shape[-1]), scaled.device
+            u = torch.cat([torch.rand(row, generator=g, device=dev) for g in row_generators])
         choice = (scaled - torch.log(-torch.log(u))).argmax(-1)  # [n]
         return choice if idx is None else idx.gather(-1, choice[:, None])[:, 0]
 
 
 GREEDY = Sampling()
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [n, vocab] float32, row i of request rows[i]
+    rows: Sequence[Request],
+    sampling: Sampling,
+    generator: torch.Generator | None,
+) -> torch.Tensor:  # [n] int64
+    """``sampling`` with ``generator`` for every row, unless a row's request carries its own
+    ``sampling`` (then drawn from its own ``generator``: a seeded request samples the same
+    tokens in any batch, and the same as a one-prompt ``generate`` with that seed). Rows of one
+    (temperature, top_k) are sampled together; each own generator draws its row's noise. No
+    host sync: row indices reach the device through a pinned, non-blocking copy."""
+    if all(r.sampling is None for r in rows):
+        return sampling.sample(logits, generator)
+    out = logits.argmax(-1)  # greedy rows keep theirs
+    groups: dict[Sampling, list[int]] = {}
+    for i, r in enumerate(rows):
+        s = r.sampling or sampling
+        if s.temperature > 0:
+            groups.setdefault(s, []).append(i)
+    cuda = logits.is_cuda
+    for s, idx in groups.items():
+        at = torch.tensor(idx, pin_memory=cuda).to(logits.device, non_blocking=True)  # [m]
+        gens = [rows[i].generator if rows[i].sampling else generator for i in idx]
+        out.index_copy_(0, at, s.sample(logits.index_select(0, at), generator, gens))
+    return out
 
 
 @dataclass
@@ -124,6 +164,15 @@ def stop_id_set(config: Any, stop_ids: Sequence[int] | None, ignore_eos: bool) -
     return frozenset(eos) | frozenset(extra)
 
 
+def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
+        raise ConfigError(f"min_tokens must be an integer, got {min_tokens!r}.")
+    if not 0 <= min_tokens <= max_new_tokens:
+        raise ConfigError(
+            f"min_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_tokens}."
+        )
+
+
 def check_request(model_runner: Any, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
     """``ConfigError`` naming ``what`` unless ``prompt`` (token ids) plus ``max_new_tokens`` can
     be served: ids in the vocabulary, within ``max_position_embeddings`` and the KV cache."""
@@ -156,6 +205,8 @@ __all__ = [
     "Request",
     "Sampling",
     "check_engine_args",
+    "check_min_tokens",
     "check_request",
+    "sample_rows",
     "stop_id_set",
 ]
