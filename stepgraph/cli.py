@@ -9,13 +9,14 @@ import sys
 from .cli_args import (
     Parser,
     UsageError,
-    check_bench_args,
     check_prompts,
+    check_tp,
     model_config,
     nonneg_float,
     positive_int,
     resolve_device,
     run_main,
+    seed_int,
 )
 
 
@@ -48,8 +49,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .bench.main import DTYPES
     from .engine import Engine
     from .model.launch import build_model_runner, finish, is_main_rank
@@ -57,15 +56,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     config = model_config(args.model)
+    check_tp(args.tp, "generate")
     if args.prompt is not None:
-        if not Path(args.model).is_dir():
-            raise UsageError(
-                "argument --prompt: text needs a tokenizer; pass --model DIR of a local HF "
-                "checkpoint, or use --prompt-ids"
-            )
-        from transformers import AutoTokenizer
-
-        prompts = [AutoTokenizer.from_pretrained(args.model).encode(args.prompt)]
+        prompts = [tokenize(args.model, args.prompt)]
     elif args.prompt_file is not None:
         from .prompts import read_prompt_file
 
@@ -92,6 +85,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.kernels:
         mr.set_kernels(args.kernels)  # default: fused on CUDA (one-row steps), reference on CPU
+    if args.kernels == "fused" and device == "cpu" and is_main_rank():
+        from .bench.cpu import FUSED_NOTE
+
+        print(f"stepgraph: note: {FUSED_NOTE}", file=sys.stderr)
     engine = Engine(mr, mode=args.mode)
     from .prompts import parse_stop_ids
 
@@ -113,6 +110,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"[{i}] {' '.join(map(str, out))}")
     finish()
     return 0
+
+
+def tokenize(model: str, text: str) -> list[int]:
+    """``--prompt`` text as token ids, with the tokenizer of the checkpoint directory
+    ``model``; a one-line error when there is none (a preset, or a directory without one)."""
+    from pathlib import Path
+
+    if not Path(model).is_dir():
+        raise UsageError(
+            "argument --prompt: text needs a tokenizer; pass --model DIR of a local HF "
+            "checkpoint, or use --prompt-ids"
+        )
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (ImportError, OSError, ValueError, TypeError, KeyError) as e:
+        said = " ".join(str(e).split())
+        said = said if len(said) <= 160 else said[:159] + "…"
+        raise UsageError(
+            f"argument --prompt: no usable tokenizer in {model} ({type(e).__name__}: {said}); "
+            "copy the checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json) "
+            "into it, or pass token ids with --prompt-ids"
+        ) from e
+    return tokenizer.encode(text)
 
 
 def cmd_buckets(args: argparse.Namespace) -> int:
@@ -139,6 +161,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.args import check_bench_args
     from .bench.main import run
 
     check_bench_args(args)
@@ -166,20 +189,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-file",
         help="JSON list of token-id lists, or JSON Lines (one list per line); - reads stdin",
     )
-    gen.add_argument("--max-new-tokens", type=positive_int, default=16)
-    gen.add_argument("--mode", default="graph", choices=("eager", "graph", "exact"))
+    gen.add_argument(
+        "--max-new-tokens", type=positive_int, default=16, help="new tokens per prompt, at most"
+    )
+    gen.add_argument(
+        "--mode",
+        default="graph",
+        choices=("eager", "graph", "exact"),
+        help="decode steps: eager, CUDA graphs, or graphs retuned to the live KV length",
+    )
     gen.add_argument(
         "--kernels",
         default=None,
         choices=("fused", "reference"),
         help="decode-step kernels: fused (default on CUDA) or reference (unfused)",
     )
-    gen.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    gen.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when a GPU is seen"
+    )
+    gen.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="default: bfloat16 on CUDA, float32 on the CPU",
+    )
     gen.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-k", type=positive_int, default=None)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--json", action="store_true")
+    gen.add_argument("--top-k", type=positive_int, default=None, help="sample from the k likeliest")
+    gen.add_argument(
+        "--seed", type=seed_int, default=0, help="random weights and sampling, 0..2**64-1"
+    )
+    gen.add_argument("--json", action="store_true", help='print {"outputs": [[ids...], ...]}')
     gen.add_argument(
         "--stop-ids",
         default=None,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -18,9 +20,31 @@ class UsageError(StepGraphError):
     """A command-line argument that cannot be used as given."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` says each flag's default, except where there is none to say (``None``, a
+    switch that is off) or the help text already says it (a default that depends on the
+    device)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False  # not `in`: 0 == False
+        if unset or action.default == argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """``error`` raises (one line in ``main``) instead of printing usage and exiting; the
-    subcommand parsers inherit it (``add_subparsers`` builds them of this class)."""
+    subcommand parsers inherit it (``add_subparsers`` builds them of this class).
+
+    A value that starts with ``-`` and a digit is a value, not a flag: ``--prompt-ids -1,2``
+    reaches the id check (argparse alone takes only ``-1`` or ``-1.5`` for numbers, and calls
+    ``-1,2`` an unknown flag, "expected one argument")."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")  # no flag starts with a digit
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{message} (see `{self.prog} --help`)")
@@ -63,6 +87,22 @@ def nonneg_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+
+
+def seed_int(text: str) -> int:
+    """A seed for the weights, the mixes and sampling: an integer in ``[0, 2**64)``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(
+            f"must be in [0, 2**64 - 1] (a 64-bit seed), got {value}; pass a seed in that range"
+        )
     return value
 
 
@@ -128,35 +168,93 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def check_output_path(flag: str, path: str | None) -> None:
-    """A file to write later: its directory must exist now, not after minutes of work."""
-    if path is not None and not Path(path).resolve().parent.is_dir():
-        raise UsageError(f"argument {flag}: directory {Path(path).parent} does not exist")
+def check_output_path(flag: str, path: str | None, image: bool = False) -> None:
+    """A file to write later, checked now rather than after minutes of work: not a directory,
+    in a directory that exists and can be written; ``image``: a format matplotlib writes."""
+    if path is None:
+        return
+    file = Path(path)
+    if file.is_dir():
+        raise UsageError(f"argument {flag}: {path} is a directory; give a file name in it")
+    parent = file.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"argument {flag}: directory {file.parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"argument {flag}: directory {file.parent} is not writable")
+    if image:
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError as e:
+            raise UsageError(f"argument {flag}: needs matplotlib; pip install matplotlib") from e
+        formats = sorted(FigureCanvasBase.get_supported_filetypes())
+        if file.suffix.lower().lstrip(".") not in formats:
+            raise UsageError(
+                f"argument {flag}: {path} is not an image file matplotlib writes; end the "
+                f"name in .png (or {', '.join('.' + f for f in formats if f != 'png')})"
+            )
 
 
-def check_bench_args(args: argparse.Namespace) -> None:
-    """``stepgraph bench`` arguments, before the model is built."""
-    int_list("--batch-sizes", args.batch_sizes)
-    int_list("--contexts", args.contexts)
-    for flag in ("tp", "iters"):
-        if getattr(args, flag, 1) < 1:
-            raise UsageError(f"argument --{flag}: must be >= 1, got {getattr(args, flag)}")
-    check_output_path("--json", args.json)
-    check_output_path("--plot", args.plot)
-    if args.model is not None:
-        model_config(args.model)
+def check_tp(tp: int, command: str) -> None:
+    """``--tp N`` > 1 needs N processes that torchrun started; refuse it in a lone process
+    (it would run unsharded) or under a torchrun of another size."""
+    if tp <= 1:
+        return
+    from .model.distributed import torchrun_world_size
+
+    world = torchrun_world_size()
+    launch = f"`torchrun --nproc-per-node {tp} -m stepgraph {command} --tp {tp} ...`"
+    if world is None:
+        raise UsageError(
+            f"argument --tp: {tp} ranks need {tp} processes, and this one was not started by "
+            f"torchrun; launch it with {launch}, or drop --tp"
+        )
+    if world != tp:
+        raise UsageError(
+            f"argument --tp: {tp}, but torchrun started {world} processes; launch it with "
+            f"{launch}, or pass --tp {world}"
+        )
+
+
+def choose_modes(text: str | None, known: tuple[str, ...], runnable: tuple[str, ...],
+                 why: str) -> list[str] | None:  # fmt: skip
+    """``--modes``: ``None`` (the default), else names of ``known``, each in ``runnable`` on
+    this device (``why`` says why the others are not)."""
+    if text is None:
+        return None
+    chosen = [m.strip() for m in text.split(",") if m.strip()]
+    if not chosen:
+        raise UsageError(
+            f"argument --modes: {text!r} names no mode; give a comma list of "
+            f"{','.join(known)}, or drop --modes for the default"
+        )
+    unknown = [m for m in chosen if m not in known]
+    if unknown:
+        raise UsageError(
+            f"argument --modes: unknown {','.join(unknown)}; choose from {','.join(known)}"
+        )
+    other = [m for m in chosen if m not in runnable]
+    if other:
+        raise UsageError(
+            f"argument --modes: {','.join(other)} cannot run here ({why}); choose from "
+            f"{','.join(runnable)}"
+        )
+    return chosen
 
 
 __all__ = [
+    "HelpFormatter",
     "Parser",
+    "SEED_MAX",
     "UsageError",
-    "check_bench_args",
     "check_output_path",
     "check_prompts",
+    "check_tp",
+    "choose_modes",
     "int_list",
     "model_config",
     "nonneg_float",
     "positive_int",
     "resolve_device",
     "run_main",
+    "seed_int",
 ]

@@ -31,14 +31,17 @@ def allreduces_per_step(mr: ModelRunner) -> int:
     return 2 * mr.config.num_layers + 1
 
 
-def allreduce_us_per_step(mr: ModelRunner, sizes: list[int]) -> dict[int, float]:
+def allreduce_us_per_step(
+    mr: ModelRunner, sizes: list[int], *, time_ms: Callable[..., float] = cuda_time_ms
+) -> dict[int, float]:
     """µs per decode step spent in all-reduces called eagerly, by batch size: each of
-    ``[bs, hidden]`` in the model dtype."""
+    ``[bs, hidden]`` in the model dtype. ``time_ms``: CUDA events, or ``host_call_ms`` on the
+    CPU (gloo)."""
     out = {}
     n = allreduces_per_step(mr)
     for bs in sizes:
         x = torch.randn(bs, mr.config.hidden_size, device=mr.device, dtype=mr.dtype)
-        ms = cuda_time_ms(lambda x=x: dist.all_reduce(x), warmup=5, iters=20, inner=n)
+        ms = time_ms(lambda x=x: dist.all_reduce(x), warmup=5, iters=20, inner=n)
         out[bs] = round(ms * 1e3 * n, 1)
     return out
 

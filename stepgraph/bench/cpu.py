@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 
-from ..errors import ConfigError
 from .constants import CPU_MODES
 from .report import Row, plot, write_json
 from .workload import Point, build_model_runner, decode_batch, fill_kv_random
@@ -46,25 +46,42 @@ def set_cpu_threads(threads: int | None) -> str:
     return f"torch threads: {threads} of {cores} cores ({why}; change with --threads N)"
 
 
+FUSED_NOTE = (
+    "--kernels fused: the fused kernels are Triton GPU kernels; on the CPU every step runs the "
+    "reference kernels (torch ops)"
+)
+SLOW_STEP_S = 1.0  # a step slower than this: say how long the point will take (stderr)
+
+
 def cpu_modes(modes: str | None) -> list[str]:
-    """``--modes`` on the CPU: eager and graph only; anything else is refused by name."""
-    if modes is None:
-        return list(CPU_MODES)
-    chosen = [m for m in modes.split(",") if m]
-    other = [m for m in chosen if m not in CPU_MODES]
-    if other or not chosen:
-        raise ConfigError(
-            f"--modes {modes}: {other or 'nothing'} cannot run with --device cpu (exact edits "
-            "CUDA graph nodes, compile and the HF peers are timed with CUDA events); choose from "
-            f"{','.join(CPU_MODES)} on the CPU, or run on a GPU."
-        )
-    return chosen
+    """``--modes`` on the CPU: eager and graph only (eager first: the table's "vs eager"
+    column needs it); anything else is refused by name (``bench.args.bench_modes``)."""
+    from .args import bench_modes
+
+    chosen = bench_modes(modes, "cpu") or list(CPU_MODES)
+    return sorted(dict.fromkeys(chosen), key=lambda m: m != "eager")
 
 
-def host_ms(step, iters: int) -> float:
-    """Median wall-clock ms of ``step()`` over ``iters`` calls, after two warm-up calls."""
-    for _ in range(2):
-        step()
+TOKEN_CHECK_NEW = 8  # new tokens per prompt of the tokens check
+
+
+def token_check_prompts(sizes: list[int], context: int, config) -> list[list[int]]:
+    """The prompts of the tokens check: one per batch size ``bs``, of ``context - bs`` tokens,
+    at least one (``--contexts 1``, or a batch size >= the context) and at most what leaves
+    room for ``TOKEN_CHECK_NEW`` tokens within ``max_position_embeddings``."""
+    vocab, longest = config.vocab_size, config.max_position_embeddings - TOKEN_CHECK_NEW + 1
+    lengths = [min(max(1, context - bs), longest) for bs in sizes]
+    return [[(7 * i + j) % (vocab - 1) + 1 for j in range(n)] for i, n in zip(sizes, lengths)]
+
+
+def host_ms(step, iters: int, on_slow=None) -> float:
+    """Median wall-clock ms of ``step()`` over ``iters`` calls, after two warm-up calls.
+    ``on_slow(seconds)`` is called when the first warm-up call took over ``SLOW_STEP_S``."""
+    t0 = time.perf_counter()
+    step()
+    if on_slow is not None and time.perf_counter() - t0 > SLOW_STEP_S:
+        on_slow(time.perf_counter() - t0)
+    step()
     samples = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -73,19 +90,31 @@ def host_ms(step, iters: int) -> float:
     return statistics.median(samples)
 
 
+def _quiet(*args, **kwargs) -> None:
+    """``print`` of a rank other than 0: every rank runs, rank 0 reports."""
+
+
 def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> int:
     from ..engine import Engine
+    from ..model.launch import finish, is_main_rank
     from ..runner import CudaGraphRunner, RunnerConfig
 
     modes = cpu_modes(args.modes)
-    model = args.model or "tiny"
-    print(f"stepgraph bench --device cpu: {model}, float32, {args.iters} timed steps per point")
-    print(set_cpu_threads(args.threads))
-    print(EXPLAIN)
-    mr = build_model_runner(model, "cpu", torch.float32, max(sizes), max(contexts) + 64)
+    model, tp = args.model or "tiny", getattr(args, "tp", 1)
+    threads = set_cpu_threads(args.threads)
+    mr = build_model_runner(model, "cpu", torch.float32, max(sizes), max(contexts) + 64, tp=tp)
+    say = print if is_main_rank() else _quiet
+    ranks = f", tensor parallel x{tp} (gloo; rank 0 prints)" if tp > 1 else ""
+    say(f"stepgraph bench --device cpu: {model}, float32, {args.iters} timed steps a point{ranks}")
+    say(threads)
+    if args.kernels == "fused":
+        say(FUSED_NOTE)
+    say(EXPLAIN)
     fill_kv_random(mr)  # random K/V: attention reads real-looking data, never zeros
     points = [Point(bs, ctx) for bs in sizes for ctx in contexts]
     rows: list[Row] = []
+    eager: dict[tuple[int, int], float] = {}
+    say(f"{'mode':<7}{'bs':>4}{'ctx':>7}{'ms/step':>10}{'tok/s':>9}{'vs eager':>10}")
     for mode in modes:
         runner = None
         if mode == "graph":
@@ -96,7 +125,12 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
         for p in points:
             batch, pages = decode_batch(mr, p)
             fwd = mr.forward if runner is None else runner.replay
-            ms = host_ms(lambda b=batch, f=fwd: f(b).argmax(-1), args.iters)
+
+            def slow(s, p=p, mode=mode):
+                say(f"  {mode} bs={p.bs} ctx={p.context}: {s:.1f} s a step, {args.iters + 1} "
+                    "more steps for this point", file=sys.stderr, flush=True)  # fmt: skip
+
+            ms = host_ms(lambda b=batch, f=fwd: f(b).argmax(-1), args.iters, slow)
             for req_pages in pages:
                 mr.kv_cache.release(req_pages)
             cap = runner.stats.capture if runner is not None else None
@@ -107,37 +141,49 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
                     "CPU stand-in" if runner is not None else "",
                 )
             )  # fmt: skip
+            if mode == "eager":
+                eager[(p.bs, p.context)] = ms
+            base = eager.get((p.bs, p.context))
+            ratio = f"{base / ms:9.2f}x" if base else f"{'-':>10}"
+            say(f"{mode:<7}{p.bs:>4}{p.context:>7}{ms:>10.3f}{p.bs / ms * 1e3:>9.0f}{ratio}",
+                flush=True)  # fmt: skip
         if runner is not None:
             runner.shutdown()
-    eager = {(r.bs, r.context): r.ms_per_token for r in rows if r.mode == "eager"}
-    print(f"{'mode':<7}{'bs':>4}{'ctx':>7}{'ms/step':>10}{'tok/s':>9}{'vs eager':>10}")
-    for r in rows:
-        base = eager.get((r.bs, r.context))
-        ratio = f"{base / r.ms_per_token:9.2f}x" if base else f"{'-':>10}"
-        print(
-            f"{r.mode:<7}{r.bs:>4}{r.context:>7}{r.ms_per_token:>10.3f}"
-            f"{r.tokens_per_s:>9.0f}{ratio}"
-        )
+    meta = {"model": model, "dtype": "float32", "device": "cpu", "torch": torch.__version__}
+    meta.update(threads=torch.get_num_threads(), iters=args.iters, tp=tp)
+    if tp > 1:
+        from .collectives import allreduce_us_per_step
+        from .timing import host_call_ms
+
+        ar = meta["allreduce_us_per_step"] = allreduce_us_per_step(mr, sizes, time_ms=host_call_ms)
+        say(f"tensor parallel x{tp}: all-reduce time per step (us) by bs: {ar} eager, timed on "
+            "the host; inside a graph it is measured on GPUs only (the CPU stand-in re-runs the "
+            "forward, its all-reduces with it)")  # fmt: skip
     same = True
     if set(CPU_MODES) <= set(modes):  # the tokens check: the same prompts through the engine
         outputs = {}
+        prompts = token_check_prompts(sizes, max(contexts), mr.config)
         for mode in CPU_MODES:
             engine = Engine(mr, mode=mode)
-            vocab, ctx = mr.config.vocab_size, max(contexts)
-            prompts = [[(7 * i + j) % (vocab - 1) + 1 for j in range(ctx - i)] for i in sizes]
-            outputs[mode] = engine.generate(prompts, max_new_tokens=8, ignore_eos=True)
+            outputs[mode] = engine.generate(prompts, TOKEN_CHECK_NEW, ignore_eos=True)
             engine.shutdown()
         same = outputs["eager"] == outputs["graph"]
-        print(f"graph tokens identical to eager: {same}")
-    meta = {"model": model, "dtype": "float32", "device": "cpu", "torch": torch.__version__}
-    meta.update(threads=torch.get_num_threads(), iters=args.iters, tokens_match=same)
-    if args.json:
+        say(f"graph tokens identical to eager: {same}")
+    meta["tokens_match"] = same
+    if args.json and is_main_rank():
         write_json(args.json, rows, meta)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(args.plot, rows)
-        print(f"wrote {args.plot}")
+        say(f"wrote {args.json}")
+    if args.plot and is_main_rank():
+        title = (
+            f"stepgraph bench on the CPU: {model}, float32, {torch.get_num_threads()} thread(s)"
+            f"{f', tp {tp}' if tp > 1 else ''}\ngraph = the CPU stand-in (re-runs the eager "
+            "forward: no kernel launches to save, no speed-up expected); no bandwidth floor"
+        )
+        plot(args.plot, rows, title=title)
+        say(f"wrote {args.plot}")
+    finish()
     return 0 if same else 1
 
 
-__all__ = ["EXPLAIN", "cpu_modes", "host_ms", "run_cpu", "set_cpu_threads"]
+__all__ = ["EXPLAIN", "FUSED_NOTE", "cpu_modes", "host_ms", "run_cpu", "set_cpu_threads",
+           "TOKEN_CHECK_NEW", "token_check_prompts"]  # fmt: skip

@@ -9,6 +9,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ..cli_args import positive_int
 from .constants import CPU_MODES, DTYPES, GPU_MODES
 from .modes import OUR_MODES, run_mode
 from .peers import PEERS, run_peer
@@ -36,18 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="small",
         help="'small' (hf-eager at bs<=8 and ctx<=4096, compile at bs=1 ctx=512) or 'all'",
     )
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
-    p.add_argument("--iters", type=int, default=10, help="timed repetitions per point")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where to run")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=tuple(DTYPES), help="model dtype (CPU: float32)"
+    )
+    p.add_argument("--iters", type=positive_int, default=10, help="timed repetitions per point")
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch CPU threads (--device cpu; default 1, or OMP_NUM_THREADS when set)",
     )
     p.add_argument(
         "--tp",
-        type=int,
+        type=positive_int,
         default=1,
         help="tensor-parallel ranks (torchrun --nproc-per-node N -m stepgraph bench)",
     )
@@ -197,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:
-        plot(args.plot, rows)
+        title = (
+            f"stepgraph bench: {model} on {meta['gpu']}{f' x{args.tp} (tp)' if args.tp > 1 else ''}"
+            f", {args.dtype}, {mr.kernels} kernels"
+        )
+        plot(args.plot, rows, title=title, floor_ms=floor_ms)
     finish()
     return 0

@@ -66,29 +66,63 @@ def summary(rows: list[Row]) -> dict:
     return out
 
 
-def plot(path: str, rows: list[Row]) -> None:
+FLOOR_LABEL = "floor: (weights + live KV) / copy bandwidth"
+
+
+def _tick(context: int) -> str:
+    return f"{context // 1024}k" if context >= 1024 and context % 1024 == 0 else str(context)
+
+
+def plot(
+    path: str,
+    rows: list[Row],
+    *,
+    title: str = "stepgraph bench",
+    floor_ms: dict[tuple[int, int], float] | None = None,
+) -> None:
+    """ms per decode step against context, one panel per batch size, on linear axes from 0:
+    our modes solid, the transformers peers (``hf-*``) dashed, the bandwidth floor dotted.
+    ``title`` names the device and the model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sizes = sorted({r.bs for r in rows})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    order = {m: i for i, m in enumerate(("eager", "graph", "exact", "compile"))}
+    modes = sorted({r.mode for r in rows}, key=lambda m: (m.startswith("hf-"), order.get(m, 9), m))
+    colors = {m: f"C{i}" for i, m in enumerate(modes)}
+    # distinct markers: exact lies on graph's line where the two agree, and stays visible
+    markers = dict(zip(modes, "o^xDsP*"))
+    contexts = sorted({r.context for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes) + 1, 4.2), squeeze=False)
     for ax, bs in zip(axes[0], sizes):
-        for mode in sorted({r.mode for r in rows}):
+        for mode in modes:
             pts = sorted(
                 (r.context, r.ms_per_token)
                 for r in rows
                 if r.bs == bs and r.mode == mode and r.ms_per_token
             )
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=mode)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"bs={bs}")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per token")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+                peer = mode.startswith("hf-")
+                ax.plot(*zip(*pts), color=colors[mode], marker=markers[mode], markersize=7,
+                        linestyle="--" if peer else "-", label=mode)  # fmt: skip
+        if floor_ms:
+            pts = sorted((c, ms) for (b, c), ms in floor_ms.items() if b == bs)
+            ax.plot(*zip(*pts), color="black", linestyle=":", marker="_", label=FLOOR_LABEL)
+        ax.set_title(f"batch size {bs}")
+        ax.set_xlabel("context (tokens of KV per request)")
+        ax.set_xticks(contexts, [_tick(c) for c in contexts])
+        ax.set_xlim(0, max(contexts) * 1.08)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.1)  # from 0, with room above the highest point
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("ms per decode step")
+    legend = {}  # label -> handle, over every panel (a peer may run at small sizes only)
+    for ax in axes[0]:
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+    ncol = min(len(legend), 3)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=ncol, fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.03 + 0.06 * -(-len(legend) // ncol), 1, 1))
     fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -31,6 +31,21 @@ def cuda_time_ms(
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / inner
 
 
+def host_call_ms(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, inner: int = 1
+                 ) -> float:  # fmt: skip
+    """``cuda_time_ms`` on the host clock, for work that ends when the call returns (the CPU,
+    gloo collectives): median ms of one call, ``inner`` calls per sample."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e3 / inner)
+    return statistics.median(samples)
+
+
 def host_time_us(
     fn: Callable[[], object], *, warmup: int = 100, iters: int = 2000, repeats: int = 7
 ) -> float:

@@ -72,6 +72,31 @@ def weight_bytes(mr: ModelRunner) -> int:
     return total
 
 
+def param_count(config) -> int:
+    """Parameters of a ``ModelConfig``'s model, counted from its shapes (before building it)."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    layer = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h + 2 * h  # + the two norms
+    if config.attention_bias:
+        layer += q + 2 * kv
+    head = 0 if config.tie_word_embeddings else config.vocab_size * h
+    return config.vocab_size * h + config.num_layers * layer + h + head
+
+
+def bench_bytes(config, dtype: torch.dtype, max_bs: int, max_context: int,
+                page_size: int = 64) -> dict[str, int]:  # fmt: skip
+    """What the bench holds at once, by part, before anything is built: the KV cache for
+    ``max_bs`` requests of ``max_context`` tokens (sized as ``ModelRunner.from_model`` sizes
+    it), the weights, and two ``[max_bs, vocab]`` float32 logits (the eager step's and the
+    graph's static output). Activations and the attention's gathers come on top."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    pages = max_bs * -(-max_context // page_size) + 1
+    return {
+        "KV cache": 2 * config.num_layers * pages * page_size * config.kv_size * elt,
+        "weights": param_count(config) * elt,
+        "logits": 2 * max_bs * config.vocab_size * 4,
+    }
+
+
 def kv_bytes(mr: ModelRunner, point: Point) -> int:
     """Bytes of live K and V a step reads: every layer, every request's ``context`` tokens."""
     c = mr.config

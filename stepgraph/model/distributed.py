@@ -22,6 +22,14 @@ class DistEnv:
     device: torch.device
 
 
+def torchrun_world_size() -> int | None:
+    """``WORLD_SIZE`` when torchrun started this process (it sets every one of its variables),
+    else ``None``: a lone process."""
+    if any(k not in os.environ for k in _TORCHRUN_VARS):
+        return None
+    return int(os.environ["WORLD_SIZE"])
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistEnv:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``/``MASTER_PORT``). ``backend`` defaults to nccl with CUDA, else gloo; for
@@ -49,4 +57,4 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
     return DistEnv(rank, world, local_rank, device)
 
 
-__all__ = ["DistEnv", "init_distributed"]
+__all__ = ["DistEnv", "init_distributed", "torchrun_world_size"]

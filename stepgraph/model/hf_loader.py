@@ -28,7 +28,13 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         )
     try:
         config = ModelConfig.from_hf_config(read_json(cfg_file))
-    except (KeyError, TypeError, ValueError) as e:  # ConfigError too: prefix the file
+    except ConfigError as e:  # a model stepgraph does not support: it says so, and what is
+        raise ConfigError(f"{cfg_file}: {e}") from e
+    except KeyError as e:  # a field every Llama/Qwen2 config.json has is missing
+        raise ConfigError(
+            f"{cfg_file} has no {e} field; is it the checkpoint's own config.json?"
+        ) from e
+    except (TypeError, ValueError) as e:  # a field of the wrong type
         raise ConfigError(f"{cfg_file}: {e}; is it the checkpoint's own config.json?") from e
     # transformers' generate stops at generation_config.json's eos_token_id when that file
     # exists (even if it names none), else at config.json's: so do we.

@@ -1,0 +1,80 @@
+"""The checks of `stepgraph bench` arguments, all before any work starts: a bad value is one
+line, ``stepgraph: error: argument --flag: ...``, exit status 2, not an error after the run.
+``--serve`` and ``--prefill`` add their own (``serve_args.py``, ``prefill.py``)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..cli_args import UsageError, check_output_path, check_tp, choose_modes, int_list, model_config
+from .constants import CPU_MODES, DTYPES
+from .modes import OUR_MODES
+from .peers import PEERS
+from .workload import bench_bytes
+
+GPU_SIZES, GPU_CONTEXTS = [1, 8, 32], [512, 4096, 32768]  # the decode bench's defaults
+CPU_SIZES, CPU_CONTEXTS = [1, 2], [16, 64]
+
+
+def bench_modes(text: str | None, device: str) -> list[str] | None:
+    """``--modes``: ours and the peers; on the CPU only eager and graph. ``None``: default."""
+    known = OUR_MODES + PEERS
+    why = (
+        "with --device cpu: exact edits CUDA graph nodes, compile and the HF peers are timed "
+        "with CUDA events; run them on a GPU"
+    )
+    return choose_modes(text, known, CPU_MODES if device == "cpu" else known, why)
+
+
+def check_bench_args(args: argparse.Namespace) -> None:
+    """Every ``stepgraph bench`` argument, before the model is built: with the decode bench
+    also the modes, ``--tp`` (torchrun), the contexts the model can hold, and the memory all
+    points need at once (``check_bench_memory``)."""
+    sizes = int_list("--batch-sizes", args.batch_sizes)
+    contexts = int_list("--contexts", args.contexts)
+    check_output_path("--json", args.json)
+    check_output_path("--plot", args.plot, image=True)
+    cuda = args.device == "cuda"
+    model = args.model or ("llama-3.2-1b" if cuda else "tiny")
+    config = model_config(model)
+    if getattr(args, "serve", False) or getattr(args, "prefill", False):
+        return
+    bench_modes(args.modes, args.device)
+    check_tp(args.tp, "bench")
+    sizes = sizes or (GPU_SIZES if cuda else CPU_SIZES)
+    contexts = contexts or (GPU_CONTEXTS if cuda else CPU_CONTEXTS)
+    limit = config.max_position_embeddings
+    if max(contexts) > limit:
+        raise UsageError(
+            f"argument --contexts: {max(contexts)} tokens is more than {model}'s "
+            f"max_position_embeddings={limit}; pass contexts of at most {limit}"
+        )
+    if cuda and not torch.cuda.is_available():
+        return  # the bench says so itself, in one line
+    dtype = DTYPES[args.dtype] if cuda else torch.float32
+    check_bench_memory(bench_bytes(config, dtype, max(sizes), max(contexts) + 64), args, args.tp)
+
+
+def check_bench_memory(parts: dict[str, int], args: argparse.Namespace, tp: int = 1) -> None:
+    """Refuse up front what cannot fit (as the KV cache's ``check_memory`` does), naming the
+    flags that set it: ``parts`` (``bench_bytes``) against the memory free on the device. With
+    ``--tp`` on CUDA each rank holds a shard on its own GPU; on the CPU the ranks share it."""
+    from ..model.kv_cache import free_bytes
+
+    device = args.device
+    need = sum(parts.values()) // (tp if device == "cuda" else 1)
+    free = free_bytes(device)
+    if free is None or need <= free:
+        return
+    each = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
+    raise UsageError(
+        f"argument --batch-sizes/--contexts: the largest batch size at the longest context "
+        f"needs at least {need / 2**30:.2f} GiB ({each}), but {free / 2**30:.2f} GiB is free "
+        f"on {device}; lower --batch-sizes or --contexts"
+    )
+
+
+__all__ = ["CPU_CONTEXTS", "CPU_SIZES", "GPU_CONTEXTS", "GPU_SIZES", "bench_modes",
+           "check_bench_args", "check_bench_memory"]  # fmt: skip

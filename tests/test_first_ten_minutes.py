@@ -1,0 +1,171 @@
+"""Issue 23 in Python ("the first ten minutes, round two"): the names users import, the model
+runner checked against the protocol by name, configs that refuse floats and bools, what the
+bench needs counted before it builds anything, the plot a person reads, and the docs' facts.
+(The command-line cases are in ``test_cli_round2.py``.)"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- 4. the bench's memory, counted before it builds -----------------------------------------------
+
+
+def test_param_count_equals_the_built_model_for_every_preset():
+    from stepgraph.bench.workload import param_count
+    from stepgraph.model import PRESETS
+    from stepgraph.model.llama import LlamaModel
+
+    for name, config in PRESETS.items():
+        for tied in (True, False):
+            c = dataclasses.replace(config, tie_word_embeddings=tied)
+            with torch.device("meta"):
+                model = LlamaModel(c, max_positions=16)
+            assert param_count(c) == sum(p.numel() for p in model.parameters()), (name, tied)
+
+
+def test_bench_bytes_counts_the_kv_cache_the_bench_allocates():
+    from stepgraph.bench.workload import bench_bytes, build_model_runner
+
+    mr = build_model_runner("tiny", "cpu", torch.float32, max_bs=3, max_context=100)
+    parts = bench_bytes(mr.config, torch.float32, 3, 100)
+    kv = sum(t.numel() * t.element_size() for t in (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches))
+    assert parts["KV cache"] == kv
+    assert parts["weights"] == sum(p.numel() * p.element_size() for p in mr.model.parameters())
+    assert parts["logits"] == 2 * 3 * mr.config.vocab_size * 4
+
+
+def test_bench_memory_is_refused_one_byte_past_the_free_memory(monkeypatch):
+    from stepgraph.bench.args import check_bench_memory
+    from stepgraph.cli_args import UsageError
+    from stepgraph.model import kv_cache
+
+    parts = {"KV cache": 3 * 2**30, "weights": 2**30, "logits": 5}
+    need = sum(parts.values())
+    args = argparse.Namespace(device="cpu")
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: need)
+    check_bench_memory(parts, args)  # exactly what is free: it fits
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: need - 1)
+    with pytest.raises(UsageError, match=r"needs at least 4.00 GiB \(KV cache 3.00 GiB"):
+        check_bench_memory(parts, args)
+    check_bench_memory(parts, argparse.Namespace(device="cuda"), tp=2)  # a shard per GPU
+    with pytest.raises(UsageError, match="lower --batch-sizes or --contexts"):
+        check_bench_memory(parts, args, tp=2)  # the CPU's ranks share its memory
+
+
+# -- 1. the CPU bench's tokens check -------------------------------------------------------------
+
+
+def test_token_check_prompts_are_never_empty_and_leave_room_for_the_new_tokens():
+    from stepgraph.bench.cpu import TOKEN_CHECK_NEW, token_check_prompts
+    from stepgraph.model import get_preset
+
+    c = get_preset("tiny")
+    assert [len(p) for p in token_check_prompts([1, 2], 1, c)] == [1, 1]
+    assert [len(p) for p in token_check_prompts([16, 15, 17], 16, c)] == [1, 1, 1]
+    assert [len(p) for p in token_check_prompts([1, 2], 64, c)] == [63, 62]
+    longest = c.max_position_embeddings - TOKEN_CHECK_NEW + 1  # the last new token is not fed
+    assert [len(p) for p in token_check_prompts([1], 2048, c)] == [longest]
+    assert all(0 < t < c.vocab_size for p in token_check_prompts([1, 3], 64, c) for t in p)
+
+
+# -- 5. stepgraph check's arguments, at their limits ---------------------------------------------
+
+
+@pytest.mark.parametrize("context,ok", [(23, False), (24, True), (2048, True), (2049, False)])
+def test_check_context_limits(context, ok):
+    from stepgraph.check import check_args
+    from stepgraph.cli_args import UsageError
+    from stepgraph.model import get_preset
+
+    args = argparse.Namespace(modes=None, context=context, model="tiny")
+    if ok:
+        assert check_args(args, "cpu", get_preset("tiny")) == (["eager", "graph", "walk"], context)
+    else:
+        with pytest.raises(UsageError, match="--context"):
+            check_args(args, "cpu", get_preset("tiny"))
+
+
+# -- 8. stepgraph check: which column the rule is about ------------------------------------------
+
+
+def test_check_report_says_the_rule_is_about_differing_mixes(capsys):
+    from stepgraph.check import ModeResult, report
+
+    logits = [torch.zeros(1, 4)]
+    eager = ModeResult(outputs=[[[1, 2]]], first_logits=logits)
+    graph = ModeResult(outputs=[[[1, 2]]], first_logits=[torch.full((1, 4), 3.58e-7)])
+    assert report({"eager": eager, "graph": graph}, {"graph"}, 1) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("graph ") and "0/1" in x]
+    assert "3.58e-07" in line and "differ must be 0" in line and "(must be 0)" not in line
+
+
+# -- 12. the plot a person reads ------------------------------------------------------------------
+
+
+def _figure(monkeypatch, tmp_path, rows, **kw):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from stepgraph.bench.report import plot
+
+    saved = []
+    real = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), real(fig, *a, **k))
+    )
+    plot(str(tmp_path / "p.png"), rows, **kw)
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    (fig,) = saved
+    return fig
+
+
+def test_plot_has_linear_axes_labels_and_a_title_naming_device_and_model(monkeypatch, tmp_path):
+    from stepgraph.bench.report import FLOOR_LABEL, Row
+
+    modes = (("eager", 5.0), ("graph", 0.8), ("exact", 0.8), ("hf-eager", 15.0))
+    contexts = (512, 4096, 32768)
+    rows = [Row(m, bs, c, ms, None, None) for m, ms in modes for bs in (1, 8) for c in contexts]
+    floor = {(bs, c): 0.6 for bs in (1, 8) for c in (512, 4096, 32768)}
+    title = "stepgraph bench: llama-3.2-1b on NVIDIA H200, bfloat16"
+    fig = _figure(monkeypatch, tmp_path, rows, title=title, floor_ms=floor)
+    assert fig._suptitle.get_text() == title
+    axes = [ax for ax in fig.axes]
+    assert len(axes) == 2
+    for ax in axes:
+        assert ax.get_xscale() == "linear" and ax.get_yscale() == "linear"
+        assert ax.get_ylim()[0] == 0
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["512", "4k", "32k"]
+        styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
+        assert styles["eager"] == "-" and styles["hf-eager"] == "--" and styles[FLOOR_LABEL] == ":"
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == ["eager", "graph", "exact", "hf-eager", FLOOR_LABEL]
+
+
+def test_cpu_plot_title_says_cpu_tiny_and_stand_in(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from stepgraph.cli import main
+
+    saved = []
+    real = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), real(fig, *a, **k))
+    )
+    before = torch.get_num_threads()
+    argv = ["bench", "--device", "cpu", "--batch-sizes", "1", "--contexts", "8,16", "--iters", "1"]
+    assert main([*argv, "--plot", str(tmp_path / "cpu.png")]) == 0
+    torch.set_num_threads(before)
+    title = saved[0]._suptitle.get_text()
+    assert "CPU" in title and "tiny" in title and "stand-in" in title
+    assert all(ax.get_yscale() == "linear" for ax in saved[0].axes)
