@@ -163,7 +163,7 @@ def test_config_errors(pair):
     with pytest.raises(ConfigError, match="page lists"):
         pair[1].prefill([[1]], [])
     with pytest.raises(ConfigError, match="prefill must be"):
-        Engine(pair[0], prefill="graph")
+        Engine(pair[0], prefill="cuda-graph")
 
 
 def test_engine_piecewise_prefill_and_config_decode_match_eager():

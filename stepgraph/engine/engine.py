@@ -1,12 +1,10 @@
 """``Engine``: serves several requests at once on a ``ModelRunner``.
 
 Each step admits waiting requests whose pages fit, prefills at most ``max_prefill_tokens`` of
-their prompt tokens as one packed forward (``ModelRunner.extend``, or ``PiecewisePrefill`` with
-``prefill="piecewise"``; a prompt longer than what is left of the budget is split across steps,
-each chunk attending to the ones before it through the cache: ``scheduler.py``), then runs one
-decode step of the requests that have a token to feed: through the graph runner when it can
-take the batch, else eagerly (``decode.py``). Sampling (greedy, or temperature + top-k with a
-seeded generator) runs on the device (``launch.py``).
+their prompt tokens in one packed forward (a longer prompt is split across steps, each chunk
+attending to the ones before it through the cache: ``scheduler.py``, ``prefill.py``), decodes
+the requests that have a token to feed, through a graph when one holds the batch
+(``decode.py``), and samples on the device (``launch.py``).
 
 Overlapped (``overlap=True``, the default), a step launches all of that and returns at once
 with the tokens of the step before, while the device runs this one; the next decode reads its
@@ -36,6 +34,7 @@ from .decode import DecodePath
 from .launch import launch_step
 from .offline import run_to_completion
 from .overlap import InFlight, PendingPages
+from .prefill import build_prefiller
 from .requests import (
     DECODE_VIAS,
     GREEDY,
@@ -47,6 +46,7 @@ from .requests import (
     check_engine_args,
     check_min_tokens,
     check_request,
+    own_sampling,
     stop_id_set,
 )
 from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_budget
@@ -88,15 +88,7 @@ class Engine:
         self.decoder = DecodePath(model_runner, mode, decode_via, runner_config)
         self.runner = self.decoder.runner  # CudaGraphRunner (decode_via="runner") or None
         self.config_runner = self.decoder.config_runner  # ConfigGraphRunner ("configs") or None
-        self.prefiller: Any = model_runner  # anything with extend(chunks) -> logits
-        if prefill == "piecewise":
-            from ..model.piecewise_prefill import PiecewisePrefill
-
-            self.prefiller = PiecewisePrefill(model_runner, prefill_config)
-        elif prefill == "graph":
-            from ..model.graph_prefill import GraphPrefill
-
-            self.prefiller = GraphPrefill(model_runner, **(prefill_config or {}))
+        self.prefiller = build_prefiller(model_runner, prefill, prefill_config)
         self.stats = EngineStats()
         self._owner, self.check_same_thread = threading.current_thread(), check_same_thread
         self._ids = itertools.count()
@@ -157,15 +149,7 @@ class Engine:
         check_request(self.model_runner, prompt, max_new_tokens, what)
         check_min_tokens(min_tokens, max_new_tokens)
         stops = self.stop_ids(stop_ids, ignore_eos)
-        generator = None
-        if sampling is not None and sampling.temperature > 0:
-            generator = torch.Generator(device=self.model_runner.device)
-            if seed is None:
-                generator.seed()  # a random seed of its own
-            else:
-                generator.manual_seed(seed)
-        else:
-            sampling = None  # greedy: the step's batched argmax
+        sampling, generator = own_sampling(sampling, seed, self.model_runner.device)
         rid = next(self._ids)
         self.waiting.append(
             Request(rid, list(prompt), max_new_tokens, stop_ids=stops, min_tokens=min_tokens,

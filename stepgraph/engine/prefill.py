@@ -13,6 +13,21 @@ from .requests import EngineStats, Request
 from .scheduler import plan_prefill
 
 
+def build_prefiller(model_runner: Any, prefill: str, config: Any | None) -> Any:
+    """What prefills for ``Engine(prefill=...)``: the model runner itself ("eager"), a
+    ``PiecewisePrefill`` ("piecewise", ``config``: its ``PrefillShapes``) or a ``GraphPrefill``
+    ("graph", ``config``: its keyword arguments). Each has ``extend(chunks) -> logits``."""
+    if prefill == "piecewise":
+        from ..model.piecewise_prefill import PiecewisePrefill
+
+        return PiecewisePrefill(model_runner, config)
+    if prefill == "graph":
+        from ..model.graph_prefill import GraphPrefill
+
+        return GraphPrefill(model_runner, **(config or {}))
+    return model_runner
+
+
 def prefill_step(
     prefiller: Any,  # anything with extend(chunks) -> [n, vocab] logits
     running: Sequence[Request],
@@ -44,4 +59,4 @@ def prefill_step(
     return [prefilling[plan[k].index] for k in last], logits
 
 
-__all__ = ["prefill_step"]
+__all__ = ["build_prefiller", "prefill_step"]

@@ -136,6 +136,21 @@ class EngineStats:
                 f.write(f"{bs}\n" * steps)
 
 
+def own_sampling(
+    sampling: Sampling | None, seed: int | None, device: torch.device
+) -> tuple[Sampling | None, torch.Generator | None]:
+    """A request's own sampling and its generator, seeded with ``seed`` (None: a random seed);
+    ``(None, None)`` for greedy, which the step's batched argmax serves."""
+    if sampling is None or sampling.temperature <= 0:
+        return None, None
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return sampling, generator
+
+
 def check_engine_args(mode: str, prefill: str, decode_via: str, max_running: int | None) -> None:
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -197,6 +212,7 @@ def check_request(model_runner: Any, prompt: Sequence[int], max_new_tokens: int,
 
 
 __all__ = [
+    "own_sampling",
     "DECODE_VIAS",
     "GREEDY",
     "MODES",
