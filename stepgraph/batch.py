@@ -190,3 +190,44 @@ class ModelRunnerLike(Protocol):
     max_pages_per_request: int
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+_RUNNER_ATTRS = ("device", "dtype", "attn_backend", "max_pages_per_request")
+_BACKEND_HOOKS = (
+    "init_forward_metadata",
+    "init_cuda_graph_state",
+    "init_forward_metadata_capture_cuda_graph",
+    "init_forward_metadata_replay_cuda_graph",
+    "get_cuda_graph_seq_len_fill_value",
+)
+
+
+def check_model_runner(model_runner: object, who: str) -> None:
+    """``ConfigError`` naming every attribute of ``ModelRunnerLike`` (and of its
+    ``attn_backend``) that ``model_runner`` lacks, before ``who`` touches any of them."""
+    from .errors import ConfigError
+
+    missing = [a for a in _RUNNER_ATTRS if not hasattr(model_runner, a)]
+    if not callable(getattr(model_runner, "forward", None)):
+        missing.insert(0, "forward()")
+    backend = getattr(model_runner, "attn_backend", None)
+    if backend is not None:
+        missing += [f"attn_backend.{h}()" for h in _BACKEND_HOOKS if not hasattr(backend, h)]
+    if missing:
+        raise ConfigError(
+            f"{who} wraps a model runner, and this {type(model_runner).__name__} has no "
+            f"{', '.join(missing)}; implement stepgraph.ModelRunnerLike (forward(batch) -> "
+            "logits, device, dtype, max_pages_per_request, attn_backend with the "
+            "AttentionBackend hooks), as stepgraph/toy_model.py does."
+        )
+
+
+def check_batch(batch: object, what: str) -> None:
+    """``ReplayError`` unless ``batch`` is a ``ForwardBatch`` (``what``: the call, named)."""
+    if not isinstance(batch, ForwardBatch):
+        from .errors import ReplayError
+
+        raise ReplayError(
+            f"{what}() takes a ForwardBatch, got {type(batch).__name__}; build one with "
+            "stepgraph.ForwardBatch(...), as ModelRunner.decode_batch does."
+        )

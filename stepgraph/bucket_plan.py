@@ -10,7 +10,8 @@ lowering a bucket to the largest observed size below it pads no row more).
     plan = plan_buckets(read_trace(open("trace.txt").read()), max_graphs=8)
     RunnerConfig(capture_bs=plan.buckets)
 
-``padding_waste`` is mean padded rows / mean real rows (1.0: no padding at all).
+``padding_waste`` is mean padded rows / mean real rows (1.0: no padding at all); the printed
+plan says it as a percentage over (0%: none).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class BucketPlan:
     default_buckets: list[int]  # default_capture_sizes(max observed size)
     default_padding_waste: float
     steps: int  # trace length
+    sizes: tuple[int, ...] = ()  # the distinct batch sizes of the trace, ascending
 
     def as_json(self) -> dict:
         return {
@@ -44,16 +46,28 @@ class BucketPlan:
         }
 
     def __str__(self) -> str:
+        sizes = self.sizes or tuple(self.buckets)
+        seen = (
+            ", ".join(map(str, sizes))
+            if len(sizes) <= 8
+            else f"{len(sizes)} distinct, from {sizes[0]} to {sizes[-1]}"
+        )
         return "\n".join(
             [
-                f"trace: {self.steps} steps, batch sizes 1..{self.buckets[-1]}",
+                f"trace: {self.steps} steps; batch sizes seen: {seen}",
                 f"buckets ({len(self.buckets)}): {','.join(map(str, self.buckets))}",
-                f"padding waste: {self.padding_waste:.3f} (mean padded rows / mean real rows)",
+                f"padding waste: {over(self.padding_waste)} (rows run per real row: "
+                f"{self.padding_waste:.3f}; 0% = no padding)",
                 f"default power-of-two set ({len(self.default_buckets)} buckets, same max): "
-                f"{self.default_padding_waste:.3f}",
+                f"{over(self.default_padding_waste)}",
                 f"use: RunnerConfig(capture_bs={self.buckets})",
             ]
         )
+
+
+def over(waste: float) -> str:
+    """``padding_waste`` as padded rows over the real ones: 1.125 -> "12.5% extra rows"."""
+    return f"{(waste - 1) * 100:.1f}% extra rows"
 
 
 def read_trace(text: str, what: str = "trace") -> Counter[int]:
@@ -78,7 +92,7 @@ def read_trace(text: str, what: str = "trace") -> Counter[int]:
                         f"{what} line {no} is {line!r}; give one batch size (an int) per line "
                         "or a JSON list."
                     ) from e
-    bad = [(where, v) for where, v in items if not isinstance(v, int) or v < 1]
+    bad = [(w, v) for w, v in items if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad:
         raise ConfigError(f"{what} holds non-positive or non-int batch sizes: {bad[:5]}.")
     if not items:
@@ -136,6 +150,7 @@ def plan_buckets(trace: Iterable[int] | Mapping[int, int], max_graphs: int) -> B
         default_buckets=default,
         default_padding_waste=padding_waste(hist, default),
         steps=int(cum[-1]),
+        sizes=tuple(sizes.tolist()),
     )
 
 

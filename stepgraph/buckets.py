@@ -25,7 +25,7 @@ def validate_buckets(sizes: Sequence[int], what: str = "capture_bs") -> list[int
     sizes = list(sizes)
     if not sizes:
         raise ConfigError(f"{what} is empty; give at least one bucket, e.g. [1, 2, 4, 8].")
-    if any((not isinstance(s, int)) or s < 1 for s in sizes):
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
         raise ConfigError(f"{what} must hold positive ints, got {sizes}.")
     if any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise ConfigError(

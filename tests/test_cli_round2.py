@@ -260,6 +260,27 @@ def test_missing_field_still_asks_about_the_file(capsys, tmp_path):
     _fails(capsys, _hf_config(tmp_path, hidden_size=None), "'hidden_size'", HINT)
 
 
+# -- 7. stepgraph buckets: the sizes seen, and padding as a percentage over -------------------
+
+
+def test_buckets_say_the_sizes_seen_and_padding_over(capsys, tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("7\n10\n12\n7\n7\n")
+    assert main(["buckets", "--trace", str(trace), "--max-graphs", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "1..12" not in out and "batch sizes seen: 7, 10, 12" in out
+    assert "padding waste: 0.0% extra rows" in out and "1.000 (" not in out
+    assert main(["buckets", "--trace", str(trace), "--max-graphs", "2"]) == 0
+    # buckets 7, 12: the 10 pads to 12, 2 rows over 10 + 7 * 3 + 12 = 43 real ones
+    assert f"padding waste: {2 / 43 * 100:.1f}% extra rows" in capsys.readouterr().out
+
+
+def test_buckets_trace_with_a_bool_is_refused(capsys, tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text("[1, true, 3]")
+    _fails(capsys, ["buckets", "--trace", str(trace), "--max-graphs", "2"], "item 1", "True")
+
+
 # -- 9. --kernels fused on the CPU says what runs there ----------------------------------------
 
 

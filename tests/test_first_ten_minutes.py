@@ -7,12 +7,127 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from stepgraph.errors import ConfigError, ReplayError
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- 10. the names users need, from the top-level package -------------------------------------
+
+
+def test_top_level_exports_engine_model_runner_and_presets():
+    import stepgraph
+    from stepgraph import PRESETS, Engine, ModelRunner, get_preset
+    from stepgraph.engine import Engine as EngineHere
+    from stepgraph.model import ModelRunner as ModelRunnerHere
+
+    assert Engine is EngineHere and ModelRunner is ModelRunnerHere
+    assert {"tiny", "tiny-qwen2", "llama-3.2-1b"} <= set(PRESETS)
+    assert get_preset("tiny") is PRESETS["tiny"]
+    assert {"Engine", "ModelRunner", "PRESETS", "get_preset"} <= set(stepgraph.__all__)
+
+
+# -- 11. the model runner against the protocol; batches and configs by type -------------------
+
+
+def _toy():
+    from stepgraph.toy_model import ToyModelRunner
+
+    return ToyModelRunner(num_pages=40, device="cpu", seed=1)
+
+
+def test_runner_of_an_object_names_every_missing_attribute():
+    from stepgraph import CudaGraphRunner
+
+    with pytest.raises(ConfigError) as err:
+        CudaGraphRunner(object())
+    for name in ("forward()", "device", "dtype", "attn_backend", "max_pages_per_request"):
+        assert name in str(err.value), name
+    assert "ModelRunnerLike" in str(err.value) and "toy_model.py" in str(err.value)
+
+
+def test_runner_names_the_missing_attention_hook():
+    from stepgraph import CudaGraphRunner, RunnerConfig
+
+    mr = _toy()
+    real = mr.attn_backend
+
+    class Backend:  # the toy's backend without its replay hook
+        def __getattr__(self, name):
+            if name == "init_forward_metadata_replay_cuda_graph":
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    mr.attn_backend = Backend()
+    with pytest.raises(ConfigError, match=r"attn_backend\.init_forward_metadata_replay_cuda_graph"):
+        CudaGraphRunner(mr, RunnerConfig(max_bs=2, show_progress=False))
+
+
+@pytest.mark.parametrize("call", ["replay", "can_run"])
+@pytest.mark.parametrize("batch", ["x", None, 3])
+def test_replay_of_what_is_no_batch_names_its_type(call, batch):
+    from stepgraph import CudaGraphRunner, RunnerConfig
+
+    runner = CudaGraphRunner(_toy(), RunnerConfig(max_bs=2, show_progress=False))
+    with pytest.raises(
+        ReplayError, match=rf"{call}\(\) takes a ForwardBatch, got {type(batch).__name__}"
+    ):
+        getattr(runner, call)(batch)
+    assert runner.stats.replays == 0
+    runner.shutdown()
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_bs", 4.5), ("max_bs", True), ("max_bs", "4"), ("max_bs", 4.0),
+     ("warmup_iters", True), ("warmup_iters", 2.0), ("torch_compile_max_bs", 1.5)],
+)  # fmt: skip
+def test_runner_config_ints_refuse_floats_strings_and_bools(field, value):
+    from stepgraph import RunnerConfig
+
+    with pytest.raises(ConfigError, match=rf"{field} must be an int, got {re.escape(repr(value))}"):
+        RunnerConfig(**{field: value})
+
+
+def test_runner_config_smallest_ints_are_accepted_and_zero_is_not():
+    from stepgraph import RunnerConfig
+
+    assert RunnerConfig(max_bs=1).buckets() == [1]
+    assert RunnerConfig(warmup_iters=1).warmup_iters == 1
+    with pytest.raises(ConfigError, match="max_bs must be >= 1"):
+        RunnerConfig(max_bs=0)
+    with pytest.raises(ConfigError, match="warmup_iters must be >= 1"):
+        RunnerConfig(warmup_iters=0)
+
+
+@pytest.mark.parametrize("sizes", [(True,), (1, True), (False, 2)])
+def test_capture_sizes_refuse_bools(sizes):
+    from stepgraph import RunnerConfig
+
+    with pytest.raises(ConfigError, match="capture_bs must hold positive ints"):
+        RunnerConfig(capture_bs=sizes)
+
+
+def test_prompt_text_with_booleans_is_refused():
+    from stepgraph.prompts import parse_prompt_text
+
+    for text in ("[[1, true]]", "[false]\n", "[[2], [true]]"):
+        with pytest.raises(ConfigError, match="not a list of token ids"):
+            parse_prompt_text(text)
+
+
+def test_trace_with_a_bool_is_refused():
+    from stepgraph.bucket_plan import read_trace
+
+    with pytest.raises(ConfigError, match=r"\('item 0', True\)"):
+        read_trace("[true, 2]")
+    assert read_trace("[1, 2]") == {1: 1, 2: 1}
 
 
 # -- 4. the bench's memory, counted before it builds -----------------------------------------------

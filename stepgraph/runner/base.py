@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..backends import CapturedGraph, GraphBackend, make_backend
+from ..batch import check_batch
 from ..errors import ReplayError
 from ..graph_pool import GraphPool
 from .capture import STATE
@@ -33,6 +34,7 @@ class GraphRunnerBase:
 
     EAGER_HINT = "run the step eagerly"
     check_same_thread = True  # set False on an instance whose calls you serialize yourself
+    _check_batch = staticmethod(check_batch)  # ReplayError unless a ForwardBatch
     graphs: dict[Any, CapturedGraph]
     _backend: GraphBackend
     _shut_down: bool

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ..buckets import DEFAULT_MAX_BS, default_capture_sizes, validate_buckets
@@ -43,6 +44,13 @@ class RunnerConfig:
     check_inputs: str = "host"
 
     def __post_init__(self) -> None:
+        for name in ("max_bs", "warmup_iters", "torch_compile_max_bs"):
+            value = getattr(self, name)  # bool is an int in Python: refused by name too
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(
+                    f"{name} must be an int, got {value!r} ({type(value).__name__}); pass a "
+                    f"whole number, e.g. {name}={type(self).__dataclass_fields__[name].default}."
+                )
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}.")
         if self.check_inputs not in CHECK_LEVELS:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..backends import CapturedGraph, canonical_device
-from ..batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike
+from ..batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike, check_model_runner
 from ..buckets import pad_to_bucket
 from ..errors import ReplayError
 from ..graph_pool import GraphPool
@@ -55,6 +55,7 @@ class CudaGraphRunner(GraphRunnerBase):
     ) -> None:
         """``pool``: the graph memory pool to capture into; default: the process-wide pool
         (``set_global_graph_memory_pool``), shared by every runner."""
+        check_model_runner(model_runner, type(self).__name__)  # names what is missing
         self.model_runner = model_runner
         self.config = config = config if config is not None else RunnerConfig()
         self.device = canonical_device(model_runner.device)
@@ -161,6 +162,7 @@ class CudaGraphRunner(GraphRunnerBase):
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """``True`` if ``batch`` can be replayed; otherwise count the reason in ``stats``."""
+        self._check_batch(batch, "can_run")  # not a fallback: a caller's bug, named
         reason = self._refusal(batch)
         if reason is not None:
             self.stats.fallbacks[reason] += 1
@@ -235,6 +237,7 @@ class CudaGraphRunner(GraphRunnerBase):
         """The bucket of ``batch`` and its longest KV length (``None`` when nothing needs it);
         ``ReplayError`` naming the problem and the fix when it cannot be replayed."""
         self._check_alive("replay")
+        self._check_batch(batch, "replay")  # before any attribute of it is read
         if batch.mode is not ForwardMode.DECODE:
             raise ReplayError(
                 f"replay serves decode batches, got {batch.mode.value}; run it "
