@@ -15,6 +15,8 @@ import torch
 
 from stepgraph.errors import ConfigError, ReplayError
 
+from .guards import time_limit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -128,6 +130,32 @@ def test_trace_with_a_bool_is_refused():
     with pytest.raises(ConfigError, match=r"\('item 0', True\)"):
         read_trace("[true, 2]")
     assert read_trace("[1, 2]") == {1: 1, 2: 1}
+
+
+# -- 4. pages freed in O(log n) --------------------------------------------------------------------
+
+
+def test_releasing_100000_requests_takes_no_minutes():
+    from stepgraph.model.kv_cache import PageAllocator
+
+    alloc = PageAllocator(100_001)
+    pages = [alloc.allocate(1) for _ in range(100_000)]
+    with time_limit(10):  # a sort of every free page per release: minutes
+        for p in pages:
+            alloc.free(p)
+    assert alloc.num_free == 100_000
+
+
+def test_allocator_still_hands_out_the_lowest_free_pages_first():
+    from stepgraph.model.kv_cache import PageAllocator
+
+    alloc = PageAllocator(10)
+    assert alloc.allocate(3) == [1, 2, 3] and alloc.allocate(2) == [4, 5]
+    alloc.free([5, 2])
+    alloc.free([3])
+    assert alloc.allocate(4) == [2, 3, 5, 6]
+    with pytest.raises(ConfigError, match="not allocated"):
+        alloc.free([9])
 
 
 # -- 4. the bench's memory, counted before it builds -----------------------------------------------

@@ -12,6 +12,8 @@ never run out of pages halfway through a batch.
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from ..errors import ConfigError
@@ -20,7 +22,10 @@ SCRATCH_PAGE = 0
 
 
 class PageAllocator:
-    """Hands out pages ``1..num_pages-1`` (page 0 is scratch); lowest ids first."""
+    """Hands out pages ``1..num_pages-1`` (page 0 is scratch); lowest ids first.
+
+    The free pages are a heap: ``free`` of a request's pages costs O(pages log n), not a sort
+    of every free page (which made releasing 100,000 one-page requests take minutes)."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 2:
@@ -28,7 +33,7 @@ class PageAllocator:
                 f"num_pages must be >= 2 (page 0 is reserved scratch), got {num_pages}."
             )
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # a stack, lowest id on top
+        self._free = list(range(SCRATCH_PAGE + 1, num_pages))  # a heap: ascending is one
         self._used: set[int] = set()
 
     @property
@@ -42,7 +47,7 @@ class PageAllocator:
                 f"KV cache has {len(self._free)} free pages, {n} needed; wait for running "
                 "requests to finish, shorten the request, or build the cache with more pages."
             )
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         self._used.update(pages)
         return pages
 
@@ -52,8 +57,8 @@ class PageAllocator:
         if bad or len(set(pages)) != len(pages):
             raise ConfigError(f"pages {bad} are not allocated (double free?); free each once.")
         self._used.difference_update(pages)
-        self._free.extend(pages)
-        self._free.sort(reverse=True)
+        for page in pages:
+            heapq.heappush(self._free, page)
 
 
 def free_bytes(device: torch.device | str) -> int | None:
