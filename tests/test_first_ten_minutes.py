@@ -312,3 +312,34 @@ def test_cpu_plot_title_says_cpu_tiny_and_stand_in(monkeypatch, tmp_path, capsys
     title = saved[0]._suptitle.get_text()
     assert "CPU" in title and "tiny" in title and "stand-in" in title
     assert all(ax.get_yscale() == "linear" for ax in saved[0].axes)
+
+
+# -- docs ----------------------------------------------------------------------------------------
+
+
+def test_readme_names_every_preset_and_where_the_cpu_torch_comes_from():
+    from stepgraph.model import PRESETS
+
+    readme = (ROOT / "README.md").read_text()
+    for name in PRESETS:
+        assert f"`{name}`" in readme, name
+    assert "torch==2.13.0" in readme and "CUDA build" in readme and "cpu" in readme
+
+
+def test_design_doc_speaks_to_a_reader_and_puts_graph_pool_in_its_module():
+    design = (ROOT / "docs" / "design.md").read_text()
+    for word in ("seeds/", "seed 00", "issue note", "issue 1"):
+        assert word not in design, word
+    assert "graph_pool.py" in design and "pymllm" in design and "cuda_graph_config" in design
+    assert not re.search(r"backends\.py\s+GraphPool", design)
+
+
+def test_results_doc_has_one_current_table_agreeing_with_the_readme():
+    results = (ROOT / "docs" / "results.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    current, _, history = results.partition("## History")
+    assert history, "results.md: a dated history section after the current figures"
+    assert "0.999" not in current and "4106 MiB" not in current
+    for figure in ("0.811", "0.808", "178 MiB"):
+        assert figure in current and figure in readme, figure
+    assert re.findall(r"^### 20\d\d-\d\d-\d\d", history, re.M), "date every part of the history"
