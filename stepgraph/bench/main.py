@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from ..cli_args import positive_int
 from .constants import CPU_MODES, DTYPES, GPU_MODES
+from .e2e import run_engine
 from .modes import OUR_MODES, run_mode
 from .peers import PEERS, run_peer
 from .report import Row, format_table, plot, write_json
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     )
     mr.set_kernels(args.kernels or "fused")
     if args.tp > 1:  # peers run unsharded only; every rank times, rank 0 reports
-        modes = [m for m in modes if m in OUR_MODES]
+        modes = [m for m in modes if m in OUR_MODES and m != "engine"]  # engine: unsharded
     fill_kv_random(mr)
     wbytes = weight_bytes(mr)
     floor_ms = {(p.bs, p.context): (wbytes + kv_bytes(mr, p)) / (gbps * 1e9) * 1e3 for p in points}
@@ -147,7 +148,11 @@ def run(args: argparse.Namespace) -> int:
     main_rank = is_main_rank()
     for mode in tqdm(modes, desc="stepgraph bench", unit="mode", disable=not main_rank):
         if mode in OUR_MODES:
-            res = run_mode(mode, mr, points, args.iters)
+            res = (
+                run_engine(mr, points)
+                if mode == "engine"
+                else run_mode(mode, mr, points, args.iters)
+            )
             per_bs = {q.bs: k for q, k in res.kernels_per_step.items()}
             for p in points:
                 add(
