@@ -181,6 +181,23 @@ def test_bench_memory_is_checked_against_free_memory(capsys, monkeypatch):
     _fails(capsys, [*BENCH, "--batch-sizes", "1,2"], "--batch-sizes", "0.00 GiB is free on cpu")
 
 
+def test_cpu_bench_says_how_long_a_slow_point_takes(capsys, monkeypatch, one_thread):
+    from stepgraph.bench import cpu
+
+    monkeypatch.setattr(cpu, "SLOW_STEP_S", 0.0)  # every step is "slow"
+    argv = [*BENCH, "--batch-sizes", "1", "--contexts", "8", "--modes", "eager", "--iters", "3"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "eager bs=1 ctx=8:" in captured.err and "4 more steps for this point" in captured.err
+    assert "s a step" not in captured.out  # the table on stdout stays the table
+
+
+def test_cpu_bench_fast_points_are_quiet(capsys, one_thread):
+    argv = [*BENCH, "--batch-sizes", "1", "--contexts", "8", "--modes", "eager", "--iters", "1"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""
+
+
 # -- 5. every argument checked before any work ------------------------------------------------
 
 
