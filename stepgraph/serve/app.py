@@ -1,0 +1,218 @@
+"""The ASGI app of `stepgraph serve` (Starlette): ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` over
+one ``EngineWorker``.
+
+A handler checks its request (``protocol.py``; a 400 naming the field, nothing queued), refuses
+it with 503 and ``Retry-After`` while more than ``max_waiting`` requests wait, then hands it to
+the engine thread and awaits its tokens. Streamed (``"stream": true``), each engine step's
+tokens are one server-sent event, ending in ``data: [DONE]``; a client that goes away mid-way
+aborts its request, and so does one that leaves a non-streamed request before its answer. An
+engine fault answers 500 (streamed: an error event) and the server carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .errors import ApiError, RequestError, ServerBusy, error_body
+from .protocol import Limits, parse_chat, parse_completion
+from .responses import SSE_DONE, Shapes, TextStream, sse
+from .worker import EngineWorker, Stream
+
+DEFAULT_MAX_WAITING = 1024
+
+
+def _error(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, ServerBusy) else None
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Handlers:
+    def __init__(
+        self, worker: EngineWorker, limits: Limits, tokenizer: Any, max_waiting: int
+    ) -> None:
+        self.worker, self.limits, self.tokenizer = worker, limits, tokenizer
+        self.max_waiting = max_waiting
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        arrival = time.perf_counter()
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:  # bad UTF-8 included
+            return _error(RequestError(f"the request body is not valid JSON ({e}).", "body"))
+        tok = self.tokenizer
+        try:
+            if chat:
+                params = parse_chat(body, self.limits, tok.apply_template if tok else None)
+            else:
+                params = parse_completion(body, self.limits, tok.encode if tok else None)
+            self._check_room()
+        except ApiError as e:
+            return _error(e)
+        stream = self.worker.submit(params, asyncio.get_running_loop(), arrival)
+        prefix = "chatcmpl" if chat else "cmpl"
+        shapes = Shapes(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.limits.model,
+                        chat, params.return_token_ids)  # fmt: skip
+        text = TextStream(tok.decode if tok else None, params.stop_texts)
+        if params.stream:
+            return StreamingResponse(
+                self._events(stream, shapes, text),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        answer = asyncio.ensure_future(self._collect(stream, shapes, text))
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():  # the client left first: nobody will read the answer
+                answer.cancel()
+                self.worker.abort(stream)
+        if answer.cancelled():
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+        return answer.result()
+
+    def _check_room(self) -> None:
+        w = self.worker
+        if not w.accepting:
+            raise ServerBusy("the server is shutting down; send the request to another one.")
+        if w.waiting >= self.max_waiting:
+            raise ServerBusy(
+                f"{w.waiting} requests are waiting already, the most this server queues "
+                f"(--max-waiting {self.max_waiting}); retry after a second."
+            )
+
+    def _take(self, stream: Stream, item: tuple, text: TextStream) -> tuple[str, str | None]:
+        """The text of one item and the finish reason; a stop string ends the request."""
+        toks, reason, _ = item
+        piece = text.add(toks)
+        if text.stopped and reason is None:
+            reason = "stop"
+            self.worker.abort(stream)  # the engine stops it; the text is cut already
+        elif reason is not None:
+            piece += text.flush()
+        if reason is not None:
+            stream.closed = True
+        return piece, reason
+
+    async def _collect(self, stream: Stream, shapes: Shapes, text: TextStream) -> Response:
+        ids, pieces = [], []
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item[2] is not None:
+                    stream.closed = True
+                    return _error(item[2])
+                ids += item[0]
+                piece, reason = self._take(stream, item, text)
+                pieces.append(piece)
+                if reason is not None:
+                    n_prompt = len(stream.params.prompt_ids)
+                    return JSONResponse(shapes.final("".join(pieces), ids, reason, n_prompt))
+        finally:
+            self.worker.abort(stream)  # no-op once it finished
+
+    async def _events(self, stream: Stream, shapes: Shapes, text: TextStream):
+        n_out, first = 0, True
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item[2] is not None:
+                    stream.closed = True
+                    yield sse(error_body(item[2]))
+                    break
+                n_out += len(item[0])
+                piece, reason = self._take(stream, item, text)
+                yield sse(shapes.chunk(piece, item[0], reason, first))
+                first = False
+                if reason is not None:
+                    if stream.params.include_usage:
+                        yield sse(shapes.usage_chunk(len(stream.params.prompt_ids), n_out))
+                    break
+            yield SSE_DONE
+        finally:  # cancelled when the client disconnects: abort, and the pages go back
+            self.worker.abort(stream)
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.limits.model, "object": "model", "created": int(time.time()),
+                "owned_by": "stepgraph", "max_model_len": self.limits.max_context}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        w = self.worker
+        ok = w.alive and w.accepting
+        body = {"status": "ok" if ok else "unavailable", "running": w.running,
+                "waiting": w.waiting, "kv_pages_free": w.kv_pages_free,
+                "kv_pages_total": w.kv_pages_total}  # fmt: skip
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        if self.worker.metrics is None:
+            return Response("no metrics\n", status_code=404, media_type="text/plain")
+        text, content_type = self.worker.metrics.render()
+        return Response(text, media_type=content_type)
+
+
+def build_app(
+    worker: EngineWorker,
+    limits: Limits,
+    tokenizer: Any = None,
+    max_waiting: int = DEFAULT_MAX_WAITING,
+    stop_timeout: float = 30.0,
+) -> Starlette:
+    """The app over a started ``worker``; its shutdown stops the worker (every page freed)."""
+    h = Handlers(worker, limits, tokenizer, max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, worker.stop, stop_timeout)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return _error(ApiError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    async def on_http(request: Request, exc: HTTPException) -> Response:  # 404, 405
+        err = {"message": f"{exc.detail}: {request.method} {request.url.path}",
+               "type": "invalid_request_error", "param": None, "code": None}  # fmt: skip
+        return JSONResponse({"error": err}, status_code=exc.status_code)
+
+    routes = [
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={Exception: on_error, HTTPException: on_http},
+    )
+    app.state.worker, app.state.limits = worker, limits
+    return app
+
+
+__all__ = ["DEFAULT_MAX_WAITING", "Handlers", "build_app"]

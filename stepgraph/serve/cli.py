@@ -1,0 +1,203 @@
+"""`stepgraph serve`: its flags, checked before anything is built, and ``run``: bind the port,
+build the model and the engine on the engine thread (``worker.py``), load the tokenizer of a
+checkpoint directory, serve until SIGINT/SIGTERM, exit 0. Also ``python -m stepgraph.serve``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..cli_args import UsageError, model_config, positive_int, resolve_device, seed_int
+
+WARMUP_PROMPT = list(range(1, 17))  # one short request before serving: first-use compiles
+
+
+def nonneg_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: any free port), got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..engine.scheduler import DEFAULT_MAX_PREFILL_TOKENS
+    from .app import DEFAULT_MAX_WAITING
+
+    p.add_argument("--model", required=True, help="preset name or local HF directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only)")
+    p.add_argument("--port", type=port_number, default=8000, help="0: any free port")
+    p.add_argument(
+        "--mode",
+        default="graph",
+        choices=("eager", "graph", "exact"),
+        help="decode steps: eager, CUDA graphs, or graphs retuned to the KV length",
+    )
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=64,
+        help="requests decoding at once (the largest graph bucket)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="requests queued beyond those running; more get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--max-context",
+        type=positive_int,
+        default=None,
+        help="prompt + new tokens of one request (default: the model's, at most 4096)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="prompt tokens one engine step prefills",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients send as model (default: --model)",
+    )
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when a GPU is seen"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="default: bfloat16 on CUDA, float32 on the CPU",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=("fused", "reference"),
+        default=None,
+        help="decode-step kernels (default: fused on CUDA)",
+    )
+    p.add_argument("--seed", type=seed_int, default=0, help="random weights of a preset")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=nonneg_seconds,
+        default=30.0,
+        help="on SIGINT/SIGTERM, seconds requests in flight get to finish",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's",
+    )
+
+
+def check_args(args: argparse.Namespace, config) -> int:
+    """The context length to serve; one-line errors naming the flag."""
+    if args.max_waiting < 0:
+        raise UsageError(f"argument --max-waiting: must be >= 0, got {args.max_waiting}")
+    limit = config.max_position_embeddings
+    context = args.max_context or min(limit, 4096)
+    if context > limit:
+        raise UsageError(
+            f"argument --max-context: {context} is more than the model's "
+            f"max_position_embeddings={limit}; pass at most {limit}"
+        )
+    return context
+
+
+def need_extras() -> None:
+    missing = []
+    for name in ("starlette", "uvicorn", "prometheus_client"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise UsageError(
+            f"stepgraph serve needs {', '.join(missing)}; install the serve extra: "
+            "pip install -e '.[serve]'"
+        )
+
+
+def engine_builder(args: argparse.Namespace, device: str, dtype, context: int):
+    """What the engine thread runs first: the model runner, the engine, one warm-up request."""
+
+    def build():
+        from ..engine import Engine
+        from ..model.launch import build_model_runner
+
+        mr = build_model_runner(args.model, device, dtype, seed=args.seed,
+                                max_bs=args.max_running, max_context_len=context)  # fmt: skip
+        if args.kernels:
+            mr.set_kernels(args.kernels)
+        engine = Engine(mr, mode=args.mode, max_running=args.max_running,
+                        max_prefill_tokens=args.max_prefill_tokens)  # fmt: skip
+        engine.generate([WARMUP_PROMPT[: max(1, context - 2)]], 2, ignore_eos=True)
+        return engine
+
+    return build
+
+
+def run(args: argparse.Namespace) -> int:
+    need_extras()
+    from ..bench.constants import DTYPES
+    from .app import build_app
+    from .metrics import ServeMetrics
+    from .server import Server, listen, uvicorn_config
+    from .tokenizer import load_tokenizer
+    from .worker import EngineWorker, engine_limits
+
+    config = model_config(args.model)
+    context = check_args(args, config)
+    device = resolve_device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    sock = listen(args.host, args.port)  # a busy port fails now, not after the weights
+    try:
+        tokenizer = load_tokenizer(args.model)
+        say(f"building {args.model} and the engine ({args.mode}, max running {args.max_running})")
+        worker = EngineWorker(engine_builder(args, device, dtype, context), ServeMetrics())
+        worker.start()
+        name = args.served_model_name or args.model
+        chat = tokenizer is not None and tokenizer.has_chat_template
+        limits = engine_limits(worker.engine, name, tokenizer is not None, chat)
+        app = build_app(worker, limits, tokenizer, args.max_waiting, args.shutdown_timeout + 5)
+        host, port = sock.getsockname()[:2]
+        say(f"serving {name!r} on http://{host}:{port} (OpenAI API: /v1/completions)")
+        Server(uvicorn_config(app, args.shutdown_timeout, args.log_level)).run([sock])
+        worker.stop(args.shutdown_timeout + 5)  # the app's shutdown did, unless startup failed
+    finally:
+        sock.close()
+    say("stopped")
+    return 0
+
+
+def say(text: str) -> None:
+    print(f"stepgraph serve: {text}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m stepgraph.serve ...``: the same as ``stepgraph serve ...``."""
+    from ..cli_args import Parser, run_main
+
+    def _run(a: list[str]) -> int:
+        parser = Parser(prog="stepgraph serve", description=__doc__)
+        add_arguments(parser)
+        return run(parser.parse_args(a))
+
+    return run_main(_run, argv)
+
+
+__all__ = ["add_arguments", "check_args", "main", "run"]
