@@ -56,10 +56,19 @@ def launch_step(
     if not logits:
         return None
     rows += decoding
-    tokens = sample_rows(torch.cat(logits), rows, sampling, generator)  # [n] int64, no host sync
+    fused = engine.model_runner.fused_tokens(len(decoding))  # argmax inside the decode step
+    if fused is not None and len(rows) == len(decoding) and _greedy(rows, sampling):
+        tokens = fused  # a static buffer: the next step reads it before its replay rewrites it
+    else:
+        both = logits[0] if len(logits) == 1 else torch.cat(logits)
+        tokens = sample_rows(both, rows, sampling, generator)  # [n] int64, no host sync
     for req in rows:
         req.scheduled += 1
     return InFlight.launch(rows, tokens)
+
+
+def _greedy(rows, sampling: Sampling) -> bool:
+    return sampling.temperature <= 0 and all(r.sampling is None for r in rows)
 
 
 __all__ = ["admit", "launch_step"]
