@@ -120,16 +120,18 @@ class ToyModelRunner:
         for c, s in zip(self.kv, state):
             c.copy_(s)
 
-    def random_batch(self, bs: int, g: torch.Generator, *, packed: bool = False) -> ForwardBatch:
-        """``bs`` requests with distinct pages (never page 0), random lengths and tokens."""
+    def random_batch(
+        self, bs: int, g: torch.Generator, *, packed: bool = False, max_len: int | None = None
+    ) -> ForwardBatch:
+        """``bs`` requests with distinct pages (never page 0), random lengths (at most
+        ``max_len``, default the whole context) and tokens."""
         num_pages = self.kv[0].shape[0] // self.page_size
         width = self.max_pages_per_request
         if bs * width > num_pages - 1:
             raise ValueError(f"{bs} requests need {bs * width + 1} pages; build the toy with more")
         pages = (torch.randperm(num_pages - 1, generator=g)[: bs * width] + 1).view(bs, width)
-        seq_lens = torch.randint(
-            1, width * self.page_size + 1, (bs,), generator=g, dtype=torch.int32
-        )
+        top = min(max_len or width * self.page_size, width * self.page_size)
+        seq_lens = torch.randint(1, top + 1, (bs,), generator=g, dtype=torch.int32)
         last = seq_lens.long() - 1  # position of the token fed this step
         page = pages.gather(1, (last // self.page_size)[:, None])[:, 0]
         batch = ForwardBatch(
