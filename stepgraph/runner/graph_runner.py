@@ -215,13 +215,9 @@ class CudaGraphRunner(GraphRunnerBase):
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Replay the graph of the smallest bucket holding ``batch``; return its ``[bs, ...]``
         output rows. The result is a view into a static buffer: the next replay overwrites it,
-        so copy or consume it (e.g. sample) before the next step.
-
-        The batch's device tensors may come from earlier work on the stream, such as the last
-        step's sampled ids as ``input_ids``: they are copied into the static inputs on the
-        device, in stream order, with no host sync (the overlapped loop in the README). A packed
-        batch takes device ids the same way, in ``PACKED.column(batch.packed, "input_ids")``
-        (``ModelRunner.decode_batch(..., tokens_from=...)`` writes them there)."""
+        so copy or consume it (e.g. sample) before the next step. Device inputs (the last step's
+        ids as ``input_ids``, or in ``PACKED.column(batch.packed, "input_ids")``) are copied on
+        the device in stream order, with no host sync: the README's overlapped loop."""
         bucket, t_kv = self._check_replay(batch)  # raises before anything is copied
         self._copy_inputs(batch, bucket)
         self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
