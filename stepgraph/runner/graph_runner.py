@@ -8,9 +8,8 @@
             logits = model_runner.forward(batch)   # eager fallback
 
 Capture runs largest bucket first on one side stream into one shared pool; replay pads the live
-batch to its bucket (padding values live in ``input_buffers.py``), lets the attention backend
-refresh its static metadata, optionally retunes attention nodes to the live KV length (mode
-"exact"), replays, and returns the first ``bs`` rows of the static output.
+batch to its bucket (``input_buffers.py``), lets the attention backend refresh its metadata,
+retunes attention nodes in mode "exact", replays, and returns the first ``bs`` output rows.
 """
 
 from __future__ import annotations
