@@ -111,7 +111,7 @@ class Handlers:
         piece = text.add(toks)
         if text.stopped and reason is None:
             reason = "stop"
-            self.worker.abort(stream)  # the engine stops it; the text is cut already
+            self.worker.abort(stream, "stop")  # the engine stops it; the text is cut already
         elif reason is not None:
             piece += text.flush()
         if reason is not None:
@@ -211,7 +211,7 @@ def build_app(
         lifespan=lifespan,
         exception_handlers={Exception: on_error, HTTPException: on_http},
     )
-    app.state.worker, app.state.limits = worker, limits
+    app.state.worker, app.state.limits, app.state.handlers = worker, limits, h
     return app
 
 

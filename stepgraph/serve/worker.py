@@ -43,6 +43,7 @@ class Stream:
         self._rid: int | None = None
         self._first: float | None = None  # when its first token reached the host
         self._tokens = 0
+        self._end = "abort"  # the reason counted when the handler aborts it
 
 
 def finish_reason(req: Any) -> str:
@@ -103,10 +104,12 @@ class EngineWorker:
         self._inbox.put((_SUBMIT, stream))
         return stream
 
-    def abort(self, stream: Stream) -> None:
-        """Drop ``stream``'s request (a client that went away); its pages go back."""
+    def abort(self, stream: Stream, reason: str = "abort") -> None:
+        """Drop ``stream``'s request (a client that went away; ``reason="stop"``: a stop
+        string ended it); its pages go back."""
         if not stream.closed:
             stream.closed = True
+            stream._end = reason
             self._inbox.put((_ABORT, stream))
 
     def stop(self, timeout: float | None = None) -> None:
@@ -159,7 +162,7 @@ class EngineWorker:
                 elif stream._rid in streams:
                     engine.abort(stream._rid)
                     del streams[stream._rid]
-                    self._count("abort")
+                    self._count(stream._end)
             if not engine.has_unfinished:
                 continue
             try:

@@ -1,0 +1,163 @@
+"""`stepgraph serve` of a local checkpoint directory with a tokenizer (a tiny random Llama and
+a word-level tokenizer with a chat template, written here; nothing downloads), through the real
+``openai`` client: text prompts equal `stepgraph generate --prompt`, streamed text equals the
+whole text, stop strings cut it (and end the request), chat completions go through the
+template."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from stepgraph.cli import main as cli_main  # noqa: E402
+from stepgraph.engine import Engine  # noqa: E402
+from stepgraph.model import ModelRunner  # noqa: E402
+from stepgraph.serve.app import build_app  # noqa: E402
+from stepgraph.serve.metrics import ServeMetrics  # noqa: E402
+from stepgraph.serve.server import ServerThread  # noqa: E402
+from stepgraph.serve.tokenizer import load_tokenizer  # noqa: E402
+from stepgraph.serve.worker import EngineWorker, engine_limits  # noqa: E402
+
+VOCAB = 256
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "system", "user", "assistant"]
+WORDS = SPECIAL + [f"{c}{i}" for i, c in zip(range(VOCAB - len(SPECIAL)), "abcdefgh" * 40)]
+TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+NAME = "tiny-dir"
+
+
+def _write_checkpoint(path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>",
+    )  # fmt: skip
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # larger than the default init: varied greedy tokens
+            p.normal_(0, 0.3) if p.dim() > 1 else p.fill_(1.0)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    _write_checkpoint(path)
+    tok = load_tokenizer(path)
+    assert tok is not None and tok.has_chat_template
+
+    def build():
+        mr = ModelRunner.from_hf_dir(path, "cpu", torch.float32, max_bs=8, max_context_len=256)
+        return Engine(mr, "graph", max_running=8)
+
+    worker = EngineWorker(build, ServeMetrics())
+    try:
+        worker.start(timeout=120)
+        limits = engine_limits(worker.engine, NAME, True, True)
+        with ServerThread(build_app(worker, limits, tok)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+            yield SimpleNamespace(path=path, tok=tok, client=client, worker=worker)
+    finally:
+        worker.stop(30)
+
+
+def _text(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS[len(SPECIAL) :]) for _ in range(n))
+
+
+def _generate(capsys, path: str, n: int, **src) -> list[int]:
+    flag, value = next(iter(src.items()))
+    argv = ["generate", "--model", path, "--device", "cpu", "--max-new-tokens", str(n), "--json",
+            f"--{flag.replace('_', '-')}", value]  # fmt: skip
+    assert cli_main(argv) == 0
+    return json.loads(capsys.readouterr().out)["outputs"][0]
+
+
+def test_text_prompt_equals_stepgraph_generate_and_streams_the_same_text(served, capsys):
+    prompt = _text(1, 9)
+    want = _generate(capsys, served.path, 20, prompt=prompt)
+    r = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
+                                         extra_body={"return_token_ids": True})  # fmt: skip
+    (ch,) = r.choices
+    assert ch.model_extra["token_ids"] == want and ch.text == served.tok.decode(want)
+    assert len(set(want)) > 3 and len(ch.text.split()) == 20  # a varied text, one word a token
+    assert r.usage.prompt_tokens == len(served.tok.encode(prompt))
+    ids = served.tok.encode(prompt)
+    by_ids = served.client.completions.create(model=NAME, prompt=ids, max_tokens=20, temperature=0)
+    assert by_ids.choices[0].text == ch.text
+    pieces = [c.choices[0].text for c in served.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True)]  # fmt: skip
+    assert "".join(pieces) == ch.text and len(pieces) == 20
+
+
+def test_a_stop_string_cuts_the_text_and_ends_the_request(served):
+    prompt = _text(2, 7)
+    full = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=30,
+                                            temperature=0).choices[0].text  # fmt: skip
+    words = full.split()
+    stop = f"{words[5]} {words[6]}"  # two words: a stop that spans two tokens
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        r = served.client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "zz-never"],
+            stream=stream,
+        )  # fmt: skip
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, reason) == (cut, "stop"), stream
+    w = served.worker
+    assert w.metrics.finished.labels("stop")._value.get() >= 2  # ended by the stop string
+    deadline = time.monotonic() + 10
+    while (w.running or w.waiting or w.kv_pages_free < w.kv_pages_total) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    assert (w.running, w.kv_pages_free) == (0, w.kv_pages_total)  # dropped, its pages back
+
+
+def test_chat_completions_go_through_the_chat_template(served, capsys):
+    msgs = [{"role": "system", "content": _text(3, 3)}, {"role": "user", "content": _text(4, 5)}]
+    ids = served.tok.apply_template(msgs)
+    assert ids[:2] == [WORDS.index("<s>"), WORDS.index("system")]
+    want = _generate(capsys, served.path, 12, prompt_ids=",".join(map(str, ids)))
+    r = served.client.chat.completions.create(model=NAME, messages=msgs, max_tokens=12,
+                                              temperature=0)  # fmt: skip
+    (ch,) = r.choices
+    assert ch.message.role == "assistant" and ch.message.content == served.tok.decode(want)
+    assert r.object == "chat.completion" and r.usage.prompt_tokens == len(ids)
+    chunks = list(served.client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=12, temperature=0, stream=True))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in chunks) == ch.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
