@@ -1,4 +1,4 @@
-"""`stepgraph bench | generate | buckets | check | info`."""
+"""`stepgraph bench | generate | buckets | check | serve | info`."""
 
 from __future__ import annotations
 
@@ -160,6 +160,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.cli import run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.args import check_bench_args
     from .bench.main import run
@@ -256,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_check_arguments(check)
     check.set_defaults(func=cmd_check)
+
+    from .serve.cli import add_arguments as add_serve_arguments
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
 
     info = sub.add_parser("info", help="versions, GPU, driver, and what is missing")
     info.set_defaults(func=cmd_info)

@@ -26,11 +26,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .errors import ApiError, RequestError, ServerBusy, error_body
-from .protocol import Limits, parse_chat, parse_completion
+from .protocol import DEFAULT_MAX_WAITING, Limits, parse_chat, parse_completion
 from .responses import SSE_DONE, Shapes, TextStream, sse
 from .worker import EngineWorker, Stream
-
-DEFAULT_MAX_WAITING = 1024
 
 
 def _error(err: ApiError) -> JSONResponse:
@@ -215,4 +213,4 @@ def build_app(
     return app
 
 
-__all__ = ["DEFAULT_MAX_WAITING", "Handlers", "build_app"]
+__all__ = ["Handlers", "build_app"]

@@ -33,8 +33,8 @@ def port_number(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..engine.scheduler import DEFAULT_MAX_PREFILL_TOKENS
-    from .app import DEFAULT_MAX_WAITING
+    """The flags; imports neither the engine nor the serve extra (every command builds this)."""
+    from .protocol import DEFAULT_MAX_WAITING
 
     p.add_argument("--model", required=True, help="preset name or local HF directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only)")
@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-prefill-tokens",
         type=positive_int,
-        default=DEFAULT_MAX_PREFILL_TOKENS,
-        help="prompt tokens one engine step prefills",
+        default=None,
+        help="prompt tokens one engine step prefills (default: the engine's, 8192)",
     )
     p.add_argument(
         "--served-model-name",
@@ -143,8 +143,9 @@ def engine_builder(args: argparse.Namespace, device: str, dtype, context: int):
                                 max_bs=args.max_running, max_context_len=context)  # fmt: skip
         if args.kernels:
             mr.set_kernels(args.kernels)
-        engine = Engine(mr, mode=args.mode, max_running=args.max_running,
-                        max_prefill_tokens=args.max_prefill_tokens)  # fmt: skip
+        budget = args.max_prefill_tokens  # None: the engine's default
+        kw = {"max_prefill_tokens": budget} if budget else {}
+        engine = Engine(mr, mode=args.mode, max_running=args.max_running, **kw)
         engine.generate([WARMUP_PROMPT[: max(1, context - 2)]], 2, ignore_eos=True)
         return engine
 

@@ -18,6 +18,7 @@ from typing import Any
 from .errors import ModelNotFound, RequestError
 
 SEED_MAX = 2**64 - 1
+DEFAULT_MAX_WAITING = 1024  # requests queued beyond those running before a 503
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the context left
 # field -> its neutral values: anything else asks for what this server does not do
 NEUTRAL = {
@@ -300,6 +301,7 @@ def parse_chat(
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "DEFAULT_MAX_WAITING",
     "GenParams",
     "Limits",
     "parse_chat",
