@@ -1,0 +1,136 @@
+"""`stepgraph serve` as a process: it listens on the port it prints (127.0.0.1), and SIGTERM or
+SIGINT stops it with exit status 0, a request in flight finished within --shutdown-timeout (or
+aborted at 0); bad flags are one-line errors before anything is built."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+httpx = pytest.importorskip("httpx")
+
+from stepgraph.cli import main as cli_main  # noqa: E402
+
+START_TIMEOUT = 90
+
+
+class Served:
+    """``python -m stepgraph serve ...`` on a free port; killed on exit if still running."""
+
+    def __init__(self, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "stepgraph", "serve", "--model", "tiny", "--device", "cpu",
+               "--port", "0", "--max-running", "4", *flags]  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, env=env)  # fmt: skip
+        self.lines: queue.Queue = queue.Queue()
+        self.err: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.err.append(line)
+            self.lines.put(line)
+
+    def __enter__(self) -> Served:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.url = f"http://127.0.0.1:{m.group(1)}"
+                break
+        else:
+            raise AssertionError(f"the server did not start: {''.join(self.err)}")
+        while httpx.get(self.url + "/health", timeout=5).status_code != 200:  # up once 200
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _stream_in_thread(url: str, max_tokens: int):
+    """A streamed request read in a thread: (lines, first chunk seen, thread)."""
+    lines, first = [], threading.Event()
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+
+    def read():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
+        except httpx.HTTPError:
+            pass  # cut off by the shutdown
+        first.set()
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return lines, first, t
+
+
+@pytest.mark.parametrize("sig,timeout,finishes", [(signal.SIGTERM, "30", True),
+                                                  (signal.SIGINT, "0", False)])  # fmt: skip
+def test_a_signal_stops_the_server_with_exit_status_0(sig, timeout, finishes):
+    with Served("--max-context", "2048", "--shutdown-timeout", timeout) as s:
+        lines, first, reader = _stream_in_thread(s.url, 2000)
+        assert first.wait(30) and lines, s.err
+        t0 = time.monotonic()
+        s.proc.send_signal(sig)
+        rc = s.proc.wait(60)
+        took = time.monotonic() - t0
+        reader.join(30)
+        assert rc == 0, "".join(s.err)
+        assert not reader.is_alive()
+        done = lines[-1] == "data: [DONE]"
+        assert done == finishes, (len(lines), lines[-1][:80])
+        if finishes:  # every token of the request, then [DONE]
+            assert len(lines) == 2001
+        else:
+            assert took < 15 and len(lines) < 2000
+        assert "stepgraph serve: stopped" in "".join(s.err)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.url + "/health", timeout=5)
+
+
+def test_bad_flags_are_one_line_errors(capsys):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = str(busy.getsockname()[1])
+    cases = [
+        (["--model", "nope"], "--model"),
+        (["--model", "tiny", "--port", "70000"], "--port"),
+        (["--model", "tiny", "--max-context", "4096"], "--max-context"),
+        (["--model", "tiny", "--max-waiting", "-1"], "--max-waiting"),
+        (["--model", "tiny", "--max-running", "0"], "--max-running"),
+        (["--model", "tiny", "--shutdown-timeout", "-2"], "--shutdown-timeout"),
+        (["--model", "tiny", "--device", "cpu", "--port", port], "cannot listen"),
+    ]
+    try:
+        for argv, said in cases:
+            assert cli_main(["serve", *argv]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("stepgraph: error:") and "\n" not in err and said in err, err
+    finally:
+        busy.close()
