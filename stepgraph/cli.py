@@ -281,7 +281,9 @@ def _run(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0, 1 (a check failed), 2 (an error, printed as one line on stderr)."""
-    return run_main(_run, argv)
+    from .model.launch import exit_after_group
+
+    return exit_after_group(run_main(_run, argv))
 
 
 if __name__ == "__main__":

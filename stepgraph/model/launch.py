@@ -71,6 +71,9 @@ def is_main_rank() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+_LEFT_GROUP: list[bool] = []  # set once finish() has left a process group
+
+
 def finish() -> None:
     """Leave the process group, if one was joined."""
     import torch.distributed as dist
@@ -78,3 +81,19 @@ def finish() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        _LEFT_GROUP.append(True)
+
+
+def exit_after_group(status: int) -> int:
+    """``status``; a process that left a process group exits here at once (``os._exit``, after
+    flushing). At interpreter exit gloo's C++ threads sometimes abort the process ("terminate
+    called without an active exception", about 1 run in 3 of ``generate --tp 2`` on the CPU),
+    after all its work is done and printed."""
+    if _LEFT_GROUP:
+        import os
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
