@@ -84,6 +84,7 @@ def main() -> None:
     Path(args.out, f"rank{env.rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort at interpreter exit (stepgraph.model.launch)
 
 
 def launch(out: Path, *args: str, nproc: int = 2, timeout_s: float = 300.0) -> list[dict]:
