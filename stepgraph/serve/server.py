@@ -30,6 +30,7 @@ def listen(host: str, port: int) -> socket.socket:
             f"argument --port: cannot listen on {host}:{port} ({e.strerror}); pick another "
             "--port (0: any free one) or --host"
         ) from e
+    sock.listen(2048)  # connections queue from now on, while the engine is still being built
     return sock
 
 
