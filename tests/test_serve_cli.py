@@ -4,6 +4,7 @@ aborted at 0); bad flags are one-line errors before anything is built."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -45,6 +46,14 @@ class Served:
             self.lines.put(line)
 
     def __enter__(self) -> Served:
+        try:  # a failed start must not leave the process behind (__exit__ would not run)
+            self._wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -57,9 +66,14 @@ class Served:
                 break
         else:
             raise AssertionError(f"the server did not start: {''.join(self.err)}")
-        while httpx.get(self.url + "/health", timeout=5).status_code != 200:  # up once 200
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
             time.sleep(0.05)
-        return self
+        raise AssertionError(f"{self.url}/health never answered 200: {''.join(self.err)}")
 
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:
@@ -71,7 +85,7 @@ def _stream_in_thread(url: str, max_tokens: int):
     """A streamed request read in a thread: (lines, first chunk seen, thread)."""
     lines, first = [], threading.Event()
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
 
     def read():
         try:
@@ -89,11 +103,11 @@ def _stream_in_thread(url: str, max_tokens: int):
     return lines, first, t
 
 
-@pytest.mark.parametrize("sig,timeout,finishes", [(signal.SIGTERM, "30", True),
-                                                  (signal.SIGINT, "0", False)])  # fmt: skip
-def test_a_signal_stops_the_server_with_exit_status_0(sig, timeout, finishes):
+@pytest.mark.parametrize("sig,timeout,n,finishes", [(signal.SIGTERM, "30", 300, True),
+                                                    (signal.SIGINT, "0", 2000, False)])  # fmt: skip
+def test_a_signal_stops_the_server_with_exit_status_0(sig, timeout, n, finishes):
     with Served("--max-context", "2048", "--shutdown-timeout", timeout) as s:
-        lines, first, reader = _stream_in_thread(s.url, 2000)
+        lines, first, reader = _stream_in_thread(s.url, n)
         assert first.wait(30) and lines, s.err
         t0 = time.monotonic()
         s.proc.send_signal(sig)
@@ -104,10 +118,12 @@ def test_a_signal_stops_the_server_with_exit_status_0(sig, timeout, finishes):
         assert not reader.is_alive()
         done = lines[-1] == "data: [DONE]"
         assert done == finishes, (len(lines), lines[-1][:80])
+        chunks = [json.loads(x[6:]) for x in lines if x != "data: [DONE]"]
+        tokens = sum(len(c["choices"][0]["token_ids"]) for c in chunks)
         if finishes:  # every token of the request, then [DONE]
-            assert len(lines) == 2001
+            assert tokens == n and chunks[-1]["choices"][0]["finish_reason"] == "length"
         else:
-            assert took < 15 and len(lines) < 2000
+            assert took < 15 and tokens < n
         assert "stepgraph serve: stopped" in "".join(s.err)
         with pytest.raises(httpx.ConnectError):
             httpx.get(s.url + "/health", timeout=5)

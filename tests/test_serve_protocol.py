@@ -3,6 +3,7 @@ field), the response shapes, the incremental detokenizer with stop strings, the 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -170,6 +171,36 @@ def test_response_shapes():
         s.usage_chunk(7, 2)["choices"] == [] and s.usage_chunk(7, 2)["usage"]["total_tokens"] == 9
     )
     assert sse({"a": 1}) == b'data: {"a":1}\n\n' and SSE_DONE == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_the_fast_chunk_bytes_equal_the_chunk_object(chat, token_ids):
+    s = Shapes('x-"1', 5, 'm\\"é', chat, token_ids)
+    for args in [
+        ('a"b\n\u2028é', [1, 2], None, True),
+        ("", [3], "stop", False),
+        ("x", [], "length", False),
+    ]:
+        raw = s.sse_chunk(*args)
+        assert raw.startswith(b"data: {") and raw.endswith(b"}\n\n")
+        assert json.loads(raw[6:]) == s.chunk(*args)
+
+
+def test_queued_items_merge_into_one_chunk_up_to_the_last():
+    import asyncio
+
+    from stepgraph.serve.app import _merged
+
+    q: asyncio.Queue = asyncio.Queue()
+    for item in [([2], None, None), ([3, 4], "length", None), ([9], None, None)]:
+        q.put_nowait(item)
+    assert _merged(([1], None, None), q) == ([1, 2, 3, 4], "length", None)
+    assert q.qsize() == 1  # nothing past the last item of the request
+    assert q.get_nowait() == ([9], None, None)
+    err = EngineFault("x")
+    q.put_nowait(([], None, err))
+    assert _merged(([5], None, None), q) == ([5], None, err)  # the error ends it
 
 
 WORDS = ["the", " cat", " sat", "é", " on", " a", " mat", "!", " ###", " end"]

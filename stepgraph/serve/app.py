@@ -41,6 +41,15 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+def _merged(item: tuple, q: asyncio.Queue) -> tuple:
+    """``item`` and the items queued behind it as one: a client that reads slower than the
+    engine steps gets a chunk of several tokens, not a growing backlog of one-token chunks."""
+    while item[1] is None and item[2] is None and not q.empty():
+        toks, reason, err = q.get_nowait()
+        item = (item[0] + toks, reason, err)
+    return item
+
+
 class Handlers:
     def __init__(
         self, worker: EngineWorker, limits: Limits, tokenizer: Any, max_waiting: int
@@ -137,14 +146,14 @@ class Handlers:
         n_out, first = 0, True
         try:
             while True:
-                item = await stream.queue.get()
+                item = _merged(await stream.queue.get(), stream.queue)
                 if item[2] is not None:
                     stream.closed = True
                     yield sse(error_body(item[2]))
                     break
                 n_out += len(item[0])
                 piece, reason = self._take(stream, item, text)
-                yield sse(shapes.chunk(piece, item[0], reason, first))
+                yield shapes.sse_chunk(piece, item[0], reason, first)
                 first = False
                 if reason is not None:
                     if stream.params.include_usage:

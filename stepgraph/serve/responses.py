@@ -33,6 +33,11 @@ class Shapes:
     def __init__(self, rid: str, created: int, model: str, chat: bool, token_ids: bool) -> None:
         self.rid, self.created, self.model = rid, created, model
         self.chat, self.token_ids = chat, token_ids
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": obj, "created": created, "model": model}
+        self._head = (
+            "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":[{"index":0,'
+        )
 
     def _wrap(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -62,6 +67,24 @@ class Shapes:
         if self.token_ids and ids is not None:
             choice["token_ids"] = list(ids)
         return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def sse_chunk(
+        self, text: str, ids: Sequence[int], reason: str | None = None, first: bool = False
+    ) -> bytes:
+        """``sse(self.chunk(...))``, built from a prefix made once: a chunk per token and
+        request is the server's hottest path (``json.loads`` of it equals ``chunk``)."""
+        body = json.dumps(text)
+        if self.chat:
+            role = '"role":"assistant",' if first else ""
+            body = '"delta":{' + role + '"content":' + body + "}"
+        else:
+            body = '"text":' + body
+        tail = ',"logprobs":null,"finish_reason":' + (
+            "null" if reason is None else json.dumps(reason)
+        )
+        if self.token_ids:
+            tail += ',"token_ids":[' + ",".join(map(str, ids)) + "]"
+        return (self._head + body + tail + "}]}\n\n").encode()
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""

@@ -1,0 +1,197 @@
+"""A load generator for `stepgraph serve` that speaks the OpenAI API (httpx, streamed
+``/v1/completions``), at concurrency 1, 16 and 64, measured as `vllm bench serve` measures
+(``stepgraph.bench.serve_metrics``): TTFT, TPOT and ITL (p50, p99) and output tokens/s.
+
+    python benchmarks/serve_load.py --launch --model llama-3.2-1b        # starts the server
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model tiny
+    python benchmarks/serve_load.py --launch --model tiny --device cpu --quick   # smoke test
+
+The workloads are `stepgraph bench --serve`'s, so that the figures compare with the engine's
+offline ones: concurrency 1 runs its latency case (512 prompt tokens, 256 new, one request at
+a time); 16 and 64 run its 64 seeded requests (prompts of 128-1024 tokens, 128 new, eos
+ignored) with at most that many in flight (vLLM's ``--max-concurrency``). A request's clock
+starts when it is sent; a chunk's tokens are stamped when it arrives. Before the clock starts
+every prompt runs once with 2 new tokens (first-use compiles). Beside each level: the server's
+own TPOT (its engine thread's stamps, ``/metrics``), so that HTTP's share shows.
+
+``--launch`` runs the server as another process (`python -m stepgraph serve`), stops it with
+SIGTERM at the end, and reports its exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from stepgraph.bench.serve_metrics import RequestTiming, random_prompts, serving_metrics
+
+VOCAB = {"tiny": 512, "tiny-qwen2": 512, "llama-3.2-1b": 128256, "qwen2.5-0.5b": 151936,
+         "llama-3.1-8b": 128256}  # fmt: skip
+LATENCY_IN, LATENCY_OUT, LATENCY_REQUESTS = 512, 256, 4
+MAIN_REQUESTS, MAIN_IN, MAIN_RATIO, MAIN_OUT = 64, 576, 7 / 9, 128  # prompts of 128-1024
+
+
+def launch(args) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "stepgraph", "serve", "--model", args.model, "--port", "0",
+           "--max-running", str(args.max_running), "--max-context", str(args.max_context),
+           "--mode", args.mode]  # fmt: skip
+    if args.device:
+        cmd += ["--device", args.device]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return proc, f"http://127.0.0.1:{m.group(1)}"
+    raise SystemExit(f"the server exited with status {proc.wait()} before it served")
+
+
+def wait_healthy(url: str, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url}/health did not answer 200 within {timeout:.0f} s")
+
+
+async def server_tpot(client, url: str) -> tuple[float, float]:
+    """(sum, count) of the server's TPOT histogram, from /metrics."""
+    text = (await client.get(url + "/metrics")).text
+    get = lambda k: float(re.search(rf"^stepgraph_time_per_output_token_seconds_{k} (\S+)$",
+                                    text, re.M).group(1))  # fmt: skip
+    return get("sum"), get("count")
+
+
+async def one(client, url, model, prompt, max_tokens, timing: RequestTiming) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+    ids: list[int] = []
+    timing.arrival = time.perf_counter()
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            now, chunk = time.perf_counter(), json.loads(line[6:])
+            if "error" in chunk:
+                raise SystemExit(f"stream error: {chunk['error']}")
+            new = chunk["choices"][0].get("token_ids", [])
+            ids += new
+            timing.token_times += [now] * len(new)
+    return ids
+
+
+async def level(client, url, model, prompts, max_tokens, concurrency) -> dict:
+    """Every prompt once, at most ``concurrency`` in flight; vLLM's metrics of the run."""
+    timings = [RequestTiming(0.0, len(p)) for p in prompts]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def go(i):
+        async with gate:
+            return await one(client, url, model, prompts[i], max_tokens, timings[i])
+
+    t0 = time.perf_counter()
+    outputs = await asyncio.gather(*(go(i) for i in range(len(prompts))))
+    short = [i for i, o in enumerate(outputs) if len(o) != max_tokens]
+    if short:
+        raise SystemExit(f"requests {short[:5]} returned fewer than {max_tokens} tokens")
+    duration = max(t.token_times[-1] for t in timings) - t0
+    return serving_metrics(timings, duration)
+
+
+async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
+    """The warm-up, then each level; one connection pool throughout (warm connections, as a
+    client that keeps its connections alive sees the server)."""
+    most = max(map(int, args.concurrency.split(",")))
+    limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
+    rows = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t = time.perf_counter()
+        await level(client, url, args.model, main_prompts + lat_prompts, 2, most)
+        print(f"warm-up: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        for c in map(int, args.concurrency.split(",")):
+            name, prompts, out = ("latency", lat_prompts, outs[1]) if c == 1 else (
+                "main", main_prompts, outs[0])  # fmt: skip
+            before = await server_tpot(client, url)
+            m = await level(client, url, args.model, prompts, out, c)
+            after = await server_tpot(client, url)
+            n = after[1] - before[1]
+            m["server_tpot_ms"] = (after[0] - before[0]) / n * 1e3 if n else None
+            m.update(level=name, concurrency=c, output_len=out)
+            rows.append(m)
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    head = (f"{'level':>10} {'conc':>4} {'reqs':>4} {'out tok/s':>10} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+            f"{'srv TPOT':>8}")  # fmt: skip
+    print(head)
+    f = lambda x: "-" if x is None else f"{x:.3f}"
+    for m in rows:
+        print(f"{m['level']:>10} {m['concurrency']:>4} {m['completed']:>4} "
+              f"{m['output_throughput']:>10.1f} {f(m['median_ttft_ms']):>9} "
+              f"{f(m['p99_ttft_ms']):>9} {f(m['median_tpot_ms']):>9} {f(m['p99_tpot_ms']):>9} "
+              f"{f(m['median_itl_ms']):>8} {f(m['p99_itl_ms']):>8} "
+              f"{f(m['server_tpot_ms']):>8}")  # fmt: skip
+    print("ms; srv TPOT: the server's engine thread's mean TPOT over the same requests")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server")
+    where.add_argument("--launch", action="store_true", help="start `stepgraph serve` here")
+    p.add_argument("--model", default="llama-3.2-1b", help="served model (a preset: its vocab)")
+    p.add_argument("--device", default=None, help="--launch: the server's --device")
+    p.add_argument("--mode", default="graph", help="--launch: the server's --mode")
+    p.add_argument("--max-running", type=int, default=64, help="--launch: --max-running")
+    p.add_argument("--max-context", type=int, default=2048, help="--launch: --max-context")
+    p.add_argument("--concurrency", default="1,16,64", help="levels, comma list")
+    p.add_argument("--quick", action="store_true", help="small workloads (a smoke test)")
+    p.add_argument("--json", default=None, help="write the metrics of every level here")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (bench --serve's: 0)")
+    args = p.parse_args()
+    vocab = VOCAB[args.model]
+    n_main, n_lat = (8, 2) if args.quick else (MAIN_REQUESTS, LATENCY_REQUESTS)
+    out_main, out_lat = (16, 32) if args.quick else (MAIN_OUT, LATENCY_OUT)
+    main_prompts = random_prompts(n_main, MAIN_IN, MAIN_RATIO, vocab, args.seed)
+    lat_prompts = random_prompts(n_lat, LATENCY_IN, 0.0, vocab, args.seed + 1)
+    proc, url = launch(args) if args.launch else (None, args.url.rstrip("/"))
+    rows, status = [], None
+    try:
+        wait_healthy(url)
+        rows = asyncio.run(run_levels(url, args, main_prompts, lat_prompts, (out_main, out_lat)))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            status = proc.wait(120)
+            sys.stderr.write(proc.stderr.read())
+    report(rows)
+    if proc is not None:
+        print(f"server: exit status {status} after SIGTERM")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "levels": rows, "server_exit": status}, f, indent=1)
+    return 0 if status in (None, 0) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
