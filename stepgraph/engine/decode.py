@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..batch import unpacked_batch
+from ..model.decode_rows import block_table
 from ..model.graph_walks import DECODE_WALK
 from ..model.model_runner import ModelRunner
 from .overlap import InFlight
@@ -25,6 +26,7 @@ class DecodePath:
         self.runner = None  # CudaGraphRunner (decode_via="runner")
         self.config_runner = None  # ConfigGraphRunner (decode_via="configs")
         self.walks = None  # its DecodeGraphWalks
+        self._table: tuple[tuple[int, ...], object] | None = None  # (request ids, block table)
         if mode == "eager":
             return
         from ..runner import CudaGraphRunner, RunnerConfig
@@ -61,6 +63,7 @@ class DecodePath:
             tokens,
             [len(r.prompt) + r.scheduled - 1 for r in reqs],
             [r.pages for r in reqs],
+            table=self._block_table(reqs),
             # the graph runner copies only the packed rows: skip building contiguous fields
             contiguous_fields=self.runner is None or not self.runner.config.packed_inputs,
             tokens_from=source,
@@ -82,6 +85,15 @@ class DecodePath:
             return logits
         stats.eager_steps += 1
         return mr.forward(batch)
+
+    def _block_table(self, reqs: Sequence[Request]):
+        """The batch's block table, rebuilt only when its requests change (each keeps its
+        pages from admission to the end)."""
+        key = tuple(r.rid for r in reqs)
+        if self._table is None or self._table[0] != key:
+            pages = [r.pages for r in reqs]
+            self._table = (key, block_table(pages, self.model_runner.max_pages_per_request))
+        return self._table[1]
 
     def shutdown(self) -> None:
         for r in self.runners:

@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..batch import PACKED, ForwardBatch, ForwardMode, unpacked_batch
 from ..errors import ConfigError
 from .attention import PagedAttentionBackend
 from .config import ModelConfig, get_preset
+from .decode_rows import block_table, decode_rows
 from .extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
 from .fused_decode import (
     FUSED_MAX_BS,
@@ -210,6 +212,7 @@ class ModelRunner:
         *,
         contiguous_fields: bool = True,
         tokens_from: torch.Tensor | None = None,
+        table: np.ndarray | None = None,
     ) -> ForwardBatch:
         """The decode batch where request ``i`` (owning ``pages[i]``) feeds ``tokens[i]`` at
         ``positions[i]``; its KV then holds ``positions[i] + 1`` tokens.
@@ -217,33 +220,24 @@ class ModelRunner:
         ``tokens_from`` ``[n]`` int64 on the device (e.g. the last step's sampled ids): then
         ``tokens[i]`` is a row of it, and the id is gathered on the device, with no host round
         trip (the overlapped loop's input). The host copy ``packed_cpu`` then holds the rows.
+        ``table``: ``decode_rows.block_table(pages, max_pages_per_request)``, when the caller
+        kept it from a step with the same requests (it is then not rebuilt).
 
         One host->device copy of the packed rows ``[bs, PACKED.width(max_pages)]`` int64
         (``stepgraph.batch.PACKED``). ``contiguous_fields=False`` leaves the fields as
         zero-copy views, which is all a graph runner with packed inputs reads."""
-        kv = self.kv_cache
-        seq_lens = [p + 1 for p in positions]
-        rows = [
-            PACKED.row(
-                input_ids=tok,
-                positions=pos,
-                out_cache_loc=kv.slot(pg, pos),
-                seq_lens=pos + 1,
-                block_table=kv.block_table_row(pg),
-            )
-            for tok, pos, pg in zip(tokens, positions, pages)
-        ]
-        host = torch.tensor(rows, dtype=torch.int64).view(len(rows), -1)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
+        bs, counts = len(tokens), [len(pg) for pg in pages]
+        table = table if table is not None else block_table(pages, self.max_pages_per_request)
+        shape = (bs, PACKED.width(self.max_pages_per_request))
+        host = torch.empty(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        decode_rows(tokens, positions, table, counts, self.page_size, out=host.numpy())
+        seq_lens = PACKED.column(host, "seq_lens").to(torch.int32)
         packed = host.to(self.device, non_blocking=True)
         if tokens_from is not None:
             ids = PACKED.column(packed, "input_ids")  # [bs] rows of tokens_from, for now
             ids.copy_(tokens_from[ids])
-        batch = unpacked_batch(
-            packed, torch.tensor(seq_lens, dtype=torch.int32), copy=contiguous_fields
-        )
-        batch.max_seq_len = max(seq_lens, default=0)
+        batch = unpacked_batch(packed, seq_lens, copy=contiguous_fields)
+        batch.max_seq_len = int(seq_lens.max()) if bs else 0
         batch.packed_cpu = host  # the runner checks values here, before its copy
         return batch
 
