@@ -9,6 +9,7 @@ import random
 import pytest
 
 from stepgraph.errors import ConfigError, StepGraphError
+from stepgraph.serve.chat import parse_chat
 from stepgraph.serve.errors import (
     EngineFault,
     ModelNotFound,
@@ -17,7 +18,7 @@ from stepgraph.serve.errors import (
     error_body,
 )
 from stepgraph.serve.metrics import TokenRate
-from stepgraph.serve.protocol import DEFAULT_MAX_TOKENS, Limits, parse_chat, parse_completion
+from stepgraph.serve.protocol import DEFAULT_MAX_TOKENS, Limits, parse_completion
 from stepgraph.serve.responses import SSE_DONE, Shapes, TextStream, sse
 
 LIM = Limits("tiny", vocab_size=512, max_context=64)

@@ -25,8 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .chat import parse_chat
 from .errors import ApiError, RequestError, ServerBusy, error_body
-from .protocol import DEFAULT_MAX_WAITING, Limits, parse_chat, parse_completion
+from .protocol import DEFAULT_MAX_WAITING, Limits, parse_completion
 from .responses import SSE_DONE, Shapes, TextStream, sse
 from .worker import EngineWorker, Stream
 

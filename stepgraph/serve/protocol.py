@@ -72,7 +72,7 @@ class GenParams:
 # -- field checks: each raises RequestError naming its field ---------------------------------
 
 
-def _bad(field: str, want: str, got: Any) -> RequestError:
+def field_error(field: str, want: str, got: Any) -> RequestError:
     shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:59] + "…"
     return RequestError(f"'{field}' must be {want}, got {shown}.", param=field)
 
@@ -89,7 +89,7 @@ def _int(body: Mapping, field: str, default: Any, lo: int, hi: int | None = None
         x = int(x)
     if not _is_int(x) or x < lo or (hi is not None and x > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise _bad(field, f"an integer {rng}", x)
+        raise field_error(field, f"an integer {rng}", x)
     return x
 
 
@@ -98,13 +98,13 @@ def _bool(body: Mapping, field: str, default: bool = False) -> bool:
     if x is None:
         return default
     if not isinstance(x, bool):
-        raise _bad(field, "true or false", x)
+        raise field_error(field, "true or false", x)
     return x
 
 
 def _token_ids(x: Any, field: str, vocab: int) -> list[int]:
     if not isinstance(x, list) or not all(_is_int(t) for t in x):
-        raise _bad(field, "a list of integer token ids", x)
+        raise field_error(field, "a list of integer token ids", x)
     bad = [t for t in x if not 0 <= t < vocab]
     if bad:
         raise RequestError(
@@ -116,7 +116,7 @@ def _token_ids(x: Any, field: str, vocab: int) -> list[int]:
 def check_model(body: Mapping, limits: Limits) -> None:
     model = body.get("model")
     if not isinstance(model, str):
-        raise _bad("model", f"a string (this server serves {limits.model!r})", model)
+        raise field_error("model", f"a string (this server serves {limits.model!r})", model)
     if model != limits.model:
         raise ModelNotFound(
             f"The model {model!r} does not exist; this server serves {limits.model!r} "
@@ -188,7 +188,9 @@ def _stops(body: Mapping, limits: Limits) -> tuple[tuple[int, ...], tuple[str, .
                 )
             texts = tuple(x)
         else:
-            raise _bad("stop", "a non-empty string, a list of them, or a list of token ids", x)
+            raise field_error(
+                "stop", "a non-empty string, a list of them, or a list of token ids", x
+            )
     if body.get("stop_token_ids") is not None:
         ids += _token_ids(body["stop_token_ids"], "stop_token_ids", limits.vocab_size)
     return tuple(dict.fromkeys(ids)), texts
@@ -216,14 +218,16 @@ def parse_sampling(body: Mapping, limits: Limits, prompt: list[int], chat: bool)
     if t is None:
         t = 1.0
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        raise _bad("temperature", "a finite number >= 0 (0: greedy)", t)
+        raise field_error("temperature", "a finite number >= 0 (0: greedy)", t)
     top_k = _int(body, "top_k", None, -1)
     stop_ids, stop_texts = _stops(body, limits)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     usage_flag = opts.get("include_usage", False) if isinstance(opts, dict) else None
     if opts is not None and (not stream or not isinstance(usage_flag, bool)):
-        raise _bad("stream_options", '{"include_usage": true|false}, with "stream": true', opts)
+        raise field_error(
+            "stream_options", '{"include_usage": true|false}, with "stream": true', opts
+        )
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
     return GenParams(
         prompt_ids=prompt,
@@ -242,7 +246,7 @@ def parse_sampling(body: Mapping, limits: Limits, prompt: list[int], chat: bool)
     )
 
 
-def _body(body: Any) -> Mapping:
+def json_object(body: Any) -> Mapping:
     if not isinstance(body, dict):
         raise RequestError(
             f"the request body must be a JSON object, got {type(body).__name__}.", param="body"
@@ -254,7 +258,7 @@ def parse_completion(
     body: Any, limits: Limits, encode: Callable[[str], list[int]] | None = None
 ) -> GenParams:
     """``POST /v1/completions``: ``body`` (decoded JSON) -> ``GenParams``, else ``ApiError``."""
-    body = _body(body)
+    body = json_object(body)
     check_model(body, limits)
     check_unsupported(body)
     if "prompt" not in body:
@@ -262,49 +266,11 @@ def parse_completion(
     return parse_sampling(body, limits, _prompt(body, limits, encode), chat=False)
 
 
-def parse_chat(
-    body: Any, limits: Limits, apply_template: Callable[[list[dict]], list[int]] | None = None
-) -> GenParams:
-    """``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template."""
-    body = _body(body)
-    check_model(body, limits)
-    if apply_template is None or not limits.chat_template:
-        raise RequestError(
-            "chat completions need a tokenizer with a chat template, and this model has none; "
-            "use POST /v1/completions with a prompt, or serve a checkpoint directory whose "
-            "tokenizer_config.json holds a chat_template.",
-            param="messages",
-            code="chat_template_missing",
-        )
-    check_unsupported(body)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad("messages", "a non-empty list of {role, content} objects", msgs)
-    clean = []
-    for i, m in enumerate(msgs):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):  # OpenAI's content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and
-                       isinstance(p.get("text"), str) for p in content):  # fmt: skip
-                raise _bad(f"messages[{i}].content", "text, or a list of text parts", content)
-            content = "".join(p["text"] for p in content)
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
-            raise _bad(f"messages[{i}]", '{"role": "system|user|assistant", "content": str}', m)
-        clean.append({"role": role, "content": content})
-    prompt = apply_template(clean)
-    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
-    if not prompt or bad:
-        raise RequestError("the chat template gave no usable token ids.", param="messages")
-    return parse_sampling(body, limits, prompt, chat=True)
-
-
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_MAX_WAITING",
     "GenParams",
     "Limits",
-    "parse_chat",
     "parse_completion",
     "parse_sampling",
 ]
