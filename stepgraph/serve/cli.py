@@ -89,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="decode-step kernels (default: fused on CUDA)",
     )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (--device cpu; default 1, or OMP_NUM_THREADS)",
+    )
     p.add_argument("--seed", type=seed_int, default=0, help="random weights of a preset")
     p.add_argument(
         "--shutdown-timeout",
@@ -138,6 +144,11 @@ def engine_builder(args: argparse.Namespace, device: str, dtype, context: int):
     def build():
         from ..engine import Engine
         from ..model.launch import build_model_runner
+
+        if device == "cpu":  # on the engine thread, which runs the ops
+            from ..bench.cpu import set_cpu_threads
+
+            say(set_cpu_threads(args.threads))  # spare cores for the HTTP thread
 
         mr = build_model_runner(args.model, device, dtype, seed=args.seed,
                                 max_bs=args.max_running, max_context_len=context)  # fmt: skip
