@@ -122,7 +122,8 @@ def test_completion_plain_and_streamed_equal_stepgraph_generate(server, capsys):
         ))  # fmt: skip
         body = [c for c in chunks if c.choices]
         assert [t for c in body for t in _ids(c.choices[0])] == w
-        assert [c.choices[0].finish_reason for c in body][-2:] == [None, "length"]
+        reasons = [c.choices[0].finish_reason for c in body]  # chunks may merge tokens
+        assert reasons == [None] * (len(body) - 1) + ["length"]
         assert chunks[-1].usage.completion_tokens == n and not chunks[-1].choices
 
 

@@ -114,7 +114,7 @@ def test_text_prompt_equals_stepgraph_generate_and_streams_the_same_text(served,
     assert by_ids.choices[0].text == ch.text
     pieces = [c.choices[0].text for c in served.client.completions.create(
         model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True)]  # fmt: skip
-    assert "".join(pieces) == ch.text and len(pieces) == 20
+    assert "".join(pieces) == ch.text and 1 <= len(pieces) <= 20  # chunks may merge tokens
 
 
 def test_a_stop_string_cuts_the_text_and_ends_the_request(served):
