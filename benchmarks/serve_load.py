@@ -11,8 +11,10 @@ offline ones: concurrency 1 runs its latency case (512 prompt tokens, 256 new, o
 a time); 16 and 64 run its 64 seeded requests (prompts of 128-1024 tokens, 128 new, eos
 ignored) with at most that many in flight (vLLM's ``--max-concurrency``). A request's clock
 starts when it is sent; a chunk's tokens are stamped when it arrives. Before the clock starts
-every prompt runs once with 2 new tokens (first-use compiles). Beside each level: the server's
-own TPOT (its engine thread's stamps, ``/metrics``), so that HTTP's share shows.
+both workloads run once untimed (first-use compiles: Triton compiles a prefill kernel variant
+in ~800 ms on the H200). Beside each level: the server's own TPOT (its engine thread's stamps,
+``/metrics``), so that HTTP's share shows, its engine steps (graph, eager, prefill) and the
+longest gap between two tokens of a request (a stall shows there).
 
 ``--launch`` runs the server as another process (`python -m stepgraph serve`), stops it with
 SIGTERM at the end, and reports its exit status.
@@ -68,12 +70,23 @@ def wait_healthy(url: str, timeout: float = 600.0) -> None:
     raise SystemExit(f"{url}/health did not answer 200 within {timeout:.0f} s")
 
 
-async def server_tpot(client, url: str) -> tuple[float, float]:
-    """(sum, count) of the server's TPOT histogram, from /metrics."""
+SCRAPED = {
+    "tpot_sum": "stepgraph_time_per_output_token_seconds_sum",
+    "tpot_count": "stepgraph_time_per_output_token_seconds_count",
+    "graph_steps": 'stepgraph_engine_steps{kind="graph"}',
+    "eager_steps": 'stepgraph_engine_steps{kind="eager"}',
+    "prefill_steps": 'stepgraph_engine_steps{kind="prefill"}',
+}
+
+
+async def scrape(client, url: str) -> dict[str, float]:
+    """The server's figures in ``SCRAPED`` from /metrics (0 where absent)."""
     text = (await client.get(url + "/metrics")).text
-    get = lambda k: float(re.search(rf"^stepgraph_time_per_output_token_seconds_{k} (\S+)$",
-                                    text, re.M).group(1))  # fmt: skip
-    return get("sum"), get("count")
+    out = {}
+    for key, name in SCRAPED.items():
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        out[key] = float(m.group(1)) if m else 0.0
+    return out
 
 
 async def one(client, url, model, prompt, max_tokens, timing: RequestTiming) -> list[int]:
@@ -113,7 +126,9 @@ async def level(client, url, model, prompts, max_tokens, concurrency) -> dict:
     if short:
         raise SystemExit(f"requests {short[:5]} returned fewer than {max_tokens} tokens")
     duration = max(t.token_times[-1] for t in timings) - t0
-    return serving_metrics(timings, duration)
+    out = serving_metrics(timings, duration)
+    out["max_gap_ms"] = max(max(t.itls, default=0.0) for t in timings) * 1e3  # a stall shows
+    return out
 
 
 async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
@@ -123,18 +138,19 @@ async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
     limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
     rows = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        t = time.perf_counter()
-        await level(client, url, args.model, main_prompts + lat_prompts, 2, most)
+        t = time.perf_counter()  # a rehearsal of both workloads: first-use compiles happen here
+        await level(client, url, args.model, main_prompts, outs[0], most)
+        await level(client, url, args.model, lat_prompts, 8, 1)
         print(f"warm-up: {time.perf_counter() - t:.1f} s", file=sys.stderr)
         for c in map(int, args.concurrency.split(",")):
             name, prompts, out = ("latency", lat_prompts, outs[1]) if c == 1 else (
                 "main", main_prompts, outs[0])  # fmt: skip
-            before = await server_tpot(client, url)
+            before = await scrape(client, url)
             m = await level(client, url, args.model, prompts, out, c)
-            after = await server_tpot(client, url)
-            n = after[1] - before[1]
-            m["server_tpot_ms"] = (after[0] - before[0]) / n * 1e3 if n else None
-            m.update(level=name, concurrency=c, output_len=out)
+            d = {k: v - before[k] for k, v in (await scrape(client, url)).items()}
+            n = d.pop("tpot_count")
+            m["server_tpot_ms"] = d.pop("tpot_sum") / n * 1e3 if n else None
+            m.update(level=name, concurrency=c, output_len=out, server_steps=d)
             rows.append(m)
     return rows
 
@@ -152,6 +168,10 @@ def report(rows: list[dict]) -> None:
               f"{f(m['median_itl_ms']):>8} {f(m['p99_itl_ms']):>8} "
               f"{f(m['server_tpot_ms']):>8}")  # fmt: skip
     print("ms; srv TPOT: the server's engine thread's mean TPOT over the same requests")
+    for m in rows:
+        steps = ", ".join(f"{k} {v:.0f}" for k, v in m["server_steps"].items())
+        print(f"{m['level']} (concurrency {m['concurrency']}): engine {steps}; "
+              f"longest token gap {m['max_gap_ms']:.1f} ms")  # fmt: skip
 
 
 def main() -> int:

@@ -354,3 +354,6 @@ def test_models_health_and_metrics(server):
         assert re.search(rf"^{name}[ {{]", text, re.M), name
     assert _metric(server.url, "stepgraph_time_to_first_token_seconds_count") >= 1
     assert _metric(server.url, "stepgraph_generation_tokens_per_second") > 0
+    steps = server.worker.engine.stats  # read at the scrape: the engine's own counts
+    assert _metric(server.url, 'stepgraph_engine_steps{kind="graph"}') == steps.graph_steps > 0
+    assert _metric(server.url, 'stepgraph_engine_steps{kind="prefill"}') == steps.prefill_steps

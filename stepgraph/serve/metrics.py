@@ -1,8 +1,9 @@
 """`GET /metrics` of `stepgraph serve`, in Prometheus text (``prometheus-client``): requests
 running and waiting, KV pages free, prompt and generated tokens (counters, and generated
-tokens per second over the last ``RATE_WINDOW_S``), TTFT and TPOT histograms, and finished
-requests by reason (stop, length, abort, error). Each server has its own registry, so that
-several can live in one process (the tests). The engine thread writes them; a scrape reads."""
+tokens per second over the last ``RATE_WINDOW_S``), TTFT and TPOT histograms, finished requests
+by reason (stop, length, abort, error) and the engine's steps (graph, eager, prefill). Each
+server has its own registry, so that several can live in one process (the tests). The engine
+thread writes them; a scrape reads."""
 
 from __future__ import annotations
 
@@ -75,6 +76,16 @@ class ServeMetrics:
         )
         self._rate = TokenRate()
         self.tokens_per_second.set_function(self._rate.rate)  # computed at each scrape
+        self.engine_steps = Gauge(
+            "stepgraph_engine_steps", "engine steps since start: decode replayed by a graph, "
+            "decode run eagerly, packed prefill forwards", ["kind"], registry=r,
+        )  # fmt: skip
+
+    def watch(self, engine) -> None:
+        """Read ``engine.stats`` at each scrape (plain ints; nothing on the engine's path)."""
+        for kind, field in (("graph", "graph_steps"), ("eager", "eager_steps"),
+                            ("prefill", "prefill_steps")):  # fmt: skip
+            self.engine_steps.labels(kind).set_function(lambda f=field: getattr(engine.stats, f))
 
     def add_tokens(self, n: int, now: float) -> None:
         self.generation_tokens.inc(n)

@@ -126,6 +126,8 @@ class EngineWorker:
             self.engine = self._build()
             kv = self.engine.model_runner.kv_cache
             self.kv_pages_total = kv.num_pages - 1
+            if self.metrics is not None:
+                self.metrics.watch(self.engine)
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             self.error = e
             self._ready.set()
