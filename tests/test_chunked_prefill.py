@@ -167,3 +167,21 @@ def test_extend_refuses_chunks_past_their_pages():
     mr.extend([PrefillChunk(list(range(1, 17)), 0, pages)])  # exactly the page
     with pytest.raises(ConfigError, match="chunk 0 starts at -1"):
         mr.extend([PrefillChunk([1], -1, pages)])
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 3], [17, 2, 9], [40, 1, 1, 1, 1]])
+def test_extend_batch_keeps_the_kernels_specialisation(lens):
+    """Whatever the chunk count and lengths, the int32 index tensors start 16-byte aligned and
+    the table's row stride is a multiple of 16: Triton compiles no new variant per batch."""
+    from stepgraph.model.extend_batch import build_extend_batch
+
+    mr = _runner()
+    chunks = [PrefillChunk(list(range(1, n + 1)), 0, mr.kv_cache.reserve(n)) for n in lens]
+    b = build_extend_batch(chunks, mr.page_size, mr.device)
+    for t in (b.qo_indptr, b.kv_lens, b.block_table):
+        assert t.data_ptr() % 16 == 0 and t.dtype == torch.int32
+    assert b.block_table.stride(0) % 16 == 0 and b.block_table.shape[0] == len(lens)
+    assert b.qo_indptr.tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
+    assert b.kv_lens.tolist() == lens and b.last_idx.tolist() == [
+        x - 1 for x in b.qo_indptr[1:].tolist()
+    ]

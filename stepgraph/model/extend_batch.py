@@ -9,7 +9,8 @@ are packed end to end into ``T`` tokens:
     slots        [T]            int64  KV slot of each token (its K/V are written there)
     qo_indptr    [bs + 1]       int32  cumulative chunk lengths: chunk b is rows qo_indptr[b]..[b+1]
     kv_lens      [bs]           int32  start + len: the request's KV length after this chunk
-    block_table  [bs, W]        int32  each request's first W pages (W covers the longest kv_len)
+    block_table  [bs, W]        int32  each request's first W pages (W covers the longest kv_len,
+                                       rounded up to 16; scratch page 0 past a request's pages)
     last_idx     [bs]           int64  the packed row of each chunk's last token
 
 Every field is built on the host with numpy (no per-token Python loop) and reaches the device in
@@ -62,6 +63,14 @@ class ExtendBatch:
         return self.max_q_len_bound if self.max_q_len_bound is not None else max(self.q_lens)
 
 
+ALIGN = 16  # block-table width, in pages
+ALIGN_INT32 = 4  # int32 entries in 16 bytes
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
 def check_chunks(chunks: Sequence[PrefillChunk], page_size: int) -> None:
     """``ConfigError`` naming the chunk unless each is non-empty, starts at a position >= 0 and
     ends inside its pages."""
@@ -88,7 +97,9 @@ def build_extend_batch(
     q_lens = [len(c.tokens) for c in chunks]
     kv_lens = [c.end for c in chunks]
     bs, t = len(chunks), sum(q_lens)
-    width = -(-max(kv_lens) // page_size)  # pages of the longest request after this chunk
+    # pages of the longest request after this chunk, rounded up to 16 (page 0 past them): the
+    # table's row stride then never changes the extend kernel's Triton specialisation
+    width = _round_up(-(-max(kv_lens) // page_size), ALIGN)
     ids = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
     positions = np.concatenate([np.arange(c.start, c.end, dtype=np.int64) for c in chunks])
     table = np.zeros((bs, width), dtype=np.int64)  # scratch page 0 past a request's pages
@@ -97,24 +108,27 @@ def build_extend_batch(
         table[b, : len(row)] = row
     owner = np.repeat(np.arange(bs), q_lens)  # [T] chunk of each token
     slots = table[owner, positions // page_size] * page_size + positions % page_size
-    indptr = np.zeros(bs + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=indptr[1:])
-    # one host->device copy: [ids | positions | slots | last_idx | indptr | kv_lens | table]
+    indptr = np.zeros(_round_up(bs + 1, ALIGN_INT32), dtype=np.int64)
+    np.cumsum(q_lens, out=indptr[1 : bs + 1])
+    kv = np.zeros(_round_up(bs, ALIGN_INT32), dtype=np.int64)
+    kv[:bs] = kv_lens
+    # one host->device copy: [ids | positions | slots | last_idx | indptr | kv_lens | table];
+    # the int32 segments padded to 16 bytes, so each starts aligned (no new specialisation)
     host = torch.from_numpy(
-        np.concatenate([ids, positions, slots, indptr[1:] - 1, indptr, kv_lens, table.ravel()])
+        np.concatenate([ids, positions, slots, indptr[1 : bs + 1] - 1, indptr, kv, table.ravel()])
     )
     if device.type == "cuda":
         host = host.pin_memory()
     dev = host.to(device, non_blocking=True)
     ids_d, pos_d, slots_d, last_d, rest = dev.split([t, t, t, bs, dev.numel() - 3 * t - bs])
     small = rest.to(torch.int32)  # indptr, kv_lens and the table: int32 for the kernel
-    indptr_d, kv_d, table_d = small.split([bs + 1, bs, bs * width])
+    indptr_d, kv_d, table_d = small.split([len(indptr), len(kv), bs * width])
     return ExtendBatch(
         input_ids=ids_d,
         positions=pos_d,
         slots=slots_d,
-        qo_indptr=indptr_d,
-        kv_lens=kv_d,
+        qo_indptr=indptr_d[: bs + 1],
+        kv_lens=kv_d[:bs],
         block_table=table_d.view(bs, width),
         last_idx=last_d,
         q_lens=q_lens,
