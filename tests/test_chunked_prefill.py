@@ -185,3 +185,12 @@ def test_extend_batch_keeps_the_kernels_specialisation(lens):
     assert b.kv_lens.tolist() == lens and b.last_idx.tolist() == [
         x - 1 for x in b.qo_indptr[1:].tolist()
     ]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5])
+def test_generate_refuses_a_seed_outside_64_bits(seed):
+    engine = Engine(_runner(), "eager")
+    with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+        engine.generate([[1, 2]], 2, temperature=1.0, seed=seed)
+    assert not engine.has_unfinished
+    assert engine.generate([[1, 2]], 2, temperature=1.0, seed=2**64 - 1)  # the largest seed

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import StepGraphError
+from ..errors import ConfigError, StepGraphError
 from .requests import Sampling, check_request
 
 PREFILL_PROGRESS_DELAY_S = 2.0  # generate() shows a prefill bar once prefill takes this long
@@ -32,6 +32,8 @@ def run_to_completion(
         check_request(engine.model_runner, p, max_new_tokens, f"prompt {i} ({len(p)} tokens)")
     generator = None
     if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}.")
         generator = torch.Generator(device=engine.model_runner.device).manual_seed(seed)
     sampling = Sampling(temperature, top_k)  # checks them before anything is queued
     stops = dict(stop_ids=stop_ids, ignore_eos=ignore_eos)  # see add_request
