@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from stepgraph.model import ModelRunner
 from stepgraph.engine import Engine
+from stepgraph.model import ModelRunner
 from stepgraph.runner import RunnerConfig
 
 GPU_GROWTH_LIMIT = 2**20  # bytes

@@ -5,8 +5,10 @@
     logits = runner.replay(batch) if runner.can_run(batch) else model_runner.forward(batch)
 
 Subpackages: ``stepgraph.graph_update`` (per-token exec update of kernel nodes),
-``stepgraph.kernels`` (Triton split-KV flash decode), ``stepgraph.model`` (reference
-Llama/Qwen2), ``stepgraph.engine`` (the serving path), ``stepgraph.runner`` (seed 001), ``stepgraph.configs`` (seed 004).
+``stepgraph.kernels`` (Triton split-KV flash decode, extend attention), ``stepgraph.model``
+(reference Llama/Qwen2), ``stepgraph.engine`` (the serving path), ``stepgraph.serve`` (the
+OpenAI-compatible server), ``stepgraph.runner`` (the decode graph runner),
+``stepgraph.configs`` (declarative capture configs).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ pytest.importorskip("stepgraph.runner")
 
 from stepgraph.bucket_plan import padding_waste, read_trace  # noqa: E402
 from stepgraph.cli import main  # noqa: E402
-from stepgraph.model import ModelRunner  # noqa: E402
 from stepgraph.engine import Engine  # noqa: E402
+from stepgraph.model import ModelRunner  # noqa: E402
 from stepgraph.runner import RunnerConfig  # noqa: E402
 
 

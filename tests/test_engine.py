@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("stepgraph.runner")
 
+from stepgraph.engine import Engine, Sampling  # noqa: E402
 from stepgraph.errors import ConfigError  # noqa: E402
 from stepgraph.model import ModelRunner  # noqa: E402
-from stepgraph.engine import Engine, Sampling  # noqa: E402
 from stepgraph.runner import RunnerConfig  # noqa: E402
 
 VOCAB = 512

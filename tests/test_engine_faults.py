@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
+from stepgraph.engine import Engine, Sampling
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
-from stepgraph.engine import Engine, Sampling
 from stepgraph.runner import RunnerConfig
 
 from .guards import assert_kv_unchanged, fill_kv_random, kv_snapshot, time_limit

@@ -11,9 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from stepgraph.engine import Engine  # noqa: E402
 from stepgraph.errors import ConfigError  # noqa: E402
 from stepgraph.model import ModelConfig, ModelRunner  # noqa: E402
-from stepgraph.engine import Engine  # noqa: E402
 from stepgraph.model.hf_loader import load_hf_config  # noqa: E402
 
 ATOL = 1e-4

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from stepgraph.model import ModelRunner
 from stepgraph.engine import Engine, Sampling
+from stepgraph.model import ModelRunner
 from stepgraph.runner import RunnerConfig
 
 N = 20000

@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from stepgraph.model import ModelRunner
 from stepgraph.engine import Engine
+from stepgraph.model import ModelRunner
 from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.runner.stats_table import by_reason, compact_sizes

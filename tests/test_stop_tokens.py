@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("stepgraph.runner")
 
 from stepgraph.cli import main  # noqa: E402
-from stepgraph.model import ModelRunner  # noqa: E402
 from stepgraph.engine import Engine  # noqa: E402
+from stepgraph.model import ModelRunner  # noqa: E402
 
 VOCAB, NEW = 256, 10
 CONFIG = dict(

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from stepgraph.configs import PiecewiseRunner  # noqa: F401  (one base: the rule covers it)
+from stepgraph.engine import Engine
 from stepgraph.errors import ReplayError
 from stepgraph.model import ModelRunner
-from stepgraph.engine import Engine
 from stepgraph.model.graph_walks import build_decode_graph_runner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.toy_model import ToyModelRunner

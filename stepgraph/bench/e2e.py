@@ -2,13 +2,13 @@
 beside the GPU step of the other modes at the same points.
 
 At each point ``(bs, context)`` the overlapped ``Engine`` (mode exact on CUDA, graph on the
-CPU stand-in; the same kernels and buckets) serves ``bs`` requests whose prompts end ``E2E_NEW_TOKENS`` short of ``context``, eos
-ignored, and every ``engine.step()`` is timed on the host. A decode-only step (no prefill in
-it, all ``bs`` requests decoding) costs, in steady state, what one step of the loop costs the
-user: the batch built on the host, the replay, sampling, the token copies. The row is the
-median of those steps, after one untimed run of the same point (Triton compiles, caches).
-Points past ``E2E_MAX_CONTEXT`` are skipped: their prompts would take longer to prefill than
-the rest of the bench."""
+CPU stand-in; the same kernels and buckets) serves ``bs`` requests whose prompts end
+``E2E_NEW_TOKENS`` short of ``context``, eos ignored, and every ``engine.step()`` is timed on
+the host. A decode-only step (no prefill in it, all ``bs`` requests decoding) costs, in steady
+state, what one step of the loop costs the user: the batch built on the host, the replay,
+sampling, the token copies. The row is the median of those steps, after one untimed run of
+the same point (Triton compiles, caches). Points past ``E2E_MAX_CONTEXT`` are skipped: their
+prompts would take longer to prefill than the rest of the bench."""
 
 from __future__ import annotations
 

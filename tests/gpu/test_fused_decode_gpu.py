@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
+from stepgraph.engine import Engine
 from stepgraph.kernels.pdl import PDL_ENV
 from stepgraph.model import ModelRunner
-from stepgraph.engine import Engine
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 DEV = "cuda"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.model import ModelRunner
 from stepgraph.engine import Engine
+from stepgraph.model import ModelRunner
 from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import RunnerConfig
 

@@ -20,8 +20,8 @@ import copy
 import pytest
 import torch
 
-from stepgraph.model import ModelRunner
 from stepgraph.engine import Engine
+from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 DEV = "cuda"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepgraph.model import ModelRunner
 from stepgraph.engine import Engine
+from stepgraph.model import ModelRunner
 from stepgraph.runner import RunnerConfig
 
 pytestmark = pytest.mark.cuda

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from stepgraph.engine import Engine
 from stepgraph.model.config import get_preset
 from stepgraph.model.distributed import init_distributed
-from stepgraph.engine import Engine
 from stepgraph.model.llama import build_model, init_random
 from stepgraph.model.model_runner import ModelRunner
 from stepgraph.model.parallel import shard_model
