@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
+import sys
 import tempfile
 import time
 import traceback
@@ -222,6 +224,11 @@ def _rank_main(rank: int, rendezvous: str, err_dir: str, fn_name: str, *args) ->
         raise
     finally:
         dist.destroy_process_group()
+    # Done: exit now. At interpreter exit gloo's threads sometimes abort the process (SIGABRT,
+    # "terminate called without an active exception"; stepgraph.model.launch.exit_after_group).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(fn_name: str, *args, err_dir: str | None = None) -> None:
