@@ -124,3 +124,14 @@ def test_engine_graph_prefill_gives_eagers_tokens(mode):
     assert engine.generate(prompts, 6) == want
     assert engine.prefiller.stats.graph_batches >= 3
     engine.shutdown()
+
+
+def test_graph_prefill_has_a_pool_of_its_own():
+    """Its graphs replay between the decode runner's: a shared pool would let one's scratch
+    overwrite the other's outputs."""
+    config = RunnerConfig(max_bs=6, show_progress=False)
+    small = dict(token_buckets=(8,), max_chunks=2)
+    engine = Engine(_runner(), "graph", config, prefill="graph", prefill_config=small)
+    decode, prefill = engine.runner.pool.handle, engine.prefiller.pool.handle
+    assert decode is not None and prefill is not None and prefill is not decode
+    engine.shutdown()

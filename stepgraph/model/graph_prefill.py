@@ -33,6 +33,7 @@ import torch
 from ..backends import canonical_device
 from ..buckets import pad_to_bucket, validate_buckets
 from ..errors import ConfigError
+from ..graph_pool import GraphPool
 from ..runner.base import GraphRunnerBase
 from ..runner.capture import capture_loop, capture_step
 from ..runner.stats import BucketStats, CaptureStats
@@ -74,7 +75,9 @@ class GraphPrefill(GraphRunnerBase):
         self.token_buckets = list(token_buckets)
         self.max_chunks = max_chunks
         self.width = model_runner.max_pages_per_request  # W
-        self._init_graphs(self.device, backend, pool)
+        # a pool of its own (as PiecewisePrefill): its graphs replay between the decode
+        # runner's, so sharing that pool would leave their outputs open to each other's scratch
+        self._init_graphs(self.device, backend, pool or GraphPool())
         self._static = torch.zeros(self._length(self.token_buckets[-1]), dtype=torch.int64,
                                    device=self.device)  # fmt: skip
         self._live: tuple[list[int], list[int], list[list[int]]] = ([1], [1], [[0]])
