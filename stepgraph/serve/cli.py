@@ -7,19 +7,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli_args import UsageError, model_config, positive_int, resolve_device, seed_int
+from ..cli_args import (
+    UsageError,
+    model_config,
+    nonneg_float,
+    positive_int,
+    resolve_device,
+    seed_int,
+)
 
 WARMUP_PROMPT = list(range(1, 17))  # one short request before serving: first-use compiles
-
-
-def nonneg_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return value
 
 
 def port_number(text: str) -> int:
@@ -98,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_int, default=0, help="random weights of a preset")
     p.add_argument(
         "--shutdown-timeout",
-        type=nonneg_seconds,
+        type=nonneg_float,
         default=30.0,
         help="on SIGINT/SIGTERM, seconds requests in flight get to finish",
     )
