@@ -89,52 +89,81 @@ def check_chunks(chunks: Sequence[PrefillChunk], page_size: int) -> None:
             )
 
 
+@dataclass(frozen=True)
+class ExtendLayout:
+    """Sizes of the one int64 buffer an extend batch travels in:
+    ``[ids T | positions T | slots T | last_idx B | indptr I | kv_lens K | table B * W]``, where
+    ``I >= B + 1`` and ``K >= B`` leave room to align the int32 segments. Entries past the live
+    chunks are padding: token 0 at position 0 writing scratch slot 0, empty chunks."""
+
+    tokens: int  # T
+    chunks: int  # B
+    width: int  # W, block-table columns
+    indptr: int  # I
+    kv: int  # K
+
+    def sizes(self) -> list[int]:
+        t, b = self.tokens, self.chunks
+        return [t, t, t, b, self.indptr, self.kv, b * self.width]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes())
+
+
+def pack_extend(chunks: Sequence[PrefillChunk], page_size: int, layout: ExtendLayout) -> np.ndarray:
+    """The host buffer of ``layout`` holding ``chunks`` (checked by ``check_chunks``), padded."""
+    q_lens = [len(c.tokens) for c in chunks]
+    out = np.zeros(layout.numel, dtype=np.int64)
+    ids, pos, slots, last, indptr, kv_lens, table = np.split(out, np.cumsum(layout.sizes()[:-1]))
+    table = table.reshape(layout.chunks, layout.width)
+    n, live = sum(q_lens), len(chunks)
+    if live:
+        ids[:n] = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
+        pos[:n] = np.concatenate([np.arange(c.start, c.end, dtype=np.int64) for c in chunks])
+        for b, c in enumerate(chunks):
+            row = np.asarray(c.pages[: layout.width], dtype=np.int64)
+            table[b, : len(row)] = row
+        owner = np.repeat(np.arange(live), q_lens)  # [n] chunk of each token
+        slots[:n] = table[owner, pos[:n] // page_size] * page_size + pos[:n] % page_size
+        np.cumsum(q_lens, out=indptr[1 : live + 1])
+        last[:live] = indptr[1 : live + 1] - 1
+        kv_lens[:live] = [c.end for c in chunks]
+    indptr[live + 1 :] = n  # empty chunks (and alignment room) past the live ones
+    return out
+
+
+def unpack_extend(
+    buffer: torch.Tensor, layout: ExtendLayout
+) -> tuple[torch.Tensor, ...]:  # ids, positions, slots, indptr, kv_lens, table, last_idx
+    """Views of the fields in ``buffer`` (``layout``, on the device); the int32 ones cast."""
+    t, b = layout.tokens, layout.chunks
+    ids, pos, slots, last, rest = buffer[: layout.numel].split(
+        [t, t, t, b, layout.numel - 3 * t - b]
+    )
+    indptr, kv_lens, table = rest.to(torch.int32).split(layout.sizes()[4:])
+    return ids, pos, slots, indptr[: b + 1], kv_lens[:b], table.view(b, layout.width), last
+
+
 def build_extend_batch(
     chunks: Sequence[PrefillChunk], page_size: int, device: torch.device
 ) -> ExtendBatch:
-    """The packed batch of ``chunks`` on ``device`` (module docstring)."""
+    """The packed batch of ``chunks`` on ``device`` (module docstring): one host-to-device copy.
+    The table width is rounded up to 16 pages and the int32 segments to 16 bytes, so a new
+    batch shape never changes the extend kernel's Triton specialisation."""
     check_chunks(chunks, page_size)
-    q_lens = [len(c.tokens) for c in chunks]
-    kv_lens = [c.end for c in chunks]
-    bs, t = len(chunks), sum(q_lens)
-    # pages of the longest request after this chunk, rounded up to 16 (page 0 past them): the
-    # table's row stride then never changes the extend kernel's Triton specialisation
+    q_lens, kv_lens = [len(c.tokens) for c in chunks], [c.end for c in chunks]
+    bs = len(chunks)
     width = _round_up(-(-max(kv_lens) // page_size), ALIGN)
-    ids = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
-    positions = np.concatenate([np.arange(c.start, c.end, dtype=np.int64) for c in chunks])
-    table = np.zeros((bs, width), dtype=np.int64)  # scratch page 0 past a request's pages
-    for b, c in enumerate(chunks):
-        row = np.asarray(c.pages[:width], dtype=np.int64)
-        table[b, : len(row)] = row
-    owner = np.repeat(np.arange(bs), q_lens)  # [T] chunk of each token
-    slots = table[owner, positions // page_size] * page_size + positions % page_size
-    indptr = np.zeros(_round_up(bs + 1, ALIGN_INT32), dtype=np.int64)
-    np.cumsum(q_lens, out=indptr[1 : bs + 1])
-    kv = np.zeros(_round_up(bs, ALIGN_INT32), dtype=np.int64)
-    kv[:bs] = kv_lens
-    # one host->device copy: [ids | positions | slots | last_idx | indptr | kv_lens | table];
-    # the int32 segments padded to 16 bytes, so each starts aligned (no new specialisation)
-    host = torch.from_numpy(
-        np.concatenate([ids, positions, slots, indptr[1 : bs + 1] - 1, indptr, kv, table.ravel()])
+    layout = ExtendLayout(
+        sum(q_lens), bs, width, _round_up(bs + 1, ALIGN_INT32), _round_up(bs, ALIGN_INT32)
     )
+    host = torch.from_numpy(pack_extend(chunks, page_size, layout))
     if device.type == "cuda":
         host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
-    ids_d, pos_d, slots_d, last_d, rest = dev.split([t, t, t, bs, dev.numel() - 3 * t - bs])
-    small = rest.to(torch.int32)  # indptr, kv_lens and the table: int32 for the kernel
-    indptr_d, kv_d, table_d = small.split([len(indptr), len(kv), bs * width])
-    return ExtendBatch(
-        input_ids=ids_d,
-        positions=pos_d,
-        slots=slots_d,
-        qo_indptr=indptr_d[: bs + 1],
-        kv_lens=kv_d[:bs],
-        block_table=table_d.view(bs, width),
-        last_idx=last_d,
-        q_lens=q_lens,
-        kv_lens_host=kv_lens,
-        pages=[list(c.pages) for c in chunks],
-    )
+    fields = unpack_extend(host.to(device, non_blocking=True), layout)
+    pages = [list(c.pages) for c in chunks]
+    return ExtendBatch(*fields, q_lens=q_lens, kv_lens_host=kv_lens, pages=pages)
 
 
 def prompt_chunks(
@@ -146,4 +175,13 @@ def prompt_chunks(
     return [PrefillChunk(list(p), 0, list(pg)) for p, pg in zip(prompts, pages)]
 
 
-__all__ = ["ExtendBatch", "PrefillChunk", "build_extend_batch", "check_chunks", "prompt_chunks"]
+__all__ = [
+    "ExtendBatch",
+    "ExtendLayout",
+    "PrefillChunk",
+    "build_extend_batch",
+    "check_chunks",
+    "pack_extend",
+    "prompt_chunks",
+    "unpack_extend",
+]

@@ -9,7 +9,8 @@ kernel takes its geometry from device tensors (``qo_indptr``, ``kv_lens``, the b
 a grid sized by a host bound, so the whole forward can be captured: one graph per token bucket
 ``T``, every chunk of a batch in it, up to ``max_chunks`` chunks.
 
-Static inputs, one int64 buffer laid out per bucket (one host-to-device copy per replay):
+Static inputs, one int64 buffer laid out per bucket (``extend_batch.ExtendLayout``, packed by
+``pack_extend`` as the eager batch is; one host-to-device copy per replay):
 
     input_ids [T] | positions [T] | slots [T] | last_idx [B] | qo_indptr [B + 1] | kv_lens [B]
     | block_table [B * W]                              (B = max_chunks, W = max pages a request)
@@ -27,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..backends import canonical_device
@@ -37,7 +37,15 @@ from ..graph_pool import GraphPool
 from ..runner.base import GraphRunnerBase
 from ..runner.capture import capture_loop, capture_step
 from ..runner.stats import BucketStats, CaptureStats
-from .extend_batch import ExtendBatch, PrefillChunk, check_chunks, prompt_chunks
+from .extend_batch import (
+    ExtendBatch,
+    ExtendLayout,
+    PrefillChunk,
+    check_chunks,
+    pack_extend,
+    prompt_chunks,
+    unpack_extend,
+)
 from .model_runner import ModelRunner
 
 DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)
@@ -78,7 +86,7 @@ class GraphPrefill(GraphRunnerBase):
         # a pool of its own (as PiecewisePrefill): its graphs replay between the decode
         # runner's, so sharing that pool would leave their outputs open to each other's scratch
         self._init_graphs(self.device, backend, pool or GraphPool())
-        self._static = torch.zeros(self._length(self.token_buckets[-1]), dtype=torch.int64,
+        self._static = torch.zeros(self._layout(self.token_buckets[-1]).numel, dtype=torch.int64,
                                    device=self.device)  # fmt: skip
         self._live: tuple[list[int], list[int], list[list[int]]] = ([1], [1], [[0]])
         self.stats = GraphPrefillStats()
@@ -90,21 +98,15 @@ class GraphPrefill(GraphRunnerBase):
         """The graph runners behind this prefill (the engine's thread rule reaches them)."""
         return [self]
 
-    def _length(self, t: int) -> int:
+    def _layout(self, t: int) -> ExtendLayout:
         b = self.max_chunks
-        return 3 * t + b + (b + 1) + b + b * self.width
+        return ExtendLayout(t, b, self.width, b + 1, b)
 
     def _views(self, t: int) -> ExtendBatch:
         """The static inputs of bucket ``t`` as an extend batch (int32 fields cast in-graph)."""
-        b, s = self.max_chunks, self._static
-        ids, pos, slots, last, rest = s[: self._length(t)].split(
-            [t, t, t, b, self._length(t) - 3 * t - b]
-        )
-        small = rest.to(torch.int32)
-        indptr, kv_lens, table = small.split([b + 1, b, b * self.width])
+        fields = unpack_extend(self._static, self._layout(t))
         q_lens, kv_host, pages = self._live  # host copies: only the CPU attention reads them
-        return ExtendBatch(ids, pos, slots, indptr, kv_lens, table.view(b, self.width), last,
-                           q_lens, kv_host, pages, max_q_len_bound=t)  # fmt: skip
+        return ExtendBatch(*fields, q_lens, kv_host, pages, max_q_len_bound=t)
 
     # -- capture -----------------------------------------------------------------------------
 
@@ -141,7 +143,8 @@ class GraphPrefill(GraphRunnerBase):
 
     def _fill_padding(self, t: int) -> None:
         """A batch of no live chunk: every token padding, every chunk empty."""
-        self._static[: self._length(t)].copy_(torch.from_numpy(self._host(t, [])))
+        host = pack_extend([], self.mr.page_size, self._layout(t))
+        self._static[: host.size].copy_(torch.from_numpy(host))
 
     # -- replay ------------------------------------------------------------------------------
 
@@ -168,7 +171,7 @@ class GraphPrefill(GraphRunnerBase):
             return self.mr.extend(chunks)
         check_chunks(chunks, self.mr.page_size)
         t = pad_to_bucket(sum(lens), self.token_buckets)
-        host = torch.from_numpy(self._host(t, chunks))
+        host = torch.from_numpy(pack_extend(chunks, self.mr.page_size, self._layout(t)))
         if self.device.type == "cuda":
             host = host.pin_memory()
         self._static[: host.numel()].copy_(host, non_blocking=True)
@@ -176,30 +179,6 @@ class GraphPrefill(GraphRunnerBase):
         self.graphs[t].replay()
         self.stats.graph_batches += 1
         return self.graphs[t].output[: len(chunks)]
-
-    def _host(self, t: int, chunks: Sequence[PrefillChunk]) -> np.ndarray:
-        """The static layout of bucket ``t`` holding ``chunks`` (module docstring), padded."""
-        b, w, ps = self.max_chunks, self.width, self.mr.page_size
-        out = np.zeros(self._length(t), dtype=np.int64)
-        ids, pos, slots, last, indptr, kv_lens, table = np.split(
-            out, np.cumsum([t, t, t, b, b + 1, b])
-        )
-        table = table.reshape(b, w)
-        row = 0
-        for i, c in enumerate(chunks):
-            n = len(c.tokens)
-            p = np.arange(c.start, c.end)
-            owned = np.asarray(c.pages[:w], dtype=np.int64)
-            table[i, : len(owned)] = owned
-            ids[row : row + n] = c.tokens
-            pos[row : row + n] = p
-            slots[row : row + n] = owned[p // ps] * ps + p % ps
-            kv_lens[i] = c.end
-            row += n
-            last[i] = row - 1
-            indptr[i + 1] = row
-        indptr[len(chunks) + 1 :] = row  # empty chunks past the live ones
-        return out
 
     def shutdown(self) -> None:
         self._release_graphs()
