@@ -93,26 +93,26 @@ def test_steps_return_the_tokens_of_the_step_before():
 
 
 class LaggingDevice:
-    """Every launched step still runs until its tokens are waited for (a device that is always
+    """Every launched step still runs until it is waited for (a device that is always
     behind the host); reserved pages must never belong to a request of a running step."""
 
     def __init__(self, monkeypatch, engine: Engine) -> None:
         self.running: list[overlap_mod.InFlight] = []
         self.owner: dict[int, int] = {}  # page -> request id that last held it
-        launch, wait = overlap_mod.InFlight.launch.__func__, overlap_mod.InFlight.wait
+        launch, sync = overlap_mod.InFlight.launch.__func__, overlap_mod.InFlight.synchronize
 
         def lagging_launch(cls, rows, tokens):
             step = launch(cls, rows, tokens)
             self.running.append(step)
             return step
 
-        def lagging_wait(step):
+        def lagging_sync(step):
             if step in self.running:
                 self.running.remove(step)
-            return wait(step)
+            return sync(step)
 
         monkeypatch.setattr(overlap_mod.InFlight, "launch", classmethod(lagging_launch))
-        monkeypatch.setattr(overlap_mod.InFlight, "wait", lagging_wait)
+        monkeypatch.setattr(overlap_mod.InFlight, "synchronize", lagging_sync)
         monkeypatch.setattr(overlap_mod.InFlight, "done", property(lambda s: s not in self.running))
         kv = engine.model_runner.kv_cache
         reserve, release = kv.reserve, kv.release

@@ -49,10 +49,14 @@ class InFlight:
         """True once the step ran and its tokens are on the host (never blocks)."""
         return self.event is None or self.event.query()
 
-    def wait(self) -> list[int]:
-        """The step's tokens on the host; blocks until the step has run."""
+    def synchronize(self) -> None:
+        """Block until the step has run."""
         if self.event is not None:
             self.event.synchronize()
+
+    def wait(self) -> list[int]:
+        """The step's tokens on the host; blocks until the step has run."""
+        self.synchronize()
         return self.host.tolist()
 
 
@@ -78,7 +82,7 @@ class PendingPages:
         for step, pages in self._items:
             if step is None or wait or step.done:
                 if step is not None and wait:
-                    step.wait()
+                    step.synchronize()
                 self._release(pages)
                 freed += len(pages)
             else:
