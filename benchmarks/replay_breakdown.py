@@ -37,6 +37,8 @@ def parts_of_one_replay(runner: CudaGraphRunner, batch, repeats: int = 300) -> d
         )
         t.append(clock())
         runner.graphs[bucket].replay()
+        if runner._staging is not None:
+            runner._staging.replayed()
         t.append(clock())
         runner.output_buffers[bucket][: batch.batch_size]
         t.append(clock())
@@ -67,10 +69,14 @@ def main() -> None:
     b1.packed = pack_batch(b1)
     b1.packed_cpu = b1.packed.cpu()
     result = {}
-    for checks in ("host", "off"):
+    for checks, staged in (("host", None), ("off", None), ("host", False)):
         runner = CudaGraphRunner(
-            mr, RunnerConfig(max_bs=32, show_progress=False, check_inputs=checks)
+            mr,
+            RunnerConfig(
+                max_bs=32, show_progress=False, check_inputs=checks, pinned_staging=staged
+            ),
         )
+        checks = checks if staged is None else f"{checks}_unstaged"
         runner.replay(b1)
         result[f"parts_checks_{checks}"] = parts_of_one_replay(runner, b1)
         result[f"value_checks_alone_{checks}"] = bare_us(

@@ -42,6 +42,9 @@ class ForwardBatch:
     # The host rows ``packed`` was copied from, when the builder kept them: the runner checks
     # values there without a device sync (``stepgraph.runner.input_checks``).
     packed_cpu: torch.Tensor | None = None
+    # True when the builder already checked every value (an engine that built the rows from
+    # its own allocator and sampler): the runner then skips its value checks of the host rows.
+    values_checked: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -52,7 +55,8 @@ class ForwardBatch:
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("seq_lens_cpu", "mode", "max_seq_len", "packed", "packed_cpu")
+            if f.name
+            not in ("seq_lens_cpu", "mode", "max_seq_len", "packed", "packed_cpu", "values_checked")
         }
 
 

@@ -205,3 +205,26 @@ def test_abort_frees_its_pages_and_refuses_unknown_ids():
     engine.drain()
     assert engine.model_runner.kv_cache.allocator.num_free == free
     assert running not in engine.finished and not engine.has_unfinished
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_decode_rows_read_the_last_step_from_the_feed(staged):
+    """In graph mode the host builds every decode batch without the last step's tokens: rows
+    that continue a request carry ``-1 - j`` (row j of the step before, in the runner's feed),
+    and the tokens still equal the synchronous loop's."""
+    mix = _mix(3)
+    config = RunnerConfig(max_bs=4, show_progress=False, pinned_staging=staged)
+    engine = Engine(_runner(), "graph", config, max_running=4, overlap=True)
+    runner = engine.decoder.runner
+    assert runner.feed.data_ptr() == engine.model_runner.greedy_tokens.data_ptr()
+    fed, replay = [], runner.replay
+
+    def spy(batch):
+        fed.append(int(batch.packed_cpu[:, 0].min()) < 0)
+        assert batch.values_checked and (batch.packed is None) == staged
+        return replay(batch)
+
+    runner.replay = spy
+    got = _drive(engine, mix)
+    assert any(fed) and engine.stats.eager_steps == 0
+    assert got == _drive(_engine("graph", False, max_running=4), mix)

@@ -14,6 +14,7 @@ from ..batch import unpacked_batch
 from ..model.decode_rows import block_table
 from ..model.graph_walks import DECODE_WALK
 from ..model.model_runner import ModelRunner
+from ..runner.feed import feed_id
 from .overlap import InFlight
 from .requests import EngineStats, Request
 
@@ -32,8 +33,10 @@ class DecodePath:
         from ..runner import CudaGraphRunner, RunnerConfig
 
         config = runner_config or RunnerConfig(max_bs=model_runner.max_bs, show_progress=False)
-        if decode_via == "runner":
-            self.runner = CudaGraphRunner(model_runner, replace(config, mode=mode))
+        if decode_via == "runner":  # input ids of the last step's rows: read from the feed
+            self.runner = CudaGraphRunner(
+                model_runner, replace(config, mode=mode), feed=model_runner.greedy_tokens
+            )
         else:
             from ..model.graph_walks import build_decode_graph_runner
 
@@ -54,6 +57,9 @@ class DecodePath:
         """One decode step of ``reqs``, each feeding its last token; counts it in ``stats``.
         With ``prev`` (the step before, still in flight) the tokens are read from its device
         output, row by row; else from each request's output on the host."""
+        fed = self._replay_fed(reqs, stats, prev)
+        if fed is not None:
+            return fed
         mr = self.model_runner
         if prev is None:
             tokens, source = [r.output[-1] for r in reqs], None
@@ -67,6 +73,7 @@ class DecodePath:
             # the graph runner copies only the packed rows: skip building contiguous fields
             contiguous_fields=self.runner is None or not self.runner.config.packed_inputs,
             tokens_from=source,
+            values_checked=True,  # sampled ids, admitted lengths, the allocator's pages
         )
         if self.runner is not None:
             if self.runner.can_run(batch):
@@ -85,6 +92,42 @@ class DecodePath:
             return logits
         stats.eager_steps += 1
         return mr.forward(batch)
+
+    def _replay_fed(
+        self, reqs: Sequence[Request], stats: EngineStats, prev: InFlight | None
+    ) -> torch.Tensor | None:
+        """The replay of a batch built all on the host: ids of the last step's rows point into
+        the runner's feed (``runner/feed.py``), and a staged runner copies the rows inside the
+        graph, so the host launches the graph and nothing else. ``None`` where it does not
+        apply (no runner, a batch above its buckets, more rows in flight than the feed)."""
+        runner = self.runner
+        if runner is None or len(reqs) > runner.max_bs:
+            return None
+        feed = runner.feed
+        if prev is None:
+            tokens = [r.output[-1] for r in reqs]
+        elif prev.tokens.shape[0] > feed.shape[0]:
+            return None
+        else:
+            if not prev.fed:  # sampled outside the step (else the fused argmax wrote the feed)
+                n = prev.tokens.shape[0]
+                if prev.tokens.data_ptr() != feed.data_ptr():
+                    feed[:n].copy_(prev.tokens)
+                prev.fed = True
+            tokens = [feed_id(prev.row_of[r.rid]) for r in reqs]
+        batch = self.model_runner.decode_batch(
+            tokens,
+            [len(r.prompt) + r.scheduled - 1 for r in reqs],
+            [r.pages for r in reqs],
+            table=self._block_table(reqs),
+            contiguous_fields=False,
+            device_copy=not runner.staged,
+            values_checked=True,
+        )
+        if not runner.can_run(batch):
+            return None
+        stats.graph_steps += 1
+        return runner.replay(batch)  # a static buffer: sampled before the next replay
 
     def _block_table(self, reqs: Sequence[Request]):
         """The batch's block table, rebuilt only when its requests change (each keeps its

@@ -213,6 +213,8 @@ class ModelRunner:
         contiguous_fields: bool = True,
         tokens_from: torch.Tensor | None = None,
         table: np.ndarray | None = None,
+        device_copy: bool = True,
+        values_checked: bool = False,
     ) -> ForwardBatch:
         """The decode batch where request ``i`` (owning ``pages[i]``) feeds ``tokens[i]`` at
         ``positions[i]``; its KV then holds ``positions[i] + 1`` tokens.
@@ -225,20 +227,25 @@ class ModelRunner:
 
         One host->device copy of the packed rows ``[bs, PACKED.width(max_pages)]`` int64
         (``stepgraph.batch.PACKED``). ``contiguous_fields=False`` leaves the fields as
-        zero-copy views, which is all a graph runner with packed inputs reads."""
+        zero-copy views, all a graph runner with packed inputs reads. ``device_copy=False``: no
+        copy, host rows only (all a staged runner reads, ``runner.staged``). ``values_checked``:
+        the caller vouches for every value (the runner then skips its value checks)."""
         bs, counts = len(tokens), [len(pg) for pg in pages]
         table = table if table is not None else block_table(pages, self.max_pages_per_request)
         shape = (bs, PACKED.width(self.max_pages_per_request))
-        host = torch.empty(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        pin = device_copy and self.device.type == "cuda"  # a non_blocking copy reads it
+        host = torch.empty(shape, dtype=torch.int64, pin_memory=pin)
         decode_rows(tokens, positions, table, counts, self.page_size, out=host.numpy())
         seq_lens = PACKED.column(host, "seq_lens").to(torch.int32)
-        packed = host.to(self.device, non_blocking=True)
+        packed = host.to(self.device, non_blocking=True) if device_copy else host
         if tokens_from is not None:
             ids = PACKED.column(packed, "input_ids")  # [bs] rows of tokens_from, for now
             ids.copy_(tokens_from[ids])
         batch = unpacked_batch(packed, seq_lens, copy=contiguous_fields)
         batch.max_seq_len = int(seq_lens.max()) if bs else 0
         batch.packed_cpu = host  # the runner checks values here, before its copy
+        batch.values_checked = values_checked
+        batch.packed = batch.packed if device_copy else None  # nothing of it is on the device
         return batch
 
     # -- steps -------------------------------------------------------------------------------

@@ -37,8 +37,9 @@ class RunnerConfig:
     # device copies) instead of one host launch per field. See ``stepgraph.batch.pack_batch``.
     packed_inputs: bool = True
     # Write the packed rows into one of two pinned host slots and copy them to the device
-    # inside the graph (``runner/staging.py``): no device copy launched per replay.
-    pinned_staging: bool = False
+    # inside the graph (``runner/staging.py``): no device copy launched per replay. ``None``
+    # (default): on where it wins, CUDA graphs of packed inputs (``stages``).
+    pinned_staging: bool | None = None
     # Value checks before each replay (``runner/input_checks.py``): "host" checks host copies
     # (no sync), "full" also device-only tensors (a sync: debugging), "off" nothing.
     check_inputs: str = "host"
@@ -57,7 +58,11 @@ class RunnerConfig:
             raise ConfigError(
                 f"check_inputs must be one of {CHECK_LEVELS}, got {self.check_inputs!r}."
             )
-        if self.pinned_staging and not self.packed_inputs:
+        if not (self.pinned_staging is None or isinstance(self.pinned_staging, bool)):
+            raise ConfigError(
+                f"pinned_staging must be True, False or None (auto), got {self.pinned_staging!r}."
+            )
+        if self.pinned_staging is True and not self.packed_inputs:
             raise ConfigError(
                 "pinned_staging stages the packed rows; set packed_inputs=True with it, or "
                 "pinned_staging=False."
@@ -71,6 +76,14 @@ class RunnerConfig:
             validate_buckets(self.capture_bs)
         elif self.max_bs < 1:
             raise ConfigError(f"max_bs must be >= 1, got {self.max_bs}.")
+
+    def stages(self, backend_is_cuda: bool) -> bool:
+        """Whether replays stage the packed rows in pinned memory: as set, or by default on
+        CUDA graphs of packed inputs (a replay then launches nothing but the graph; measured
+        in ``benchmarks/runner_overhead.py``). The CPU stand-in stages only when asked."""
+        if self.pinned_staging is None:
+            return backend_is_cuda and self.packed_inputs
+        return self.pinned_staging
 
     def buckets(self) -> list[int]:
         if self.capture_bs is not None:

@@ -15,11 +15,12 @@ retunes attention nodes in mode "exact", replays, and returns the first ``bs`` o
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
-from ..backends import CapturedGraph, canonical_device
-from ..batch import BATCH_DTYPES, ForwardBatch, ForwardMode, ModelRunnerLike, check_model_runner
+from ..backends import CapturedGraph, CudaGraphBackend, canonical_device
+from ..batch import ForwardBatch, ForwardMode, ModelRunnerLike, check_model_runner
 from ..buckets import pad_to_bucket
 from ..errors import ReplayError
 from ..graph_pool import GraphPool
@@ -27,13 +28,12 @@ from ..graph_update.exec_updater import ExecUpdater, default_exec_updater
 from .base import GraphRunnerBase
 from .capture import capture_loop, capture_step, logger
 from .config import RunnerConfig
+from .feed import check_feed, resolve_feed
 from .input_buffers import GraphInputBuffers
-from .input_checks import InputLimits, check_values
+from .input_checks import InputLimits, batch_problem, check_values
 from .shared_output import SharedOutput, takes_out
 from .staging import PinnedStaging
 from .stats import BucketStats, CaptureStats, RunnerStats
-
-_DEVICE_FIELDS = tuple((n, d) for n, d in BATCH_DTYPES.items() if n != "seq_lens_cpu")
 
 __all__ = ["CudaGraphRunner", "RunnerConfig", "logger"]
 
@@ -51,9 +51,13 @@ class CudaGraphRunner(GraphRunnerBase):
         exec_updater: ExecUpdater | None = None,
         capture: bool = True,
         pool: GraphPool | None = None,
+        feed: torch.Tensor | None = None,
     ) -> None:
         """``pool``: the graph memory pool to capture into; default: the process-wide pool
-        (``set_global_graph_memory_pool``), shared by every runner."""
+        (``set_global_graph_memory_pool``), shared by every runner. ``feed``: ``[F]`` int64 on
+        the device, at a fixed address: a batch row of input id ``-1 - j`` replays with
+        ``feed[j]``, gathered inside the graph (``runner/feed.py``: the overlapped loop's
+        input, with no host round trip)."""
         check_model_runner(model_runner, type(self).__name__)  # names what is missing
         self.model_runner = model_runner
         self.config = config = config if config is not None else RunnerConfig()
@@ -67,12 +71,13 @@ class CudaGraphRunner(GraphRunnerBase):
         self.buffers = GraphInputBuffers.allocate(
             self.max_bs, model_runner.max_pages_per_request, self.device, self.seq_len_fill_value
         )
+        self._init_graphs(self.device, config.backend, pool)
         self._staging = (  # pinned host rows, copied to the device inside each graph
             PinnedStaging(self.buffers.packed_pad, self.max_bs, self.device)
-            if config.pinned_staging
+            if config.stages(isinstance(self._backend, CudaGraphBackend))
             else None
         )
-        self._init_graphs(self.device, config.backend, pool)
+        self.feed = check_feed(feed, self.device)  # device ids that batch ids -1 - j read
         self.graphs: dict[int, CapturedGraph]
         self.output_buffers: dict[int, torch.Tensor] = {}
         self.stats = RunnerStats()
@@ -86,6 +91,9 @@ class CudaGraphRunner(GraphRunnerBase):
         self._out_rows: dict[int, torch.Tensor] = {}  # bs -> rows [:bs] of the shared output
         self._max_context: int | None = getattr(model_runner, "max_context_len", None)
         self._limits = InputLimits.of(model_runner)
+        if self.feed is not None:
+            self._limits = replace(self._limits, feed_size=self.feed.shape[0])
+        self._bucket_of: dict[int, int] = {}  # bs -> its bucket (pad_to_bucket, cached)
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
         if capture:
             self.capture()
@@ -127,6 +135,8 @@ class CudaGraphRunner(GraphRunnerBase):
                 self._staging.upload(bs, self.buffers.packed)
             if unpack:
                 self.buffers.unpack(bs)
+            if self.feed is not None:
+                resolve_feed(static.input_ids, self.feed)
             dst = self._shared.rows(bs) if direct else None
             if dst is not None:
                 forward(static, out=dst)  # no [bs, vocab] temporary in the pool
@@ -182,41 +192,27 @@ class CudaGraphRunner(GraphRunnerBase):
         return None
 
     def _input_problem(self, batch: ForwardBatch) -> str | None:
-        bs = batch.batch_size
-        if batch.seq_lens_cpu.device.type != "cpu" or batch.seq_lens_cpu.shape[0] != bs:
-            return f"seq_lens_cpu must be a host tensor of {bs} rows"
-        packed = batch.packed
-        if packed is not None and self.config.packed_inputs:  # the only tensor that is copied
-            width = self.buffers.packed.shape[1]
-            if packed.dtype is not torch.int64 or packed.device != self.device:
-                return (
-                    f"packed is {packed.dtype} on {packed.device}, expected int64 on {self.device}"
-                )
-            if packed.dim() != 2 or packed.shape[0] != bs or packed.shape[1] > width:
-                return f"packed has shape {tuple(packed.shape)}, expected [{bs}, <= {width}]"
-            return None
-        for name, dtype in _DEVICE_FIELDS:
-            t = getattr(batch, name)
-            if t.dtype is not dtype:
-                return f"{name} has dtype {t.dtype}, expected {dtype}"
-            if t.device != self.device:
-                return f"{name} is on {t.device}, expected {self.device}"
-            if t.shape[0] != bs:
-                return f"{name} has {t.shape[0]} rows, expected {bs} (the batch size)"
-        table = batch.block_table
-        if table.dim() != 2 or table.shape[1] > self.buffers.block_table.shape[1]:
-            return (
-                f"block_table has shape {tuple(table.shape)}, expected "
-                f"[{bs}, <= {self.buffers.block_table.shape[1]}]"
-            )
-        return None
+        return batch_problem(
+            batch,
+            self.buffers,
+            self.device,
+            packed_inputs=self.config.packed_inputs,
+            staged=self._staging is not None,
+        )
+
+    @property
+    def staged(self) -> bool:
+        """Whether replays stage host rows in pinned memory (``RunnerConfig.pinned_staging``):
+        a batch whose ``packed_cpu`` holds its rows then needs nothing on the device."""
+        return self._staging is not None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Replay the graph of the smallest bucket holding ``batch``; return its ``[bs, ...]``
         output rows. The result is a view into a static buffer: the next replay overwrites it,
         so copy or consume it (e.g. sample) before the next step. Device inputs (the last step's
         ids as ``input_ids``, or in ``PACKED.column(batch.packed, "input_ids")``) are copied on
-        the device in stream order, with no host sync: the README's overlapped loop."""
+        the device in stream order, with no host sync; with a ``feed``, ids ``-1 - j`` read
+        ``feed[j]`` inside the graph, so the rows can be all host data: the overlapped loop."""
         bucket, t_kv = self._check_replay(batch)  # raises before anything is copied
         self._copy_inputs(batch, bucket)
         self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
@@ -244,7 +240,10 @@ class CudaGraphRunner(GraphRunnerBase):
                 f"replay serves decode batches, got {batch.mode.value}; run it "
                 "eagerly with model_runner.forward."
             )
-        bucket = pad_to_bucket(batch.batch_size, self.capture_bs)
+        bs = batch.batch_size
+        bucket = self._bucket_of.get(bs)
+        if bucket is None:
+            bucket = self._bucket_of[bs] = pad_to_bucket(bs, self.capture_bs)
         problem = self._input_problem(batch)
         if problem is not None:
             raise ReplayError(
@@ -298,3 +297,4 @@ class CudaGraphRunner(GraphRunnerBase):
         self._shared.release()
         self._out_rows.clear()
         self._plans.clear()
+        self._bucket_of.clear()

@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
-from ..batch import PACKED, ForwardBatch
+from ..batch import BATCH_DTYPES, PACKED, ForwardBatch
 from ..errors import ReplayError
+
+_DEVICE_FIELDS = tuple((n, d) for n, d in BATCH_DTYPES.items() if n != "seq_lens_cpu")
 
 CHECK_LEVELS = ("host", "full", "off")
 FIX = (
@@ -46,6 +49,7 @@ class InputLimits:
     page_size: int | None = None  # slots [0, page_size) are scratch page 0
     vocab_size: int | None = None
     max_context_len: int | None = None
+    feed_size: int = 0  # ids in [-feed_size, 0) read the runner's device feed (``feed.py``)
     _bounds: dict = field(default_factory=dict, compare=False, repr=False)  # width -> arrays
 
     @classmethod
@@ -66,8 +70,13 @@ class InputLimits:
         """Packed column -> (lowest, one past the highest or None, why)."""
         ctx = self.max_context_len
         slots = None if self.num_pages is None else self.num_pages * (self.page_size or 1)
+        fed = f"; -1 - j reads row j of the {self.feed_size}-row feed" if self.feed_size else ""
         return {
-            "input_ids": (0, self.vocab_size, "a token id indexes the embedding"),
+            "input_ids": (
+                -self.feed_size,
+                self.vocab_size,
+                "a token id indexes the embedding" + fed,
+            ),
             "positions": (0, ctx, "a position indexes the RoPE table of max_context_len"),
             "seq_lens": (1, None if ctx is None else ctx + 1, "the KV length counts this token"),
             "out_cache_loc": (
@@ -80,8 +89,9 @@ class InputLimits:
 
 
 def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> None:
-    """``ReplayError`` naming the first bad value of ``batch``; nothing when all are valid."""
-    if level == "off":
+    """``ReplayError`` naming the first bad value of ``batch``; nothing when all are valid, or
+    when its builder checked them (``ForwardBatch.values_checked``)."""
+    if level == "off" or batch.values_checked:
         return
     seq = batch.seq_lens_cpu.numpy()  # [bs] int32, zero-copy
     low, span = _bounds(limits, None)
@@ -94,6 +104,44 @@ def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> None:
         check_rows(rows.numpy(), limits)
         if level == "full" and limits.page_size:
             check_slot_pages(rows.numpy(), limits.page_size)
+
+
+def batch_problem(
+    batch: ForwardBatch, buffers: Any, device: Any, *, packed_inputs: bool, staged: bool
+) -> str | None:
+    """What keeps the runner from copying ``batch`` into ``buffers`` (dtypes, devices, shapes:
+    only what the replay reads); ``None`` when nothing does. A staged runner reads only the
+    host rows when the batch has them."""
+    bs = batch.batch_size
+    if batch.seq_lens_cpu.device.type != "cpu" or batch.seq_lens_cpu.shape[0] != bs:
+        return f"seq_lens_cpu must be a host tensor of {bs} rows"
+    width = buffers.packed.shape[1]
+    rows = batch.packed_cpu
+    if staged and rows is not None:  # staging.py reads these and nothing else
+        if rows.dtype is not torch.int64 or rows.device.type != "cpu":
+            return f"packed_cpu is {rows.dtype} on {rows.device}, expected int64 on the host"
+        if rows.dim() != 2 or rows.shape[0] != bs or rows.shape[1] > width:
+            return f"packed_cpu has shape {tuple(rows.shape)}, expected [{bs}, <= {width}]"
+        return None
+    packed = batch.packed
+    if packed is not None and packed_inputs:  # the only tensor that is copied
+        if packed.dtype is not torch.int64 or packed.device != device:
+            return f"packed is {packed.dtype} on {packed.device}, expected int64 on {device}"
+        if packed.dim() != 2 or packed.shape[0] != bs or packed.shape[1] > width:
+            return f"packed has shape {tuple(packed.shape)}, expected [{bs}, <= {width}]"
+        return None
+    for name, dtype in _DEVICE_FIELDS:
+        t = getattr(batch, name)
+        if t.dtype is not dtype:
+            return f"{name} has dtype {t.dtype}, expected {dtype}"
+        if t.device != device:
+            return f"{name} is on {t.device}, expected {device}"
+        if t.shape[0] != bs:
+            return f"{name} has {t.shape[0]} rows, expected {bs} (the batch size)"
+    table, pages = batch.block_table, buffers.block_table.shape[1]
+    if table.dim() != 2 or table.shape[1] > pages:
+        return f"block_table has shape {tuple(table.shape)}, expected [{bs}, <= {pages}]"
+    return None
 
 
 def check_slot_pages(rows: np.ndarray, page_size: int) -> None:
@@ -172,4 +220,11 @@ def _check_range(name: str, values: np.ndarray, low: int, high: int | None, why:
         raise ReplayError(f"{name}[{row}] = {values[row]} is {span}: {why}. {FIX}")
 
 
-__all__ = ["CHECK_LEVELS", "InputLimits", "check_rows", "check_slot_pages", "check_values"]
+__all__ = [
+    "CHECK_LEVELS",
+    "InputLimits",
+    "batch_problem",
+    "check_rows",
+    "check_slot_pages",
+    "check_values",
+]

@@ -16,9 +16,12 @@ The rule (also in ``docs/design.md``): the host writes slot ``k % 2`` for replay
 so it never overwrites rows whose copy has not run. It may write slot ``(k + 1) % 2`` while
 replay ``k`` runs: replay ``k`` copies that slot too (a graph's addresses are fixed) but
 discards it. The counts start at 0 after capture and advance together: every captured graph
-flips the parity and bumps ``copied`` once per replay, and nothing else touches them. Reading
-``copied`` is a load from pinned memory, not a CUDA call (an event record plus query cost
-16 us there).
+flips the parity and bumps ``copied`` once per replay, and nothing else touches them. A graph
+replayed by hand (``graph.replay()``, as a benchmark of the bare launch does) counts on the
+device only; the next ``stage`` sees ``copied`` ahead of its count, waits for the device and
+counts from there (a hand replay still in flight then goes unseen: replay through the runner).
+Reading ``copied`` is a load from pinned memory, not a CUDA call (an event record plus query
+cost 16 us there).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class PinnedStaging:
         self.dirty = [0] * SLOTS  # rows [:dirty[s]] of slot s may hold live values
         self.count = 0  # replays staged since capture: replay k reads slot k % 2
         self.waits = 0  # slot writes that had to wait for a copy (a host ahead of the GPU)
+        self.resyncs = 0  # times graphs replayed outside runner.replay were counted back in
         self.pause = _pause  # what the wait does between looks (tests replace it)
 
     # -- inside the captured step ------------------------------------------------------------
@@ -86,6 +90,8 @@ class PinnedStaging:
         """Write ``batch``'s packed rows into the slot of the next replay, re-padding rows
         ``[bs:bucket]`` that a larger batch left live. Waits first until the replay that read
         this slot last (two replays ago) has copied it."""
+        if self._copied_np[0] > self.count:  # a graph replayed outside runner.replay
+            self._resync()
         slot = self.count & 1
         self._wait_for(self.count - 1)
         bs = batch.batch_size
@@ -104,6 +110,14 @@ class PinnedStaging:
     def replayed(self) -> None:
         """Right after the graph's replay was queued."""
         self.count += 1
+
+    def _resync(self) -> None:
+        """Bare ``graph.replay()`` calls flipped the parity without the host's count: wait for
+        the device, then count from the replays that ran (each copied once)."""
+        if self.host.is_pinned():
+            torch.cuda.synchronize(self.device_rows.device)
+        self.count = int(self._copied_np[0])
+        self.resyncs += 1
 
     def _wait_for(self, copies: int) -> None:
         """Until at least ``copies`` replays have copied their inputs (a pinned-memory load)."""
