@@ -192,6 +192,19 @@ def test_poisson_arrivals_follow_the_schedule(tmp_path, capsys):
     assert data["meta"]["engine_mode"] == "eager" and data["meta"]["max_running"] == 3
 
 
+def test_engine_prefill_graph_serves_the_same_tokens(tmp_path):
+    runs = {}
+    for prefill in ("eager", "graph"):
+        out = tmp_path / f"{prefill}.json"
+        argv = [*SERVE, *SMALL, "--modes", "graph", "--engine-prefill", prefill]
+        assert main([*argv, "--json", str(out)]) == 0
+        runs[prefill] = json.loads(out.read_text())
+        assert runs[prefill]["meta"]["engine_prefill"] == prefill
+    want = [r["tokens"] for r in runs["eager"]["requests"]]
+    assert [r["tokens"] for r in runs["graph"]["requests"]] == want  # float32 on the CPU
+    assert all(len(t) == 6 for t in want)
+
+
 def _fake_cb_model(prompts_seen):
     def generate_batch(prompts, config, record_timestamps=False, progress_bar=True):
         prompts_seen.append(list(prompts))
@@ -256,6 +269,7 @@ def test_a_failing_peer_is_reported_skipped_not_fatal(tmp_path, capsys, monkeypa
         (["--modes", "exact"], "--modes"),
         (["--batch-sizes", "1,2"], "--batch-sizes"),
         (["--prefill"], "--prefill"),
+        (["--engine-prefill", "cuda"], "--engine-prefill"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag_before_any_work(flags, named, capsys, monkeypatch):

@@ -44,11 +44,11 @@ class ServeRun:
     engine_stats: dict = field(default_factory=dict)
 
 
-def make_engine(mr, mode: str, max_running: int, max_prefill_tokens: int):
+def make_engine(mr, mode: str, max_running: int, max_prefill_tokens: int, prefill="eager"):
     """The engine, with ``max_prefill_tokens`` where its constructor takes it (chunked prefill)."""
     from ..engine import Engine
 
-    kw: dict = {"max_running": max_running}
+    kw: dict = {"max_running": max_running, "prefill": prefill}
     if "max_prefill_tokens" in inspect.signature(Engine).parameters:
         kw["max_prefill_tokens"] = max_prefill_tokens
     return Engine(mr, mode=mode, **kw)
@@ -184,12 +184,15 @@ def run_serve(args: argparse.Namespace) -> int:
     max_context = max(map(len, prompts)) + out_len
     if plan.latency:
         max_context = max(max_context, LATENCY_INPUT + LATENCY_OUTPUT)
-    _say(f"building {model} and the engine ({plan.mode}, max running {plan.max_running})")
+    _say(
+        f"building {model} and the engine ({plan.mode}, {plan.prefill} prefill, max running "
+        f"{plan.max_running})"
+    )
     dtype = DTYPES[args.dtype] if cuda else torch.float32
     mr = build_model_runner(model, args.device, dtype, plan.max_running, max_context)
     if cuda:
         mr.set_kernels(args.kernels or "fused")
-    engine = make_engine(mr, plan.mode, plan.max_running, args.max_prefill_tokens)
+    engine = make_engine(mr, plan.mode, plan.max_running, args.max_prefill_tokens, plan.prefill)
     latency, gpu_latency = None, []
     try:
         t = time.perf_counter()

@@ -61,6 +61,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="--serve: prompt tokens one engine step prefills, where the engine takes it",
     )
     p.add_argument(
+        "--engine-prefill",
+        choices=("eager", "piecewise", "graph"),
+        default="eager",
+        help="--serve: the engine's prefill (Engine(prefill=...)); graph replays prompts of up "
+        "to 2048 tokens from CUDA graphs (default: eager, the engine's default)",
+    )
+    p.add_argument(
         "--peers",
         default=None,
         help="--serve: comma list of hf-cb (transformers generate_batch), hf-static-compile "
@@ -81,6 +88,7 @@ class ServePlan:
     peers: tuple[str, ...]
     max_running: int
     latency: bool
+    prefill: str = "eager"
 
 
 def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
@@ -147,7 +155,8 @@ def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
             f"{model}'s {limit}; drop --latency (and --peers)."
         )
     max_running = args.max_running or min(args.num_requests, MAX_RUNNING)
-    return ServePlan(model, mode, peers, max_running, latency)
+    prefill = getattr(args, "engine_prefill", "eager")
+    return ServePlan(model, mode, peers, max_running, latency, prefill)
 
 
 __all__ = [

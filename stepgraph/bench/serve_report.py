@@ -101,6 +101,7 @@ def build_report(
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__,
             "engine_mode": plan.mode,
+            "engine_prefill": plan.prefill,
             "max_running": plan.max_running,
             "max_prefill_tokens": args.max_prefill_tokens,
             "kernels": getattr(mr, "kernels", None),
@@ -144,7 +145,8 @@ def print_report(r: dict) -> None:
     meta, w, m = r["meta"], r["workload"], r["metrics"]
     print(
         f"\nstepgraph bench --serve: {meta['model']} ({meta['dtype']}, {meta['device']}), engine "
-        f"{meta['engine_mode']}, max running {meta['max_running']}"
+        f"{meta['engine_mode']}, {meta['engine_prefill']} prefill, "
+        f"max running {meta['max_running']}"
     )
     print(
         f"workload: {w['num_requests']} requests, prompts {w['prompt_len_min']}-"
