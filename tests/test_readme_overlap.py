@@ -1,5 +1,5 @@
-"""The README's overlapped decode loop runs as written (toy model, CPU stand-in), and the ids it
-lands, one step late, are those of a synchronous eager loop over the same requests."""
+"""The README's overlapped decode loop runs as written (tiny preset, CPU stand-in), and the ids
+it lands, one step late, are those of a synchronous eager loop over the same requests."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from stepgraph import ForwardBatch
-from stepgraph.toy_model import ToyModelRunner
+from stepgraph import ModelRunner
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -20,18 +19,16 @@ def test_overlapped_loop_snippet_lands_the_synchronous_ids():
     ]
     scope: dict = {}
     exec(compile(snippet, "README.md", "exec"), scope)
-    mr = ToyModelRunner(num_pages=160, device="cpu", seed=1)
-    batch = mr.random_batch(4, torch.Generator().manual_seed(3), max_len=24)
+    mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, seed=0, max_bs=4, max_context_len=64)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    pages = [mr.kv_cache.reserve(len(p) + 6) for p in prompts]
+    ids = mr.prefill(prompts, pages).argmax(-1).tolist()
     want = []
-    for _ in range(6):
-        ids = mr.forward(batch).argmax(-1)
-        want.append(ids.tolist())
-        pos = batch.positions + 1
-        page = batch.block_table.gather(1, (pos // mr.page_size)[:, None])[:, 0].long()
-        slot = page * mr.page_size + pos % mr.page_size
-        batch = ForwardBatch(
-            ids, pos, batch.seq_lens + 1, batch.seq_lens_cpu + 1, batch.block_table, slot
-        )
+    for step in range(6):  # eager, each step's ids read back before the next
+        batch = mr.decode_batch(ids, [len(p) + step for p in prompts], pages)
+        ids = mr.forward(batch).argmax(-1).tolist()
+        want.append(ids)
     assert scope["landed"] == want[:5]  # six steps launched, five landed
     assert len({tuple(w) for w in want}) > 1  # the ids change from step to step
     assert scope["runner"].stats.replays == 6
+    assert min(scope["batch"].packed_cpu[:, 0].tolist()) < 0  # fed from the device

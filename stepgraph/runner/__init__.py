@@ -7,6 +7,7 @@ one shared memory pool; replay pads a live batch to its bucket and slices the ou
 - ``capture.py``       the capture loop, the global pool, capture mode, ``freeze_gc``
 - ``base.py``          what the three runners share (pool, release, shutdown)
 - ``stats.py``         capture ledger and replay counters
+- ``feed.py``          the device token feed: ids ``-1 - j`` read ``feed[j]`` inside the graph
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .capture import (
     set_global_graph_memory_pool,
 )
 from .config import RunnerConfig
+from .feed import feed_id
 from .graph_runner import CudaGraphRunner, logger
 from .stats import BucketStats, CaptureStats, RunnerStats
 
@@ -28,6 +30,7 @@ __all__ = [
     "CudaGraphRunner",
     "RunnerConfig",
     "RunnerStats",
+    "feed_id",
     "freeze_gc",
     "get_global_graph_memory_pool",
     "is_capture_mode",
