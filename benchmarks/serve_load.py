@@ -16,8 +16,11 @@ in ~800 ms on the H200). Beside each level: the server's own TPOT (its engine th
 ``/metrics``), so that HTTP's share shows, its engine steps (graph, eager, prefill) and the
 longest gap between two tokens of a request (a stall shows there).
 
-``--launch`` runs the server as another process (`python -m stepgraph serve`), stops it with
-SIGTERM at the end, and reports its exit status.
+``--launch`` runs the server as another process (`python -m stepgraph serve`, ``--engine``
+passed on: the engine in a process of its own, or a thread), stops it with SIGTERM at the end,
+and reports its exit status and whether its engine process is gone. ``--offline`` then runs
+`stepgraph bench --serve --peers none` on the same model (the engine alone, the same 64
+requests) and reports each level's output tokens/s as a share of that offline figure.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ MAIN_REQUESTS, MAIN_IN, MAIN_RATIO, MAIN_OUT = 64, 576, 7 / 9, 128  # prompts of
 def launch(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "stepgraph", "serve", "--model", args.model, "--port", "0",
            "--max-running", str(args.max_running), "--max-context", str(args.max_context),
-           "--mode", args.mode]  # fmt: skip
+           "--mode", args.mode, "--engine", args.engine]  # fmt: skip
     if args.device:
         cmd += ["--device", args.device]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -58,16 +61,39 @@ def launch(args) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the server exited with status {proc.wait()} before it served")
 
 
-def wait_healthy(url: str, timeout: float = 600.0) -> None:
+def wait_healthy(url: str, timeout: float = 600.0) -> int | None:
+    """Wait for /health to answer 200; the server's engine process id (None: a thread)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
+            r = httpx.get(url + "/health", timeout=5)
+            if r.status_code == 200:
+                return r.json().get("engine_pid")
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     raise SystemExit(f"{url}/health did not answer 200 within {timeout:.0f} s")
+
+
+def gone(pid: int | None) -> bool:
+    """No such process (or only its zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, TypeError):
+        return True
+
+
+def offline(args) -> float:
+    """`stepgraph bench --serve`'s output tokens/s on this model: the engine alone."""
+    path = f"/tmp/serve_load_offline_{os.getpid()}.json"
+    cmd = [sys.executable, "-m", "stepgraph", "bench", "--serve", "--peers", "none", "--model",
+           args.model, "--max-running", str(args.max_running), "--json", path]  # fmt: skip
+    if args.device:
+        cmd += ["--device", args.device]
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    with open(path) as f:
+        return json.load(f)["metrics"]["output_throughput"]
 
 
 SCRAPED = {
@@ -167,7 +193,7 @@ def report(rows: list[dict]) -> None:
               f"{f(m['p99_ttft_ms']):>9} {f(m['median_tpot_ms']):>9} {f(m['p99_tpot_ms']):>9} "
               f"{f(m['median_itl_ms']):>8} {f(m['p99_itl_ms']):>8} "
               f"{f(m['server_tpot_ms']):>8}")  # fmt: skip
-    print("ms; srv TPOT: the server's engine thread's mean TPOT over the same requests")
+    print("ms; srv TPOT: the server's engine's mean TPOT over the same requests")
     for m in rows:
         steps = ", ".join(f"{k} {v:.0f}" for k, v in m["server_steps"].items())
         print(f"{m['level']} (concurrency {m['concurrency']}): engine {steps}; "
@@ -182,6 +208,8 @@ def main() -> int:
     p.add_argument("--model", default="llama-3.2-1b", help="served model (a preset: its vocab)")
     p.add_argument("--device", default=None, help="--launch: the server's --device")
     p.add_argument("--mode", default="graph", help="--launch: the server's --mode")
+    p.add_argument("--engine", default="process", help="--launch: the server's --engine")
+    p.add_argument("--offline", action="store_true", help="also `stepgraph bench --serve`")
     p.add_argument("--max-running", type=int, default=64, help="--launch: --max-running")
     p.add_argument("--max-context", type=int, default=2048, help="--launch: --max-context")
     p.add_argument("--concurrency", default="1,16,64", help="levels, comma list")
@@ -195,9 +223,9 @@ def main() -> int:
     main_prompts = random_prompts(n_main, MAIN_IN, MAIN_RATIO, vocab, args.seed)
     lat_prompts = random_prompts(n_lat, LATENCY_IN, 0.0, vocab, args.seed + 1)
     proc, url = launch(args) if args.launch else (None, args.url.rstrip("/"))
-    rows, status = [], None
+    rows, status, child = [], None, None
     try:
-        wait_healthy(url)
+        child = wait_healthy(url)
         rows = asyncio.run(run_levels(url, args, main_prompts, lat_prompts, (out_main, out_lat)))
     finally:
         if proc is not None:
@@ -205,11 +233,19 @@ def main() -> int:
             status = proc.wait(120)
             sys.stderr.write(proc.stderr.read())
     report(rows)
+    out = {"model": args.model, "engine": args.engine, "levels": rows, "server_exit": status}
     if proc is not None:
-        print(f"server: exit status {status} after SIGTERM")
+        out["engine_process_gone"] = None if child is None else gone(child)
+        where = "" if child is None else f"; its engine process {child}: " + (
+            "gone" if gone(child) else "STILL RUNNING")  # fmt: skip
+        print(f"server: exit status {status} after SIGTERM{where}")
+    if args.offline:
+        out["offline_output_throughput"] = base = offline(args)
+        print(f"engine offline (bench --serve): {base:.1f} output tok/s; over HTTP: " + ", ".join(
+            f"c{m['concurrency']} {m['output_throughput'] / base:.0%}" for m in rows))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "levels": rows, "server_exit": status}, f, indent=1)
+            json.dump(out, f, indent=1)
     return 0 if status in (None, 0) else 1
 
 

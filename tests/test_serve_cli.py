@@ -1,6 +1,7 @@
 """`stepgraph serve` as a process: it listens on the port it prints (127.0.0.1), and SIGTERM or
 SIGINT stops it with exit status 0, a request in flight finished within --shutdown-timeout (or
-aborted at 0); bad flags are one-line errors before anything is built."""
+aborted at 0), its engine process gone with it; bad flags are one-line errors before anything
+is built."""
 
 from __future__ import annotations
 
@@ -81,6 +82,15 @@ class Served:
             self.proc.wait(10)
 
 
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (a container's init may not reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _stream_in_thread(url: str, max_tokens: int):
     """A streamed request read in a thread: (lines, first chunk seen, thread)."""
     lines, first = [], threading.Event()
@@ -107,6 +117,8 @@ def _stream_in_thread(url: str, max_tokens: int):
                                                     (signal.SIGINT, "0", 2000, False)])  # fmt: skip
 def test_a_signal_stops_the_server_with_exit_status_0(sig, timeout, n, finishes):
     with Served("--max-context", "2048", "--shutdown-timeout", timeout) as s:
+        child = httpx.get(s.url + "/health", timeout=5).json()["engine_pid"]  # the default
+        assert child and not gone(child)
         lines, first, reader = _stream_in_thread(s.url, n)
         assert first.wait(30) and lines, s.err
         t0 = time.monotonic()
@@ -115,6 +127,7 @@ def test_a_signal_stops_the_server_with_exit_status_0(sig, timeout, n, finishes)
         took = time.monotonic() - t0
         reader.join(30)
         assert rc == 0, "".join(s.err)
+        assert gone(child)  # the engine process stopped with the server: no orphan
         assert not reader.is_alive()
         done = lines[-1] == "data: [DONE]"
         assert done == finishes, (len(lines), lines[-1][:80])

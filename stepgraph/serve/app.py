@@ -1,13 +1,14 @@
 """The ASGI app of `stepgraph serve` (Starlette): ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` over
-one ``EngineWorker``.
+one worker: ``ProcessWorker`` (the engine in its own process) or ``EngineWorker`` (a thread).
 
 A handler checks its request (``protocol.py``; a 400 naming the field, nothing queued), refuses
-it with 503 and ``Retry-After`` while more than ``max_waiting`` requests wait, then hands it to
-the engine thread and awaits its tokens. Streamed (``"stream": true``), each engine step's
-tokens are one server-sent event, ending in ``data: [DONE]``; a client that goes away mid-way
-aborts its request, and so does one that leaves a non-streamed request before its answer. An
-engine fault answers 500 (streamed: an error event) and the server carries on.
+it with 503 and ``Retry-After`` while more than ``max_waiting`` requests wait (or while the
+engine is restarting, or the server stops), then hands it to the engine and awaits its tokens.
+Streamed (``"stream": true``), each engine step's tokens are one server-sent event, ending in
+``data: [DONE]``; a client that goes away aborts its request, before its first chunk as well as
+mid-way, and so does one that leaves a non-streamed request before its answer. An engine fault
+answers 500 (streamed: an error event) and the server carries on.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .chat import parse_chat
 from .errors import ApiError, RequestError, ServerBusy, error_body
 from .protocol import DEFAULT_MAX_WAITING, Limits, parse_completion
 from .responses import SSE_DONE, Shapes, TextStream, sse
-from .worker import EngineWorker, Stream
+from .worker import Stream
 
 
 def _error(err: ApiError) -> JSONResponse:
@@ -42,6 +43,23 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+class _Streamed(StreamingResponse):
+    """A streamed answer that aborts its request however it ends: a client that goes away
+    before the first chunk ends the response before its generator ever starts (and a generator
+    that never started runs no ``finally``)."""
+
+    def __init__(self, content: Any, on_end: Any) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        self._on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
 def _merged(item: tuple, q: asyncio.Queue) -> tuple:
     """``item`` and the items queued behind it as one: a client that reads slower than the
     engine steps gets a chunk of several tokens, not a growing backlog of one-token chunks."""
@@ -52,9 +70,7 @@ def _merged(item: tuple, q: asyncio.Queue) -> tuple:
 
 
 class Handlers:
-    def __init__(
-        self, worker: EngineWorker, limits: Limits, tokenizer: Any, max_waiting: int
-    ) -> None:
+    def __init__(self, worker: Any, limits: Limits, tokenizer: Any, max_waiting: int) -> None:
         self.worker, self.limits, self.tokenizer = worker, limits, tokenizer
         self.max_waiting = max_waiting
 
@@ -85,11 +101,7 @@ class Handlers:
                         chat, params.return_token_ids)  # fmt: skip
         text = TextStream(tok.decode if tok else None, params.stop_texts)
         if params.stream:
-            return StreamingResponse(
-                self._events(stream, shapes, text),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return _Streamed(self._events(stream, shapes, text), lambda: self.worker.abort(stream))
         answer = asyncio.ensure_future(self._collect(stream, shapes, text))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -105,8 +117,9 @@ class Handlers:
 
     def _check_room(self) -> None:
         w = self.worker
-        if not w.accepting:
-            raise ServerBusy("the server is shutting down; send the request to another one.")
+        why = w.refusal()
+        if why is not None:
+            raise ServerBusy(why)
         if w.waiting >= self.max_waiting:
             raise ServerBusy(
                 f"{w.waiting} requests are waiting already, the most this server queues "
@@ -174,7 +187,8 @@ class Handlers:
         ok = w.alive and w.accepting
         body = {"status": "ok" if ok else "unavailable", "running": w.running,
                 "waiting": w.waiting, "kv_pages_free": w.kv_pages_free,
-                "kv_pages_total": w.kv_pages_total}  # fmt: skip
+                "kv_pages_total": w.kv_pages_total,
+                "engine_pid": getattr(w, "pid", None)}  # fmt: skip
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request) -> Response:
@@ -185,7 +199,7 @@ class Handlers:
 
 
 def build_app(
-    worker: EngineWorker,
+    worker: Any,
     limits: Limits,
     tokenizer: Any = None,
     max_waiting: int = DEFAULT_MAX_WAITING,
@@ -196,6 +210,8 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
+        if hasattr(worker, "attach"):  # the engine process's messages come on this loop
+            worker.attach(asyncio.get_running_loop())
         yield
         await asyncio.get_running_loop().run_in_executor(None, worker.stop, stop_timeout)
 

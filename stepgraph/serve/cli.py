@@ -1,6 +1,8 @@
 """`stepgraph serve`: its flags, checked before anything is built, and ``run``: bind the port,
-build the model and the engine on the engine thread (``worker.py``), load the tokenizer of a
-checkpoint directory, serve until SIGINT/SIGTERM, exit 0. Also ``python -m stepgraph.serve``."""
+build the model and the engine in the engine process (``proc_worker.py``, the default) or on an
+engine thread (``worker.py``, ``--engine thread``), load the tokenizer of a checkpoint
+directory, serve until SIGINT/SIGTERM, stop the engine, exit 0. Also
+``python -m stepgraph.serve``."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from ..cli_args import (
     seed_int,
 )
 
-WARMUP_PROMPT = list(range(1, 17))  # one short request before serving: first-use compiles
+ENGINES = ("process", "thread")
 
 
 def port_number(text: str) -> int:
@@ -41,6 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="graph",
         choices=("eager", "graph", "exact"),
         help="decode steps: eager, CUDA graphs, or graphs retuned to the KV length",
+    )
+    p.add_argument(
+        "--engine",
+        default="process",
+        choices=ENGINES,
+        help="where the engine runs: its own process, fed through pipes, one message per step "
+        "(the default, the fastest on the GPU: the HTTP side's Python and the engine's never "
+        "share a GIL), or a thread of the HTTP process",
     )
     p.add_argument(
         "--max-running",
@@ -135,58 +145,46 @@ def need_extras() -> None:
         )
 
 
-def engine_builder(args: argparse.Namespace, device: str, dtype, context: int):
-    """What the engine thread runs first: the model runner, the engine, one warm-up request."""
+def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int):
+    """What the engine process (or thread) builds: the model runner, the engine, a warm-up."""
+    from .engine_proc import EngineSpec
 
-    def build():
-        from ..engine import Engine
-        from ..model.launch import build_model_runner
-
-        if device == "cpu":  # on the engine thread, which runs the ops
-            from ..bench.cpu import set_cpu_threads
-
-            say(set_cpu_threads(args.threads))  # spare cores for the HTTP thread
-
-        mr = build_model_runner(args.model, device, dtype, seed=args.seed,
-                                max_bs=args.max_running, max_context_len=context)  # fmt: skip
-        if args.kernels:
-            mr.set_kernels(args.kernels)
-        budget = args.max_prefill_tokens  # None: the engine's default
-        kw = {"max_prefill_tokens": budget} if budget else {}
-        engine = Engine(mr, mode=args.mode, max_running=args.max_running, **kw)
-        engine.generate([WARMUP_PROMPT[: max(1, context - 2)]], 2, ignore_eos=True)
-        return engine
-
-    return build
+    return EngineSpec(args.model, device, dtype, args.mode, args.max_running, context, args.seed,
+                      args.kernels, args.max_prefill_tokens, args.threads)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     need_extras()
-    from ..bench.constants import DTYPES
     from .app import build_app
     from .metrics import ServeMetrics
+    from .proc_worker import ProcessWorker
     from .server import Server, listen, uvicorn_config
     from .tokenizer import load_tokenizer
-    from .worker import EngineWorker, engine_limits
+    from .worker import EngineWorker
 
     config = model_config(args.model)
     context = check_args(args, config)
     device = resolve_device(args.device)
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     sock = listen(args.host, args.port)  # a busy port fails now, not after the weights
     try:
         tokenizer = load_tokenizer(args.model)
-        say(f"building {args.model} and the engine ({args.mode}, max running {args.max_running})")
-        worker = EngineWorker(engine_builder(args, device, dtype, context), ServeMetrics())
-        worker.start()
-        name = args.served_model_name or args.model
-        chat = tokenizer is not None and tokenizer.has_chat_template
-        limits = engine_limits(worker.engine, name, tokenizer is not None, chat)
-        app = build_app(worker, limits, tokenizer, args.max_waiting, args.shutdown_timeout + 5)
-        host, port = sock.getsockname()[:2]
-        say(f"serving {name!r} on http://{host}:{port} (OpenAI API: /v1/completions)")
-        Server(uvicorn_config(app, args.shutdown_timeout, args.log_level)).run([sock])
-        worker.stop(args.shutdown_timeout + 5)  # the app's shutdown did, unless startup failed
+        say(f"building {args.model} and the engine ({args.mode}, max running "
+            f"{args.max_running}, in its own {args.engine})")  # fmt: skip
+        spec = engine_spec(args, device, dtype, context)
+        Worker = ProcessWorker if args.engine == "process" else EngineWorker
+        worker = Worker(spec, ServeMetrics())
+        try:
+            worker.start()
+            name = args.served_model_name or args.model
+            chat = tokenizer is not None and tokenizer.has_chat_template
+            limits = worker.limits(name, tokenizer is not None, chat)
+            app = build_app(worker, limits, tokenizer, args.max_waiting, args.shutdown_timeout + 5)
+            host, port = sock.getsockname()[:2]
+            say(f"serving {name!r} on http://{host}:{port} (OpenAI API: /v1/completions)")
+            Server(uvicorn_config(app, args.shutdown_timeout, args.log_level)).run([sock])
+        finally:
+            worker.stop(args.shutdown_timeout + 5)  # the app's shutdown did, unless it failed
     finally:
         sock.close()
     say("stopped")

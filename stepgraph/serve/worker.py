@@ -25,6 +25,7 @@ from typing import Any
 
 from ..engine import Sampling
 from ..errors import StepGraphError
+from .engine_proc import engine_info, finish_reason
 from .errors import ApiError, EngineFault, RequestError, ServerBusy
 from .protocol import GenParams, Limits
 
@@ -48,20 +49,10 @@ class Stream:
         self._end = "abort"  # the reason counted when the handler aborts it
 
 
-def finish_reason(req: Any) -> str:
-    """ "stop" when the last token is a stop id that counted (``min_tokens`` met), else
-    "length"."""
-    out = req.output
-    counted = len(out) >= max(req.min_tokens, 1)
-    return "stop" if out and counted and out[-1] in req.stop_ids else "length"
-
-
 def engine_limits(engine: Any, model: str, can_tokenize: bool, chat: bool) -> Limits:
-    """The longest request the engine can ever hold: positions, one request's KV, the cache."""
-    mr, kv = engine.model_runner, engine.model_runner.kv_cache
-    room = min(mr.config.max_position_embeddings, kv.max_context_len,
-               (kv.num_pages - 1) * kv.page_size)  # fmt: skip
-    return Limits(model, mr.config.vocab_size, room, can_tokenize, chat)
+    """The requests ``engine`` can hold, as the protocol checks them (``engine_info``)."""
+    info = engine_info(engine)
+    return Limits(model, info["vocab"], info["room"], can_tokenize, chat)
 
 
 class EngineWorker:
@@ -99,6 +90,13 @@ class EngineWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def refusal(self) -> str | None:
+        """Why a new request gets a 503 now, or None."""
+        return None if self.accepting else "the server is shutting down; send it to another one."
+
+    def limits(self, model: str, can_tokenize: bool, chat: bool) -> Limits:
+        return engine_limits(self.engine, model, can_tokenize, chat)
 
     @property
     def waiting(self) -> int:

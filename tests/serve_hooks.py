@@ -1,0 +1,27 @@
+"""Fault hooks for the engine process of the serve tests (``EngineSpec(setup=...)``, imported
+in the spawned process): a request whose prompt starts with one of these ids makes every decode
+step it runs in fail, slow down, or end the process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+FAULT, STALL, DIE = 509, 508, 507  # the tests' other prompts draw ids below 500
+STALL_S = 0.05
+
+
+def arm(engine) -> None:
+    real = engine.decoder.logits
+
+    def hooked(*a, **k):
+        firsts = {r.prompt[0] for r in engine.running}
+        if FAULT in firsts:
+            raise RuntimeError("injected decode fault")
+        if DIE in firsts:
+            os._exit(3)
+        if STALL in firsts:
+            time.sleep(STALL_S)
+        return real(*a, **k)
+
+    engine.decoder.logits = hooked
