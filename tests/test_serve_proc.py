@@ -27,6 +27,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from stepgraph.cli import main as cli_main  # noqa: E402
+from stepgraph.serve import engine_proc  # noqa: E402
 from stepgraph.serve.app import build_app  # noqa: E402
 from stepgraph.serve.engine_proc import EngineSpec  # noqa: E402
 from stepgraph.serve.metrics import ServeMetrics  # noqa: E402
@@ -52,10 +53,13 @@ def _serve(worker):
 def server():
     worker = ProcessWorker(SPEC, ServeMetrics())
     try:
-        app, thread = _serve(worker)
-        with thread as url:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
-            yield SimpleNamespace(url=url, worker=worker, app=app, client=client)
+        with pytest.MonkeyPatch.context() as mp:  # pipes of one page: a full pipe every test
+            mp.setattr(engine_proc, "PIPE_BYTES", 4096)
+            app, thread = _serve(worker)
+            with thread as url:
+                client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                       timeout=30)  # fmt: skip
+                yield SimpleNamespace(url=url, worker=worker, app=app, client=client)
     finally:
         worker.stop(30)
     assert not worker._child.proc.is_alive()  # stopped with the server: no orphan
@@ -103,7 +107,7 @@ def test_greedy_tokens_equal_stepgraph_generate_plain_and_streamed(server, capsy
 
 def test_concurrent_streams_while_some_clients_leave(server, capsys):
     rng = random.Random(22)
-    prompts = _prompts(22, 20, hi=16)
+    prompts = _prompts(22, 20, lo=60, hi=150)  # 20 submissions: ~10 pages through the pipe
     quits = {i: rng.randint(1, 6) for i in rng.sample(range(20), 5)}  # tokens read, then gone
     lens = [CONTEXT - len(p) if i in quits else rng.randint(4, 60) for i, p in enumerate(prompts)]
     want = _generate(capsys, prompts, 60)
@@ -136,6 +140,36 @@ def test_concurrent_streams_while_some_clients_leave(server, capsys):
     _wait_idle(server.url)
     assert _finished(server.url, "abort") - aborts == 5
     assert _finished(server.url, "length") - lengths == 15
+
+
+def test_a_full_pipe_holds_the_requests_back_in_order(server, capsys, monkeypatch):
+    """40 submissions while the engine sleeps in a step: the page-sized pipe fills, the rest
+    waits on the event loop (``add_writer``), and every request is answered as generate's."""
+    pending = []
+    flush = engine_proc.EngineProcess._flush
+
+    def counted(self):
+        flush(self)
+        pending.append(len(self._out))
+
+    monkeypatch.setattr(engine_proc.EngineProcess, "_flush", counted)
+    prompts = _prompts(27, 40, lo=100, hi=120)
+    want = _generate(capsys, prompts, 4)
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
+                                      max_retries=0, timeout=30) as c:  # fmt: skip
+            slow = await c.completions.create(model="tiny", prompt=[STALL, 1], max_tokens=200,
+                                              temperature=0, stream=True)  # fmt: skip
+            await slow.__anext__()  # it runs: every step sleeps now
+            outs = await asyncio.gather(*(
+                c.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0,
+                                     extra_body=IDS) for p in prompts))  # fmt: skip
+            await slow.close()
+            return [_ids(r.choices[0]) for r in outs]
+
+    assert asyncio.run(run_all()) == want
+    assert max(pending) > 0  # some bytes waited for room in the pipe
 
 
 def _leave_at_once(port: int, prompt: list[int], max_tokens: int, wait_headers: bool) -> None:

@@ -16,19 +16,22 @@ front end says stop or goes away (end of file, a broken pipe): no orphan."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib
 import logging
 import os
-import queue
+import pickle
 import signal
+import struct
 import sys
-import threading
 import time
 from typing import Any
 
 SUBMIT, ABORT, STOP = "submit", "abort", "stop"
 READY, FAILED, STEP, FAULT, REJECT = "ready", "failed", "step", "fault", "reject"
+PIPE_BYTES = 1 << 20  # each pipe's capacity, where Linux allows it (64 KiB by default)
 WARMUP_PROMPT = list(range(1, 17))  # one short request before serving: first-use compiles
 log = logging.getLogger("stepgraph.serve")
 
@@ -193,32 +196,51 @@ class EngineLoop:
 
 
 class EngineProcess:
-    """One engine process (``ctx``: a spawn context), its two pipes, and the thread that
-    writes to it: a full pipe or a hung engine never blocks the front end's event loop."""
+    """One engine process (``ctx``: a spawn context) and its two pipes. ``send`` never blocks:
+    what the pipe does not take at once waits in a buffer, written from the event loop when the
+    pipe has room (``attach``), so a busy or hung engine never stalls the front end, and no
+    writer thread waits on the front end's GIL."""
 
     def __init__(self, ctx: Any, spec: EngineSpec) -> None:
         to_r, self.to_w = ctx.Pipe(duplex=False)
         self.from_r, from_w = ctx.Pipe(duplex=False)
+        for conn in (self.to_w, self.from_r):  # room for a burst of prompts, a lagging reader
+            with contextlib.suppress(OSError, AttributeError):
+                fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         self.proc = ctx.Process(target=child_main, args=(to_r, from_w, spec),
                                 name="stepgraph-engine")  # fmt: skip
         self.proc.start()
         to_r.close()  # the child's ends: its exit is an end of file here
         from_w.close()
+        os.set_blocking(self.to_w.fileno(), False)
         self.sent = 0  # submissions handed to this process
-        self.dead = False
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._write, name="stepgraph-engine-pipe", daemon=True).start()
+        self.dead = self._writing = False
+        self._out = bytearray()
+        self._loop: Any = None
+
+    def attach(self, loop: Any) -> None:
+        self._loop = loop
+        self._flush()
 
     def send(self, msg: tuple) -> None:
-        self._q.put(msg)
+        """``msg`` framed as ``Connection.send`` frames it (the child reads it with ``recv``)."""
+        if not self.dead:
+            data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+            self._out += struct.pack("!i", len(data)) + data
+            self._flush()
 
-    def _write(self) -> None:
-        while (msg := self._q.get()) is not None:
-            try:
-                self.to_w.send(msg)
-            except OSError:  # the process is gone; the event loop sees its exit
-                break
-        self.to_w.close()
+    def _flush(self) -> None:
+        fd = self.to_w.fileno()
+        try:
+            del self._out[: os.write(fd, self._out)]
+        except BlockingIOError:
+            pass
+        except OSError:  # the process is gone; the event loop sees its exit
+            self._out.clear()
+        wait = bool(self._out) and self._loop is not None and not self.dead
+        if wait != self._writing:
+            self._writing = wait
+            (self._loop.add_writer(fd, self._flush) if wait else self._loop.remove_writer(fd))
 
     def end(self, timeout: float) -> int | None:
         """Wait ``timeout`` s for the process to exit, then terminate, then kill it."""
@@ -230,8 +252,11 @@ class EngineProcess:
         return self.proc.exitcode
 
     def close(self) -> None:
-        self.dead = True
-        self._q.put(None)
+        """Its pipes closed (on the event loop's thread, which watches them)."""
+        if self._writing:
+            self._loop.remove_writer(self.to_w.fileno())
+        self.dead, self._writing = True, False
+        self.to_w.close()
         self.from_r.close()
 
 

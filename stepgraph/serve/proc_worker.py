@@ -4,10 +4,11 @@ context), as vLLM and SGLang run theirs, so that the event loop's Python (parsin
 detokenizing, metrics) and the engine's never wait on one GIL.
 
 It has ``EngineWorker``'s face (``submit``, ``abort``, ``stop``, ``waiting``, ``refusal``,
-...), so the app does not know which it drives. Requests go to the engine through a writer
-thread (a full pipe or a hung engine never blocks the event loop); the engine's one message per
-step is read on the event loop itself (``loop.add_reader`` on the pipe: no thread, no
-polling), which hands each request's tokens to its ``Stream`` and stamps TTFT and TPOT.
+...), so the app does not know which it drives. Everything runs on the event loop's thread:
+requests go to the engine through a non-blocking pipe (``EngineProcess.send``: a full pipe or a
+hung engine never blocks the loop), and the engine's one message per step is read there too
+(``loop.add_reader`` on the pipe: no thread, no polling), which hands each request's tokens to
+its ``Stream`` and stamps TTFT and TPOT.
 
 If the engine process dies (its pipe ends, or its sentinel fires), every request in flight
 fails with a 500, and the process is started again (at most ``max_restarts`` times); until it
@@ -95,6 +96,7 @@ class ProcessWorker:
             self._watch(self._child)
 
     def _watch(self, ch: EngineProcess) -> None:
+        ch.attach(self._loop)
         self._loop.add_reader(ch.from_r.fileno(), self._readable, ch)
         self._loop.add_reader(ch.proc.sentinel, self._exited, ch)
 
@@ -105,17 +107,22 @@ class ProcessWorker:
         if ch is None or ch.dead:
             return
         if ch.proc.is_alive():
-            ch.send((STOP,))
+            self._on_loop(ch.send, (STOP,))
         ch.end(30.0 if timeout is None else timeout)
+        self._on_loop(self._exited, ch)
+
+    def _on_loop(self, fn: Any, *args: Any) -> None:
+        """``fn(*args)`` on the event loop's thread, which owns the pipes (``stop`` runs in
+        the app's executor), or here when no loop runs."""
         loop = self._loop
         try:
             inside = asyncio.get_running_loop() is loop
         except RuntimeError:
             inside = False
         if loop is not None and loop.is_running() and not inside:
-            loop.call_soon_threadsafe(self._exited, ch)  # its readers belong to the loop
+            loop.call_soon_threadsafe(fn, *args)
         else:
-            self._exited(ch)
+            fn(*args)
 
     def _at_exit(self) -> None:
         if self._child is not None and self._child.proc.is_alive():
