@@ -113,6 +113,7 @@ def main() -> None:
     # An engine's batch: host rows only, values vouched for by the builder (values_checked)
     engine_b1 = random_batch(mr, 1, 1)
     engine_b1.packed_cpu, engine_b1.values_checked = b1.packed_cpu, True
+    engine_b1.max_seq_len = int(b1.seq_lens_cpu.max())  # ModelRunner.decode_batch sets it
     engine_style = host_us_per_call(lambda: runner.replay(engine_b1))
     rows["host_us_bare_graph_replay"] = bare
     rows["host_us_runner_replay"] = full

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from threading import current_thread
 
 import torch
 
@@ -192,13 +193,8 @@ class CudaGraphRunner(GraphRunnerBase):
         return None
 
     def _input_problem(self, batch: ForwardBatch) -> str | None:
-        return batch_problem(
-            batch,
-            self.buffers,
-            self.device,
-            packed_inputs=self.config.packed_inputs,
-            staged=self._staging is not None,
-        )
+        staged, packed = self._staging is not None, self.config.packed_inputs
+        return batch_problem(batch, self.buffers, self.device, packed_inputs=packed, staged=staged)
 
     @property
     def staged(self) -> bool:
@@ -233,8 +229,10 @@ class CudaGraphRunner(GraphRunnerBase):
     def _check_replay(self, batch: ForwardBatch) -> tuple[int, int | None]:
         """The bucket of ``batch`` and its longest KV length (``None`` when nothing needs it);
         ``ReplayError`` naming the problem and the fix when it cannot be replayed."""
-        self._check_alive("replay")
-        self._check_batch(batch, "replay")  # before any attribute of it is read
+        if self._shut_down or (self.check_same_thread and current_thread() is not self._owner):
+            self._check_alive("replay")  # raises, naming which
+        if type(batch) is not ForwardBatch:
+            self._check_batch(batch, "replay")  # before any attribute of it is read
         if batch.mode is not ForwardMode.DECODE:
             raise ReplayError(
                 f"replay serves decode batches, got {batch.mode.value}; run it "
@@ -266,8 +264,7 @@ class CudaGraphRunner(GraphRunnerBase):
 
     def _copy_inputs(self, batch: ForwardBatch, bucket: int) -> None:
         if self._staging is not None:
-            self._staging.stage(batch, bucket)
-            self.buffers.copy_host_lens(batch, bucket)
+            self.buffers.copy_host_lens(batch, bucket, self._staging.stage(batch, bucket))
         elif not self.config.packed_inputs:
             self.buffers.copy_from(batch, bucket)
         elif not self.buffers.copy_packed_from(batch, bucket):
@@ -290,6 +287,7 @@ class CudaGraphRunner(GraphRunnerBase):
         self._release_graphs()
         self._shut_down = True
         self.buffers = None  # type: ignore[assignment]
+        self._staging = None  # its pinned slots and device rows
 
     def _forget_graphs(self) -> None:
         self.output_buffers.clear()

@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..batch import BATCH_DTYPES, PACKED, ForwardBatch, ForwardMode, pack_batch
 
+_SEQ_COL = PACKED.fields.index("seq_lens")
 PAD_TOKEN_ID = 0
 PAD_POSITION = 0
 PAD_PAGE = 0
@@ -52,6 +54,10 @@ class GraphInputBuffers:
     # Rows [:dirty_rows] may hold a previous batch's live values; rows past it hold padding.
     dirty_rows: int = 0
     _rows: dict[int, _RowViews] = field(default_factory=dict, repr=False)
+    _seq_np: np.ndarray = field(init=False, repr=False)  # seq_lens_cpu as numpy (zero-copy)
+
+    def __post_init__(self) -> None:
+        self._seq_np = self.seq_lens_cpu.numpy()
 
     @classmethod
     def allocate(
@@ -138,12 +144,19 @@ class GraphInputBuffers:
         self._repad_stale_rows(bs, bucket, self.pad_packed_rows)
         return came_packed
 
-    def copy_host_lens(self, batch: ForwardBatch, bucket: int) -> None:
+    def copy_host_lens(self, batch: ForwardBatch, bucket: int, rows=None) -> None:
         """Pinned-staging path (``staging.py`` stages the packed rows): only the host
-        ``seq_lens_cpu`` rows here, stale ones re-padded."""
-        bs = batch.batch_size
-        self.seq_lens_cpu.numpy()[:bs] = batch.seq_lens_cpu.numpy()  # no torch op: ~0.5 us
-        self._repad_stale_rows(bs, bucket, self.pad_host_lens)
+        ``seq_lens_cpu`` rows here, from ``rows`` (the staged numpy rows) where given, stale
+        ones re-padded. numpy, no torch op: each ``.numpy()`` costs about a microsecond."""
+        seq = self._seq_np
+        if rows is not None:
+            bs = rows.shape[0]
+            seq[:bs] = rows[:, _SEQ_COL]
+        else:
+            bs = batch.batch_size
+            seq[:bs] = batch.seq_lens_cpu.numpy()
+        if self.dirty_rows != bs:  # else nothing is stale and nothing changes
+            self._repad_stale_rows(bs, bucket, self.pad_host_lens)
 
     def pad_host_lens(self, start: int, stop: int) -> None:
         self.seq_lens_cpu[start:stop] = self.seq_len_fill_value

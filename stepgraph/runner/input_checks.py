@@ -113,15 +113,17 @@ def batch_problem(
     only what the replay reads); ``None`` when nothing does. A staged runner reads only the
     host rows when the batch has them."""
     bs = batch.batch_size
-    if batch.seq_lens_cpu.device.type != "cpu" or batch.seq_lens_cpu.shape[0] != bs:
+    lens = batch.seq_lens_cpu  # ``is_cpu``: a fraction of ``device.type``'s cost
+    if not lens.is_cpu or lens.shape[0] != bs:
         return f"seq_lens_cpu must be a host tensor of {bs} rows"
     width = buffers.packed.shape[1]
     rows = batch.packed_cpu
     if staged and rows is not None:  # staging.py reads these and nothing else
-        if rows.dtype is not torch.int64 or rows.device.type != "cpu":
+        if rows.dtype is not torch.int64 or not rows.is_cpu:
             return f"packed_cpu is {rows.dtype} on {rows.device}, expected int64 on the host"
-        if rows.dim() != 2 or rows.shape[0] != bs or rows.shape[1] > width:
-            return f"packed_cpu has shape {tuple(rows.shape)}, expected [{bs}, <= {width}]"
+        shape = rows.shape
+        if len(shape) != 2 or shape[0] != bs or shape[1] > width:
+            return f"packed_cpu has shape {tuple(shape)}, expected [{bs}, <= {width}]"
         return None
     packed = batch.packed
     if packed is not None and packed_inputs:  # the only tensor that is copied

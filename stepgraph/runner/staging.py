@@ -86,26 +86,29 @@ class PinnedStaging:
 
     # -- on the host, per replay -------------------------------------------------------------
 
-    def stage(self, batch: ForwardBatch, bucket: int) -> None:
+    def stage(self, batch: ForwardBatch, bucket: int):
         """Write ``batch``'s packed rows into the slot of the next replay, re-padding rows
         ``[bs:bucket]`` that a larger batch left live. Waits first until the replay that read
-        this slot last (two replays ago) has copied it."""
+        this slot last (two replays ago) has copied it. Returns the host rows as numpy (None for
+        a device-only batch)."""
         if self._copied_np[0] > self.count:  # a graph replayed outside runner.replay
             self._resync()
         slot = self.count & 1
         self._wait_for(self.count - 1)
         bs = batch.batch_size
-        src = getattr(batch, "packed_cpu", None)  # host rows the batch was packed from
+        src = batch.packed_cpu  # host rows the batch was packed from
         if src is not None:
             rows = src.numpy()  # [bs, <= width]: a narrower table's missing columns are unread
             self._host_np[slot, :bs, : rows.shape[1]] = rows
         else:  # device rows: a D2H copy, ordered before the graph's H2D on the stream
+            rows = None
             src = batch.packed if batch.packed is not None else pack_batch(batch)
             self.host[slot, :bs, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
         stale = min(self.dirty[slot], bucket)
         if stale > bs:
             self._host_np[slot, bs:stale] = self._pad_np
         self.dirty[slot] = self.dirty[slot] if self.dirty[slot] > bucket else bs
+        return rows
 
     def replayed(self) -> None:
         """Right after the graph's replay was queued."""
