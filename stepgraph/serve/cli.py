@@ -33,7 +33,6 @@ def port_number(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags; imports neither the engine nor the serve extra (every command builds this)."""
-    from .engine_proc import WINDOW_MS
     from .protocol import DEFAULT_MAX_WAITING
 
     p.add_argument("--model", required=True, help="preset name or local HF directory")
@@ -52,14 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where the engine runs: its own process, fed through pipes, one message per step "
         "(the default, the fastest on the GPU: the HTTP side's Python and the engine's never "
         "share a GIL), or a thread of the HTTP process",
-    )
-    p.add_argument(
-        "--burst-window-ms",
-        type=nonneg_float,
-        default=WINDOW_MS,
-        help="--engine process: an idle engine given a request waits for the ones that follow "
-        "it (while they come under 1 ms apart, at most this long) and prefills them together; "
-        "a busy engine never waits (0: step at once)",
     )
     p.add_argument(
         "--max-running",
@@ -159,8 +150,7 @@ def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int)
     from .engine_proc import EngineSpec
 
     return EngineSpec(args.model, device, dtype, args.mode, args.max_running, context, args.seed,
-                      args.kernels, args.max_prefill_tokens, args.threads,
-                      window_ms=args.burst_window_ms)  # fmt: skip
+                      args.kernels, args.max_prefill_tokens, args.threads)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

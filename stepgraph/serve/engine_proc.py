@@ -31,8 +31,6 @@ from typing import Any
 
 SUBMIT, ABORT, STOP = "submit", "abort", "stop"
 READY, FAILED, STEP, FAULT, REJECT = "ready", "failed", "step", "fault", "reject"
-WINDOW_MS, QUIET_S = 5.0, 0.001  # an idle engine gathers a burst: this long at most, while
-# the requests come less than QUIET_S apart
 PIPE_BYTES = 1 << 20  # each pipe's capacity, where Linux allows it (64 KiB by default)
 WARMUP_PROMPT = list(range(1, 17))  # one short request before serving: first-use compiles
 log = logging.getLogger("stepgraph.serve")
@@ -42,8 +40,7 @@ log = logging.getLogger("stepgraph.serve")
 class EngineSpec:
     """The model runner and engine `stepgraph serve` builds; calling it builds them (on the
     thread or in the process that will run the engine). ``setup``: ``"module:function"``
-    called with the engine once built (the tests' fault hooks). ``window_ms``: the engine
-    process's gathering of a burst (``EngineLoop``)."""
+    called with the engine once built (the tests' fault hooks)."""
 
     model: str
     device: str = "cpu"
@@ -57,7 +54,6 @@ class EngineSpec:
     threads: int | None = None
     warmup: bool = True
     setup: str | None = None
-    window_ms: float = WINDOW_MS
 
     def __call__(self) -> Any:
         from ..bench.constants import DTYPES
@@ -117,13 +113,10 @@ def add_request(engine: Any, fields: tuple) -> int:
 
 
 class EngineLoop:
-    """The step loop over ``inbox`` (commands) and ``outbox`` (answers). ``window_s``: an idle
-    engine given a request gathers the ones that follow it (until none came for ``QUIET_S``, at
-    most ``window_s``) before its first step, so that a burst is prefilled in full steps rather
-    than trickled into many small ones; a busy engine never waits."""
+    """The step loop over ``inbox`` (commands) and ``outbox`` (answers)."""
 
-    def __init__(self, engine: Any, inbox: Any, outbox: Any, window_s: float = 0.0) -> None:
-        self.engine, self.inbox, self.outbox, self.window_s = engine, inbox, outbox, window_s
+    def __init__(self, engine: Any, inbox: Any, outbox: Any) -> None:
+        self.engine, self.inbox, self.outbox = engine, inbox, outbox
         self.ids: dict[int, int] = {}  # engine request id -> front end id
         self.rids: dict[int, int] = {}  # front end id -> engine request id
         self.taken = 0
@@ -138,8 +131,6 @@ class EngineLoop:
                 if self.state() != self._sent_state:
                     self.outbox.send((STEP, [], self._state()))
                 cmds.append(self.inbox.recv())  # idle: block until a command comes
-                if cmds[0][0] == SUBMIT:
-                    cmds += self._burst()
             while self.inbox.poll():
                 cmds.append(self.inbox.recv())
             for cmd in cmds:
@@ -165,12 +156,6 @@ class EngineLoop:
                 self.rids.clear()
                 continue
             self.outbox.send((STEP, self._items(pairs), self._state()))
-
-    def _burst(self) -> list:
-        end, out = time.perf_counter() + self.window_s, []
-        while (left := end - time.perf_counter()) > 0 and self.inbox.poll(min(QUIET_S, left)):
-            out.append(self.inbox.recv())
-        return out
 
     def _add(self, fid: int, fields: tuple) -> None:
         self.taken += 1
@@ -286,7 +271,7 @@ def child_main(inbox: Any, outbox: Any, spec: EngineSpec) -> None:
         return
     outbox.send((READY, engine_info(engine)))
     try:
-        EngineLoop(engine, inbox, outbox, spec.window_ms / 1e3).run()
+        EngineLoop(engine, inbox, outbox).run()
     except (EOFError, OSError):  # the front end went away: nobody to serve
         pass
     finally:
