@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=ENGINES,
         help="where the engine runs: its own process, one message per step through pipes (the "
         "default and the fastest on the GPU: the HTTP side's Python and the engine's never share "
-        "a GIL; H200, llama-3.2-1b, 64 streams: 17,894 output tok/s against 13,458 on a thread, "
+        "a GIL; H200, llama-3.2-1b, 64 streams: 15,710-17,894 output tok/s, 13,458 on a thread; "
         "docs/results.md), or a thread of the HTTP process",
     )
     p.add_argument(
