@@ -192,9 +192,9 @@ class CudaGraphRunner(GraphRunnerBase):
             return "bad_input"
         return None
 
-    def _input_problem(self, batch: ForwardBatch) -> str | None:
+    def _input_problem(self, batch: ForwardBatch, bs: int | None = None) -> str | None:
         staged, packed = self._staging is not None, self.config.packed_inputs
-        return batch_problem(batch, self.buffers, self.device, packed_inputs=packed, staged=staged)
+        return batch_problem(batch, self.buffers, self.device, packed, staged, bs)
 
     @property
     def staged(self) -> bool:
@@ -209,7 +209,7 @@ class CudaGraphRunner(GraphRunnerBase):
         ids as ``input_ids``, or in ``PACKED.column(batch.packed, "input_ids")``) are copied on
         the device in stream order, with no host sync; with a ``feed``, ids ``-1 - j`` read
         ``feed[j]`` inside the graph, so the rows can be all host data: the overlapped loop."""
-        bucket, t_kv = self._check_replay(batch)  # raises before anything is copied
+        bs, bucket, t_kv = self._check_replay(batch)  # raises before anything is copied
         self._copy_inputs(batch, bucket)
         self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
             bucket, self._static[bucket]
@@ -221,14 +221,14 @@ class CudaGraphRunner(GraphRunnerBase):
         if self._staging is not None:
             self._staging.replayed()
         self.stats.replays += 1
-        bs, out = batch.batch_size, self._out_rows  # one view per bs: slicing costs host time
+        out = self._out_rows  # one view per bs: slicing costs host time
         if bs not in out:  # every bucket's output is rows of one shared buffer
             out[bs] = self.output_buffers[bucket][:bs]
         return out[bs]
 
-    def _check_replay(self, batch: ForwardBatch) -> tuple[int, int | None]:
-        """The bucket of ``batch`` and its longest KV length (``None`` when nothing needs it);
-        ``ReplayError`` naming the problem and the fix when it cannot be replayed."""
+    def _check_replay(self, batch: ForwardBatch) -> tuple[int, int, int | None]:
+        """The size and bucket of ``batch`` and its longest KV length (``None`` when nothing
+        needs it); ``ReplayError`` naming the problem and the fix when it cannot be replayed."""
         if self._shut_down or (self.check_same_thread and current_thread() is not self._owner):
             self._check_alive("replay")  # raises, naming which
         if type(batch) is not ForwardBatch:
@@ -242,7 +242,7 @@ class CudaGraphRunner(GraphRunnerBase):
         bucket = self._bucket_of.get(bs)
         if bucket is None:
             bucket = self._bucket_of[bs] = pad_to_bucket(bs, self.capture_bs)
-        problem = self._input_problem(batch)
+        problem = self._input_problem(batch, bs)
         if problem is not None:
             raise ReplayError(
                 f"cannot replay this batch: {problem}. Build the batch with "
@@ -251,7 +251,7 @@ class CudaGraphRunner(GraphRunnerBase):
         check_values(batch, self._limits, self.config.check_inputs)  # before any copy
         t_kv = batch.max_seq_len
         if self._max_context is None and self._updater is None:
-            return bucket, t_kv
+            return bs, bucket, t_kv
         if t_kv is None:
             t_kv = int(batch.seq_lens_cpu.numpy().max())  # numpy: a few us less than torch
         if self._max_context is not None and t_kv > self._max_context:
@@ -260,7 +260,7 @@ class CudaGraphRunner(GraphRunnerBase):
                 "graphs were captured for (model_runner.max_context_len); finish or "
                 "truncate it, or build the model runner with a larger max_context_len."
             )
-        return bucket, t_kv
+        return bs, bucket, t_kv
 
     def _copy_inputs(self, batch: ForwardBatch, bucket: int) -> None:
         if self._staging is not None:

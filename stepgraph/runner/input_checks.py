@@ -107,12 +107,17 @@ def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> None:
 
 
 def batch_problem(
-    batch: ForwardBatch, buffers: Any, device: Any, *, packed_inputs: bool, staged: bool
+    batch: ForwardBatch,
+    buffers: Any,
+    device: Any,
+    packed_inputs: bool,
+    staged: bool,
+    bs: int | None = None,
 ) -> str | None:
-    """What keeps the runner from copying ``batch`` into ``buffers`` (dtypes, devices, shapes:
-    only what the replay reads); ``None`` when nothing does. A staged runner reads only the
-    host rows when the batch has them."""
-    bs = batch.batch_size
+    """What keeps the runner from copying ``batch`` (of ``bs`` rows, when the caller knows) into
+    ``buffers`` (dtypes, devices, shapes: only what the replay reads); ``None`` when nothing
+    does. A staged runner reads only the host rows when the batch has them."""
+    bs = batch.batch_size if bs is None else bs
     lens = batch.seq_lens_cpu  # ``is_cpu``: a fraction of ``device.type``'s cost
     if not lens.is_cpu or lens.shape[0] != bs:
         return f"seq_lens_cpu must be a host tensor of {bs} rows"

@@ -95,13 +95,13 @@ class PinnedStaging:
             self._resync()
         slot = self.count & 1
         self._wait_for(self.count - 1)
-        bs = batch.batch_size
         src = batch.packed_cpu  # host rows the batch was packed from
         if src is not None:
             rows = src.numpy()  # [bs, <= width]: a narrower table's missing columns are unread
+            bs = rows.shape[0]
             self._host_np[slot, :bs, : rows.shape[1]] = rows
         else:  # device rows: a D2H copy, ordered before the graph's H2D on the stream
-            rows = None
+            rows, bs = None, batch.batch_size
             src = batch.packed if batch.packed is not None else pack_batch(batch)
             self.host[slot, :bs, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
         stale = min(self.dirty[slot], bucket)
