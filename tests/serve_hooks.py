@@ -1,13 +1,13 @@
 """Fault hooks for the engine process of the serve tests (``EngineSpec(setup=...)``, imported
 in the spawned process): a request whose prompt starts with one of these ids makes every decode
-step it runs in fail, slow down, or end the process."""
+step it runs in fail, slow down, end the process, or never return."""
 
 from __future__ import annotations
 
 import os
 import time
 
-FAULT, STALL, DIE = 509, 508, 507  # the tests' other prompts draw ids below 500
+FAULT, STALL, DIE, HANG = 509, 508, 507, 506  # the tests' other prompts draw ids below 500
 STALL_S = 0.05
 
 
@@ -20,6 +20,8 @@ def arm(engine) -> None:
             raise RuntimeError("injected decode fault")
         if DIE in firsts:
             os._exit(3)
+        if HANG in firsts:
+            time.sleep(3600)
         if STALL in firsts:
             time.sleep(STALL_S)
         return real(*a, **k)

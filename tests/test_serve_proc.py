@@ -34,7 +34,7 @@ from stepgraph.serve.metrics import ServeMetrics  # noqa: E402
 from stepgraph.serve.proc_worker import ProcessWorker  # noqa: E402
 from stepgraph.serve.server import ServerThread  # noqa: E402
 from stepgraph.serve.worker import EngineWorker  # noqa: E402
-from tests.serve_hooks import DIE, FAULT, STALL  # noqa: E402
+from tests.serve_hooks import DIE, FAULT, HANG, STALL  # noqa: E402
 from tests.test_serve_api import IDS, _health, _ids, _metric, _wait_idle  # noqa: E402
 from tests.test_serve_cli import Served, gone  # noqa: E402
 
@@ -275,6 +275,33 @@ def test_a_dead_engine_process_fails_what_is_in_flight_and_is_started_again(serv
                                          extra_body=IDS)  # fmt: skip
     assert _ids(r.choices[0]) == _generate(capsys, [p], 10)[0]
     assert server.worker.restarts == 1
+
+
+def test_a_hung_engine_process_never_hangs_the_front_end():
+    worker = ProcessWorker(SPEC, ServeMetrics())
+    app, thread = _serve(worker)
+    try:
+        with thread as url:
+            pid = _health(url)["engine_pid"]
+
+            async def hung():
+                async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                    body = {"model": "tiny", "prompt": [HANG, 1], "max_tokens": 5}
+                    sent = asyncio.ensure_future(c.post("/v1/completions", json=body))
+                    await asyncio.sleep(0.5)  # the engine sleeps in a step now
+                    t = time.perf_counter()
+                    bad = await c.post("/v1/completions", json={"model": "tiny", "prompt": []})
+                    health = await c.get("/health")
+                    assert time.perf_counter() - t < 2 and bad.status_code == 400
+                    assert health.json()["running"] == 1
+                    await asyncio.get_running_loop().run_in_executor(None, worker.stop, 1.0)
+                    return await sent
+
+            r = asyncio.run(hung())  # stopped: the engine did not answer, so it was ended
+            assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+            assert gone(pid)
+    finally:
+        worker.stop(5)
 
 
 def test_the_engine_process_leaves_when_the_front_end_is_killed():
