@@ -14,12 +14,12 @@ from stepgraph.model.fused_decode import fused_decode_step, unfusable_reason
 
 @pytest.fixture(scope="module")
 def mr():
-    runner = build_model_runner("tiny", "cpu", torch.float32, max_bs=4, max_context=64)
+    runner = build_model_runner("tiny", "cpu", torch.float32, max_bs=17, max_context=64)
     fill_kv_random(runner)
     return runner
 
 
-@pytest.mark.parametrize("bs, context", [(1, 17), (3, 1)])
+@pytest.mark.parametrize("bs, context", [(1, 17), (3, 1), (17, 40)])
 def test_fused_step_matches_reference(mr, bs, context):
     batch, pages = decode_batch(mr, Point(bs, context), seed=bs)
     try:
@@ -39,6 +39,20 @@ def test_fused_step_matches_reference(mr, bs, context):
     finally:
         for p in pages:
             mr.kv_cache.release(p)
+
+
+def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
+    """Shapes in ``proj_tiles.CUBLAS`` run norm + GEMM + RoPE/KV (or SiLU·mul) unfused inside the
+    fused step: same logits, tokens and K/V as the reference ops (tiny shapes listed here)."""
+    from stepgraph.kernels import proj_tiles
+
+    cfg = mr.config
+    qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    monkeypatch.setattr(proj_tiles, "CUBLAS", {
+        ("qkv_rope", qkv_n, cfg.hidden_size, 32),
+        ("gate_up_silu", 2 * cfg.intermediate_size, cfg.hidden_size, 32),
+    })  # fmt: skip
+    test_fused_step_matches_reference(mr, 17, 40)
 
 
 def test_kernel_switch_on_cpu(mr):

@@ -41,7 +41,7 @@ def inputs(m, k, n, dtype, seed, bias=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "m, k, n, bias, blocks",
-    [(1, 80, 40, False, (8, 32, 4)), (3, 48, 20, True, (4, 16, 4)), (2, 64, 24, False, None)],
+    [(1, 80, 40, False, (8, 32, 4)), (3, 48, 20, True, (16, 16, 4)), (2, 64, 24, False, None)],
 )
 def test_norm_gemv(nan_empty, dtype, m, k, n, bias, blocks):
     x, nw, w, b = inputs(m, k, n, dtype, m * k + n, bias)
@@ -55,7 +55,7 @@ def test_norm_gemv(nan_empty, dtype, m, k, n, bias, blocks):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m, k, n, blocks", [(1, 72, 36, (8, 32, 4)), (3, 40, 24, (4, 16, 4))])
+@pytest.mark.parametrize("m, k, n, blocks", [(1, 72, 36, (8, 32, 4)), (3, 40, 24, (16, 16, 4))])
 def test_gemv_residual(nan_empty, dtype, m, k, n, blocks):
     x, _, w, _ = inputs(m, k, n, dtype, m + k + n)
     res = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -86,7 +86,7 @@ def rope_tables(hd, n_pos, dtype, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m, bias, blocks", [(3, True, (2, 16, 4)), (1, False, None)])
+@pytest.mark.parametrize("m, bias, blocks", [(3, True, (16, 16, 4)), (1, False, None)])
 def test_qkv_rope(nan_empty, dtype, m, bias, blocks):
     n_heads, n_kv, hd, pages, ps, k = 4, 2, 16, 5, 8, 40
     n = (n_heads + 2 * n_kv) * hd

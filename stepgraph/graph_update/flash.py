@@ -43,7 +43,7 @@ class FaMain:
     """
 
     main: KernelNode
-    combine: KernelNode
+    combine: KernelNode | None  # None: a main that merges its own splits
     spec: SplitKernelSpec
     bucket_splits: int
     bs: int | None = None
@@ -169,7 +169,8 @@ def fa_plan(
     groups: dict[tuple[int, int, int, int], _Group] = {}
     for (main_name, ptr), (ms, cs) in found.items():
         spec = reg.by_main[main_name]
-        for main, combine in _pairs(spec, ptr, ms, cs):
+        pairs = [(m, None) for m in ms] if spec.combine is None else _pairs(spec, ptr, ms, cs)
+        for main, combine in pairs:
             _add(plan, groups, spec, main, combine)
     plan.mains.sort(key=lambda m: (m.main.order is None, m.main.order or 0))
     plan._groups = list(groups.values())
@@ -177,10 +178,12 @@ def fa_plan(
     return plan
 
 
-def _add(plan: FaPlan, groups: dict, spec: SplitKernelSpec, main: KernelNode, combine: KernelNode):
+def _add(plan: FaPlan, groups: dict, spec: SplitKernelSpec, main: KernelNode, combine):
     grid = main.grid
     bucket = grid[spec.split_axis]
     for node, arg in ((combine, spec.combine_splits_arg), (main, spec.main_splits_arg)):
+        if node is None:
+            continue
         if arg is not None and (found := read_i32_arg(node, arg)) != bucket:
             raise GraphUpdateError(
                 f"kernel {node.name}: argument {arg} (split count) is {found} at capture, but "
@@ -205,9 +208,9 @@ def _add(plan: FaPlan, groups: dict, spec: SplitKernelSpec, main: KernelNode, co
             main.params,
             _GRID_FIELDS[spec.split_axis],
             main_slot,
-            combine.handle,
-            combine.params,
-            combine.i32_slot(spec.combine_splits_arg),
+            None if combine is None else combine.handle,
+            None if combine is None else combine.params,
+            None if combine is None else combine.i32_slot(spec.combine_splits_arg),
         )
     )
 
@@ -289,8 +292,9 @@ def _push(plan: FaPlan, g: _Group, ns: int, d: Any) -> int:
         if mslot is not None:
             mslot.value = ns
         push(exec_h, mh, mp)
-        cslot.value = ns
-        push(exec_h, ch, cp)
+        if ch is not None:
+            cslot.value = ns
+            push(exec_h, ch, cp)
         fm.ns = ns
     g.applied = ns
-    return 2 * len(g.pushes)
+    return sum(1 if p[5] is None else 2 for p in g.pushes)

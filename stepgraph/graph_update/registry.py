@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError
-from ..kernels import split_kv
+from ..kernels import split_kv, split_kv_fold
 
 Rule = Literal["ladder", "self_limiting"]
 SplitKeys = Callable[[int, int, int, int], int]  # (t_kv, n_kv_heads, bs, num_sms) -> keys/split
@@ -58,7 +58,7 @@ class SplitKernelSpec:
     """
 
     main: str
-    combine: str
+    combine: str | None  # None: the main merges its own splits (grid axis only is retuned)
     main_ptr_arg: int
     combine_ptr_arg: int
     combine_splits_arg: int
@@ -74,6 +74,8 @@ class SplitKernelSpec:
             raise ConfigError(f"{self.main}: rule {self.rule!r} is not 'ladder' or 'self_limiting'")
         if self.main == self.combine:
             raise ConfigError(f"{self.main}: the main and combine kernels must differ")
+        if self.combine is None and self.main_splits_arg is not None:
+            raise ConfigError(f"{self.main}: a spec without a combine reads its grid only")
         if self.split_axis not in (0, 1, 2):
             raise ConfigError(f"{self.main}: split_axis {self.split_axis} is not 0, 1 or 2")
         if self.rule == "self_limiting" and (self.block_n is None or self.block_n < 1):
@@ -90,8 +92,8 @@ class SplitKernelSpec:
             args.append(self.main_splits_arg)
         if any(a < 0 for a in args):
             raise ConfigError(f"{self.main}: argument indices must be >= 0 (got {args})")
-        if self.combine_ptr_arg == self.combine_splits_arg or self.main_ptr_arg == (
-            self.main_splits_arg
+        if (self.combine is not None and self.combine_ptr_arg == self.combine_splits_arg) or (
+            self.main_ptr_arg == self.main_splits_arg
         ):
             raise ConfigError(f"{self.main}: a pointer and a split count share an argument index")
 
@@ -104,6 +106,17 @@ FLASH_DECODE_SPEC = SplitKernelSpec(
     main_ptr_arg=split_kv.MAIN_PARTIAL_O_ARG,
     combine_ptr_arg=split_kv.COMBINE_PARTIAL_O_ARG,
     combine_splits_arg=split_kv.COMBINE_N_SPLITS_ARG,
+    split_axis=2,
+    rule="ladder",
+)
+# The folded kernel (``stepgraph/kernels/split_kv_fold.py``, the fused decode step): no combine
+# node; the split count is grid z alone.
+FLASH_DECODE_FOLD_SPEC = SplitKernelSpec(
+    main=split_kv_fold.FOLD_KERNEL_NAME,
+    combine=None,
+    main_ptr_arg=split_kv_fold.FOLD_PARTIAL_O_ARG,
+    combine_ptr_arg=0,
+    combine_splits_arg=0,
     split_axis=2,
     rule="ladder",
 )
@@ -121,6 +134,8 @@ class SplitKernelRegistry:
     def register(self, spec: SplitKernelSpec) -> None:
         """Add ``spec``; registering an equal spec again is a no-op, a clashing one an error."""
         for name in (spec.main, spec.combine):
+            if name is None:
+                continue
             old = self.by_main.get(name) or self.by_combine.get(name)
             if old is not None and old != spec:
                 raise ConfigError(
@@ -128,7 +143,8 @@ class SplitKernelRegistry:
                     f"unregister_split_kernel({old.main!r}) first"
                 )
         self.by_main[spec.main] = spec
-        self.by_combine[spec.combine] = spec
+        if spec.combine is not None:
+            self.by_combine[spec.combine] = spec
 
     def unregister(self, main: str) -> None:
         spec = self.by_main.pop(main, None)
@@ -142,7 +158,7 @@ class SplitKernelRegistry:
         return len(self.by_main)
 
 
-DEFAULT_REGISTRY = SplitKernelRegistry([FLASH_DECODE_SPEC])
+DEFAULT_REGISTRY = SplitKernelRegistry([FLASH_DECODE_SPEC, FLASH_DECODE_FOLD_SPEC])
 
 
 def register_split_kernel(

@@ -58,6 +58,9 @@ class DecodeWorkspace:
 
     partial_o: torch.Tensor  # [max_bs, n_heads, max_splits, head_dim] fp32
     partial_lse: torch.Tensor  # [max_bs, n_heads, max_splits] fp32
+    # [max_bs * n_heads] int32, zero between launches: the folded kernel's per-(request, KV
+    # head) tickets (``split_kv_fold``); None: that kernel cannot use this workspace
+    tickets: torch.Tensor | None = None
 
     @property
     def max_splits(self) -> int:
@@ -69,7 +72,8 @@ class DecodeWorkspace:
     ) -> DecodeWorkspace:
         o = torch.empty(bs, n_heads, max_splits, head_dim, dtype=torch.float32, device=device)
         lse = torch.empty(bs, n_heads, max_splits, dtype=torch.float32, device=device)
-        return cls(o, lse)
+        tickets = torch.zeros(max(bs, 1) * n_heads, dtype=torch.int32, device=device)
+        return cls(o, lse, tickets)
 
 
 def _fail(name: str, expected: str, given: object, fix: str = "") -> ConfigError:

@@ -32,6 +32,7 @@ from .split_kv import (
     _combine_kernel,
     _split_kv_kernel,
 )
+from .split_kv_fold import launch_fold
 from .splits import H200_NUM_SMS, num_splits_for
 
 DEFAULT_MAX_SPLITS = 64
@@ -83,6 +84,7 @@ def flash_decode(
     num_sms: int | None = None,
     variant: KernelVariant | None = None,
     use_pdl: bool | None = False,
+    fold_combine: bool = False,
 ) -> torch.Tensor:  # [bs, n_heads, head_dim], q.dtype
     """Decode attention of one new token per request over its paged keys and values.
 
@@ -97,6 +99,10 @@ def flash_decode(
     (2026-11-30, ``stepgraph bench``, ctx 512) it made the step slower, 0.824 vs 0.802 ms in
     mode exact, although all the fused kernels around it use PDL; the parameters that mode
     exact edits are the same either way, and the tests pass with it on.
+
+    ``fold_combine``: one launch, ``split_kv_fold._split_kv_fold_kernel`` (the last split of a
+    row merges the partials; a row that fits in one split is written by split 0). The fused
+    decode step uses it; the reference path keeps the two kernels.
     """
     bs, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     if max_splits is None:
@@ -146,6 +152,17 @@ def flash_decode(
     # PDL: a constexpr and a launch option only; the driver-level parameters (what graph_update
     # edits in mode "exact") are unchanged
     pdl = resolve_pdl(use_pdl, q.device)
+    if fold_combine:
+        if workspace.tickets is None or workspace.tickets.numel() < bs * n_kv_heads:
+            raise ConfigError(
+                "flash_decode(fold_combine=True) needs a workspace with tickets (at least "
+                f"bs * n_kv_heads = {bs * n_kv_heads} int32 zeros): DecodeWorkspace.allocate"
+            )
+        return launch_fold(
+            q, k_cache, v_cache, block_table, seq_lens, workspace, out, num_splits, sm_scale,
+            cfg, group, group_pad, precision, upcast, _next_pow2(workspace.max_splits), pdl,
+            launch_options(pdl),
+        )  # fmt: skip
 
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         po, lse, q, k_cache, v_cache, block_table, seq_lens, float(sm_scale),

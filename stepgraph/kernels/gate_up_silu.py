@@ -3,9 +3,11 @@ epilogue; and its torch reference.
 
     act = silu(gate) * up,   gate | up = rmsnorm(x) @ w_gate_up.T     (w_gate_up [2 * I, K])
 
-Grid ``(cdiv(I, BLOCK_N),)``: program ``pid`` owns gate rows ``[pid * BLOCK_N, +BLOCK_N)`` and
-the up rows ``I`` further (the *paired* stream of ``gemv_tiles.gemv_loop``), so the activation is
-computed where both products are: no ``[M, 2 * I]`` intermediate, no ``silu_mul`` launch.
+Grid ``(cdiv(I, BLOCK_N), SPLIT_K)``: program ``pid`` owns gate rows
+``[pid * BLOCK_N, +BLOCK_N)`` and the up rows ``I`` further (the *paired* stream of
+``gemv_tiles.gemv_loop``), so the activation is computed where both products are: no
+``[M, 2 * I]`` intermediate, no ``silu_mul`` launch.
+With ``SPLIT_K > 1`` the last program of a tile to finish sums both partials (``gemv_tiles``).
 Roundings as the unfused path: gate and up rounded to the dtype (the GEMM's output), ``silu``
 rounded, the product rounded.
 """
@@ -17,21 +19,30 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .gemv_tiles import first_w_tile, gemv_loop, norm_block, proj_blocks, row_inv_rms
+from .gemv_tiles import (
+    first_w_tile,
+    gemv_loop,
+    k_range,
+    norm_block,
+    row_inv_rms,
+    splitk_reduce,
+)
 from .norm_gemv import rmsnorm_reference
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for
 
 
 @triton.jit
 def _gate_up_silu_kernel(
-    x_ptr, norm_w_ptr, w_ptr, out_ptr,
+    x_ptr, norm_w_ptr, w_ptr, out_ptr, ws_ptr, ticket_ptr,
     M, INTER, K, eps,
     stride_xm, stride_wn, stride_om,
     USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
+    k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows are INTER further
     mask_n = offs_n < INTER
@@ -39,22 +50,27 @@ def _gate_up_silu_kernel(
     g_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = w_ptr + (offs_n + INTER)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # -- weights only before the wait --
-    wg = first_w_tile(g_ptrs, mask_n, K, BLOCK_K)
-    wu = first_w_tile(u_ptrs, mask_n, K, BLOCK_K)
+    wg = first_w_tile(g_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+    wu = first_w_tile(u_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
     pdl_wait_then_trigger(USE_PDL)
     inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     # -> [BLOCK_M, BLOCK_N] float32 each
     gate, up = gemv_loop(
         g_ptrs, u_ptrs, wg, wu, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, inv_rms,
+        x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
         True, True, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
+    rows = BLOCK_M
+    if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
+        gate, up, rows = splitk_reduce(
+            gate, up, ws_ptr, ticket_ptr, pid_n, pid_k, True, SPLIT_K, BLOCK_M, BLOCK_N
+        )
     # -- SiLU(gate) * up, rounded at each step as torch does in the model dtype --
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    mask = ((offs_m < M) & (offs_m < rows))[:, None] & mask_n[None, :]
     tl.store(
         out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], (act * up).to(dtype), mask=mask
     )
@@ -72,30 +88,39 @@ def gate_up_silu_reference(
 
 
 def gate_up_silu(
-    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous: the residual stream
+    x: torch.Tensor,  # [M, K], M <= 64, rows contiguous: the residual stream
     norm_w: torch.Tensor,  # [K]
     weight: torch.Tensor,  # [2 * I, K], gate rows then up rows, rows contiguous
     eps: float,
     *,
     use_pdl: bool | None = None,
-    blocks: tuple[int, int, int] | None = None,  # (BLOCK_N pairs, BLOCK_K, num_warps)
+    blocks=None,  # a proj_tiles.Tile or (BLOCK_N pairs, BLOCK_K, num_warps[, num_stages])
 ) -> torch.Tensor:  # [M, I], x.dtype
     """``silu(gate) * up`` of ``rmsnorm(x) @ weight.T`` in one launch."""
     m, k = x.shape
     inter = weight.shape[0] // 2
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     if m:
-        if blocks is None:
-            block_n, block_k, num_warps = proj_blocks(m, 2 * inter, k)
-            blocks = (max(1, block_n // 2), block_k, num_warps)  # both row sets in one tile budget
+        tile = (
+            as_tile(blocks)
+            if blocks is not None
+            else tile_for("gate_up_silu", m, 2 * inter, k, weight.element_size())
+        )
+        check_tile("gate_up_silu", tile, m)
         pdl = resolve_pdl(use_pdl, x.device)
-        _gate_up_silu_kernel[(triton.cdiv(inter, blocks[0]),)](
-            x, norm_w, weight, out,
+        tiles = triton.cdiv(inter, tile.block_n)
+        ws, tickets = out, out
+        if tile.split_k > 1:
+            elems = tiles * tile.split_k * 2 * block_m(m) * tile.block_n
+            ws, tickets = splitk_workspace(x.device, elems, tiles)
+        _gate_up_silu_kernel[(tiles, tile.split_k)](
+            x, norm_w, weight, out, ws, tickets,
             m, inter, k, eps,
             x.stride(0), weight.stride(0), out.stride(0),
-            USE_PDL=pdl, BLOCK_M=max(1, triton.next_power_of_2(m)),
-            BLOCK_N=blocks[0], BLOCK_K=blocks[1], NORM_BLOCK=norm_block(m, k),
-            num_warps=blocks[2], **launch_options(pdl),
+            USE_PDL=pdl, BLOCK_M=block_m(m),
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_BLOCK=norm_block(m, k),
+            SPLIT_K=tile.split_k,
+            **tile.launch(), **launch_options(pdl),
         )  # fmt: skip
     return out
 

@@ -18,24 +18,106 @@ epilogues: gate and up, or the two halves of a RoPE head) and walks K in ``BLOCK
   version (x as ``[1, BLOCK_K]``, a hand-written one-tile-ahead prefetch) ran gate-up at 64% of
   copy bandwidth on the H200 where ``gemv.py`` reaches ~93%: its PTX had a layout conversion
   with barriers in every iteration and 168 registers a thread.
+- Several rows (``BLOCK_M >= 16``: M padded to 16, 32 or 64, ``block_m``) take tensor cores:
+  ``acc = tl.dot(x, w^T, acc)`` with ``x`` in the model dtype (float32 inputs at "ieee"
+  precision, no TF32). The same prologues and epilogues serve both paths. (Folding the norm
+  into the K loop, the operand ``x * norm_w`` and the RMS applied to the products, measured
+  slower on the H200: gate-up 30.6 vs 20.7 us at 8 rows; not kept.)
+- Split-K (``k_lo``/``k_hi`` of ``gemv_loop``, ``splitk_reduce``): ``SPLIT_K`` programs per
+  column tile each take one K range, store float32 partials, and the last to arrive (an atomic
+  ticket per tile) sums them in split order, so the result is deterministic, runs the epilogue
+  and resets the ticket. For narrow outputs (o_proj, down: N = 2048), where column tiles alone
+  leave SMs idle.
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
-MAX_M = 8  # batch rows one launch takes; larger batches take the unfused path (cuBLAS)
+# fences are inline PTX: compiled kernels only (the interpreter has no inline asm)
+FENCE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+MAX_M = 64  # batch rows one launch takes (M padded to BLOCK_M = 16, 32 or 64 for tl.dot)
 
 
 @triton.jit
-def first_w_tile(w_ptrs, mask_n, K, BLOCK_K: tl.constexpr):
-    # w_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0 -> tile [BLOCK_N, BLOCK_K] in the weight dtype
-    offs_k = tl.arange(0, BLOCK_K)
+def first_w_tile(w_ptrs, mask_n, k_lo, k_hi, BLOCK_K: tl.constexpr):
+    # w_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0 -> the tile at k_lo (columns from k_hi on
+    # read as 0), [BLOCK_N, BLOCK_K] in the weight dtype
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     return tl.load(
-        w_ptrs, mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0,
+        w_ptrs + k_lo, mask=mask_n[:, None] & (offs_k < k_hi)[None, :], other=0.0,
         eviction_policy="evict_first",
     )  # fmt: skip
+
+
+@triton.jit
+def gpu_fence():
+    """``fence.acq_rel.gpu`` in every thread (compiled only: the interpreter runs programs one
+    after another). A split-K partial stored by one thread is visible device-wide before the
+    CTA's ticket is taken; the last program fences again before it reads the partials."""
+    if FENCE:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def splitk_reduce(
+    acc1, acc2, ws_ptr, ticket_ptr, pid_n, pid_k,
+    PAIRED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # acc1 (and acc2 when PAIRED): this program's [BLOCK_M, BLOCK_N] float32 partials of column
+    # tile pid_n. Stores them in ws [tiles, SPLIT_K, 1 or 2, BLOCK_M, BLOCK_N], takes a ticket;
+    # -> (sum1, sum2, rows): the sums over the SPLIT_K partials in split order. Only the program
+    # that drew the last ticket holds them (the others get zeros) and rows = BLOCK_M (else 0:
+    # mask its stores with offs_m < rows); it resets the ticket for the next launch. (Masks
+    # come from tl.where of the ticket: the interpreter's `&` of a block with that scalar
+    # gives ints.) Ordering: every thread stores, fences (gpu scope), the CTA syncs, then one
+    # atomic (acq_rel) takes the ticket; the last CTA syncs and fences before its loads, which
+    # bypass L1 (.cg).
+    TILE: tl.constexpr = BLOCK_M * BLOCK_N
+    PARTS: tl.constexpr = 2 if PAIRED else 1
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    base = ws_ptr + pid_n.to(tl.int64) * (SPLIT_K * PARTS * TILE)
+    tl.store(base + pid_k * (PARTS * TILE) + offs, acc1)
+    if PAIRED:
+        tl.store(base + pid_k * (PARTS * TILE) + TILE + offs, acc2)
+    gpu_fence()
+    tl.debug_barrier()  # every thread's partial is stored and fenced before the ticket
+    ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    rows = tl.where(ticket == SPLIT_K - 1, BLOCK_M, 0)
+    tl.debug_barrier()
+    gpu_fence()
+    sum1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sum2 = sum1
+    mine = offs < rows * BLOCK_N  # [BLOCK_M, BLOCK_N]: all or nothing
+    for s in tl.static_range(SPLIT_K):  # a fixed order: the sum does not depend on arrival
+        part = base + s * (PARTS * TILE) + offs
+        sum1 += tl.load(part, mask=mine, other=0.0, cache_modifier=".cg")
+        if PAIRED:
+            sum2 += tl.load(part + TILE, mask=mine, other=0.0, cache_modifier=".cg")
+    tl.atomic_xchg(ticket_ptr + pid_n, 0, mask=rows > 0, sem="relaxed", scope="gpu")
+    return sum1, sum2, rows
+
+
+@triton.jit
+def k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    # -> (k_lo, k_hi, pid_k): this program's K range of a split-K launch (whole BLOCK_K chunks;
+    # grid axis 1 is the split), or (0, K, 0)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+        pid_k = 0
+    else:
+        pid_k = tl.program_id(1)
+        k_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(K, k_lo + k_split)
+    return k_lo, k_hi, pid_k
 
 
 @triton.jit
@@ -72,9 +154,10 @@ def x_tile(
     x_ptr, nw_ptr, stride_xm, k0, M, K, inv_rms,
     NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # -> x[:, k0:k0 + BLOCK_K] in float32, normed and weighted when NORM: [BLOCK_K] when
+    # -> x[:, k0:k0 + BLOCK_K], normed and weighted when NORM: [BLOCK_K] float32 when
     # BLOCK_M == 1 (1-D, so that x[None, :] is a slice of the weight tile's layout: no layout
-    # conversion through shared memory in the loop), else [BLOCK_M, BLOCK_K]
+    # conversion through shared memory in the loop), else [BLOCK_M, BLOCK_K] in x's dtype
+    # (the tl.dot operand)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     if BLOCK_M == 1:
@@ -92,30 +175,34 @@ def x_tile(
         else:
             xn = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
             x = (xn * nw[None, :]).to(x.dtype)
-    return x.to(tl.float32)
+    if BLOCK_M == 1:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
 def _mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
     # BLOCK_M == 1: acc [BLOCK_N, BLOCK_K] += w * x[None, :] (one reduction after the loop);
-    # else acc [BLOCK_M, BLOCK_N] += sum_k x[m, k] * w[n, k]
+    # else acc [BLOCK_M, BLOCK_N] += x @ w^T on tensor cores (BLOCK_M >= 16)
     if BLOCK_M == 1:
         acc = acc + w.to(tl.float32) * x[None, :]
+    elif w.dtype == tl.float32:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     else:
-        acc = acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
     return acc
 
 
 @triton.jit
 def gemv_loop(
     w1_ptrs, w2_ptrs, w1, w2, mask_n,
-    x_ptr, nw_ptr, stride_xm, M, K, inv_rms,
+    x_ptr, nw_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
     NORM: tl.constexpr, PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # w1_ptrs, w2_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0; w1, w2: their first tiles, loaded
-    # before the PDL wait. -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 each (acc2 = acc1
-    # unless PAIRED)
+    # w1_ptrs, w2_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0; w1, w2: their tiles at k_lo,
+    # loaded before the PDL wait. Sums over k in [k_lo, k_hi) (the whole row: 0, K).
+    # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 each (acc2 = acc1 unless PAIRED)
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
         a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -123,17 +210,17 @@ def gemv_loop(
         a1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a2 = a1
     # -- the first chunk: its weight tile is already here --
-    x = x_tile(x_ptr, nw_ptr, stride_xm, 0, M, K, inv_rms, NORM, BLOCK_M, BLOCK_K)
+    x = x_tile(x_ptr, nw_ptr, stride_xm, k_lo, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
     a1 = _mul_acc(a1, w1, x, BLOCK_M)
     if PAIRED:
         a2 = _mul_acc(a2, w2, x, BLOCK_M)
     # -- the rest: a plain stream of weight tiles (evict_first: never re-read this step) --
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        mask_w = mask_n[:, None] & ((k0 + offs_k) < K)[None, :]
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        mask_w = mask_n[:, None] & ((k0 + offs_k) < k_hi)[None, :]
         w1 = tl.load(w1_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
         if PAIRED:
             w2 = tl.load(w2_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
-        x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, K, inv_rms, NORM, BLOCK_M, BLOCK_K)
+        x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
         a1 = _mul_acc(a1, w1, x, BLOCK_M)
         if PAIRED:
             a2 = _mul_acc(a2, w2, x, BLOCK_M)
@@ -146,27 +233,21 @@ def gemv_loop(
 
 
 def proj_blocks(m: int, n_rows: int, k: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps)`` for ``n_rows`` weight rows per launch (the paired
-    kernels count both sets; they take ``BLOCK_N // 2`` pairs).
+    """``(BLOCK_N, BLOCK_K, num_warps)`` of one row (``m == 1``) for ``n_rows`` weight rows per
+    launch (the paired kernels count both sets; they take ``BLOCK_N // 2`` pairs). Several rows
+    take ``proj_tiles.tile_for``'s tensor-core tiles.
 
     One row: 8k weight elements a program (16 KB of bf16), shorter K chunks as the output
     grows, so that the 2k-wide projections keep long row segments and the wide ones more
     programs in flight. Measured on the H200 at Llama-3.2-1B shapes (benchmarks/fused_step.py,
     2026-11-30, PDL on, µs per call): qkv 3072 rows 5.1 at (8, 1024) vs 5.7 at (4, 2048);
     gate-up 16384 rows 17.3 at (16, 512) vs 21.1 at (32, 256) and 18.8 at (4, 2048); LM head
-    123 at (16, 512) vs 127 at (32, 256); o_proj and down best at (4, 2048). Several rows: as
-    ``gemv.gemv_blocks`` (slow: the model uses the fused kernels for one row only)."""
-    if m == 1:
-        block_k = 2048 if n_rows <= 2048 else 1024 if n_rows <= 4096 else 512
-        block_k = max(32, min(block_k, triton.next_power_of_2(k)))
-        return max(1, min(8192 // block_k, triton.next_power_of_2(n_rows))), block_k, 4
-    block_m = triton.next_power_of_2(m)
-    max_n = max(1, 8192 // (block_m * 256))  # keep >= 256 K per row: 512-byte row segments
-    block_n = min(4, max_n)
-    while block_n < max_n and triton.cdiv(n_rows, block_n * 2) >= 512:
-        block_n *= 2
-    block_k = max(32, min(triton.next_power_of_2(k), 8192 // (block_n * block_m)))
-    return block_n, block_k, 4
+    123 at (16, 512) vs 127 at (32, 256); o_proj and down best at (4, 2048)."""
+    if m != 1:
+        raise ValueError(f"proj_blocks is the one-row rule (m = {m}); use proj_tiles.tile_for")
+    block_k = 2048 if n_rows <= 2048 else 1024 if n_rows <= 4096 else 512
+    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
+    return max(1, min(8192 // block_k, triton.next_power_of_2(n_rows))), block_k, 4
 
 
 def norm_block(m: int, k: int) -> int:
@@ -180,8 +261,11 @@ __all__ = [
     "MAX_M",
     "first_w_tile",
     "gemv_loop",
+    "gpu_fence",
     "norm_block",
     "proj_blocks",
     "row_inv_rms",
+    "k_range",
+    "splitk_reduce",
     "x_tile",
 ]

@@ -56,7 +56,7 @@ def lm_head_argmax_reference(
 
 
 def lm_head_argmax(
-    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous
+    x: torch.Tensor,  # [M, K], M <= 64, rows contiguous
     norm_w: torch.Tensor,  # [K]
     weight: torch.Tensor,  # [vocab, K], rows contiguous
     eps: float,
@@ -70,7 +70,7 @@ def lm_head_argmax(
     into ``logits_out`` / ``tokens_out`` when given (a graph's static buffers)."""
     m, k = x.shape
     vocab = weight.shape[0]
-    n_prog = argmax_programs(m, vocab, k, blocks)
+    n_prog = argmax_programs(m, vocab, k, blocks, weight.element_size())
     part_val = torch.empty(m, n_prog, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(m, n_prog, dtype=torch.int32, device=x.device)
     tokens = tokens_out if tokens_out is not None else x.new_empty(m, dtype=torch.int64)

@@ -5,7 +5,10 @@ references: the projections of the fused decode step that need no paired rows.
     gemv_residual(x, w, residual)  y = residual + (x @ w.T)          o_proj and down
     argmax partials (ARGMAX)       (max, index) of each program's columns, for ``lm_head_argmax``
 
-Grid ``(cdiv(N, BLOCK_N),)``; the pieces are in ``gemv_tiles``. Every rounding follows the
+Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; the pieces are in ``gemv_tiles``, the tiles per shape and
+batch bucket in ``proj_tiles``. With ``SPLIT_K > 1`` the programs of one column tile each take
+a K range and the last to finish sums the float32 partials (in split order) and runs the
+epilogue. Every rounding follows the
 unfused torch path: the norm as ``RMSNorm`` does it, the projection rounded to the dtype before
 the residual add, the sum rounded again (``x + residual`` in the model dtype).
 """
@@ -16,13 +19,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_tiles import first_w_tile, gemv_loop, norm_block, proj_blocks, row_inv_rms
+from .gemv_tiles import (
+    first_w_tile,
+    gemv_loop,
+    k_range,
+    norm_block,
+    row_inv_rms,
+    splitk_reduce,
+)
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for
 
 
 @triton.jit
 def _norm_gemv_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_val_ptr, part_idx_ptr,
+    ws_ptr, ticket_ptr,
     M, N, K, eps,
     stride_xm, stride_wn, stride_rm, stride_ym, stride_pm,
     NORM: tl.constexpr,  # RMSNorm prologue (norm_w, eps)
@@ -31,16 +43,17 @@ def _norm_gemv_kernel(
     ARGMAX: tl.constexpr,  # write (max, first index of max) of this program's columns
     USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
+    k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     # -- weights only before the wait: they are never written during a step --
-    w = first_w_tile(w_ptrs, mask_n, K, BLOCK_K)  # [BLOCK_N, BLOCK_K]
+    w = first_w_tile(w_ptrs, mask_n, k_lo, k_hi, BLOCK_K)  # [BLOCK_N, BLOCK_K]
     pdl_wait_then_trigger(USE_PDL)
     if NORM:
         inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
@@ -49,9 +62,14 @@ def _norm_gemv_kernel(
     # -> [BLOCK_M, BLOCK_N] float32
     acc, _ = gemv_loop(
         w_ptrs, w_ptrs, w, w, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, inv_rms,
+        x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
         NORM, False, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
+    if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
+        acc, _, rows = splitk_reduce(
+            acc, acc, ws_ptr, ticket_ptr, pid_n, pid_k, False, SPLIT_K, BLOCK_M, BLOCK_N
+        )
+        mask_m = mask_m & (offs_m < rows)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -87,28 +105,38 @@ def gemv_residual_reference(x, weight, residual) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight) + residual
 
 
-def _launch(x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks):
+def _launch(x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks, kernel):
     m, k = x.shape
     n = weight.shape[0]
-    block_n, block_k, num_warps = blocks or proj_blocks(m, n, k)
+    tile = (
+        as_tile(blocks) if blocks is not None else tile_for(kernel, m, n, k, weight.element_size())
+    )
+    check_tile(kernel, tile, m)
+    bm = block_m(m)
     part_val, part_idx = parts if parts is not None else (y, y)
+    tiles = triton.cdiv(n, tile.block_n)
+    ws, tickets = y, y
+    if tile.split_k > 1:
+        elems = tiles * tile.split_k * tile.block_n * bm
+        ws, tickets = splitk_workspace(x.device, elems, tiles)
     pdl = resolve_pdl(use_pdl, x.device)
-    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _norm_gemv_kernel[(tiles, tile.split_k)](
         x, norm_w if norm else weight, weight, bias if bias is not None else weight,
-        residual if residual is not None else y, y, part_val, part_idx,
+        residual if residual is not None else y, y, part_val, part_idx, ws, tickets,
         m, n, k, eps,
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0),
         part_val.stride(0) if parts is not None else 0,
         NORM=norm, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=parts is not None, USE_PDL=pdl,
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM_BLOCK=norm_block(m, k), num_warps=num_warps, **launch_options(pdl),
+        BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
+        **launch_options(pdl),
     )  # fmt: skip
 
 
 def norm_gemv(
-    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous: the residual stream
+    x: torch.Tensor,  # [M, K], M <= 64, rows contiguous: the residual stream
     norm_w: torch.Tensor,  # [K], the RMSNorm weight
     weight: torch.Tensor,  # [N, K], rows contiguous
     bias: torch.Tensor | None = None,  # [N]
@@ -118,7 +146,7 @@ def norm_gemv(
     argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,  # [M, n_programs] f32, i32
     out: torch.Tensor | None = None,  # [M, N] out_dtype, rows contiguous: written in place
     use_pdl: bool | None = None,
-    blocks: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps)
+    blocks=None,  # a proj_tiles.Tile or (BLOCK_N, BLOCK_K, num_warps[, stages[, split_k]])
 ) -> torch.Tensor:  # [M, N], out_dtype (default x.dtype)
     """``rmsnorm(x) @ weight.T + bias`` in one launch, float32 accumulation."""
     y = out
@@ -126,35 +154,36 @@ def norm_gemv(
         y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     if x.shape[0]:
         _launch(
-            x, norm_w, weight, bias, None, y, argmax_parts, eps,
-            norm=True, use_pdl=use_pdl, blocks=blocks,
+            x, norm_w, weight, bias, None, y, argmax_parts, eps, norm=True, use_pdl=use_pdl,
+            blocks=blocks, kernel="lm_head" if argmax_parts is not None else "norm_gemv",
         )  # fmt: skip
     return y
 
 
 def gemv_residual(
-    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous
+    x: torch.Tensor,  # [M, K], M <= 64, rows contiguous
     weight: torch.Tensor,  # [N, K], rows contiguous
     residual: torch.Tensor,  # [M, N], the residual stream
     *,
     out: torch.Tensor | None = None,  # [M, N]; may be ``residual`` itself (each program
     # reads and writes only its own columns)
     use_pdl: bool | None = None,
-    blocks: tuple[int, int, int] | None = None,
+    blocks=None,  # as norm_gemv's
 ) -> torch.Tensor:  # [M, N], residual.dtype
     """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first)."""
     y = out if out is not None else torch.empty_like(residual)
     if x.shape[0]:
         _launch(
             x, None, weight, None, residual, y, None, 0.0,
-            norm=False, use_pdl=use_pdl, blocks=blocks,
+            norm=False, use_pdl=use_pdl, blocks=blocks, kernel="gemv_residual",
         )  # fmt: skip
     return y
 
 
-def argmax_programs(m: int, n: int, k: int, blocks: tuple[int, int, int] | None = None) -> int:
-    """Programs of ``norm_gemv`` for an ``[n, k]`` weight: columns of the argmax partials."""
-    return triton.cdiv(n, (blocks or proj_blocks(m, n, k))[0])
+def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2) -> int:
+    """Programs of ``norm_gemv`` for an ``[n, k]`` LM head: columns of the argmax partials."""
+    tile = as_tile(blocks) if blocks is not None else tile_for("lm_head", m, n, k, elem_bytes)
+    return triton.cdiv(n, tile.block_n)
 
 
 __all__ = [

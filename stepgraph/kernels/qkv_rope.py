@@ -3,13 +3,14 @@ RoPE on q and k and the write of k and v into the paged KV cache; and its torch 
 
 Rotate-half RoPE pairs element ``d`` of a head with ``d + HALF``, so a program owns the *paired*
 weight rows ``head * HEAD_DIM + d0 + [0, BLOCK_D)`` and ``HALF`` further (``gemv_tiles``).
-Grid ``(n_heads + 2 * n_kv_heads) * HALF / BLOCK_D``: program ``pid`` takes head
-``pid // (HALF / BLOCK_D)`` (query heads, then key heads, then value heads, as the rows of
+Grid ``(n_heads + 2 * n_kv_heads) * cdiv(HALF, BLOCK_D)``: program ``pid`` takes head
+``pid // cdiv(HALF, BLOCK_D)`` (query heads, then key heads, then value heads, as the rows of
 ``w_qkv`` are stacked) and its slice ``d0``. Its epilogue is ``rope_kv``'s, for those columns:
 query heads rotated into ``q_out``, key heads rotated into ``k_cache`` at ``slots[m]``, value
 heads copied into ``v_cache``. Roundings as the unfused CUDA path: the projection (+ bias)
 rounded to the dtype, the rotation in float32 with one rounding. No ``[M, qkv]`` intermediate,
-no ``rope_kv`` launch.
+no ``rope_kv`` launch. With ``SPLIT_K > 1`` (grid axis 1) the last program of a tile to finish
+sums both partials and runs the epilogue (``gemv_tiles.splitk_reduce``).
 """
 
 from __future__ import annotations
@@ -19,47 +20,62 @@ import triton
 import triton.language as tl
 
 from ..errors import ConfigError
-from .gemv_tiles import first_w_tile, gemv_loop, norm_block, proj_blocks, row_inv_rms
+from .gemv_tiles import (
+    first_w_tile,
+    gemv_loop,
+    k_range,
+    norm_block,
+    row_inv_rms,
+    splitk_reduce,
+)
 from .norm_gemv import rmsnorm_reference
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .proj_tiles import Tile, as_tile, block_m, check_tile, splitk_workspace, tile_for
 from .rope_kv import rope_kv_reference
 
 
 @triton.jit
 def _qkv_rope_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, ws_ptr, ticket_ptr,
     M, K, eps,
     stride_xm, stride_wn, stride_qm, stride_cos, stride_slot,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    head = pid // (HALF // BLOCK_D)  # q heads, then k heads, then v heads
-    d = (pid % (HALF // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] < HALF
+    k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
+    D_TILES: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D  # BLOCK_D > HALF: one, masked
+    head = pid // D_TILES  # q heads, then k heads, then v heads
+    d = (pid % D_TILES) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     rows1 = head * HEAD_DIM + d  # first-half rows of the head; second half: + HALF
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    mask_n = d < HALF  # all true: BLOCK_D divides HALF
+    mask_n = d < HALF  # all true when BLOCK_D divides HALF
     offs_k = tl.arange(0, BLOCK_K)
     w1_ptrs = w_ptr + rows1[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     w2_ptrs = w1_ptrs + HALF * stride_wn
     # -- weights only before the wait --
-    w1 = first_w_tile(w1_ptrs, mask_n, K, BLOCK_K)
-    w2 = first_w_tile(w2_ptrs, mask_n, K, BLOCK_K)
+    w1 = first_w_tile(w1_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+    w2 = first_w_tile(w2_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
     pdl_wait_then_trigger(USE_PDL)
     inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     # -> [BLOCK_M, BLOCK_D] float32 each
     acc1, acc2 = gemv_loop(
         w1_ptrs, w2_ptrs, w1, w2, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, inv_rms,
+        x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
         True, True, BLOCK_M, BLOCK_D, BLOCK_K,
     )  # fmt: skip
+    if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
+        acc1, acc2, rows = splitk_reduce(
+            acc1, acc2, ws_ptr, ticket_ptr, pid, pid_k, True, SPLIT_K, BLOCK_M, BLOCK_D
+        )
+        mask_m = mask_m & (offs_m < rows)
     if HAS_BIAS:
-        acc1 += tl.load(bias_ptr + rows1).to(tl.float32)[None, :]
-        acc2 += tl.load(bias_ptr + rows1 + HALF).to(tl.float32)[None, :]
+        acc1 += tl.load(bias_ptr + rows1, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(bias_ptr + rows1 + HALF, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     dtype = q_out_ptr.dtype.element_ty
     x1 = acc1.to(dtype)  # the projection as the unfused path stores it
     x2 = acc2.to(dtype)
@@ -101,7 +117,7 @@ def qkv_rope_reference(
 
 
 def qkv_rope(
-    x: torch.Tensor,  # [M, K], M <= 8, rows contiguous: the residual stream
+    x: torch.Tensor,  # [M, K], M <= 64, rows contiguous: the residual stream
     norm_w: torch.Tensor,  # [K], input_layernorm's weight
     weight: torch.Tensor,  # [(n_heads + 2 * n_kv) * head_dim, K], rows contiguous
     bias: torch.Tensor | None,  # [(n_heads + 2 * n_kv) * head_dim] or None
@@ -115,7 +131,7 @@ def qkv_rope(
     n_heads: int,
     *,
     use_pdl: bool | None = None,
-    blocks: tuple[int, int, int] | None = None,  # (BLOCK_D, BLOCK_K, num_warps)
+    blocks=None,  # a proj_tiles.Tile or (BLOCK_D, BLOCK_K, num_warps[, num_stages])
 ) -> torch.Tensor:  # [M, n_heads, head_dim], rotated q
     """Norm, qkv projection, RoPE and KV write in one launch; returns q. Slots are not
     bounds-checked on the device (padded graph rows must point at scratch slots)."""
@@ -126,23 +142,33 @@ def qkv_rope(
     if m:
         n_rows = (n_heads + 2 * n_kv) * hd
         if blocks is None:
-            block_n, block_k, num_warps = proj_blocks(m, n_rows, k)
-            blocks = (max(1, min(half, block_n // 2)), block_k, num_warps)
-        if half % blocks[0]:
+            tile = tile_for("qkv_rope", m, n_rows, k, weight.element_size())
+            if m == 1:  # the one-row rule counts both halves of a pair
+                tile = Tile(max(1, min(half, tile.block_n // 2)), tile.block_k, tile.num_warps)
+        else:
+            tile = as_tile(blocks)
+        bd = check_tile("qkv_rope", tile, m).block_n
+        if bd & (bd - 1) or (bd < half and half % bd):
             raise ConfigError(
-                f"qkv_rope: BLOCK_D={blocks[0]} must divide head_dim / 2 = {half}; pass blocks "
-                "with a power-of-two BLOCK_D <= head_dim / 2 (or leave blocks=None)"
+                f"qkv_rope: BLOCK_D={bd} must be a power of two dividing head_dim / 2 = {half} "
+                "(or above it: one masked tile a head); pass other blocks (or blocks=None)"
             )
         pdl = resolve_pdl(use_pdl, x.device)
-        _qkv_rope_kernel[((n_heads + 2 * n_kv) * (half // blocks[0]),)](
+        tiles = (n_heads + 2 * n_kv) * triton.cdiv(half, bd)
+        ws, tickets = q, q
+        if tile.split_k > 1:
+            elems = tiles * tile.split_k * 2 * block_m(m) * bd
+            ws, tickets = splitk_workspace(x.device, elems, tiles)
+        _qkv_rope_kernel[(tiles, tile.split_k)](
             x, norm_w, weight, bias if bias is not None else weight,
-            positions, slots, cos_table, sin_table, q, k_cache, v_cache,
+            positions, slots, cos_table, sin_table, q, k_cache, v_cache, ws, tickets,
             m, k, eps,
             x.stride(0), weight.stride(0), q.stride(0), cos_table.stride(0), k_cache.stride(1),
             N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=half,
             HAS_BIAS=bias is not None, USE_PDL=pdl,
-            BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_D=blocks[0], BLOCK_K=blocks[1],
-            NORM_BLOCK=norm_block(m, k), num_warps=blocks[2], **launch_options(pdl),
+            BLOCK_M=block_m(m), BLOCK_D=bd, BLOCK_K=tile.block_k,
+            NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
+            **launch_options(pdl),
         )  # fmt: skip
     return q
 

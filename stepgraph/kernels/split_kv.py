@@ -49,49 +49,19 @@ COMBINE_N_SPLITS_ARG = 1  # driver-level index, 4-byte int32
 
 
 @triton.jit
-def _split_kv_kernel(
-    partial_o_ptr,  # [bs, n_heads, max_splits, HEAD_DIM] fp32, must stay argument 0
-    partial_lse_ptr,  # [bs, n_heads, max_splits] fp32
-    q_ptr,  # [bs, n_heads, HEAD_DIM]
-    k_cache_ptr,  # [num_pages, PAGE_SIZE, n_kv_heads, HEAD_DIM]
-    v_cache_ptr,  # [num_pages, PAGE_SIZE, n_kv_heads, HEAD_DIM]
-    block_table_ptr,  # [bs, max_pages] int32
-    seq_lens_ptr,  # [bs] int32
-    sm_scale,
-    stride_qb,
-    stride_qh,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    stride_bt,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_lb,
-    stride_lh,
-    GROUP: tl.constexpr,  # query heads per KV head
-    GROUP_PAD: tl.constexpr,  # rows of the q tile: max(16, next_pow2(GROUP)) for tl.dot
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_TILE: tl.constexpr,  # PAGE_SIZE % BLOCK_N == 0: each tile lies in one page
-    K_ROWS: tl.constexpr,  # K as [BLOCK_N, HEAD_DIM], q @ trans(k); else K^T [HEAD_DIM, BLOCK_N]
-    USE_DOT: tl.constexpr,  # tl.dot (tensor cores); else broadcast multiply-and-sum in fp32
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (the default)
-    NUM_STAGES: tl.constexpr,  # software-pipelining depth of the key loop (also a launch option)
-    UPCAST: tl.constexpr,  # q, K, V in fp32: the FMA path, or the interpreter's bf16 dot (wrong)
-    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py); adds no parameter
-):
-    cur_batch = tl.program_id(0)
-    cur_kv_head = tl.program_id(1)
-    split_id = tl.program_id(2)
+def split_partial(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, sm_scale,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, cur_batch, cur_kv_head, split_id,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr,
+    K_ROWS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    # One split of one (request, KV head): -> (o [GROUP_PAD, HEAD_DIM] normalised, lse
+    # [GROUP_PAD] natural log, query head ids, their mask, the split's chunk of keys). An empty
+    # split gives o = 0, lse = -inf, never NaN. (The body of both split kernels.)
     num_splits = tl.num_programs(2)
-    # everything below reads the predecessors' output (q, the KV just written, seq_lens):
-    # wait first, before the pipelined key loop
-    pdl_wait_then_trigger(USE_PDL)
 
     # -- this split's key range; chunk is a multiple of BLOCK_N, so every tile starts on one --
     seq_len = tl.load(seq_lens_ptr + cur_batch)
@@ -168,12 +138,66 @@ def _split_kv_kernel(
             acc += tl.sum(p[:, :, None] * v[None, :, :], 1)
         m_i = m_new
 
-    # -- write partials; an empty split gives o = 0, lse = -inf, never NaN --
     live = l_i > 0.0
     o = acc / tl.where(live, l_i, 1.0)[:, None]
     lse = tl.where(
         live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453, -float("inf")
     )
+    return o, lse, cur_heads, mask_g, chunk
+
+
+@triton.jit
+def _split_kv_kernel(
+    partial_o_ptr,  # [bs, n_heads, max_splits, HEAD_DIM] fp32, must stay argument 0
+    partial_lse_ptr,  # [bs, n_heads, max_splits] fp32
+    q_ptr,  # [bs, n_heads, HEAD_DIM]
+    k_cache_ptr,  # [num_pages, PAGE_SIZE, n_kv_heads, HEAD_DIM]
+    v_cache_ptr,  # [num_pages, PAGE_SIZE, n_kv_heads, HEAD_DIM]
+    block_table_ptr,  # [bs, max_pages] int32
+    seq_lens_ptr,  # [bs] int32
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # rows of the q tile: max(16, next_pow2(GROUP)) for tl.dot
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_TILE: tl.constexpr,  # PAGE_SIZE % BLOCK_N == 0: each tile lies in one page
+    K_ROWS: tl.constexpr,  # K as [BLOCK_N, HEAD_DIM], q @ trans(k); else K^T [HEAD_DIM, BLOCK_N]
+    USE_DOT: tl.constexpr,  # tl.dot (tensor cores); else broadcast multiply-and-sum in fp32
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (the default)
+    NUM_STAGES: tl.constexpr,  # software-pipelining depth of the key loop (also a launch option)
+    UPCAST: tl.constexpr,  # q, K, V in fp32: the FMA path, or the interpreter's bf16 dot (wrong)
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py); adds no parameter
+):
+    cur_batch = tl.program_id(0)
+    cur_kv_head = tl.program_id(1)
+    split_id = tl.program_id(2)
+    # everything below reads the predecessors' output (q, the KV just written, seq_lens):
+    # wait first, before the pipelined key loop
+    pdl_wait_then_trigger(USE_PDL)
+    o, lse, cur_heads, mask_g, _ = split_partial(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, sm_scale,
+        stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        stride_bt, cur_batch, cur_kv_head, split_id,
+        GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, PAGE_TILE, K_ROWS, USE_DOT,
+        DOT_PRECISION, NUM_STAGES, UPCAST,
+    )  # fmt: skip
+    offs_d = tl.arange(0, HEAD_DIM)
+    # -- write partials; an empty split gives o = 0, lse = -inf, never NaN --
     po_ptrs = (
         partial_o_ptr
         + cur_batch * stride_pob

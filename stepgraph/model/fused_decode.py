@@ -3,45 +3,66 @@
     r = embed(ids)                                           the residual stream [bs, hidden]
     per layer:
       q = qkv_rope(r)          norm, qkv (+ bias), RoPE, K/V into the pages        1 launch
-      o = attention(q)         the backend's split-KV decode (split + combine)     2 launches
+      o = attention(q)         split-KV decode (split + combine; one launch where   2 (1)
+                               every row has one split, ``split_kv_fold``)
       r = r + o_proj(o)        residual add in the GEMV epilogue                   1 launch
       a = gate_up_silu(r)      norm, gate-up, SiLU * up                            1 launch
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  2 launches
 
-99 kernels a step for Llama-3.2-1B instead of 164 (``benchmarks/fused_step.py``; 105 and 171
-inside the graph runner, which adds its input copies). The fused kernels are launched with
-programmatic dependent launch where the GPU has it (``kernels/pdl.py``); the two attention
-kernels are not (measured slower with it, see ``flash_decode``). The roundings are the
-unfused path's: at one row and ctx 512 the logits equalled the reference kernels' bit for bit
-on the H200 (same tiles and reduction order as ``gemv.py``). Measured there (2026-11-30,
-``stepgraph bench``, bs=1, ctx 512, mode exact): 0.802 ms, 74% of the bandwidth floor, against
-0.997 ms (60%) with ``--kernels reference``.
+One row: the broadcast-multiply GEMV tiles (``gemv_tiles``); 99 kernels a step for Llama-3.2-1B
+(0.802 ms, 74% of the bandwidth floor, H200, 2026-11-30). Two rows and more (issue 21): the
+same kernels on tensor cores, M padded to 16/32/64, split-K where the output is narrow, tiles
+per (shape, bs bucket) in ``kernels/proj_tiles.TILES`` (measured by
+``benchmarks/proj_sweep.py``); where cuBLAS plus the small kernels measured faster
+(``proj_tiles.CUBLAS``: qkv at 17-64 rows, gate-up at 33-64) the step runs RMSNorm, cuBLAS and
+RoPE/KV-write (or SiLU·mul) there instead; ``REFERENCE_ROWS`` (bs 2-7) run the reference
+kernels inside the step. Measured (H200, 2026-12-01, ``stepgraph bench``, graph, ctx 512):
+bs 8 1.205 ms (52% of the floor), bs 32 1.429 (51%), bs 64 1.502 (57%), against 1.213 / 1.402 /
+1.636 for ``--kernels reference``; docs/results.md has the rest. The kernels are launched with
+programmatic dependent launch where the GPU has it (``kernels/pdl.py``); the attention kernels
+are not (measured slower with it at bs=1, see ``flash_decode``).
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
-kernels, the numerical reference and the CPU path). The fused kernels serve batches of up to
-``FUSED_MAX_BS`` rows of an unsharded model; anything else runs the reference kernels, in
-eager, graph and exact mode alike, so the three always run the same kernels for a batch size.
+kernels, the numerical reference and the CPU path). The fused step serves batches of up to
+``FUSED_MAX_BS`` rows of an unsharded model, greedy tokens included at every size; anything
+else runs the reference kernels, in eager, graph and exact mode alike, so the three always run
+the same kernels for a batch size (every choice here is a function of bs and the shapes).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..kernels.flash_decode import flash_decode
+from ..kernels.fused_act import silu_mul
 from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.lm_head_argmax import lm_head_argmax
 from ..kernels.norm_gemv import gemv_residual
+from ..kernels.proj_tiles import prefer_cublas
 from ..kernels.qkv_rope import qkv_rope
+from ..kernels.rope_kv import rope_kv
 from .llama import Linear, LlamaModel
 
 KERNEL_CHOICES = ("fused", "reference")
-# Rows the fused kernels serve. At one row they beat the reference step (H200, bs=1, ctx 512:
-# 0.80 vs 1.00 ms); their several-row path is a broadcast-multiply GEMV far slower than cuBLAS
-# (a first version: 7.2 vs 1.2 ms a step at bs=8), so larger batches keep cuBLAS until a tl.dot
-# small-M kernel exists.
-FUSED_MAX_BS = 1
+# Rows the fused step serves (``gemv_tiles.MAX_M``: one launch takes up to 64 rows).
+FUSED_MAX_BS = 64
+# Batch sizes the fused step serves with the reference kernels (cuBLAS, separate norm, RoPE,
+# SiLU), its greedy tokens still computed in the step: measured on the H200 (2026-12-01,
+# ``stepgraph bench``, graph mode, ctx 512) the tensor-core kernels took 1.48 ms at bs=2 against
+# 1.07 (bs 1) and 1.15 ms (bs 8) for the cuBLAS step in the same run, while bs 8 ran 1.205;
+# bs 3 to 7 were not timed and share bs 2's tiles.
+REFERENCE_ROWS = range(2, 8)
+# PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
+# always takes the default (on, measured 2026-11-30)
+ROWS_PDL: bool | None = None
+# PDL on the attention kernel of the fused step: off unless STEPGRAPH_ATTENTION_PDL=1 (the A/B
+# switch of the measurement in docs/results.md)
+ATTENTION_PDL: bool | None = None if os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1" else False
 
 
 def default_kernels(device: torch.device | str) -> str:
@@ -73,6 +94,21 @@ def unfusable_reason(model: LlamaModel) -> str | None:
     return None
 
 
+def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+    """Split-KV decode over the pages. Where the ladder gives every row one split at any
+    context for this batch size (``bucket_splits(bs) == 1``: the same in eager, graph and exact
+    mode), one launch: the split kernel writes the output (``kernels/split_kv_fold.py``).
+    Elsewhere the backend's split + combine (the folded merge measured slower there)."""
+    if not backend.use_kernel or backend.bucket_splits(q.shape[0]) > 1:
+        return backend.decode_attention(layer_id, q)
+    m, kv = backend.meta, backend.kv_cache
+    return flash_decode(
+        q, kv.k_caches[layer_id], kv.v_caches[layer_id], m.block_table, m.seq_lens,
+        num_splits=m.num_splits, workspace=m.workspace, sm_scale=backend.sm_scale,
+        num_sms=backend.num_sms, use_pdl=ATTENTION_PDL, fold_combine=True,
+    )  # fmt: skip
+
+
 def fused_decode_step(
     model: LlamaModel,
     backend,  # PagedAttentionBackend, prepared for this step (decode metadata)
@@ -84,24 +120,42 @@ def fused_decode_step(
     use_pdl: bool | None = None,
 ) -> torch.Tensor:  # [bs, vocab] float32 logits
     """One decode step with the fused kernels; the K/V of this token land in the pages at the
-    backend's ``out_cache_loc``. ``bs <= 8`` (the kernels' row limit)."""
+    backend's ``out_cache_loc``. ``bs <= FUSED_MAX_BS`` (the kernels' row limit)."""
     meta = backend.meta
     kv = backend.kv_cache
     n_heads = model.config.num_heads
     bs = input_ids.shape[0]
+    if bs in REFERENCE_ROWS:  # the reference kernels, the greedy tokens still taken here
+        h = model(input_ids, positions, backend)
+        logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
+        if tokens_out is not None:
+            torch.argmax(logits, -1, out=tokens_out)
+        return logits
+    if use_pdl is None and bs > 1:
+        use_pdl = ROWS_PDL
     r = model.embed_tokens(input_ids)  # [bs, hidden], the residual stream
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
         # q: [bs, n_heads, head_dim], rotated; this token's K/V are in the pages
-        q = qkv_rope(
-            r, norm1.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.eps, positions,
-            model.rope_cos, model.rope_sin, kv.k_caches[i], kv.v_caches[i],
-            meta.out_cache_loc, n_heads, use_pdl=use_pdl,
-        )  # fmt: skip
-        o = backend.decode_attention(i, q)  # [bs, n_heads, head_dim]
+        w_qkv, w_gu = attn.qkv_proj.weight, mlp.gate_up_proj.weight
+        if prefer_cublas("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size()):  # norm GEMM RoPE
+            q = rope_kv(
+                attn.qkv_proj(norm1(r)[0]), positions, model.rope_cos, model.rope_sin,
+                kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
+            )  # fmt: skip
+        else:
+            q = qkv_rope(
+                r, norm1.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.eps, positions,
+                model.rope_cos, model.rope_sin, kv.k_caches[i], kv.v_caches[i],
+                meta.out_cache_loc, n_heads, use_pdl=use_pdl,
+            )  # fmt: skip
+        o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
         r = gemv_residual(o.reshape(bs, -1), attn.o_proj.weight, r, use_pdl=use_pdl)
-        a = gate_up_silu(r, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, use_pdl=use_pdl)
+        if prefer_cublas("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
+            a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
+        else:
+            a = gate_up_silu(r, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, use_pdl=use_pdl)
         r = gemv_residual(a, mlp.down_proj.weight, r, use_pdl=use_pdl)  # [bs, hidden]
     logits, _ = lm_head_argmax(
         r, model.norm.weight, model.lm_head.weight, model.norm.eps,

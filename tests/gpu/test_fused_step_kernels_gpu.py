@@ -1,7 +1,8 @@
 """The fused decode-step kernels on a real GPU, in bf16 at Llama-3.2-1B sizes: against float64
 and against the unfused CUDA kernels; PDL on and off bit-identical, eagerly and captured in a
-CUDA graph; and the compiled PTX of every PDL kernel of the step (split-KV attention included)
-waits (``griddepcontrol.wait``) before its first load of anything but weights.
+CUDA graph, at 1 to 64 rows (the tensor-core path and split-K from 2); and the compiled PTX of
+every PDL kernel of the step (split-KV attention included) waits (``griddepcontrol.wait``)
+before its first load of anything but weights.
 
 Nothing touches CUDA at import time: without a GPU the module imports and every test skips.
 """
@@ -63,7 +64,11 @@ def rms(x, w):  # float64 RMSNorm
     return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+def lin(x, w):  # the unfused CUDA projection: the Triton GEMV up to 8 rows, cuBLAS above
+    return gemv(x, w) if x.shape[0] <= 8 else torch.nn.functional.linear(x, w)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32, 64])
 def test_fused_projections_bf16(m):
     g = torch.Generator(DEV).manual_seed(m)
     w = layer(g)
@@ -72,23 +77,24 @@ def test_fused_projections_bf16(m):
     act = gus.gate_up_silu(r, w["nw2"], w["gate_up"], EPS)
     gate, up = (rms(r, w["nw2"]) @ w["gate_up"].double().T).split(INTER, dim=-1)
     assert rel_err(act, gate * torch.sigmoid(gate) * up) < 1e-2
-    unfused = silu_mul(gemv(add_rmsnorm(r, None, w["nw2"], EPS)[0], w["gate_up"]))
+    unfused = silu_mul(lin(add_rmsnorm(r, None, w["nw2"], EPS)[0], w["gate_up"]))
     assert rel_err(act, unfused) < 1e-2
     # -- down + residual, o_proj + residual --
     for wt, x in ((w["down"], act), (w["o"], randn(m, N_HEADS * HD, g=g))):
         y = ng.gemv_residual(x, wt, r)
         assert rel_err(y, x.double() @ wt.double().T + r.double()) < 1e-2
-        assert rel_err(y, gemv(x, wt) + r) < 5e-3
+        assert rel_err(y, lin(x, wt) + r) < 5e-3
+        assert torch.equal(ng.gemv_residual(x, wt, r), y)  # split-K sums in a fixed order
     # -- qkv + RoPE + KV write against the unfused CUDA path --
     cos, sin, positions, slots, (kc, vc) = rope_inputs(m, g)
     kc2, vc2 = kc.clone(), vc.clone()
     q = qr.qkv_rope(r, w["nw1"], w["qkv"], None, EPS, positions, cos, sin, kc, vc, slots, N_HEADS)
-    qkv = gemv(add_rmsnorm(r, None, w["nw1"], EPS)[0], w["qkv"])
+    qkv = lin(add_rmsnorm(r, None, w["nw1"], EPS)[0], w["qkv"])
     q_ref = rope_kv(qkv, positions, cos, sin, kc2, vc2, slots, N_HEADS)
     assert rel_err(q, q_ref) < 1e-2 and rel_err(kc, kc2) < 1e-2 and rel_err(vc, vc2) < 1e-2
 
 
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 64])
 def test_lm_head_argmax_bf16(m):
     g = torch.Generator(DEV).manual_seed(10 + m)
     r, nw = randn(m, HIDDEN, g=g), 1 + randn(HIDDEN, g=g, scale=0.1)
@@ -114,7 +120,7 @@ def fused_chain(w, r, m, rope, use_pdl):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not pdl_enabled(DEV), reason="needs PDL")
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 8, 64])
 def test_pdl_on_off_identical_eager_and_graph(m):
     g = torch.Generator(DEV).manual_seed(20 + m)
     w = layer(g)

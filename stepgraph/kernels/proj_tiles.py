@@ -1,0 +1,210 @@
+"""Tile choices of the fused projection kernels, one table for every (kernel, shape, bs bucket),
+and the split-K workspace.
+
+A launch of ``M`` rows pads them to ``BLOCK_M = block_m(M)``: 1 (the broadcast-multiply GEMV of
+``gemv_tiles``) or 16, 32, 64 (``tl.dot`` on tensor cores). ``tile_for(kernel, m, n, k)`` gives
+the kernel's ``Tile``: ``block_n`` is the kernel's own ``BLOCK_N`` constexpr (weight rows for
+``norm_gemv``/``gemv_residual``/``lm_head``, row *pairs* for ``gate_up_silu``, ``BLOCK_D`` for
+``qkv_rope``), ``block_k`` the K chunk, ``num_warps``/``num_stages`` launch options and
+``split_k`` the programs sharing one column tile's K (the last one runs the epilogue).
+``TILES`` holds the measured choice per ``(kernel, n, k, BLOCK_M)``
+(``benchmarks/proj_sweep.py`` on the H200); other shapes get ``default_tile``'s rule.
+
+Eager, graph and exact steps of one batch size pick the same tile (a pure function of the
+arguments), so they run the same kernels and round alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..errors import ConfigError
+from .gemv_tiles import proj_blocks
+
+KERNELS = ("norm_gemv", "gemv_residual", "lm_head", "gate_up_silu", "qkv_rope")
+TARGET_PROGRAMS = 264  # two programs per SM of the H200 (132 SMs)
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int | None = None  # None: Triton's default (3)
+    split_k: int = 1
+
+    def launch(self) -> dict:
+        """The launch options: ``num_warps``, and ``num_stages`` when set."""
+        opts = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            opts["num_stages"] = self.num_stages
+        return opts
+
+
+def block_m(m: int) -> int:
+    """Rows one launch computes: 1 for one row, else M padded to 16, 32 or 64 (``tl.dot``)."""
+    return 1 if m <= 1 else max(16, triton.next_power_of_2(m))
+
+
+# (kernel, n, k, BLOCK_M) -> Tile, at Llama-3.2-1B's shapes (n: weight rows, all of them).
+# Measured on the H200 (benchmarks/proj_sweep.py, bf16, PDL on, 16 calls over 16 weights, µs
+# per call; 2026-12-01, rounds 2 and 3); see docs/results.md, "decode kernels bs 2-64 (issue 21)".
+_QKV, _GU, _O, _DOWN, _LM = (3072, 2048), (16384, 2048), (2048, 2048), (2048, 8192), (128256, 2048)
+TILES: dict[tuple[str, int, int, int], Tile] = {
+    ("qkv_rope", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 9.04 (cuBLAS GEMM alone 6.52)
+    ("qkv_rope", *_QKV, 32): Tile(16, 128, 4, 3, 4),  # 14.52 (6.58): CUBLAS below
+    ("qkv_rope", *_QKV, 64): Tile(32, 128, 4, 3, 4),  # 21.53 (6.76): CUBLAS below
+    ("gemv_residual", *_O, 16): Tile(32, 512, 4, 1, 4),  # 5.04 (6.17)
+    ("gemv_residual", *_O, 32): Tile(32, 128, 4, 4, 2),  # 5.79 (6.19)
+    ("gemv_residual", *_O, 64): Tile(32, 128, 4, 4, 2),  # 6.46 (6.32)
+    ("gate_up_silu", *_GU, 16): Tile(64, 128, 8, 4, 1),  # 20.67 (18.57)
+    ("gate_up_silu", *_GU, 32): Tile(64, 128, 8, 4, 1),  # 24.48 (19.03)
+    ("gate_up_silu", *_GU, 64): Tile(64, 128, 8, 3, 1),  # 35.28 (19.53): CUBLAS below
+    ("gemv_residual", *_DOWN, 16): Tile(32, 128, 4, 4, 4),  # 11.44 (12.88)
+    ("gemv_residual", *_DOWN, 32): Tile(32, 128, 4, 4, 4),  # 12.43 (14.18)
+    ("gemv_residual", *_DOWN, 64): Tile(32, 128, 4, 3, 4),  # 14.06 (14.42)
+    ("lm_head", *_LM, 16): Tile(256, 64, 8, 3, 1),  # 144.54 (144.30)
+    ("lm_head", *_LM, 32): Tile(128, 128, 8, 3, 1),  # 161.87 (152.58)
+    ("lm_head", *_LM, 64): Tile(128, 64, 4, 4, 1),  # 208.43 (162.48)
+}
+# Where the unfused pieces win: RMSNorm kernel + cuBLAS + RoPE/KV-write (or SiLU·mul) kernel,
+# about 3.2-3.5 µs of small kernels plus two launches beside the GEMM (the reference step's
+# profile, bs 8), against the fused kernel above: qkv 6.6 + ~5.5 vs 14.5 at 32 rows and 6.8 +
+# ~5.5 vs 21.5 at 64; gate-up 19.5 + ~5 vs 35.3 at 64 (at 32: 19.0 + ~5 vs 24.5, a tie: fused).
+CUBLAS: set[tuple[str, int, int, int]] = {
+    ("qkv_rope", *_QKV, 32), ("qkv_rope", *_QKV, 64), ("gate_up_silu", *_GU, 64),
+}  # fmt: skip
+TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile fields]}: a sweep's
+
+
+def _env_tiles() -> None:
+    """Add the tiles of ``$STEPGRAPH_PROJ_TILES`` (``benchmarks/proj_sweep.py --tiles-out``) to
+    ``TILES``: a sweep's choice tried in the same device run, before it is written here."""
+    path = os.environ.get(TILES_ENV)
+    if path:
+        with open(path) as f:
+            for key, fields in json.load(f).items():
+                kernel, n, k, bm = key.split(",")
+                TILES[(kernel, int(n), int(k), int(bm))] = Tile(*fields)
+
+
+_env_tiles()
+
+
+def default_tile(kernel: str, m: int, n: int, k: int) -> Tile:
+    """The rule for shapes not in ``TILES``. One row: ``gemv_tiles.proj_blocks`` (measured for
+    bs=1). Several: the narrowest column tile that still gives ``TARGET_PROGRAMS`` programs
+    (16 rows at least, a ``tl.dot`` minimum), split-K when even 16-row tiles leave SMs idle and
+    every split keeps 512 or more of K."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
+    if m <= 1:
+        bn, bk, warps = proj_blocks(1, n, k)
+        if kernel == "gate_up_silu":
+            bn = max(1, bn // 2)  # both row sets in one tile budget
+        return Tile(bn, bk, warps)
+    bm = block_m(m)
+    rows = n // 2 if kernel in ("gate_up_silu", "qkv_rope") else n  # per program: pairs
+    bn = 64 if kernel == "lm_head" else 16
+    while bn > 16 and triton.cdiv(rows, bn) < TARGET_PROGRAMS:
+        bn //= 2
+    bk = max(16, min(128 if bm <= 32 else 64, triton.next_power_of_2(k)))
+    split = 1
+    if kernel != "lm_head":
+        while triton.cdiv(rows, bn) * split * 2 <= TARGET_PROGRAMS and k // (2 * split) >= 512:
+            split *= 2
+    return Tile(bn, bk, 4, 3, split)
+
+
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory a tile's pipeline may take (H200: 227 KB)
+
+
+def smem_bytes(kernel: str, tile: Tile, m: int, elem_bytes: int) -> int:
+    """Shared memory of ``tile``'s software pipeline, roughly: stages x (x chunk + weight
+    chunks) in the element size."""
+    rows = 2 * tile.block_n if kernel in ("gate_up_silu", "qkv_rope") else tile.block_n
+    stages = tile.num_stages or 3
+    return stages * (block_m(m) + rows) * tile.block_k * elem_bytes
+
+
+def tile_for(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> Tile:
+    """The tile ``kernel`` launches for ``m`` rows of an ``[n, k]`` weight of ``elem_bytes``
+    bytes an element. ``TILES`` was measured in bf16: other sizes (float32) take the rule, as
+    does a table tile whose pipeline would not fit in shared memory."""
+    tile = TILES.get((kernel, n, k, block_m(m))) if elem_bytes == 2 else None
+    if tile is None or smem_bytes(kernel, tile, m, elem_bytes) > SMEM_BUDGET:
+        tile = default_tile(kernel, m, n, k)
+    return tile
+
+
+def prefer_cublas(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
+    """Whether the fused step runs ``kernel``'s unfused pieces (cuBLAS GEMM) at ``m`` rows
+    (measured in bf16; other element sizes keep the fused kernel)."""
+    return elem_bytes == 2 and (kernel, n, k, block_m(m)) in CUBLAS
+
+
+def as_tile(blocks) -> Tile:
+    """A ``Tile`` from a launcher's ``blocks`` override: a ``Tile`` or a tuple
+    ``(block_n, block_k, num_warps[, num_stages[, split_k]])``."""
+    return blocks if isinstance(blocks, Tile) else Tile(*blocks)
+
+
+def check_tile(kernel: str, tile: Tile, m: int) -> Tile:
+    """``tile`` if ``kernel`` can launch it for ``m`` rows, else a ConfigError naming the fix:
+    ``tl.dot`` needs 16 or more columns and K a chunk; only ``norm_gemv`` splits K."""
+    if m > 1 and (tile.block_n < 16 or tile.block_k < 16):
+        raise ConfigError(
+            f"{kernel}: {m} rows run on tensor cores, which need block_n >= 16 and "
+            f"block_k >= 16; got {tile}"
+        )
+    if tile.split_k < 1:
+        raise ConfigError(f"{kernel}: split_k must be >= 1; got {tile}")
+    return tile
+
+
+# -- split-K workspace: float32 partials and one ticket per column tile, per device ------------
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # captured graphs may still point here
+
+
+def splitk_workspace(
+    device: torch.device, partial_elems: int, tickets: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partials float32, tickets int32)`` with at least the given sizes, shared by every
+    split-K launch on ``device`` (launches on one stream run one after another, and each leaves
+    its tickets at zero). Grown buffers are kept alive: a captured graph keeps its pointers."""
+    device = torch.device(device)
+    cur = _WORKSPACES.get(device)
+    if cur is None or cur[0].numel() < partial_elems or cur[1].numel() < tickets:
+        if cur is not None:
+            _RETIRED.append(cur)
+        p = max(partial_elems, cur[0].numel() if cur else 0, 1 << 20)
+        t = max(tickets, cur[1].numel() if cur else 0, 4096)
+        cur = (
+            torch.empty(p, dtype=torch.float32, device=device),
+            torch.zeros(t, dtype=torch.int32, device=device),
+        )
+        _WORKSPACES[device] = cur
+    return cur
+
+
+__all__ = [
+    "CUBLAS",
+    "KERNELS",
+    "TILES",
+    "TILES_ENV",
+    "Tile",
+    "as_tile",
+    "block_m",
+    "check_tile",
+    "default_tile",
+    "prefer_cublas",
+    "smem_bytes",
+    "splitk_workspace",
+    "tile_for",
+]

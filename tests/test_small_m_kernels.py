@@ -1,0 +1,149 @@
+"""The fused projections at several rows (``tl.dot``, M padded to 16/32/64, split-K) under the
+Triton interpreter, float32 and float16, bs 1, 2, 3, 17 and 64, at odd sizes whose K loops run
+several chunks and whose column tiles end ragged; float64 references written here, outputs
+poisoned with NaN first. The tile rule of ``proj_tiles`` is checked as a pure function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.errors import ConfigError
+from stepgraph.kernels import proj_tiles
+from stepgraph.kernels.gate_up_silu import gate_up_silu
+from stepgraph.kernels.lm_head_argmax import lm_head_argmax
+from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
+from stepgraph.kernels.proj_tiles import Tile, block_m, default_tile, tile_for
+from stepgraph.kernels.qkv_rope import qkv_rope
+from tests.conftest import rel_err
+from tests.references import rope64
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+EPS = 1e-5
+ROWS = [1, 2, 3, 17, 64]
+
+
+def rms64(x, w):
+    xd = x.double()
+    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def rand(g, *shape, scale=1.0):
+    return scale * torch.randn(*shape, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gemv_residual_rows(nan_empty, dtype, m, split_k):
+    # K = 80 in chunks of 32: 3 chunks (the last ragged); N = 40 in tiles of 16: 3 tiles
+    g = torch.Generator().manual_seed(100 * m + split_k)
+    k, n = 80, 40
+    x, w = rand(g, m, k).to(dtype), rand(g, n, k, scale=k**-0.5).to(dtype)
+    res = rand(g, m, n).to(dtype)
+    tile = Tile(16, 32, 4, None, split_k) if m > 1 or split_k > 1 else Tile(8, 32, 4)
+    y = gemv_residual(x, w, res, blocks=tile)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel_err(y, x.double() @ w.double().T + res.double()) < TOL[dtype]
+    # deterministic (split order fixed), the tickets left at zero, in place on the residual
+    assert torch.equal(gemv_residual(x, w, res, blocks=tile), y)
+    assert not proj_tiles._WORKSPACES or all(
+        int(t.abs().sum()) == 0 for _, t in proj_tiles._WORKSPACES.values()
+    )
+    res2 = res.clone()
+    assert gemv_residual(x, w, res2, out=res2, blocks=tile) is res2 and torch.equal(res2, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, split_k", [(2, 2), (17, 1), (64, 2)])
+def test_norm_gemv_rows(nan_empty, dtype, m, split_k):
+    g = torch.Generator().manual_seed(m)
+    k, n = 72, 33
+    x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
+    w, b = rand(g, n, k, scale=k**-0.5).to(dtype), rand(g, n).to(dtype)
+    y = norm_gemv(x, nw, w, b, EPS, torch.float32, blocks=Tile(16, 16, 4, 2, split_k))
+    assert y.dtype == torch.float32
+    assert rel_err(y, rms64(x, nw) @ w.double().T + b.double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_gate_up_silu_rows(nan_empty, dtype, m, split_k):
+    g = torch.Generator().manual_seed(7 * m)
+    k, inter = 48, 24  # 2 tiles of 16 pairs (the second ragged), 3 chunks of K
+    x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
+    w = rand(g, 2 * inter, k, scale=k**-0.5).to(dtype)
+    tile = Tile(16, 16, 4, None, split_k) if m > 1 or split_k > 1 else None
+    out = gate_up_silu(x, nw, w, EPS, blocks=tile)
+    gate, up = (rms64(x, nw) @ w.double().T).split(inter, dim=-1)
+    assert out.shape == (m, inter)
+    assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, hd, split_k", [(2, 16, 1), (3, 64, 3), (17, 16, 2), (64, 64, 1)])
+def test_qkv_rope_rows(nan_empty, dtype, m, hd, split_k):
+    # hd 16: BLOCK_D 16 > HALF 8 (one masked tile a head); hd 64: two tiles of 16 a head
+    n_heads, n_kv, ps, k = 4, 2, 8, 40
+    pages = (m + ps - 1) // ps + 2
+    g = torch.Generator().manual_seed(m + hd)
+    n = (n_heads + 2 * n_kv) * hd
+    x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
+    w, b = rand(g, n, k, scale=k**-0.5).to(dtype), rand(g, n).to(dtype)
+    ang = torch.rand(80, hd // 2, generator=g, dtype=torch.float64) * 6
+    emb = torch.cat((ang, ang), -1)
+    cos_t, sin_t = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.randint(0, 80, (m,), generator=g)
+    slots = torch.randperm(pages * ps, generator=g)[:m]
+    k_cache = rand(g, pages, ps, n_kv, hd).to(dtype)
+    v_cache = rand(g, pages, ps, n_kv, hd).to(dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    tile = Tile(16, 16, 4, None, split_k) if m > 1 else None
+    q = qkv_rope(
+        x, nw, w, b, EPS, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads, blocks=tile
+    )
+    qkv = rms64(x, nw) @ w.double().T + b.double()
+    qd, kd, vd = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+    cos, sin = cos_t[positions].double(), sin_t[positions].double()
+    assert rel_err(q, rope64(qd.view(m, n_heads, hd), cos, sin)) < 2 * TOL[dtype]
+    k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
+    assert rel_err(k_flat[slots], rope64(kd.view(m, n_kv, hd), cos, sin)) < 2 * TOL[dtype]
+    assert rel_err(v_flat[slots], vd.view(m, n_kv, hd)) < 2 * TOL[dtype]
+    untouched = torch.ones(pages * ps, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_flat[untouched], k0.view(-1, n_kv, hd)[untouched])
+    assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [2, 17, 64])
+def test_lm_head_argmax_rows(nan_empty, dtype, m):
+    g = torch.Generator().manual_seed(3 * m)
+    k, vocab = 40, 70  # 5 programs of 16 columns, the last ragged
+    x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
+    w = rand(g, vocab, k, scale=k**-0.5).to(dtype)
+    w[50] = w[20]  # a tie across programs: the first index wins
+    logits, tokens = lm_head_argmax(x, nw, w, EPS, blocks=Tile(16, 16, 4, None, 1 + m % 3))
+    ref = rms64(x, nw) @ w.double().T
+    assert logits.dtype == torch.float32 and rel_err(logits, ref) < TOL[dtype]
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_tile_rule():
+    assert [block_m(m) for m in (1, 2, 16, 17, 33, 64)] == [1, 16, 16, 32, 64, 64]
+    for kernel, n, k in [
+        ("qkv_rope", 3072, 2048), ("gemv_residual", 2048, 2048), ("gate_up_silu", 16384, 2048),
+        ("gemv_residual", 2048, 8192), ("lm_head", 128256, 2048),
+    ]:  # fmt: skip
+        for m in (2, 8, 17, 48, 64):
+            t = tile_for(kernel, m, n, k)
+            assert t.block_n >= 16 and t.block_k >= 16 and t.block_k <= k
+    # narrow outputs split K until two programs an SM (each split keeps >= 512 of K)
+    assert default_tile("gemv_residual", 8, 2048, 8192).split_k == 2
+    assert default_tile("gemv_residual", 8, 2048, 512).split_k == 1
+    assert default_tile("gate_up_silu", 1, 16384, 2048).block_n == 8  # bs=1: proj_blocks / 2
+    with pytest.raises(ConfigError, match="block_n >= 16"):
+        proj_tiles.check_tile("lm_head", Tile(8, 32), 2)
+    with pytest.raises(ConfigError, match="split_k must be >= 1"):
+        proj_tiles.check_tile("lm_head", Tile(16, 32, split_k=0), 2)
