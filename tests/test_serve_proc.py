@@ -103,6 +103,16 @@ def test_greedy_tokens_equal_stepgraph_generate_plain_and_streamed(server, capsy
         assert [t for c in chunks for t in _ids(c.choices[0])] == w
         assert chunks[-1].choices[0].finish_reason == "length"
     assert _health(server.url)["engine_pid"] not in (None, os.getpid())
+    text = httpx.get(server.url + "/metrics").text  # kept by the front end from the messages
+    for name in ("stepgraph_requests_running", "stepgraph_requests_waiting",
+                 "stepgraph_kv_pages_free", "stepgraph_generation_tokens_per_second",
+                 "stepgraph_time_to_first_token_seconds_bucket",
+                 "stepgraph_time_per_output_token_seconds_bucket"):  # fmt: skip
+        assert name in text, name
+    assert _metric(server.url, "stepgraph_time_to_first_token_seconds_count") >= 6
+    assert _metric(server.url, "stepgraph_generation_tokens_total") >= 6 * n
+    assert _metric(server.url, 'stepgraph_engine_steps{kind="graph"}') >= n
+    assert _metric(server.url, "stepgraph_kv_pages_total") == server.worker.kv_pages_total > 0
 
 
 def test_concurrent_streams_while_some_clients_leave(server, capsys):
