@@ -253,7 +253,7 @@ class EngineProcess:
 
     def close(self) -> None:
         """Its pipes closed (on the event loop's thread, which watches them)."""
-        if self._writing:
+        if self._writing and not self._loop.is_closed():
             self._loop.remove_writer(self.to_w.fileno())
         self.dead, self._writing = True, False
         self.to_w.close()
