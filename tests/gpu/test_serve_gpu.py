@@ -134,3 +134,57 @@ def test_serve_on_cuda_streams_aborts_and_survives_a_fault():
 async def run_one(url, prompt, n):
     async with httpx.AsyncClient(timeout=120) as c:
         return await _stream(c, url, prompt, n)
+
+
+def test_serve_on_cuda_with_the_engine_in_its_own_process():
+    """The default ``--engine process`` on CUDA: streams equal a fresh engine's tokens, leavers
+    are aborted, a fault is a 500 and a dead engine process is started again (CUDA in the
+    spawned process only)."""
+    from stepgraph.serve.engine_proc import EngineSpec
+    from stepgraph.serve.proc_worker import ProcessWorker
+    from tests.serve_hooks import DIE, FAULT
+
+    spec = EngineSpec("tiny", "cuda", "float32", "graph", MAX_RUNNING, CONTEXT, warmup=False,
+                      setup="tests.serve_hooks:arm")  # fmt: skip
+    worker = ProcessWorker(spec, ServeMetrics())
+    rng = random.Random(6)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 60))] for _ in range(12)]
+    lens = [rng.randint(8, 64) for _ in prompts]
+    leave = {2: 3, 7: 4}
+    for i in leave:
+        lens[i] = CONTEXT - len(prompts[i]) + 1
+    try:
+        worker.start(timeout=300)
+        app = build_app(worker, worker.limits("tiny", False, False))
+        with ServerThread(app) as url:
+
+            async def run_all():
+                async with httpx.AsyncClient(timeout=120) as c:
+                    return await asyncio.gather(*(
+                        _stream(c, url, p, n, leave.get(i))
+                        for i, (p, n) in enumerate(zip(prompts, lens))
+                    ))  # fmt: skip
+
+            got = asyncio.run(run_all())
+            _wait_idle(worker)
+            assert worker.kv_pages_free == worker.kv_pages_total
+            for bad, code in ((FAULT, 500), (DIE, 500)):
+                body = {"model": "tiny", "prompt": [bad, 1, 2], "max_tokens": 8}
+                r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == code and r.json()["error"]["code"] == "engine_fault"
+            deadline = time.monotonic() + 300
+            while httpx.get(url + "/health").status_code != 200:
+                assert time.monotonic() < deadline, "the engine process was not started again"
+                time.sleep(0.2)
+            again = asyncio.run(run_one(url, prompts[0], lens[0]))
+    finally:
+        worker.stop(60)
+    ref = Engine(_runner(), "graph", max_running=MAX_RUNNING)
+    try:
+        stay = [i for i in range(len(prompts)) if i not in leave]
+        want = ref.generate([prompts[i] for i in stay], max(lens[i] for i in stay), ignore_eos=True)
+        for i, w in zip(stay, want):
+            assert got[i] == w[: lens[i]], i
+    finally:
+        ref.shutdown()
+    assert again == got[0] and worker.restarts == 1
