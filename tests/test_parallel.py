@@ -8,6 +8,7 @@ the unsharded model's logits within 1e-5; a rank that raises is reported, never 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import logging
@@ -218,7 +219,12 @@ def _rank_main(rank: int, rendezvous: str, err_dir: str, fn_name: str, *args) ->
         timeout=timedelta(seconds=60),
     )
     try:
-        globals()[fn_name](rank, *args)
+        if ":" in fn_name:  # "module:function", e.g. another test file's rank body
+            module, _, name = fn_name.partition(":")
+            fn = getattr(importlib.import_module(module), name)
+        else:
+            fn = globals()[fn_name]
+        fn(rank, *args)
     except BaseException:
         Path(err_dir, f"rank{rank}.err").write_text(traceback.format_exc())
         raise

@@ -18,7 +18,6 @@ each step's tokens (the synchronous loop; the same tokens).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from collections import deque
@@ -31,7 +30,7 @@ from ..errors import ReplayError
 from ..model.model_runner import ModelRunner
 from ..runner.base import raise_other_thread
 from .decode import DecodePath
-from .launch import launch_step
+from .launch import abort_everything, launch_step
 from .offline import run_to_completion
 from .overlap import InFlight, PendingPages
 from .prefill import build_prefiller
@@ -50,6 +49,7 @@ from .requests import (
     stop_id_set,
 )
 from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_budget
+from .tp_sync import ScheduleSync
 
 
 class Engine:
@@ -100,6 +100,11 @@ class Engine:
         self._draining: list[Request] = []  # budget spent, the last token still in flight
         self._pending = PendingPages(model_runner.kv_cache.release)
         self._closed = False
+        self._sync = ScheduleSync.for_model(model_runner)  # tensor parallel: rank 0 decides
+        self._landed: list[tuple[int, int]] = []  # the last step's (id, token) pairs
+        self._shared_gen = None if self._sync is None else torch.Generator(model_runner.device)
+        if self._shared_gen is not None:
+            self._shared_gen.manual_seed(self._sync.seed)
 
     @property
     def check_same_thread(self) -> bool:
@@ -149,8 +154,10 @@ class Engine:
         check_request(self.model_runner, prompt, max_new_tokens, what)
         check_min_tokens(min_tokens, max_new_tokens)
         stops = self.stop_ids(stop_ids, ignore_eos)
-        sampling, generator = own_sampling(sampling, seed, self.model_runner.device)
         rid = next(self._ids)
+        if seed is None and self._sync is not None:
+            seed = self._sync.request_seed(rid)  # the same on every rank
+        sampling, generator = own_sampling(sampling, seed, self.model_runner.device)
         self.waiting.append(
             Request(rid, list(prompt), max_new_tokens, stop_ids=stops, min_tokens=min_tokens,
                     sampling=sampling, generator=generator)
@@ -189,6 +196,7 @@ class Engine:
 
     def _step(self, sampling: Sampling, generator: torch.Generator | None) -> list[tuple[int, int]]:
         prev = self._inflight
+        generator = generator if generator is not None else self._shared_gen
         for req in [r for r in self.running if r.scheduled >= r.max_new_tokens]:
             # its budget is spent (its last token still in flight): no later step touches its
             # pages, and its running slot is free now, as in the synchronous loop
@@ -203,6 +211,7 @@ class Engine:
         self._inflight = step
         out = self._land(prev, step) if prev is not None else []
         self._pending.reclaim()  # what is already free goes back now (never blocks)
+        self._landed = out
         return out
 
     def _land(self, step: InFlight, after: InFlight | None) -> list[tuple[int, int]]:
@@ -247,20 +256,7 @@ class Engine:
         """Drop every waiting and running request and the step in flight, wait until the
         device is idle, then free every page; return their ids. The KV cache is then as free
         as it was before they were added."""
-        everyone = list(itertools.chain(self.waiting, self.running, self._draining))
-        for req in everyone:
-            req.closed = True
-            self._pending.add(None, req.pages)
-            req.pages = []
-        self.waiting.clear()
-        self.running.clear()
-        self._draining.clear()
-        self._inflight = None
-        if self.model_runner.device.type == "cuda":
-            with contextlib.suppress(Exception):  # a faulted device may fail here too
-                torch.cuda.synchronize(self.model_runner.device)
-        self._pending.reclaim(wait=True)
-        return [r.rid for r in everyone]
+        return abort_everything(self)
 
     def drain(self) -> list[tuple[int, int]]:
         """Land the step in flight and free every page it held; return its tokens."""

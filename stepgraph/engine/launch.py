@@ -4,6 +4,8 @@ on the device (``overlap.InFlight``). Nothing here waits for the device."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from typing import Any
 
 import torch
@@ -19,9 +21,11 @@ def admit(engine: Any) -> None:
     """Start the requests at the head of the queue that fit (``scheduler.admit_count``)."""
     kv = engine.model_runner.kv_cache
     needs = (kv.pages_for(r.kv_tokens) for r in engine.waiting)
-    for _ in range(
-        admit_count(needs, kv.allocator.num_free, len(engine.running), engine.max_running)
-    ):
+    count = admit_count(needs, kv.allocator.num_free, len(engine.running), engine.max_running)
+    if engine._sync is not None:  # tensor parallel: rank 0's count on every rank
+        rids = [r.rid for r in engine.waiting], [r.rid for r in engine.running]
+        count = engine._sync.admit(count, *rids, engine._landed)
+    for _ in range(count):
         req = engine.waiting.popleft()
         req.pages = kv.reserve(req.kv_tokens)
         engine.running.append(req)
@@ -31,6 +35,24 @@ def admit(engine: Any) -> None:
             f"pages but only {kv.allocator.num_free} are free and nothing is running; pages "
             "are held outside this engine."
         )
+
+
+def abort_everything(engine: Any) -> list[int]:
+    """``Engine.abort_all``: every request closed, the device idle, then every page freed."""
+    everyone = list(itertools.chain(engine.waiting, engine.running, engine._draining))
+    for req in everyone:
+        req.closed = True
+        engine._pending.add(None, req.pages)
+        req.pages = []
+    engine.waiting.clear()
+    engine.running.clear()
+    engine._draining.clear()
+    engine._inflight = None
+    if engine.model_runner.device.type == "cuda":
+        with contextlib.suppress(Exception):  # a faulted device may fail here too
+            torch.cuda.synchronize(engine.model_runner.device)
+    engine._pending.reclaim(wait=True)
+    return [r.rid for r in everyone]
 
 
 def launch_step(
@@ -71,4 +93,4 @@ def _greedy(rows, sampling: Sampling) -> bool:
     return sampling.temperature <= 0 and all(r.sampling is None for r in rows)
 
 
-__all__ = ["admit", "launch_step"]
+__all__ = ["abort_everything", "admit", "launch_step"]
