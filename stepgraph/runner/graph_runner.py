@@ -29,7 +29,8 @@ from ..graph_update.exec_updater import ExecUpdater, default_exec_updater
 from .base import GraphRunnerBase
 from .capture import capture_loop, capture_step, logger
 from .config import RunnerConfig
-from .feed import check_feed, resolve_feed
+from .feed import check_feed
+from .graph_inputs import captured_inputs
 from .input_buffers import GraphInputBuffers
 from .input_checks import InputLimits, batch_problem, check_values
 from .shared_output import SharedOutput, takes_out
@@ -131,13 +132,10 @@ class CudaGraphRunner(GraphRunnerBase):
         unpack = self.config.packed_inputs
         direct = self._forward_takes_out and bs not in self.compile_bs
 
+        kernel = unpack and self.device.type == "cuda"  # graph_inputs.py: one launch
+
         def step() -> torch.Tensor:  # reads only static buffers
-            if self._staging is not None:
-                self._staging.upload(bs, self.buffers.packed)
-            if unpack:
-                self.buffers.unpack(bs)
-            if self.feed is not None:
-                resolve_feed(static.input_ids, self.feed)
+            captured_inputs(self.buffers, bs, self._staging, self.feed, unpack, kernel)
             dst = self._shared.rows(bs) if direct else None
             if dst is not None:
                 forward(static, out=dst)  # no [bs, vocab] temporary in the pool

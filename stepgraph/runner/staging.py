@@ -54,6 +54,7 @@ class PinnedStaging:
         self.device_rows = torch.empty(SLOTS, max_bs, width, dtype=torch.int64, device=device)
         self.parity = torch.zeros(1, dtype=torch.int64, device=device)
         self.copies = torch.zeros(1, dtype=torch.int64, device=device)  # bumped in-graph
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=device)  # graph_inputs.py's
         self.copied = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)  # its host mirror
         self._host_np, self._pad_np = self.host.numpy(), self.pad.numpy()
         self._copied_np = self.copied.numpy()
@@ -67,20 +68,32 @@ class PinnedStaging:
 
     def upload(self, bucket: int, packed: torch.Tensor) -> None:
         """Captured: both slots' rows ``[:bucket]`` to the device, the slot of this replay into
-        ``packed[:bucket]``, the parity flipped and the copy counted (on the host too)."""
-        for s in range(SLOTS):
-            self.device_rows[s, :bucket].copy_(self.host[s, :bucket], non_blocking=True)
+        ``packed[:bucket]``, the parity flipped and the copy counted (on the host too). On CUDA
+        the runner does the middle part in one launch instead (``graph_inputs.py``)."""
+        self.copy_slots(bucket)
         dst = packed[:bucket].unsqueeze(0)  # [1, bucket, width]
         torch.index_select(self.device_rows[:, :bucket], 0, self.parity, out=dst)
         self.parity.bitwise_xor_(1)
         self.copies.add_(1)
-        self.copied.copy_(self.copies, non_blocking=True)  # after the copies, in stream order
+        self.mirror()
+
+    def copy_slots(self, bucket: int) -> None:
+        """Captured: both slots' rows ``[:bucket]`` to the device (a graph's addresses are
+        fixed, so both; the replay reads the one of its count)."""
+        for s in range(SLOTS):
+            self.device_rows[s, :bucket].copy_(self.host[s, :bucket], non_blocking=True)
+
+    def mirror(self) -> None:
+        """Captured, last: the copy count to pinned host memory, after the copies in stream
+        order."""
+        self.copied.copy_(self.copies, non_blocking=True)
 
     def reset(self) -> None:
         """After capture (the warm-ups ran the step): restart every count from 0. Capture
         synchronizes at its end, so no warm-up's copy into ``copied`` is still in flight."""
         self.parity.zero_()
         self.copies.zero_()
+        self.ticket.zero_()
         self.copied.zero_()
         self.count = 0
 
