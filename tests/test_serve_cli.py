@@ -163,3 +163,32 @@ def test_bad_flags_are_one_line_errors(capsys):
             assert err.startswith("stepgraph: error:") and "\n" not in err and said in err, err
     finally:
         busy.close()
+
+
+def test_the_served_connections_send_without_nagle():
+    """Accepted connections have TCP_NODELAY (asyncio sets it only on a socket whose protocol
+    is TCP): else an event's chunk after the response's headers waits for the client's delayed
+    ACK, about 40 ms on a kept-alive connection."""
+    import asyncio
+
+    from stepgraph.serve.server import listen
+
+    async def accepted() -> int:
+        sock = listen("127.0.0.1", 0)
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Proto, sock=sock)
+        try:
+            _, w = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(got, 10)
+            w.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted()) != 0

@@ -20,7 +20,7 @@ from ..cli_args import UsageError
 def listen(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: a free port; read it from ``getsockname``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: TCP_NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
