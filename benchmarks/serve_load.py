@@ -10,11 +10,14 @@ The workloads are `stepgraph bench --serve`'s, so that the figures compare with 
 offline ones: concurrency 1 runs its latency case (512 prompt tokens, 256 new, one request at
 a time); 16 and 64 run its 64 seeded requests (prompts of 128-1024 tokens, 128 new, eos
 ignored) with at most that many in flight (vLLM's ``--max-concurrency``). A request's clock
-starts when it is sent; a chunk's tokens are stamped when it arrives. Before the clock starts
-both workloads run once untimed (first-use compiles: Triton compiles a prefill kernel variant
-in ~800 ms on the H200). Beside each level: the server's own TPOT (its engine thread's stamps,
-``/metrics``), so that HTTP's share shows, its engine steps (graph, eager, prefill) and the
-longest gap between two tokens of a request (a stall shows there).
+starts when it is sent; a chunk's tokens are stamped when it arrives. The requests go over
+kept-alive connections of the script's own (``--client raw``; ``--client httpx``: httpx's pool,
+which on the CPU box sent 64 requests at once over up to 0.24 s instead of 16 ms). Before the
+clock starts both workloads run once untimed (first-use compiles: Triton compiles a prefill
+kernel variant in ~800 ms on the H200). Beside each level: the server's own TPOT (its
+stamps as the engine's tokens reach it, ``/metrics``), so that HTTP's share shows, its engine
+steps (graph, eager, prefill) and the longest gap between two tokens of a request (a stall
+shows there).
 
 ``--launch`` runs the server as another process (`python -m stepgraph serve`, ``--engine``
 passed on: the engine in a process of its own, or a thread), stops it with SIGTERM at the end,
@@ -115,36 +118,104 @@ async def scrape(client, url: str) -> dict[str, float]:
     return out
 
 
-async def one(client, url, model, prompt, max_tokens, timing: RequestTiming) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+def request_body(model: str, prompt: list[int], max_tokens: int) -> bytes:
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                       "stream": True}).encode()  # fmt: skip
+
+
+def take_event(data: bytes, ids: list[int], timing: RequestTiming, now: float) -> bool:
+    """One server-sent event's tokens into ``ids`` (stamped ``now``); True at ``[DONE]``."""
+    if not data.startswith(b"data: "):
+        return False
+    if data == b"data: [DONE]":
+        return True
+    chunk = json.loads(data[6:])
+    if "error" in chunk:
+        raise SystemExit(f"stream error: {chunk['error']}")
+    new = chunk["choices"][0].get("token_ids", [])
+    ids += new
+    timing.token_times += [now] * len(new)
+    return False
+
+
+class RawClient:
+    """Keep-alive HTTP/1.1 connections of the load generator's own (``--client raw``, the
+    default): a streamed POST written at once, its chunked events read as they come. httpx's
+    pool hands requests to its kept-alive connections late when 64 start at once (on the CPU
+    box: first response headers up to 0.8 s after the request, against 21 ms with these), which
+    spreads the arrivals the server sees."""
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.split("//", 1)[1].partition(":")
+        self.host, self.port, self.idle = host, int(port or 80), []
+
+    async def _conn(self, fresh: bool = False):
+        if self.idle and not fresh:
+            return self.idle.pop()
+        return await asyncio.open_connection(self.host, self.port)
+
+    async def one(self, body: bytes, timing: RequestTiming) -> list[int]:
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        ids: list[int] = []
+        timing.arrival = time.perf_counter()
+        for fresh in (False, True):  # a kept-alive connection the server closed: once more
+            r, w = await self._conn(fresh)
+            w.write(head + body)
+            status = await r.readline()
+            if status:
+                break
+            w.close()
+        headers = {}
+        while (line := await r.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if not status.startswith(b"HTTP/1.1 200"):
+            text = await r.read(int(headers.get("content-length", 300)))
+            raise SystemExit(f"{status.decode().strip()}: {text.decode()[:300]}")
+        buf = b""
+        while True:  # chunked: one chunk per event the server sent
+            size = int((await r.readline()).split(b";")[0], 16)
+            data = await r.readexactly(size + 2)
+            if size == 0:
+                break
+            now, (*events, buf) = time.perf_counter(), (buf + data[:-2]).split(b"\n\n")
+            for e in events:
+                take_event(e, ids, timing, now)
+        self.idle.append((r, w))
+        return ids
+
+    async def close(self) -> None:
+        for _, w in self.idle:
+            w.close()
+
+
+async def one(client, url, body: bytes, timing: RequestTiming) -> list[int]:
+    """One streamed request through httpx (``--client httpx``)."""
+    if isinstance(client, RawClient):
+        return await client.one(body, timing)
     ids: list[int] = []
     timing.arrival = time.perf_counter()
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+    headers = {"Content-Type": "application/json"}
+    async with client.stream("POST", url + "/v1/completions", content=body, headers=headers) as r:
         if r.status_code != 200:
             raise SystemExit(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
         async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+            if take_event(line.encode(), ids, timing, time.perf_counter()):
                 break
-            now, chunk = time.perf_counter(), json.loads(line[6:])
-            if "error" in chunk:
-                raise SystemExit(f"stream error: {chunk['error']}")
-            new = chunk["choices"][0].get("token_ids", [])
-            ids += new
-            timing.token_times += [now] * len(new)
     return ids
 
 
 async def level(client, url, model, prompts, max_tokens, concurrency) -> dict:
     """Every prompt once, at most ``concurrency`` in flight; vLLM's metrics of the run."""
     timings = [RequestTiming(0.0, len(p)) for p in prompts]
+    bodies = [request_body(model, p, max_tokens) for p in prompts]  # before the clock
     gate = asyncio.Semaphore(concurrency)
 
     async def go(i):
         async with gate:
-            return await one(client, url, model, prompts[i], max_tokens, timings[i])
+            return await one(client, url, bodies[i], timings[i])
 
     t0 = time.perf_counter()
     outputs = await asyncio.gather(*(go(i) for i in range(len(prompts))))
@@ -158,12 +229,13 @@ async def level(client, url, model, prompts, max_tokens, concurrency) -> dict:
 
 
 async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
-    """The warm-up, then each level; one connection pool throughout (warm connections, as a
-    client that keeps its connections alive sees the server)."""
+    """The warm-up, then each level; the same connections throughout (warm connections, as a
+    client that keeps its connections alive sees the server); /metrics through httpx."""
     most = max(map(int, args.concurrency.split(",")))
     limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
     rows = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as scraper:
+        client = RawClient(url) if args.client == "raw" else scraper
         t = time.perf_counter()  # a rehearsal of both workloads: first-use compiles happen here
         await level(client, url, args.model, main_prompts, outs[0], most)
         await level(client, url, args.model, lat_prompts, 8, 1)
@@ -171,13 +243,15 @@ async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
         for c in map(int, args.concurrency.split(",")):
             name, prompts, out = ("latency", lat_prompts, outs[1]) if c == 1 else (
                 "main", main_prompts, outs[0])  # fmt: skip
-            before = await scrape(client, url)
+            before = await scrape(scraper, url)
             m = await level(client, url, args.model, prompts, out, c)
-            d = {k: v - before[k] for k, v in (await scrape(client, url)).items()}
+            d = {k: v - before[k] for k, v in (await scrape(scraper, url)).items()}
             n = d.pop("tpot_count")
             m["server_tpot_ms"] = d.pop("tpot_sum") / n * 1e3 if n else None
             m.update(level=name, concurrency=c, output_len=out, server_steps=d)
             rows.append(m)
+        if isinstance(client, RawClient):
+            await client.close()
     return rows
 
 
@@ -210,6 +284,9 @@ def main() -> int:
     p.add_argument("--mode", default="graph", help="--launch: the server's --mode")
     p.add_argument("--engine", default="process", help="--launch: the server's --engine")
     p.add_argument("--offline", action="store_true", help="also `stepgraph bench --serve`")
+    p.add_argument("--client", default="raw", choices=("raw", "httpx"),
+                   help="the streamed requests' client: connections of our own, or httpx's "
+                   "pool (it measured every H200 figure of 2026-12-01)")  # fmt: skip
     p.add_argument("--max-running", type=int, default=64, help="--launch: --max-running")
     p.add_argument("--max-context", type=int, default=2048, help="--launch: --max-context")
     p.add_argument("--concurrency", default="1,16,64", help="levels, comma list")
