@@ -37,6 +37,7 @@ import os
 import torch
 from torch import nn
 
+from ..buckets import default_capture_sizes, pad_to_bucket
 from ..errors import ConfigError
 from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_act import silu_mul
@@ -55,11 +56,14 @@ FUSED_MAX_BS = 64
 # SiLU), its greedy tokens still computed in the step: measured on the H200 (2026-12-01,
 # ``stepgraph bench``, graph mode, ctx 512) the tensor-core kernels took 1.48 ms at bs=2 against
 # 1.07 (bs 1) and 1.15 ms (bs 8) for the cuBLAS step in the same run, while bs 8 ran 1.205;
-# bs 3 to 7 were not timed and share bs 2's tiles.
-REFERENCE_ROWS = range(2, 8)
+# bs 3 to 7 were not timed and share bs 2's tiles. It ends at a default bucket (8): a live batch
+# of 5-7 rows replays the graph of 8, and eager and graph must pick the same kernels
+# (``kernel_class``); bs 8 measured 1.205 fused against 1.213 reference, a tie.
+REFERENCE_ROWS = range(2, 9)
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
 # always takes the default (on, measured 2026-11-30)
 ROWS_PDL: bool | None = None
+_DEFAULT_BUCKETS = default_capture_sizes(FUSED_MAX_BS)
 # PDL on the attention kernel of the fused step: off unless STEPGRAPH_ATTENTION_PDL=1 (the A/B
 # switch of the measurement in docs/results.md)
 ATTENTION_PDL: bool | None = None if os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1" else False
@@ -94,12 +98,27 @@ def unfusable_reason(model: LlamaModel) -> str | None:
     return None
 
 
+def kernel_class(bs: int) -> int:
+    """The default capture bucket of ``bs`` (``buckets.default_capture_sizes``): every kernel
+    choice that is not the same for all rows counts is made on it, so a live batch eager and the
+    graph of its bucket (exact mode) run the same kernels. The tile classes (``block_m``: 16, 32,
+    64) and the cuBLAS choices already agree across each default bucket; custom buckets that
+    straddle them may not (exact then still equals eager per bucket size)."""
+    return pad_to_bucket(bs, _DEFAULT_BUCKETS) if 1 <= bs <= FUSED_MAX_BS else bs
+
+
+def reference_rows(bs: int) -> bool:
+    """Whether the fused step runs ``bs`` rows on the reference kernels (``REFERENCE_ROWS``)."""
+    return kernel_class(bs) in REFERENCE_ROWS
+
+
 def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
     """Split-KV decode over the pages. Where the ladder gives every row one split at any
-    context for this batch size (``bucket_splits(bs) == 1``: the same in eager, graph and exact
-    mode), one launch: the split kernel writes the output (``kernels/split_kv_fold.py``).
-    Elsewhere the backend's split + combine (the folded merge measured slower there)."""
-    if not backend.use_kernel or backend.bucket_splits(q.shape[0]) > 1:
+    context for this batch size's class (``bucket_splits(kernel_class(bs)) == 1``: the same in
+    eager, graph and exact mode), one launch: the split kernel writes the output
+    (``kernels/split_kv_fold.py``). Elsewhere the backend's split + combine (the folded merge
+    measured slower there)."""
+    if not backend.use_kernel or backend.bucket_splits(kernel_class(q.shape[0])) > 1:
         return backend.decode_attention(layer_id, q)
     m, kv = backend.meta, backend.kv_cache
     return flash_decode(
@@ -125,7 +144,7 @@ def fused_decode_step(
     kv = backend.kv_cache
     n_heads = model.config.num_heads
     bs = input_ids.shape[0]
-    if bs in REFERENCE_ROWS:  # the reference kernels, the greedy tokens still taken here
+    if reference_rows(bs):  # the reference kernels, the greedy tokens still taken here
         h = model(input_ids, positions, backend)
         logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
         if tokens_out is not None:
@@ -170,5 +189,7 @@ __all__ = [
     "check_kernels",
     "default_kernels",
     "fused_decode_step",
+    "kernel_class",
+    "reference_rows",
     "unfusable_reason",
 ]
