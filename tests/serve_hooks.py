@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import time
 
-FAULT, STALL, DIE, HANG = 509, 508, 507, 506  # the tests' other prompts draw ids below 500
-STALL_S = 0.05
+FAULT, STALL, DIE, HANG, SLOW = 509, 508, 507, 506, 505  # the tests' other prompts: below 500
+STALL_S, SLOW_S = 0.05, 0.5
 
 
 def arm(engine) -> None:
@@ -24,6 +24,8 @@ def arm(engine) -> None:
             time.sleep(3600)
         if STALL in firsts:
             time.sleep(STALL_S)
+        if SLOW in firsts:
+            time.sleep(SLOW_S)
         return real(*a, **k)
 
     engine.decoder.logits = hooked

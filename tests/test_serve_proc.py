@@ -34,7 +34,7 @@ from stepgraph.serve.metrics import ServeMetrics  # noqa: E402
 from stepgraph.serve.proc_worker import ProcessWorker  # noqa: E402
 from stepgraph.serve.server import ServerThread  # noqa: E402
 from stepgraph.serve.worker import EngineWorker  # noqa: E402
-from tests.serve_hooks import DIE, FAULT, HANG, STALL  # noqa: E402
+from tests.serve_hooks import DIE, FAULT, HANG, SLOW, STALL  # noqa: E402
 from tests.test_serve_api import IDS, _health, _ids, _metric, _wait_idle  # noqa: E402
 from tests.test_serve_cli import Served, gone  # noqa: E402
 
@@ -113,6 +113,41 @@ def test_greedy_tokens_equal_stepgraph_generate_plain_and_streamed(server, capsy
     assert _metric(server.url, "stepgraph_generation_tokens_total") >= 6 * n
     assert _metric(server.url, 'stepgraph_engine_steps{kind="graph"}') >= n
     assert _metric(server.url, "stepgraph_kv_pages_total") == server.worker.kv_pages_total > 0
+
+
+def test_bad_requests_are_400s_with_nothing_sent_and_past_max_waiting_a_503(server):
+    sent = server.worker._child.sent
+    for body, field in [({"model": "tiny", "prompt": [1, 512]}, "prompt"),
+                        ({"model": "tiny", "prompt": [1], "max_tokens": -1}, "max_tokens")]:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert server.worker._child.sent == sent  # nothing reached the engine
+    handlers = server.app.state.handlers
+
+    async def crowd():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            body = {"model": "tiny", "prompt": [SLOW, 1], "max_tokens": 4, "stream": True,
+                    "ignore_eos": True}  # fmt: skip
+            async with c.stream("POST", "/v1/completions", json=body) as slow:
+                lines = slow.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: "):
+                    pass  # it runs: the engine is inside a 0.5 s step, not reading its pipe
+                two = [asyncio.ensure_future(c.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [2, i], "max_tokens": 2})) for i in (3, 4)]
+                await asyncio.sleep(0.05)  # both handed over: waiting in the pipe
+                third = await c.post("/v1/completions", json={"model": "tiny", "prompt": [7]})
+                async for _ in lines:
+                    pass
+            return third, [await t for t in two]
+
+    handlers.max_waiting = 2
+    try:
+        third, two = asyncio.run(crowd())
+    finally:
+        handlers.max_waiting = 64
+    assert third.status_code == 503 and third.headers["Retry-After"] == "1"
+    assert third.json()["error"]["code"] == "server_overloaded"
+    assert [r.status_code for r in two] == [200, 200]
 
 
 def test_concurrent_streams_while_some_clients_leave(server, capsys):
@@ -230,6 +265,7 @@ def test_clients_that_leave_before_their_first_byte_are_aborted_engine_thread():
 async def _all_fail(url: str, running: list[list[int]], bad: list[int], n: int) -> list:
     """The errors of ``running`` (slowed requests, half of them streamed) and of ``bad``, sent
     once they run."""
+
     async def one(c, p, stream):
         try:
             if not stream:
