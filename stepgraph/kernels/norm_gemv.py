@@ -163,15 +163,21 @@ def norm_gemv(
 def gemv_residual(
     x: torch.Tensor,  # [M, K], M <= 64, rows contiguous
     weight: torch.Tensor,  # [N, K], rows contiguous
-    residual: torch.Tensor,  # [M, N], the residual stream
+    residual: torch.Tensor | None,  # [M, N], the residual stream; None: the projection alone
     *,
     out: torch.Tensor | None = None,  # [M, N]; may be ``residual`` itself (each program
     # reads and writes only its own columns)
     use_pdl: bool | None = None,
     blocks=None,  # as norm_gemv's
-) -> torch.Tensor:  # [M, N], residual.dtype
-    """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first)."""
-    y = out if out is not None else torch.empty_like(residual)
+) -> torch.Tensor:  # [M, N], residual.dtype (x.dtype without one)
+    """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first);
+    ``residual=None``: ``x @ weight.T`` (a tensor-parallel rank's partial sum)."""
+    if out is not None:
+        y = out
+    elif residual is not None:
+        y = torch.empty_like(residual)
+    else:
+        y = x.new_empty(x.shape[0], weight.shape[0])
     if x.shape[0]:
         _launch(
             x, None, weight, None, residual, y, None, 0.0,

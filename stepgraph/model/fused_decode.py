@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..buckets import default_capture_sizes, pad_to_bucket
@@ -43,11 +44,12 @@ from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_act import silu_mul
 from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.lm_head_argmax import lm_head_argmax
-from ..kernels.norm_gemv import gemv_residual
+from ..kernels.norm_gemv import gemv_residual, norm_gemv
 from ..kernels.proj_tiles import prefer_cublas
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
 from .llama import Linear, LlamaModel
+from .parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 KERNEL_CHOICES = ("fused", "reference")
 # Rows the fused step serves (``gemv_tiles.MAX_M``: one launch takes up to 64 rows).
@@ -84,14 +86,18 @@ def check_kernels(kernels: str) -> str:
 
 
 def unfusable_reason(model: LlamaModel) -> str | None:
-    """Why the fused step cannot run this model (None: it can)."""
+    """Why the fused step cannot run this model (None: it can). A tensor-parallel shard
+    (``model/parallel.py``) can: its all-reduces go between the fused kernels (``_row``)."""
     layer = model.layers[0]
     if not model.embed_tokens.weight.is_cuda:
         return "the fused kernels run on CUDA only"
-    if type(model.lm_head) is not Linear or type(model.embed_tokens) is not nn.Embedding:
-        return "a tensor-parallel shard (its collectives sit between the fused kernels)"
-    if type(layer.self_attn.o_proj) is not Linear or type(layer.mlp.down_proj) is not Linear:
-        return "a tensor-parallel shard (its collectives sit between the fused kernels)"
+    if type(model.lm_head) not in (Linear, ParallelLMHead):
+        return f"an lm_head of type {type(model.lm_head).__name__}"
+    if type(model.embed_tokens) not in (nn.Embedding, VocabParallelEmbedding):
+        return f"an embedding of type {type(model.embed_tokens).__name__}"
+    for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        if type(proj) not in (Linear, RowParallelLinear):
+            return f"an o_proj or down_proj of type {type(proj).__name__}"
     half = model.config.head_dim // 2
     if half & (half - 1):
         return f"head_dim / 2 = {half} is not a power of two (the RoPE epilogue needs one)"
@@ -126,6 +132,19 @@ def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
         num_splits=m.num_splits, workspace=m.workspace, sm_scale=backend.sm_scale,
         num_sms=backend.num_sms, use_pdl=ATTENTION_PDL, fold_combine=True,
     )  # fmt: skip
+
+
+def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl) -> torch.Tensor:
+    """``r + x @ W.T`` in one launch. A row-parallel shard: rank 0 adds the residual in the
+    epilogue, the others project alone, and the in-place all-reduce sums them, so every rank
+    holds the same ``r + sum of the partials`` (rounded once more than the reference path's
+    ``r + all_reduce(partials)``: the two agree within bf16 rounding, not bit for bit)."""
+    if type(proj) is not RowParallelLinear or proj.world_size == 1:
+        return gemv_residual(x, proj.weight, r, use_pdl=use_pdl)
+    y = gemv_residual(x, proj.weight, r if dist.get_rank(proj.group) == 0 else None,
+                      use_pdl=use_pdl)  # fmt: skip
+    dist.all_reduce(y, group=proj.group)  # in place, on the stream: graph-capturable
+    return y
 
 
 def fused_decode_step(
@@ -170,12 +189,20 @@ def fused_decode_step(
                 meta.out_cache_loc, n_heads, use_pdl=use_pdl,
             )  # fmt: skip
         o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
-        r = gemv_residual(o.reshape(bs, -1), attn.o_proj.weight, r, use_pdl=use_pdl)
+        r = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl)
         if prefer_cublas("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
             a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
         else:
             a = gate_up_silu(r, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, use_pdl=use_pdl)
-        r = gemv_residual(a, mlp.down_proj.weight, r, use_pdl=use_pdl)  # [bs, hidden]
+        r = _row(a, mlp.down_proj, r, use_pdl)  # [bs, hidden]
+    if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
+        local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
+                          torch.float32, use_pdl=use_pdl)  # fmt: skip
+        logits = model.lm_head.gather(local)  # [bs, vocab]: every rank's slice
+        logits = logits if logits_out is None else logits_out.copy_(logits)
+        if tokens_out is not None:
+            torch.argmax(logits, -1, out=tokens_out)
+        return logits
     logits, _ = lm_head_argmax(
         r, model.norm.weight, model.lm_head.weight, model.norm.eps,
         logits_out=logits_out, tokens_out=tokens_out, use_pdl=use_pdl,

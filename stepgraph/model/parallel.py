@@ -90,7 +90,10 @@ class ParallelLMHead(nn.Module):
         self.group = group
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: [n, hidden] -> [n, vocab]
-        local = F.linear(h, self.weight)  # [n, vocab_per_rank]
+        return self.gather(F.linear(h, self.weight))
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``[n, vocab_per_rank]`` slice of the logits as ``[n, vocab]``."""
         if self.world_size == 1:
             return local[:, : self.vocab_size]
         n, vr = local.shape
