@@ -16,8 +16,9 @@ same kernels on tensor cores, M padded to 16/32/64, split-K where the output is 
 per (shape, bs bucket) in ``kernels/proj_tiles.TILES`` (measured by
 ``benchmarks/proj_sweep.py``); where cuBLAS plus the small kernels measured faster
 (``proj_tiles.CUBLAS``: qkv at 17-64 rows, gate-up at 33-64) the step runs RMSNorm, cuBLAS and
-RoPE/KV-write (or SiLU·mul) there instead; ``REFERENCE_ROWS`` (bs 2-7) run the reference
-kernels inside the step. Measured (H200, 2026-12-01, ``stepgraph bench``, graph, ctx 512):
+RoPE/KV-write (or SiLU·mul) there instead; ``REFERENCE_ROWS`` (bs 2-32, where the reference
+kernels measured as fast or faster) run the reference kernels inside the step. Measured
+(H200, 2026-12-01, ``stepgraph bench``, graph, ctx 512):
 bs 8 1.205 ms (52% of the floor), bs 32 1.429 (51%), bs 64 1.502 (57%), against 1.213 / 1.402 /
 1.636 for ``--kernels reference``; docs/results.md has the rest. The kernels are launched with
 programmatic dependent launch where the GPU has it (``kernels/pdl.py``); the attention kernels
@@ -55,13 +56,14 @@ KERNEL_CHOICES = ("fused", "reference")
 # Rows the fused step serves (``gemv_tiles.MAX_M``: one launch takes up to 64 rows).
 FUSED_MAX_BS = 64
 # Batch sizes the fused step serves with the reference kernels (cuBLAS, separate norm, RoPE,
-# SiLU), its greedy tokens still computed in the step: measured on the H200 (2026-12-01,
-# ``stepgraph bench``, graph mode, ctx 512) the tensor-core kernels took 1.48 ms at bs=2 against
-# 1.07 (bs 1) and 1.15 ms (bs 8) for the cuBLAS step in the same run, while bs 8 ran 1.205;
-# bs 3 to 7 were not timed and share bs 2's tiles. It ends at a default bucket (8): a live batch
-# of 5-7 rows replays the graph of 8, and eager and graph must pick the same kernels
-# (``kernel_class``); bs 8 measured 1.205 fused against 1.213 reference, a tie.
-REFERENCE_ROWS = range(2, 9)
+# SiLU), its greedy tokens still computed in the step, decided by measurement (H200, 2026-12-01,
+# ``stepgraph bench``, graph mode, ctx 512, ms): bs 2 tensor-core 1.480 (cuBLAS 1.15 at bs 8);
+# bs 8 1.205 fused / 1.213 reference (a tie); bs 32 1.429 / 1.402, and 1.424 fused against 1.335
+# reference in two later runs of the same day; bs 64 1.502 / 1.636, where the fused step wins.
+# So bs 2-32 run the reference kernels and bs 33-64 (``block_m`` 64, bs 64's tiles) the fused
+# ones. Chosen on the batch size's default bucket (``kernel_class``): a live batch replays the
+# graph of its bucket, and eager and graph must pick the same kernels.
+REFERENCE_ROWS = range(2, 33)
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
 # always takes the default (on, measured 2026-11-30)
 ROWS_PDL: bool | None = None
