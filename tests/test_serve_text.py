@@ -2,7 +2,7 @@
 a word-level tokenizer with a chat template, written here; nothing downloads), through the real
 ``openai`` client: text prompts equal `stepgraph generate --prompt`, streamed text equals the
 whole text, stop strings cut it (and end the request), chat completions go through the
-template."""
+template; with the engine on a thread and in its own process."""
 
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ from stepgraph.cli import main as cli_main  # noqa: E402
 from stepgraph.engine import Engine  # noqa: E402
 from stepgraph.model import ModelRunner  # noqa: E402
 from stepgraph.serve.app import build_app  # noqa: E402
+from stepgraph.serve.engine_proc import EngineSpec  # noqa: E402
 from stepgraph.serve.metrics import ServeMetrics  # noqa: E402
+from stepgraph.serve.proc_worker import ProcessWorker  # noqa: E402
 from stepgraph.serve.server import ServerThread  # noqa: E402
 from stepgraph.serve.tokenizer import load_tokenizer  # noqa: E402
-from stepgraph.serve.worker import EngineWorker, engine_limits  # noqa: E402
+from stepgraph.serve.worker import EngineWorker  # noqa: E402
 
 VOCAB = 256
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "system", "user", "assistant"]
@@ -66,9 +68,17 @@ def _write_checkpoint(path) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def ckpt(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("ckpt"))
     _write_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(request, ckpt):
+    """The server, its engine on a thread or in its own process (the tokenizer stays in the
+    HTTP process either way)."""
+    path = ckpt
     tok = load_tokenizer(path)
     assert tok is not None and tok.has_chat_template
 
@@ -76,10 +86,14 @@ def served(tmp_path_factory):
         mr = ModelRunner.from_hf_dir(path, "cpu", torch.float32, max_bs=8, max_context_len=256)
         return Engine(mr, "graph", max_running=8)
 
-    worker = EngineWorker(build, ServeMetrics())
+    if request.param == "thread":
+        worker = EngineWorker(build, ServeMetrics())
+    else:
+        spec = EngineSpec(path, "cpu", "float32", "graph", 8, 256, warmup=False)
+        worker = ProcessWorker(spec, ServeMetrics())
     try:
         worker.start(timeout=120)
-        limits = engine_limits(worker.engine, NAME, True, True)
+        limits = worker.limits(NAME, True, True)
         with ServerThread(build_app(worker, limits, tok)) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
             yield SimpleNamespace(path=path, tok=tok, client=client, worker=worker)
