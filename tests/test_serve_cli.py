@@ -31,12 +31,12 @@ START_TIMEOUT = 90
 class Served:
     """``python -m stepgraph serve ...`` on a free port; killed on exit if still running."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, session: bool = False) -> None:
         cmd = [sys.executable, "-m", "stepgraph", "serve", "--model", "tiny", "--device", "cpu",
                "--port", "0", "--max-running", "4", *flags]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env=env)  # fmt: skip
+                                     text=True, env=env, start_new_session=session)  # fmt: skip
         self.lines: queue.Queue = queue.Queue()
         self.err: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -140,6 +140,21 @@ def test_a_signal_stops_the_server_with_exit_status_0(sig, timeout, n, finishes)
         assert "stepgraph serve: stopped" in "".join(s.err)
         with pytest.raises(httpx.ConnectError):
             httpx.get(s.url + "/health", timeout=5)
+
+
+def test_sigterm_to_the_whole_process_group_drains_before_the_engine_stops():
+    """A service manager signals every process of the server: the engine process waits for the
+    front end, which lets the request in flight finish, stops the engine and exits 0."""
+    with Served("--max-context", "2048", "--shutdown-timeout", "30", session=True) as s:
+        child = httpx.get(s.url + "/health", timeout=5).json()["engine_pid"]
+        lines, first, reader = _stream_in_thread(s.url, 300)
+        assert first.wait(30) and lines, s.err
+        os.killpg(s.proc.pid, signal.SIGTERM)  # its own session: the server and its engine
+        assert s.proc.wait(60) == 0, "".join(s.err)
+        reader.join(30)
+        assert lines[-1] == "data: [DONE]" and gone(child)
+        tokens = sum(len(json.loads(x[6:])["choices"][0]["token_ids"]) for x in lines[:-1])
+        assert tokens == 300
 
 
 def test_bad_flags_are_one_line_errors(capsys):

@@ -10,8 +10,9 @@ or None), ...], state)``, where ``state`` is ``(running, waiting in the engine, 
 submissions taken, graph steps, eager steps, prefill steps)``; ``(FAULT, ids, text, state)``
 when a step raised (the engine has dropped those requests and freed their pages already:
 ``Engine.step``; the loop carries on), ``(REJECT, id, text)`` for a request the engine refused.
-Idle, it blocks on its pipe; busy, it polls it between steps. It ignores SIGINT (a terminal's
-Ctrl-C reaches the whole process group: the front end drains and stops it) and leaves when the
+Idle, it blocks on its pipe; busy, it polls it between steps. It ignores SIGINT and SIGTERM
+(a terminal's Ctrl-C, or a service manager's stop, reaches the whole process group: the front
+end drains, then stops it, or kills it when it does not stop) and leaves when the
 front end says stop or goes away (end of file, a broken pipe): no orphan."""
 
 from __future__ import annotations
@@ -243,8 +244,8 @@ class EngineProcess:
             (self._loop.add_writer(fd, self._flush) if wait else self._loop.remove_writer(fd))
 
     def end(self, timeout: float) -> int | None:
-        """Wait ``timeout`` s for the process to exit, then terminate, then kill it."""
-        for finish in (None, self.proc.terminate, self.proc.kill):
+        """Wait ``timeout`` s for the process to exit, then kill it (it ignores SIGTERM)."""
+        for finish in (None, self.proc.kill):
             if finish is not None and self.proc.is_alive():
                 log.warning("the engine process did not exit; %s", finish.__name__)
                 finish()
@@ -262,7 +263,8 @@ class EngineProcess:
 
 def child_main(inbox: Any, outbox: Any, spec: EngineSpec) -> None:
     """The engine process: build, say ready (or why not), serve the pipe until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a handler, not SIG_IGN: exec resets it
+        signal.signal(sig, lambda *_: None)
     logging.basicConfig(format="stepgraph engine: %(message)s")
     try:
         engine = spec()
