@@ -78,3 +78,17 @@ def test_a_rank_given_other_requests_raises_naming_it(tmp_path):
 def test_one_process_needs_no_sync():
     engine = _engine(_runner(_model(TINY)), "eager")
     assert engine._sync is None and not torch.distributed.is_initialized()
+
+
+def _whole_models(rank: int, out: str) -> None:
+    """Data parallel: each rank serves a whole model, its own requests: no sync, no error."""
+    engine = _engine(_runner(_model(TINY)), "eager")
+    got = engine.generate([PROMPTS[rank]], NEW)  # different requests on each rank
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"sync": engine._sync is None, "got": got}))
+
+
+def test_ranks_serving_whole_models_schedule_on_their_own(tmp_path):
+    spawn_ranks("tests.test_tp_engine:_whole_models", str(tmp_path))
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["sync"] and len(got["got"][0]) == NEW

@@ -17,6 +17,7 @@ the engine's construction), so a sampled token is the same on every rank too.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -40,19 +41,23 @@ class ScheduleSync:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         gloo = dist.get_backend() == "gloo"
         self.group = group if group is not None or gloo else dist.new_group(backend="gloo")
-        seed = torch.randint(0, 2**62, (1,)) if self.rank == 0 else torch.zeros(1, dtype=torch.long)
-        dist.broadcast(seed, src=0, group=self.group)
+        seed = torch.tensor([int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0])
+        dist.broadcast(seed, src=0, group=self.group)  # os.urandom: no rank's torch RNG moves
         self.seed = int(seed)  # rank 0's: the shared sampling seed
         self.steps = 0
 
     @classmethod
     def for_model(cls, model_runner) -> ScheduleSync | None:
-        """A sync when ``model_runner`` is one shard of several (a process group is up with
-        more than one rank); else None (one process needs none)."""
+        """A sync when ``model_runner``'s model is one tensor-parallel shard of several
+        (``model.tp_layout``); else None: one process, or ranks that each serve a whole model
+        (data parallel), schedule on their own."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        layout = getattr(getattr(model_runner, "model", None), "tp_layout", None)
+        if layout is None or layout.world_size == 1:
             return None
+        if not (dist.is_available() and dist.is_initialized()):
+            return None  # a shard built without a group (tests): no collective runs anyway
         return cls()
 
     def admit(self, count: int, waiting: Sequence[int], running: Sequence[int], landed) -> int:
