@@ -265,24 +265,8 @@ class Engine:
         self._pending.reclaim(wait=True)
         return out
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-    ) -> list[list[int]]:
-        """New token ids of each prompt, in order. Every prompt is checked before any is
-        queued: one that cannot fit raises ``ConfigError`` naming it, and nothing runs."""
-        self._check_thread("generate")
-        return run_to_completion(
-            self, prompts, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-            stop_ids=stop_ids, ignore_eos=ignore_eos,
-        )  # fmt: skip
+    generate = run_to_completion  # (prompts, max_new_tokens, *, temperature, top_k, seed,
+    # stop_ids, ignore_eos) -> each prompt's new token ids (``offline.py``)
 
     def shutdown(self) -> None:
         """Release the graph runners; any later step, request or generate raises."""

@@ -27,7 +27,10 @@ def run_to_completion(
     stop_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
 ) -> list[list[int]]:
-    """New token ids of each prompt, in order (``Engine.generate``)."""
+    """New token ids of each prompt, in order (``Engine.generate`` is this function). Every
+    prompt is checked before any is queued: one that cannot fit raises ``ConfigError`` naming
+    it, and nothing runs."""
+    engine._check_thread("generate")
     for i, p in enumerate(prompts):
         check_request(engine.model_runner, p, max_new_tokens, f"prompt {i} ({len(p)} tokens)")
     generator = None
