@@ -65,15 +65,12 @@ class DecodePath:
             tokens, source = [r.output[-1] for r in reqs], None
         else:  # every request decoding now sampled a token in the step before
             tokens, source = [prev.row_of[r.rid] for r in reqs], prev.tokens
-        batch = mr.decode_batch(
+        batch = self._batch(
+            reqs,
             tokens,
-            [len(r.prompt) + r.scheduled - 1 for r in reqs],
-            [r.pages for r in reqs],
-            table=self._block_table(reqs),
             # the graph runner copies only the packed rows: skip building contiguous fields
             contiguous_fields=self.runner is None or not self.runner.config.packed_inputs,
             tokens_from=source,
-            values_checked=True,  # sampled ids, admitted lengths, the allocator's pages
         )
         if self.runner is not None:
             if self.runner.can_run(batch):
@@ -109,25 +106,26 @@ class DecodePath:
         elif prev.tokens.shape[0] > feed.shape[0]:
             return None
         else:
-            if not prev.fed:  # sampled outside the step (else the fused argmax wrote the feed)
-                n = prev.tokens.shape[0]
-                if prev.tokens.data_ptr() != feed.data_ptr():
-                    feed[:n].copy_(prev.tokens)
-                prev.fed = True
+            if prev.tokens.data_ptr() != feed.data_ptr():  # sampled outside the step (else the
+                feed[: prev.tokens.shape[0]].copy_(prev.tokens)  # fused argmax wrote the feed)
             tokens = [feed_id(prev.row_of[r.rid]) for r in reqs]
-        batch = self.model_runner.decode_batch(
-            tokens,
-            [len(r.prompt) + r.scheduled - 1 for r in reqs],
-            [r.pages for r in reqs],
-            table=self._block_table(reqs),
-            contiguous_fields=False,
-            device_copy=not runner.staged,
-            values_checked=True,
-        )
+        batch = self._batch(reqs, tokens, contiguous_fields=False, device_copy=not runner.staged)
         if not runner.can_run(batch):
             return None
         stats.graph_steps += 1
         return runner.replay(batch)  # a static buffer: sampled before the next replay
+
+    def _batch(self, reqs: Sequence[Request], tokens: list[int], **how):
+        """The decode batch of ``reqs`` feeding ``tokens``; values the engine vouches for
+        (sampled ids, admitted lengths, its allocator's pages)."""
+        return self.model_runner.decode_batch(
+            tokens,
+            [len(r.prompt) + r.scheduled - 1 for r in reqs],
+            [r.pages for r in reqs],
+            table=self._block_table(reqs),
+            values_checked=True,
+            **how,
+        )
 
     def _block_table(self, reqs: Sequence[Request]):
         """The batch's block table, rebuilt only when its requests change (each keeps its

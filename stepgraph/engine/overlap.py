@@ -30,7 +30,6 @@ class InFlight:
     host: torch.Tensor  # [n] int64 on the host (pinned on CUDA): their copy, once ``done``
     event: torch.cuda.Event | None  # recorded after the copy; None where it is synchronous
     row_of: dict[int, int] = field(default_factory=dict)  # request id -> its row
-    fed: bool = False  # its tokens are in the decode runner's feed (``DecodePath``)
 
     @classmethod
     def launch(cls, rows: Sequence[Request], tokens: torch.Tensor) -> InFlight:
