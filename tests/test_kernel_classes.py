@@ -7,12 +7,16 @@ rows, graph of 8) and 33 (folded attention at 48)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from stepgraph.buckets import default_capture_sizes, pad_to_bucket
 from stepgraph.kernels.proj_tiles import KERNELS, TILES, block_m, prefer_cublas, tile_for
 from stepgraph.kernels.splits import num_splits_for
+from stepgraph.model import ModelRunner
 from stepgraph.model.fused_decode import FUSED_MAX_BS, kernel_class, reference_rows
+from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 SHAPES = sorted({(kernel, n, k) for kernel, n, k, _ in TILES})
 
@@ -42,3 +46,42 @@ def test_every_batch_and_its_bucket_choose_the_same_kernels(max_bs):
 
 def test_the_table_covers_every_kernel():
     assert {kernel for kernel, _, _ in SHAPES} <= set(KERNELS) and len(SHAPES) >= 4
+
+
+def _eager_splits(backend, bs: int, t_kv: int) -> int:
+    batch = SimpleNamespace(
+        batch_size=bs, max_seq_len=t_kv, seq_lens_cpu=None, block_table=None, seq_lens=None,
+        out_cache_loc=None,
+    )  # fmt: skip
+    backend.init_forward_metadata(batch)
+    return backend.meta.num_splits
+
+
+@pytest.mark.parametrize("n_kv", [8, 2])
+def test_eager_split_count_is_the_ladder_at_the_graph_bucket(n_kv):
+    """Mode exact retunes its bucket's graph with the ladder at the bucket's rows
+    (``fa_apply``: the main's grid); eager takes the ladder at the same rows. Qwen2.5-0.5B's two
+    KV heads at 1000 keys, or eight at 333: 33 rows alone take more splits than the graph of 48."""
+    mr = ModelRunner.from_preset("tiny", "cpu", max_bs=8, max_context_len=4096)
+    backend = mr.attn_backend
+    backend.use_kernel, backend.num_sms, backend.num_kv_heads = True, 132, n_kv
+    for buckets in (None, [1, 3, 8, 40, 64]):
+        backend.graph_buckets = buckets
+        for bs in range(1, 65):
+            bucket = pad_to_bucket(bs, buckets or default_capture_sizes(64))
+            for t_kv in (1, 64, 333, 1000, 4096):
+                want = num_splits_for(t_kv, n_kv, bucket, 132, backend.max_splits)
+                assert _eager_splits(backend, bs, t_kv) == want, (buckets, bs, t_kv)
+    backend.graph_buckets = None
+    if n_kv == 8:  # a case the loop checks: 33 rows alone would take 2 splits, 48 take 1
+        assert _eager_splits(backend, 33, 333) == 1 != num_splits_for(333, 8, 33, 132, 32)
+
+
+def test_a_graph_runner_lends_its_buckets_to_eager_steps_until_shutdown():
+    mr = ModelRunner.from_preset("tiny", "cpu", max_bs=8)
+    runner = CudaGraphRunner(mr, RunnerConfig(capture_bs=[1, 3, 8], show_progress=False))
+    backend = mr.attn_backend
+    assert [backend.geometry_bs(bs) for bs in (1, 2, 3, 4, 8, 9)] == [1, 3, 3, 8, 8, 9]
+    assert [kernel_class(bs, backend) for bs in (2, 4)] == [3, 8]
+    runner.shutdown()
+    assert [backend.geometry_bs(bs) for bs in (2, 3, 4, 9, 64, 65)] == [2, 4, 4, 16, 64, 65]

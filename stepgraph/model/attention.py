@@ -7,9 +7,10 @@ writes the new K/V into the pages and attends. On CUDA the rotation and the writ
 (``rope_kv``); on the CPU they are the torch ops of ``rope_kv_reference``.
 
 - Decode on CUDA: ``flash_decode`` with an explicit split count, always. Eager steps take it from
-  the ladder at the live maximum length (the batch's HOST copy of ``seq_lens``: no device sync);
-  captured steps use the bucket's split count at ``max_context_len`` (mode "exact" retunes the
-  captured nodes per step). Graphs share one workspace allocated at ``max_bs``; eager steps use
+  the ladder at the live maximum length (the batch's HOST copy of ``seq_lens``: no device sync)
+  and at the rows of the graph bucket the batch would replay in (``geometry_bs``), so that mode
+  "exact", which retunes the captured nodes per step at its bucket's rows, runs the same split
+  count; captured steps use the bucket's split count at ``max_context_len``. Graphs share one workspace allocated at ``max_bs``; eager steps use
   their own, grown lazily.
 - Decode on the CPU: ``paged_decode_reference`` (the Triton interpreter is too slow for models).
 - Prefill ("extend"): packed chunks of several prompts (``extend_batch.ExtendBatch``); their K/V
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import ForwardBatch
+from ..buckets import default_capture_sizes, pad_to_bucket
 from ..errors import CaptureError, ConfigError
 from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_decode
 from ..kernels.reference import paged_decode_reference
@@ -34,6 +36,7 @@ from .kv_cache import KVCache
 from .prefill_attention import extend_attention
 
 SEQ_LEN_FILL_VALUE = 1  # a padded graph row attends to one slot of scratch page 0
+_DEFAULT_BUCKETS = default_capture_sizes(64)  # ``geometry_bs`` with no graph runner attached
 
 
 @dataclass
@@ -77,6 +80,8 @@ class PagedAttentionBackend:
         self._eager_workspace: DecodeWorkspace | None = None  # grown lazily, reused
         self.meta: DecodeMetadata | ExtendBatch | None = None
         self._graph_meta: dict[int, DecodeMetadata] = {}  # bucket -> metadata of its graph
+        # the buckets of the graph runner over this backend (it sets them; None: the defaults)
+        self.graph_buckets: list[int] | None = None
 
     # -- geometry ----------------------------------------------------------------------------
 
@@ -89,6 +94,14 @@ class PagedAttentionBackend:
     def bucket_splits(self, bs: int) -> int:
         """The split count a graph of bucket ``bs`` is captured with (``max_context_len``)."""
         return self.splits_for(self.max_context_len, bs)
+
+    def geometry_bs(self, bs: int) -> int:
+        """The rows a step of ``bs`` rows is shaped for: the graph bucket it replays in
+        (``graph_buckets``, else the default buckets), or ``bs`` above the largest. Eager steps
+        choose their kernels and split counts on it too, so that mode "exact" (a bucket's graph,
+        retuned per step) runs what eager runs."""
+        buckets = self.graph_buckets or _DEFAULT_BUCKETS
+        return pad_to_bucket(bs, buckets) if 1 <= bs <= buckets[-1] else bs
 
     def _workspace(self, bs: int) -> DecodeWorkspace | None:
         if not self.use_kernel:
@@ -113,7 +126,7 @@ class PagedAttentionBackend:
             block_table=batch.block_table,
             seq_lens=batch.seq_lens,
             out_cache_loc=batch.out_cache_loc,
-            num_splits=self.splits_for(t_kv, max(bs, 1)),
+            num_splits=self.splits_for(t_kv, self.geometry_bs(max(bs, 1))),
             workspace=self._workspace(bs),
             from_graph=False,
         )

@@ -106,27 +106,31 @@ def unfusable_reason(model: LlamaModel) -> str | None:
     return None
 
 
-def kernel_class(bs: int) -> int:
-    """The default capture bucket of ``bs`` (``buckets.default_capture_sizes``): every kernel
-    choice that is not the same for all rows counts is made on it, so a live batch eager and the
+def kernel_class(bs: int, backend=None) -> int:
+    """The graph bucket ``bs`` replays in: ``backend.geometry_bs(bs)`` (the buckets of the graph
+    runner over it), else the default buckets (``buckets.default_capture_sizes``). Every kernel
+    choice that is not the same for all row counts is made on it, so a live batch eager and the
     graph of its bucket (exact mode) run the same kernels. The tile classes (``block_m``: 16, 32,
-    64) and the cuBLAS choices already agree across each default bucket; custom buckets that
-    straddle them may not (exact then still equals eager per bucket size)."""
+    64) and the cuBLAS choices agree across each default bucket; custom buckets that straddle
+    them may not (exact then still equals eager at the bucket sizes themselves)."""
+    geometry = getattr(backend, "geometry_bs", None)
+    if geometry is not None:
+        return geometry(bs)
     return pad_to_bucket(bs, _DEFAULT_BUCKETS) if 1 <= bs <= FUSED_MAX_BS else bs
 
 
-def reference_rows(bs: int) -> bool:
+def reference_rows(bs: int, backend=None) -> bool:
     """Whether the fused step runs ``bs`` rows on the reference kernels (``REFERENCE_ROWS``)."""
-    return kernel_class(bs) in REFERENCE_ROWS
+    return kernel_class(bs, backend) in REFERENCE_ROWS
 
 
 def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
     """Split-KV decode over the pages. Where the ladder gives every row one split at any
-    context for this batch size's class (``bucket_splits(kernel_class(bs)) == 1``: the same in
-    eager, graph and exact mode), one launch: the split kernel writes the output
+    context for this batch size's class (``bucket_splits(kernel_class(bs, backend)) == 1``: the
+    same in eager, graph and exact mode), one launch: the split kernel writes the output
     (``kernels/split_kv_fold.py``). Elsewhere the backend's split + combine (the folded merge
     measured slower there)."""
-    if not backend.use_kernel or backend.bucket_splits(kernel_class(q.shape[0])) > 1:
+    if not backend.use_kernel or backend.bucket_splits(kernel_class(q.shape[0], backend)) > 1:
         return backend.decode_attention(layer_id, q)
     m, kv = backend.meta, backend.kv_cache
     return flash_decode(
@@ -165,7 +169,7 @@ def fused_decode_step(
     kv = backend.kv_cache
     n_heads = model.config.num_heads
     bs = input_ids.shape[0]
-    if reference_rows(bs):  # the reference kernels, the greedy tokens still taken here
+    if reference_rows(bs, backend):  # the reference kernels, the greedy tokens still taken here
         h = model(input_ids, positions, backend)
         logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
         if tokens_out is not None:

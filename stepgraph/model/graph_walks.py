@@ -147,6 +147,7 @@ def build_decode_graph_runner(
     walks = DecodeGraphWalks(model_runner)
     config = walks.decode_config(capture_batch_sizes)
     model_runner.attn_backend.init_cuda_graph_state(max(config.batch_sizes()))
+    model_runner.attn_backend.graph_buckets = sorted(config.batch_sizes())  # ``geometry_bs``
     runner = ConfigGraphRunner(
         walks,
         [config],

@@ -20,6 +20,7 @@ from .fused_decode import (
     check_kernels,
     default_kernels,
     fused_decode_step,
+    kernel_class,
     unfusable_reason,
 )
 from .kv_cache import KVCache
@@ -94,10 +95,11 @@ class ModelRunner:
 
     def uses_fused(self, bs: int) -> bool:
         """Whether a decode step of ``bs`` rows runs the fused kernels (a pure function of
-        ``bs`` and the set-up: eager, graph and exact steps agree)."""
+        ``bs``'s graph bucket and the set-up: eager, graph and exact steps agree)."""
         return (
             self.kernels == "fused"
-            and 1 <= bs <= FUSED_MAX_BS
+            and 1 <= bs
+            and kernel_class(bs, self.attn_backend) <= FUSED_MAX_BS
             and self.attn_backend.use_kernel
             and unfusable_reason(self.model) is None
         )
