@@ -125,8 +125,8 @@ def test_greedy_tokens_eager_graph_exact(mr):
 def test_exact_equals_eager_bit_for_bit_every_bucket(mr):
     """Mode exact replays the eager fused step bit for bit (logits, greedy tokens, K/V) at
     captured sizes and at live sizes between them (5 and 7 replay the graph of 8, 33 and 47 that
-    of 48), so tiles, split-K, the reference rows and the folded attention agree
-    (``fused_decode.kernel_class``)."""
+    of 48), so tiles, split-K, the reference rows, the folded attention and the split count agree
+    (``fused_decode.kernel_class``, ``PagedAttentionBackend.geometry_bs``)."""
     cfg = RunnerConfig(max_bs=64, mode="exact", show_progress=False)  # the default buckets
     runner = CudaGraphRunner(mr, cfg)
     try:
@@ -141,7 +141,8 @@ def test_exact_equals_eager_bit_for_bit_every_bucket(mr):
                 logits = runner.replay(batch)
                 assert torch.equal(logits, eager), bs
                 assert torch.equal(mr.fused_tokens(bs), tokens), bs
-                assert all(torch.equal(a, b) for a, b in zip(caches, kv_eager)), bs
+                # every page but scratch page 0, where the graph's padded rows write their K/V
+                assert all(torch.equal(a[1:], b[1:]) for a, b in zip(caches, kv_eager)), bs
                 for c, c0 in zip(caches, before):
                     c.copy_(c0)
             finally:
