@@ -117,8 +117,10 @@ def test_greedy_tokens_equal_stepgraph_generate_plain_and_streamed(server, capsy
 
 def test_bad_requests_are_400s_with_nothing_sent_and_past_max_waiting_a_503(server):
     sent = server.worker._child.sent
-    for body, field in [({"model": "tiny", "prompt": [1, 512]}, "prompt"),
-                        ({"model": "tiny", "prompt": [1], "max_tokens": -1}, "max_tokens")]:
+    for body, field in [
+        ({"model": "tiny", "prompt": [1, 512]}, "prompt"),
+        ({"model": "tiny", "prompt": [1], "max_tokens": -1}, "max_tokens"),
+    ]:
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == field
     assert server.worker._child.sent == sent  # nothing reached the engine
@@ -132,8 +134,15 @@ def test_bad_requests_are_400s_with_nothing_sent_and_past_max_waiting_a_503(serv
                 lines = slow.aiter_lines()
                 while not (await lines.__anext__()).startswith("data: "):
                     pass  # it runs: the engine is inside a 0.5 s step, not reading its pipe
-                two = [asyncio.ensure_future(c.post("/v1/completions", json={
-                    "model": "tiny", "prompt": [2, i], "max_tokens": 2})) for i in (3, 4)]
+                two = [
+                    asyncio.ensure_future(
+                        c.post(
+                            "/v1/completions",
+                            json={"model": "tiny", "prompt": [2, i], "max_tokens": 2},
+                        )
+                    )
+                    for i in (3, 4)
+                ]
                 await asyncio.sleep(0.05)  # both handed over: waiting in the pipe
                 third = await c.post("/v1/completions", json={"model": "tiny", "prompt": [7]})
                 async for _ in lines:

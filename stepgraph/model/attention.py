@@ -10,8 +10,8 @@ writes the new K/V into the pages and attends. On CUDA the rotation and the writ
   the ladder at the live maximum length (the batch's HOST copy of ``seq_lens``: no device sync)
   and at the rows of the graph bucket the batch would replay in (``geometry_bs``), so that mode
   "exact", which retunes the captured nodes per step at its bucket's rows, runs the same split
-  count; captured steps use the bucket's split count at ``max_context_len``. Graphs share one workspace allocated at ``max_bs``; eager steps use
-  their own, grown lazily.
+  count; captured steps use the bucket's split count at ``max_context_len``. Graphs share one
+  workspace allocated at ``max_bs``; eager steps use their own, grown lazily.
 - Decode on the CPU: ``paged_decode_reference`` (the Triton interpreter is too slow for models).
 - Prefill ("extend"): packed chunks of several prompts (``extend_batch.ExtendBatch``); their K/V
   are written at their slots, then each chunk attends to its request's cached prefix and to

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..buckets import default_capture_sizes, pad_to_bucket
 from ..errors import ConfigError
+from ..kernels.argmax_rows import argmax_rows
 from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_act import silu_mul
 from ..kernels.gate_up_silu import gate_up_silu
@@ -64,6 +65,19 @@ FUSED_MAX_BS = 64
 # ones. Chosen on the batch size's default bucket (``kernel_class``): a live batch replays the
 # graph of its bucket, and eager and graph must pick the same kernels.
 REFERENCE_ROWS = range(2, 33)
+# The A/B switch of that measurement: STEPGRAPH_REFERENCE_ROWS="LO-HI" (buckets LO..HI on the
+# reference kernels) or "none" (the fused kernels at every bs)
+_ROWS_ENV = os.environ.get("STEPGRAPH_REFERENCE_ROWS", "").strip().lower()
+if _ROWS_ENV:
+    try:
+        REFERENCE_ROWS = (
+            range(0) if _ROWS_ENV == "none"
+            else range(int(_ROWS_ENV.split("-")[0]), int(_ROWS_ENV.split("-")[1]) + 1)
+        )  # fmt: skip
+    except (ValueError, IndexError):
+        raise ConfigError(
+            f"STEPGRAPH_REFERENCE_ROWS={_ROWS_ENV!r}: give LO-HI (e.g. 2-32) or none"
+        ) from None
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
 # always takes the default (on, measured 2026-11-30)
 ROWS_PDL: bool | None = None
@@ -153,6 +167,15 @@ def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl) -> torch.Tensor:
     return y
 
 
+def _greedy(logits: torch.Tensor, tokens_out: torch.Tensor) -> None:
+    """The greedy tokens of logits a cuBLAS head wrote: ``argmax_rows`` on CUDA (two small
+    launches instead of torch's 27 µs one at bs 8), ``torch.argmax`` on the CPU (same tokens)."""
+    if logits.is_cuda and logits.stride(-1) == 1:
+        argmax_rows(logits, tokens_out)
+    else:
+        torch.argmax(logits, -1, out=tokens_out)
+
+
 def fused_decode_step(
     model: LlamaModel,
     backend,  # PagedAttentionBackend, prepared for this step (decode metadata)
@@ -173,7 +196,7 @@ def fused_decode_step(
         h = model(input_ids, positions, backend)
         logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
         if tokens_out is not None:
-            torch.argmax(logits, -1, out=tokens_out)
+            _greedy(logits, tokens_out)
         return logits
     if use_pdl is None and bs > 1:
         use_pdl = ROWS_PDL
@@ -207,7 +230,7 @@ def fused_decode_step(
         logits = model.lm_head.gather(local)  # [bs, vocab]: every rank's slice
         logits = logits if logits_out is None else logits_out.copy_(logits)
         if tokens_out is not None:
-            torch.argmax(logits, -1, out=tokens_out)
+            _greedy(logits, tokens_out)
         return logits
     logits, _ = lm_head_argmax(
         r, model.norm.weight, model.lm_head.weight, model.norm.eps,
