@@ -79,6 +79,16 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
 CUBLAS: set[tuple[str, int, int, int]] = {
     ("qkv_rope", *_QKV, 32), ("qkv_rope", *_QKV, 64), ("gate_up_silu", *_GU, 64),
 }  # fmt: skip
+# The A/B switch of a measurement: STEPGRAPH_PROJ_CUBLAS="qkv_rope:16,gate_up_silu:32" also runs
+# those kernels' unfused pieces at that BLOCK_M, for every shape
+CUBLAS_ANY: set[tuple[str, int]] = {
+    (kernel, int(bm))
+    for kernel, _, bm in (
+        item.strip().partition(":")
+        for item in os.environ.get("STEPGRAPH_PROJ_CUBLAS", "").split(",")
+        if item.strip()
+    )
+}
 TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile fields]}: a sweep's
 
 
@@ -145,7 +155,8 @@ def tile_for(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> Tile:
 def prefer_cublas(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
     """Whether the fused step runs ``kernel``'s unfused pieces (cuBLAS GEMM) at ``m`` rows
     (measured in bf16; other element sizes keep the fused kernel)."""
-    return elem_bytes == 2 and (kernel, n, k, block_m(m)) in CUBLAS
+    bm = block_m(m)
+    return elem_bytes == 2 and ((kernel, n, k, bm) in CUBLAS or (kernel, bm) in CUBLAS_ANY)
 
 
 def as_tile(blocks) -> Tile:
