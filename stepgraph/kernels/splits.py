@@ -33,11 +33,20 @@ Example, Llama-3.2-1B (8 KV heads) on an H200 (132 SMs), 4 per SM: bs=1 caps at 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 BLOCK_N = 64  # keys per tile of the main kernel; chunk sizes are rounded up to it
-MIN_SPLIT_KEYS = BLOCK_N  # the ladder never gives a split fewer keys than one tile
-PROGRAMS_PER_SM = 4  # occupancy target of the main kernel's grid (the sweep tries 2, 4, 8)
+# the ladder never gives a split fewer keys than this (one tile; STEPGRAPH_MIN_SPLIT_KEYS, a
+# multiple of BLOCK_N, is the A/B switch of a measurement)
+MIN_SPLIT_KEYS = int(os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", BLOCK_N))
+# occupancy target of the main kernel's grid (the sweep tries 2, 4, 8; STEPGRAPH_PROGRAMS_PER_SM)
+PROGRAMS_PER_SM = int(os.environ.get("STEPGRAPH_PROGRAMS_PER_SM", 4))
+if MIN_SPLIT_KEYS < BLOCK_N or MIN_SPLIT_KEYS % BLOCK_N or PROGRAMS_PER_SM < 1:
+    raise ValueError(
+        f"STEPGRAPH_MIN_SPLIT_KEYS={MIN_SPLIT_KEYS} must be a positive multiple of {BLOCK_N} "
+        f"and STEPGRAPH_PROGRAMS_PER_SM={PROGRAMS_PER_SM} at least 1"
+    )
 LADDER_MAX_SPLITS = 64  # ladder cap; with ns <= 64 <= keys per split, ceil(t / ceil(t / ns)) == ns
 H200_NUM_SMS = 132
 
