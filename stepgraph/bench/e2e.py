@@ -6,8 +6,9 @@ CPU stand-in; the same kernels and buckets) serves ``bs`` requests whose prompts
 ``E2E_NEW_TOKENS`` short of ``context``, eos ignored, and every ``engine.step()`` is timed on
 the host. A decode-only step (no prefill in it, all ``bs`` requests decoding) costs, in steady
 state, what one step of the loop costs the user: the batch built on the host, the replay,
-sampling, the token copies. The row is the median of those steps (``E2E_NEW_TOKENS`` of them, and more
-while the batch prefills: ``new_tokens_for``), after one untimed run of the same point (Triton compiles, caches). Points past ``E2E_MAX_CONTEXT`` are skipped: their
+sampling, the token copies. The row is the median of those steps (``E2E_NEW_TOKENS`` of them,
+and more while the batch prefills: ``new_tokens_for``), after one untimed run of the same point
+(Triton compiles, caches). Points past ``E2E_MAX_CONTEXT`` are skipped: their
 prompts would take longer to prefill than the rest of the bench."""
 
 from __future__ import annotations
