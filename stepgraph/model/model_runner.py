@@ -96,13 +96,10 @@ class ModelRunner:
     def uses_fused(self, bs: int) -> bool:
         """Whether a decode step of ``bs`` rows runs the fused kernels (a pure function of
         ``bs``'s graph bucket and the set-up: eager, graph and exact steps agree)."""
-        return (
-            self.kernels == "fused"
-            and 1 <= bs
-            and kernel_class(bs, self.attn_backend) <= FUSED_MAX_BS
-            and self.attn_backend.use_kernel
-            and unfusable_reason(self.model) is None
-        )
+        fits = 1 <= bs and kernel_class(bs, self.attn_backend) <= FUSED_MAX_BS
+        return self.kernels == "fused" and fits and self.attn_backend.use_kernel and (
+            unfusable_reason(self.model) is None
+        )  # fmt: skip
 
     def fused_tokens(self, bs: int) -> torch.Tensor | None:
         """``[bs]`` int64 greedy tokens of the last decode step of ``bs`` rows, computed inside

@@ -85,3 +85,16 @@ def raise_other_thread(obj: object, what: str, owner: threading.Thread) -> None:
         "the calls, consume each output before the next call, and set "
         f"{name}.check_same_thread = False on this instance."
     )
+
+
+def lend_graph_buckets(backend, buckets, returned=None) -> None:
+    """Tell a backend with a ``graph_buckets`` attribute (optional: ``PagedAttentionBackend``)
+    which buckets a graph runner captured, so that its eager steps are shaped as the graph a
+    batch would replay in (mode exact then equals eager between buckets too). ``buckets=None``
+    with ``returned``: a runner shutting down takes its buckets back, if they are still set."""
+    if not hasattr(backend, "graph_buckets"):
+        return
+    if buckets is not None:
+        backend.graph_buckets = list(buckets)
+    elif backend.graph_buckets == list(returned):
+        backend.graph_buckets = None

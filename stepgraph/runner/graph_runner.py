@@ -26,7 +26,7 @@ from ..buckets import pad_to_bucket
 from ..errors import ReplayError
 from ..graph_pool import GraphPool
 from ..graph_update.exec_updater import ExecUpdater, default_exec_updater
-from .base import GraphRunnerBase
+from .base import GraphRunnerBase, lend_graph_buckets
 from .capture import capture_loop, capture_step, logger
 from .config import RunnerConfig
 from .feed import check_feed
@@ -97,7 +97,7 @@ class CudaGraphRunner(GraphRunnerBase):
             self._limits = replace(self._limits, feed_size=self.feed.shape[0])
         self._bucket_of: dict[int, int] = {}  # bs -> its bucket (pad_to_bucket, cached)
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
-        _claim_geometry(model_runner.attn_backend, self.capture_bs)
+        lend_graph_buckets(model_runner.attn_backend, self.capture_bs)
         if capture:
             self.capture()
 
@@ -285,7 +285,7 @@ class CudaGraphRunner(GraphRunnerBase):
         """Release graphs, static buffers and the pool. Any later call raises ``ReplayError``."""
         self._release_graphs()
         self._shut_down = True
-        _claim_geometry(self.model_runner.attn_backend, None, self.capture_bs)
+        lend_graph_buckets(self.model_runner.attn_backend, None, self.capture_bs)
         self.buffers = None  # type: ignore[assignment]
         self._staging = None  # its pinned slots and device rows
 
@@ -296,15 +296,3 @@ class CudaGraphRunner(GraphRunnerBase):
         self._out_rows.clear()
         self._plans.clear()
         self._bucket_of.clear()
-
-
-def _claim_geometry(backend, buckets, release=None) -> None:
-    """Tell the attention backend the buckets its eager steps are shaped for
-    (``PagedAttentionBackend.geometry_bs``: exact mode then equals eager between buckets too);
-    ``release``: give them back at shutdown, if they are still these."""
-    if not hasattr(backend, "graph_buckets"):
-        return
-    if release is None:
-        backend.graph_buckets = list(buckets)
-    elif backend.graph_buckets == list(release):
-        backend.graph_buckets = None
