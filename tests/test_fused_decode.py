@@ -9,7 +9,8 @@ import torch
 
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.errors import ConfigError
-from stepgraph.model.fused_decode import fused_decode_step, unfusable_reason
+from stepgraph.model import fused_decode
+from stepgraph.model.fused_decode import fused_decode_step, reference_rows, unfusable_reason
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +20,19 @@ def mr():
     return runner
 
 
+def tensor_cores(monkeypatch) -> None:
+    """The tensor-core kernels at every bs above one (as shipped, bs 2-32 and shapes without a
+    measured tile, the tiny preset's among them, run the reference kernels inside the step)."""
+    monkeypatch.setattr(fused_decode, "REFERENCE_ROWS", range(0))
+    monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
+
+
+@pytest.mark.parametrize("path", ["tensor-core", "as shipped"])
 @pytest.mark.parametrize("bs, context", [(1, 17), (3, 1), (17, 40)])
-def test_fused_step_matches_reference(mr, bs, context):
+def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch):
+    if path == "tensor-core":
+        tensor_cores(monkeypatch)
+    assert reference_rows(bs, mr.attn_backend, mr.model) == (path != "tensor-core" and bs > 1)
     batch, pages = decode_batch(mr, Point(bs, context), seed=bs)
     try:
         kv0 = [c.clone() for c in (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)]
@@ -52,7 +64,23 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
         ("qkv_rope", qkv_n, cfg.hidden_size, 32),
         ("gate_up_silu", 2 * cfg.intermediate_size, cfg.hidden_size, 32),
     })  # fmt: skip
-    test_fused_step_matches_reference(mr, 17, 40)
+    test_fused_step_matches_reference(mr, 17, 40, "tensor-core", monkeypatch)
+
+
+def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr):
+    """The 1B preset's bf16 shapes have tiles at every tile class; the tiny preset's do not,
+    and float32 never does: the step runs the reference kernels there (``proj_tiles.measured``),
+    as the rule's tiles ran the 8B preset at half cuBLAS's speed."""
+    from stepgraph.model import ModelRunner
+
+    big = ModelRunner.from_preset("llama-3.2-1b", "cpu", torch.bfloat16, num_layers=1,
+                                  max_bs=64, max_context_len=64)  # fmt: skip
+    assert all(fused_decode._measured(big.model, rows) for rows in (16, 32, 48, 64))
+    assert [reference_rows(bs, big.attn_backend, big.model) for bs in (1, 2, 32, 33, 64)] == [
+        False, True, True, False, False,
+    ]  # fmt: skip
+    assert not fused_decode._measured(mr.model, 64)
+    assert reference_rows(40, mr.attn_backend, mr.model) and not reference_rows(1, None, mr.model)
 
 
 def test_kernel_switch_on_cpu(mr):

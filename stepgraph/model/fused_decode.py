@@ -47,7 +47,7 @@ from ..kernels.fused_act import silu_mul
 from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.lm_head_argmax import lm_head_argmax
 from ..kernels.norm_gemv import gemv_residual, norm_gemv
-from ..kernels.proj_tiles import prefer_cublas
+from ..kernels.proj_tiles import measured, prefer_cublas
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
 from .llama import Linear, LlamaModel
@@ -133,9 +133,23 @@ def kernel_class(bs: int, backend=None) -> int:
     return pad_to_bucket(bs, _DEFAULT_BUCKETS) if 1 <= bs <= FUSED_MAX_BS else bs
 
 
-def reference_rows(bs: int, backend=None) -> bool:
-    """Whether the fused step runs ``bs`` rows on the reference kernels (``REFERENCE_ROWS``)."""
-    return kernel_class(bs, backend) in REFERENCE_ROWS
+def reference_rows(bs: int, backend=None, model: LlamaModel | None = None) -> bool:
+    """Whether the fused step runs ``bs`` rows on the reference kernels: ``REFERENCE_ROWS``, or,
+    given ``model``, rows above one where one of its projections has no measured tile
+    (``proj_tiles.measured``: other models' shapes, float32, tensor-parallel shards)."""
+    rows = kernel_class(bs, backend)
+    return rows in REFERENCE_ROWS or (model is not None and rows > 1 and not _measured(model, rows))
+
+
+def _measured(model: LlamaModel, rows: int) -> bool:
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    pieces = (("qkv_rope", attn.qkv_proj), ("gemv_residual", attn.o_proj),
+              ("gate_up_silu", mlp.gate_up_proj), ("gemv_residual", mlp.down_proj),
+              ("lm_head", model.lm_head))  # fmt: skip
+    return all(
+        measured(kernel, rows, *lin.weight.shape, lin.weight.element_size())
+        for kernel, lin in pieces
+    )
 
 
 def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
@@ -192,7 +206,7 @@ def fused_decode_step(
     kv = backend.kv_cache
     n_heads = model.config.num_heads
     bs = input_ids.shape[0]
-    if reference_rows(bs, backend):  # the reference kernels, the greedy tokens still taken here
+    if reference_rows(bs, backend, model):  # the reference kernels, greedy tokens taken here
         h = model(input_ids, positions, backend)
         logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
         if tokens_out is not None:
