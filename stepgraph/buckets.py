@@ -48,6 +48,14 @@ def pad_to_bucket(n: int, buckets: Sequence[int]) -> int:
     return buckets[i]
 
 
+def replay_bucket(bs: int, buckets: Sequence[int] | None = None) -> int:
+    """The bucket a batch of ``bs`` rows would replay in, or ``bs`` itself outside
+    ``[1, buckets[-1]]`` (such a batch runs eagerly). ``None``: the default buckets up to 64,
+    what an eager step is shaped for with no graph runner attached (``geometry_bs``)."""
+    buckets = buckets or _GEOMETRY_BUCKETS
+    return pad_to_bucket(bs, buckets) if 1 <= bs <= buckets[-1] else bs
+
+
 def distribute_tokens(total_tokens: int, bs: int) -> list[int]:
     """Split ``total_tokens`` across ``bs`` requests, the remainder on the first.
 
@@ -63,3 +71,6 @@ def distribute_tokens(total_tokens: int, bs: int) -> list[int]:
         )
     base, rem = divmod(total_tokens, bs)
     return [base + rem] + [base] * (bs - 1)
+
+
+_GEOMETRY_BUCKETS = default_capture_sizes(64)

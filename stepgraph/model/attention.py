@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import ForwardBatch
-from ..buckets import default_capture_sizes, pad_to_bucket
+from ..buckets import replay_bucket
 from ..errors import CaptureError, ConfigError
 from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_decode
 from ..kernels.reference import paged_decode_reference
@@ -36,7 +36,6 @@ from .kv_cache import KVCache
 from .prefill_attention import extend_attention
 
 SEQ_LEN_FILL_VALUE = 1  # a padded graph row attends to one slot of scratch page 0
-_DEFAULT_BUCKETS = default_capture_sizes(64)  # ``geometry_bs`` with no graph runner attached
 
 
 @dataclass
@@ -100,8 +99,7 @@ class PagedAttentionBackend:
         (``graph_buckets``, else the default buckets), or ``bs`` above the largest. Eager steps
         choose their kernels and split counts on it too, so that mode "exact" (a bucket's graph,
         retuned per step) runs what eager runs."""
-        buckets = self.graph_buckets or _DEFAULT_BUCKETS
-        return pad_to_bucket(bs, buckets) if 1 <= bs <= buckets[-1] else bs
+        return replay_bucket(bs, self.graph_buckets)
 
     def _workspace(self, bs: int) -> DecodeWorkspace | None:
         if not self.use_kernel:

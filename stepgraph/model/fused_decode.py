@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..buckets import default_capture_sizes, pad_to_bucket
+from ..buckets import replay_bucket
 from ..errors import ConfigError
 from ..kernels.argmax_rows import argmax_rows
 from ..kernels.flash_decode import flash_decode
@@ -81,7 +81,6 @@ if _ROWS_ENV:
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
 # always takes the default (on, measured 2026-11-30)
 ROWS_PDL: bool | None = None
-_DEFAULT_BUCKETS = default_capture_sizes(FUSED_MAX_BS)
 # PDL on the attention kernel of the fused step: off unless STEPGRAPH_ATTENTION_PDL=1 (the A/B
 # switch of the measurement in docs/results.md)
 ATTENTION_PDL: bool | None = None if os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1" else False
@@ -122,7 +121,7 @@ def unfusable_reason(model: LlamaModel) -> str | None:
 
 def kernel_class(bs: int, backend=None) -> int:
     """The graph bucket ``bs`` replays in: ``backend.geometry_bs(bs)`` (the buckets of the graph
-    runner over it), else the default buckets (``buckets.default_capture_sizes``). Every kernel
+    runner over it), else the default buckets (``buckets.replay_bucket``). Every kernel
     choice that is not the same for all row counts is made on it, so a live batch eager and the
     graph of its bucket (exact mode) run the same kernels. The tile classes (``block_m``: 16, 32,
     64) and the cuBLAS choices agree across each default bucket; custom buckets that straddle
@@ -130,7 +129,7 @@ def kernel_class(bs: int, backend=None) -> int:
     geometry = getattr(backend, "geometry_bs", None)
     if geometry is not None:
         return geometry(bs)
-    return pad_to_bucket(bs, _DEFAULT_BUCKETS) if 1 <= bs <= FUSED_MAX_BS else bs
+    return replay_bucket(bs)
 
 
 def reference_rows(bs: int, backend=None, model: LlamaModel | None = None) -> bool:
