@@ -31,20 +31,25 @@ DT = torch.bfloat16
 ROWS = (8, 32, 64)  # one per BLOCK_M bucket: 16, 32, 64
 COPIES = 16
 T = Tile
-CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k); block_n: the kernel's own
+CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); block_n: the kernel's
     # rounds 1-2 (2026-12-01) kept the best few; round 3 adds one-chunk tiles (the program's
-    # whole K range loaded before the PDL wait, as the one-row kernels do)
-    "o_proj": [T(32, 64, 4, 4, 4), T(32, 128, 4, 4, 2), T(16, 128, 4, 4, 2), T(16, 512, 4, 1, 4),
-               T(32, 512, 4, 1, 4), T(16, 1024, 4, 1, 2), T(32, 256, 4, 1, 8),
-               T(16, 256, 4, 1, 8)],
-    "down": [T(32, 128, 4, 4, 4), T(32, 128, 4, 3, 4), T(16, 1024, 4, 1, 8), T(16, 512, 4, 1, 16),
-             T(32, 1024, 8, 1, 8), T(32, 512, 4, 1, 16), T(32, 256, 4, 2, 16)],
-    "gate_up": [T(64, 128, 8, 4, 1), T(64, 128, 8, 3, 1), T(16, 512, 4, 1, 4), T(32, 512, 8, 1, 4),
-                T(16, 1024, 8, 1, 2), T(32, 256, 4, 1, 8), T(64, 256, 8, 1, 8)],
+    # whole K range loaded before the PDL wait, as the one-row kernels do); round 4 the TMA
+    # tiles (tma_tiles: swap-AB, descriptors), near benchmarks/skinny_probe.py's best
+    "o_proj": [T(32, 64, 4, 4, 4), T(32, 128, 4, 4, 2), T(16, 512, 4, 1, 4), T(32, 512, 4, 1, 4),
+               T(64, 128, 4, 3, 8, True), T(64, 256, 4, 3, 4, True), T(64, 128, 4, 5, 4, True),
+               T(64, 128, 4, 3, 4, True), T(32, 128, 4, 4, 4, True)],
+    "down": [T(32, 128, 4, 4, 4), T(32, 128, 4, 3, 4), T(16, 1024, 4, 1, 8),
+             T(64, 128, 4, 3, 8, True), T(64, 256, 4, 3, 4, True), T(64, 128, 4, 5, 4, True),
+             T(64, 128, 4, 4, 8, True), T(64, 256, 4, 3, 8, True)],
+    "gate_up": [T(64, 128, 8, 4, 1), T(64, 128, 8, 3, 1), T(16, 512, 4, 1, 4),
+                T(32, 128, 4, 3, 1, True), T(32, 128, 4, 5, 1, True), T(64, 128, 4, 3, 1, True),
+                T(64, 128, 8, 3, 1, True), T(32, 128, 4, 4, 2, True), T(64, 64, 4, 5, 1, True)],
     "qkv": [T(32, 256, 4, 3, 4), T(16, 128, 4, 3, 4), T(32, 128, 4, 3, 4), T(16, 512, 4, 1, 4),
-            T(16, 1024, 8, 1, 2), T(32, 512, 8, 1, 4), T(16, 256, 4, 1, 8), T(32, 256, 4, 1, 8)],
+            T(32, 128, 4, 3, 4, True), T(32, 128, 4, 3, 8, True), T(32, 128, 4, 5, 4, True),
+            T(32, 256, 4, 3, 4, True), T(16, 128, 4, 3, 8, True)],
     "lm_head": [T(256, 64, 8, 3), T(128, 128, 8, 3), T(128, 64, 4, 4), T(128, 128, 4, 4),
-                T(64, 512, 4, 1, 4), T(128, 256, 8, 1, 8), T(64, 256, 4, 2, 4)],
+                T(128, 128, 4, 3, 1, True), T(64, 128, 4, 3, 1, True), T(128, 256, 4, 3, 1, True),
+                T(256, 64, 8, 3, 1, True), T(128, 128, 8, 4, 1, True)],
 }  # fmt: skip
 SHAPES = {  # kernel -> (proj_tiles kernel name, n, k)
     "o_proj": ("gemv_residual", H, Q), "down": ("gemv_residual", H, INTER),

@@ -29,15 +29,16 @@ from .gemv_tiles import (
 )
 from .norm_gemv import rmsnorm_reference
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
-from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for
+from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
+from .tma_tiles import tma_loop
 
 
 @triton.jit
 def _gate_up_silu_kernel(
-    x_ptr, norm_w_ptr, w_ptr, out_ptr, ws_ptr, ticket_ptr,
+    x_ptr, norm_w_ptr, w_ptr, out_ptr, ws_ptr, ticket_ptr, w_desc, x_desc,
     M, INTER, K, eps,
     stride_xm, stride_wn, stride_om,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -50,16 +51,27 @@ def _gate_up_silu_kernel(
     g_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = w_ptr + (offs_n + INTER)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # -- weights only before the wait --
-    wg = first_w_tile(g_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
-    wu = first_w_tile(u_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+    n0 = pid_n * BLOCK_N
+    if TMA:  # (a ragged last tile's gate rows run into up rows: masked at the store)
+        wg = w_desc.load([n0, k_lo])
+        wu = w_desc.load([n0 + INTER, k_lo])
+    else:
+        wg = first_w_tile(g_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+        wu = first_w_tile(u_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
     pdl_wait_then_trigger(USE_PDL)
     inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     # -> [BLOCK_M, BLOCK_N] float32 each
-    gate, up = gemv_loop(
-        g_ptrs, u_ptrs, wg, wu, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-        True, True, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    if TMA:
+        gate, up = tma_loop(
+            w_desc, n0, n0 + INTER, wg, wu, x_desc, norm_w_ptr, K, k_lo, k_hi, inv_rms,
+            True, True, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        gate, up = gemv_loop(
+            g_ptrs, u_ptrs, wg, wu, mask_n,
+            x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
+            True, True, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
     rows = BLOCK_M
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         gate, up, rows = splitk_reduce(
@@ -113,11 +125,12 @@ def gate_up_silu(
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * block_m(m) * tile.block_n
             ws, tickets = splitk_workspace(x.device, elems, tiles)
+        descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
         _gate_up_silu_kernel[(tiles, tile.split_k)](
-            x, norm_w, weight, out, ws, tickets,
+            x, norm_w, weight, out, ws, tickets, *(descs or (x, x)),
             m, inter, k, eps,
             x.stride(0), weight.stride(0), out.stride(0),
-            USE_PDL=pdl, BLOCK_M=block_m(m),
+            USE_PDL=pdl, TMA=descs is not None, BLOCK_M=block_m(m),
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_BLOCK=norm_block(m, k),
             SPLIT_K=tile.split_k,
             **tile.launch(), **launch_options(pdl),

@@ -28,20 +28,21 @@ from .gemv_tiles import (
     splitk_reduce,
 )
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
-from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for
+from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
+from .tma_tiles import tma_loop
 
 
 @triton.jit
 def _norm_gemv_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_val_ptr, part_idx_ptr,
-    ws_ptr, ticket_ptr,
+    ws_ptr, ticket_ptr, w_desc, x_desc,
     M, N, K, eps,
     stride_xm, stride_wn, stride_rm, stride_ym, stride_pm,
     NORM: tl.constexpr,  # RMSNorm prologue (norm_w, eps)
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,  # y = residual + (x @ w.T).to(dtype)
     ARGMAX: tl.constexpr,  # write (max, first index of max) of this program's columns
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, TMA: tl.constexpr,  # weight and x through descriptors (tma_tiles)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -53,18 +54,27 @@ def _norm_gemv_kernel(
     mask_n = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     # -- weights only before the wait: they are never written during a step --
-    w = first_w_tile(w_ptrs, mask_n, k_lo, k_hi, BLOCK_K)  # [BLOCK_N, BLOCK_K]
+    if TMA:
+        w = w_desc.load([pid_n * BLOCK_N, k_lo])
+    else:
+        w = first_w_tile(w_ptrs, mask_n, k_lo, k_hi, BLOCK_K)  # [BLOCK_N, BLOCK_K]
     pdl_wait_then_trigger(USE_PDL)
     if NORM:
         inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     else:
         inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     # -> [BLOCK_M, BLOCK_N] float32
-    acc, _ = gemv_loop(
-        w_ptrs, w_ptrs, w, w, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-        NORM, False, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    if TMA:
+        acc, _ = tma_loop(
+            w_desc, pid_n * BLOCK_N, 0, w, w, x_desc, norm_w_ptr, K, k_lo, k_hi, inv_rms,
+            NORM, False, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        acc, _ = gemv_loop(
+            w_ptrs, w_ptrs, w, w, mask_n,
+            x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
+            NORM, False, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
     if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
         acc, _, rows = splitk_reduce(
             acc, acc, ws_ptr, ticket_ptr, pid_n, pid_k, False, SPLIT_K, BLOCK_M, BLOCK_N
@@ -120,15 +130,17 @@ def _launch(x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, 
         elems = tiles * tile.split_k * tile.block_n * bm
         ws, tickets = splitk_workspace(x.device, elems, tiles)
     pdl = resolve_pdl(use_pdl, x.device)
+    descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
     _norm_gemv_kernel[(tiles, tile.split_k)](
         x, norm_w if norm else weight, weight, bias if bias is not None else weight,
         residual if residual is not None else y, y, part_val, part_idx, ws, tickets,
+        *(descs or (x, x)),
         m, n, k, eps,
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0),
         part_val.stride(0) if parts is not None else 0,
         NORM=norm, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
-        ARGMAX=parts is not None, USE_PDL=pdl,
+        ARGMAX=parts is not None, USE_PDL=pdl, TMA=descs is not None,
         BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
         **launch_options(pdl),

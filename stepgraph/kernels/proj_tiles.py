@@ -25,6 +25,7 @@ import triton
 
 from ..errors import ConfigError
 from .gemv_tiles import proj_blocks
+from .tma_tiles import box_fits, descriptor, tma_ready
 
 KERNELS = ("norm_gemv", "gemv_residual", "lm_head", "gate_up_silu", "qkv_rope")
 TARGET_PROGRAMS = 264  # two programs per SM of the H200 (132 SMs)
@@ -37,6 +38,7 @@ class Tile:
     num_warps: int = 4
     num_stages: int | None = None  # None: Triton's default (3)
     split_k: int = 1
+    tma: bool = False  # tensor-core rows: weight and x through TMA descriptors (tma_tiles)
 
     def launch(self) -> dict:
         """The launch options: ``num_warps``, and ``num_stages`` when set."""
@@ -94,13 +96,15 @@ TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile f
 
 def _env_tiles() -> None:
     """Add the tiles of ``$STEPGRAPH_PROJ_TILES`` (``benchmarks/proj_sweep.py --tiles-out``) to
-    ``TILES``: a sweep's choice tried in the same device run, before it is written here."""
+    ``TILES`` (in place of a ``CUBLAS`` choice of the same key): a sweep's choice tried in the
+    same device run, before it is written here."""
     path = os.environ.get(TILES_ENV)
     if path:
         with open(path) as f:
             for key, fields in json.load(f).items():
                 kernel, n, k, bm = key.split(",")
                 TILES[(kernel, int(n), int(k), int(bm))] = Tile(*fields)
+                CUBLAS.discard((kernel, int(n), int(k), int(bm)))  # the sweep's tile is tried
 
 
 _env_tiles()
@@ -168,9 +172,21 @@ def measured(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
     return elem_bytes == 2 and (key in TILES or key in CUBLAS or (kernel, key[3]) in CUBLAS_ANY)
 
 
+def tma_descriptors(tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int):
+    """``(weight descriptor, x descriptor)`` when ``tile`` streams through TMA at ``m`` rows
+    (``tile.tma``, tensor-core rows, boxes ``[rows, block_k]`` and ``[BLOCK_M, block_k]`` that
+    TMA takes, both tensors ``tma_ready``), else None: the pointer loop, same tile."""
+    bm = block_m(m)
+    if not tile.tma or bm < 16 or not box_fits(rows, tile.block_k, bm):
+        return None
+    if not tma_ready(x, weight):
+        return None
+    return descriptor(weight, rows, tile.block_k), descriptor(x, bm, tile.block_k)
+
+
 def as_tile(blocks) -> Tile:
     """A ``Tile`` from a launcher's ``blocks`` override: a ``Tile`` or a tuple
-    ``(block_n, block_k, num_warps[, num_stages[, split_k]])``."""
+    ``(block_n, block_k, num_warps[, num_stages[, split_k[, tma]]])``."""
     return blocks if isinstance(blocks, Tile) else Tile(*blocks)
 
 
@@ -227,4 +243,5 @@ __all__ = [
     "smem_bytes",
     "splitk_workspace",
     "tile_for",
+    "tma_descriptors",
 ]

@@ -30,18 +30,27 @@ from .gemv_tiles import (
 )
 from .norm_gemv import rmsnorm_reference
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
-from .proj_tiles import Tile, as_tile, block_m, check_tile, splitk_workspace, tile_for
+from .proj_tiles import (
+    Tile,
+    as_tile,
+    block_m,
+    check_tile,
+    splitk_workspace,
+    tile_for,
+    tma_descriptors,
+)
 from .rope_kv import rope_kv_reference
+from .tma_tiles import tma_loop
 
 
 @triton.jit
 def _qkv_rope_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, ws_ptr, ticket_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, ws_ptr, ticket_ptr, w_desc, x_desc,
     M, K, eps,
     stride_xm, stride_wn, stride_qm, stride_cos, stride_slot,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -58,16 +67,27 @@ def _qkv_rope_kernel(
     w1_ptrs = w_ptr + rows1[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     w2_ptrs = w1_ptrs + HALF * stride_wn
     # -- weights only before the wait --
-    w1 = first_w_tile(w1_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
-    w2 = first_w_tile(w2_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+    r1 = head * HEAD_DIM + (pid % D_TILES) * BLOCK_D  # the first row of the tile (TMA)
+    if TMA:  # (BLOCK_D > HALF: the box runs past the half; those columns are masked)
+        w1 = w_desc.load([r1, k_lo])
+        w2 = w_desc.load([r1 + HALF, k_lo])
+    else:
+        w1 = first_w_tile(w1_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+        w2 = first_w_tile(w2_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
     pdl_wait_then_trigger(USE_PDL)
     inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     # -> [BLOCK_M, BLOCK_D] float32 each
-    acc1, acc2 = gemv_loop(
-        w1_ptrs, w2_ptrs, w1, w2, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-        True, True, BLOCK_M, BLOCK_D, BLOCK_K,
-    )  # fmt: skip
+    if TMA:
+        acc1, acc2 = tma_loop(
+            w_desc, r1, r1 + HALF, w1, w2, x_desc, norm_w_ptr, K, k_lo, k_hi, inv_rms,
+            True, True, BLOCK_M, BLOCK_D, BLOCK_K,
+        )  # fmt: skip
+    else:
+        acc1, acc2 = gemv_loop(
+            w1_ptrs, w2_ptrs, w1, w2, mask_n,
+            x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
+            True, True, BLOCK_M, BLOCK_D, BLOCK_K,
+        )  # fmt: skip
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         acc1, acc2, rows = splitk_reduce(
             acc1, acc2, ws_ptr, ticket_ptr, pid, pid_k, True, SPLIT_K, BLOCK_M, BLOCK_D
@@ -159,13 +179,15 @@ def qkv_rope(
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * block_m(m) * bd
             ws, tickets = splitk_workspace(x.device, elems, tiles)
+        descs = tma_descriptors(tile, m, x, weight, bd)  # None: the pointer loop
         _qkv_rope_kernel[(tiles, tile.split_k)](
             x, norm_w, weight, bias if bias is not None else weight,
             positions, slots, cos_table, sin_table, q, k_cache, v_cache, ws, tickets,
+            *(descs or (x, x)),
             m, k, eps,
             x.stride(0), weight.stride(0), q.stride(0), cos_table.stride(0), k_cache.stride(1),
             N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=half,
-            HAS_BIAS=bias is not None, USE_PDL=pdl,
+            HAS_BIAS=bias is not None, USE_PDL=pdl, TMA=descs is not None,
             BLOCK_M=block_m(m), BLOCK_D=bd, BLOCK_K=tile.block_k,
             NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
             **launch_options(pdl),

@@ -1,0 +1,130 @@
+"""The weight stream of the fused projections through TMA: host tensor descriptors, and the
+swap-AB K loop (``acc[BLOCK_N, BLOCK_M] = w @ x^T``) that the tensor-core tiles take with
+``Tile.tma``.
+
+``benchmarks/skinny_probe.py`` on the H200 (bf16, 8 rows, µs per call, 16 calls over 16 weights
+in one graph, 2026-12-01): a plain GEMM with pointer loads against the same with both operands
+through host tensor descriptors (TMA), cuBLAS beside them:
+
+    shape [N, K]      cuBLAS   pointers (normal / swap-AB)   TMA swap-AB
+    qkv   3072x2048     6.52         7.21 / 6.93                5.65
+    o     2048x2048     6.18         5.40 / 5.13                4.61
+    gate-up 16384x2048  18.61       18.23 / 18.13               17.99
+    down  2048x8192    13.55        12.63 / 11.72               10.46
+
+The weight rows are the MMA's M (64 of them fill a Hopper warpgroup MMA) and the batch its N
+(16 to 64). Descriptor loads read zeros out of bounds: the activation's rows past ``M`` (the
+padding to ``BLOCK_M``), columns past ``K``, weight rows past ``N``. A program's K range starts
+and ends on ``BLOCK_K`` chunks (``gemv_tiles.k_range``), so no chunk crosses a split.
+
+TMA needs 16-byte aligned bases and row strides (``tma_ready``); anything else, the interpreter
+aside, takes the pointer loop of ``gemv_tiles`` with the same tile. ``STEPGRAPH_TMA=0`` turns
+it off everywhere (the A/B switch of a measurement).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: tma_ready() is False
+    TensorDescriptor = None
+
+TMA_ENV = "STEPGRAPH_TMA"
+MAX_BOX = 256  # elements per dimension of one TMA box
+
+
+@functools.cache
+def _device_has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor can back a TMA descriptor: 2-D, last dimension contiguous, base and
+    row stride 16-byte aligned, on a Hopper-or-later GPU (or under ``TRITON_INTERPRET=1``), and
+    ``STEPGRAPH_TMA`` not ``0``."""
+    if TensorDescriptor is None or os.environ.get(TMA_ENV, "1") == "0":
+        return False
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    for t in tensors:
+        if t.dim() != 2 or t.stride(1) != 1 or t.shape[0] == 0:
+            return False
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+        if not interpret and (t.device.type != "cuda" or not _device_has_tma(t.device.index or 0)):
+            return False
+    return True
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A host descriptor of the 2-D tensor ``t`` whose box is ``[rows, cols]``."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols])
+
+
+def box_fits(block_n: int, block_k: int, bm: int) -> bool:
+    """Whether a tile's boxes (weight ``[block_n, block_k]``, activation ``[bm, block_k]``) are
+    TMA boxes: powers of two, at most 256 a side."""
+    sides = (block_n, block_k, bm)
+    return all(0 < s <= MAX_BOX and s & (s - 1) == 0 for s in sides)
+
+
+@triton.jit
+def _dot_t(acc, w, x):
+    # acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x^T (float32 inputs at "ieee": no TF32)
+    if w.dtype == tl.float32:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    # -> x[:, k0:k0 + BLOCK_K] ([BLOCK_M, BLOCK_K], x's dtype; zeros past M and K), normed and
+    # weighted when NORM with the roundings of gemv_tiles.x_tile
+    x = x_desc.load([0, k0])
+    if NORM:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        xn = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
+        x = (xn * nw[None, :]).to(x.dtype)
+    return x
+
+
+@triton.jit
+def tma_loop(
+    w_desc, row1, row2, w1, w2, x_desc, nw_ptr, K, k_lo, k_hi, inv_rms,
+    NORM: tl.constexpr, PAIRED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # gemv_tiles.gemv_loop through descriptors: w1 (and w2), the tiles at k_lo of weight rows
+    # row1 (row2), were loaded before the PDL wait. -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32
+    a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    a2 = a1
+    x = tma_x_tile(x_desc, nw_ptr, k_lo, K, inv_rms, NORM, BLOCK_K)
+    a1 = _dot_t(a1, w1, x)
+    if PAIRED:
+        a2 = _dot_t(a2, w2, x)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w1 = w_desc.load([row1, k0])
+        if PAIRED:
+            w2 = w_desc.load([row2, k0])
+        x = tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM, BLOCK_K)
+        a1 = _dot_t(a1, w1, x)
+        if PAIRED:
+            a2 = _dot_t(a2, w2, x)
+    a1 = tl.trans(a1)
+    if PAIRED:
+        a2 = tl.trans(a2)
+    else:
+        a2 = a1
+    return a1, a2
+
+
+__all__ = ["TMA_ENV", "box_fits", "descriptor", "tma_loop", "tma_ready", "tma_x_tile"]

@@ -1,0 +1,177 @@
+"""The fused projections' TMA path (``Tile.tma``: weight and x through host descriptors, the
+swap-AB K loop of ``tma_tiles``) under the Triton interpreter, float32 and float16, at rows 2,
+3, 17 and 64, K in several chunks, column tiles ending ragged, split-K; float64 references
+written here, outputs poisoned first. A spy checks the descriptor path really ran (and that
+misaligned tensors and ``STEPGRAPH_TMA=0`` take the pointer loop instead)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.kernels import proj_tiles, tma_tiles
+from stepgraph.kernels.gate_up_silu import gate_up_silu
+from stepgraph.kernels.lm_head_argmax import lm_head_argmax
+from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
+from stepgraph.kernels.proj_tiles import Tile
+from stepgraph.kernels.qkv_rope import qkv_rope
+from tests.conftest import rel_err
+from tests.references import rope64
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+EPS = 1e-5
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the descriptors the launchers build (two a TMA launch)."""
+    calls = []
+    real = proj_tiles.descriptor
+
+    def counting(t, rows, cols):
+        calls.append((tuple(t.shape), rows, cols))
+        return real(t, rows, cols)
+
+    monkeypatch.setattr(proj_tiles, "descriptor", counting)
+    return calls
+
+
+def rms64(x, w):
+    xd = x.double()
+    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def rand(g, *shape, scale=1.0):
+    return scale * torch.randn(*shape, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, split_k", [(2, 1), (3, 3), (17, 2), (64, 1)])
+def test_gemv_residual_tma(nan_empty, spy, dtype, m, split_k):
+    # K = 96 in chunks of 16: 6 chunks (2 a split at split_k 3); N = 40 in tiles of 16: ragged
+    g = torch.Generator().manual_seed(10 * m + split_k)
+    k, n = 96, 40
+    x, w = rand(g, m, k).to(dtype), rand(g, n, k, scale=k**-0.5).to(dtype)
+    res = rand(g, m, n).to(dtype)
+    tile = Tile(16, 16, 4, 2, split_k, True)
+    y = gemv_residual(x, w, res, blocks=tile)
+    assert spy == [((n, k), 16, 16), ((m, k), proj_tiles.block_m(m), 16)]
+    assert rel_err(y, x.double() @ w.double().T + res.double()) < TOL[dtype]
+    # the tickets are left at zero: the next split-K launch starts clean
+    assert all(int(t.abs().sum()) == 0 for _, t in proj_tiles._WORKSPACES.values())
+    pointers = gemv_residual(x, w, res, blocks=Tile(16, 16, 4, 2, split_k))
+    assert len(spy) == 2  # tma=False: no descriptor
+    assert rel_err(y, pointers) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, split_k", [(2, 2), (17, 1), (64, 2)])
+def test_norm_gemv_tma(nan_empty, spy, dtype, m, split_k):
+    g = torch.Generator().manual_seed(m)
+    k, n = 64, 33
+    x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
+    w, b = rand(g, n, k, scale=k**-0.5).to(dtype), rand(g, n).to(dtype)
+    y = norm_gemv(x, nw, w, b, EPS, torch.float32, blocks=Tile(16, 16, 4, 2, split_k, True))
+    assert len(spy) == 2
+    assert rel_err(y, rms64(x, nw) @ w.double().T + b.double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, split_k", [(2, 1), (3, 2), (17, 1), (64, 2)])
+def test_gate_up_silu_tma(nan_empty, spy, dtype, m, split_k):
+    g = torch.Generator().manual_seed(7 * m)
+    k, inter = 48, 24  # 2 tiles of 16 pairs (the second ragged: its gate box runs into up)
+    x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
+    w = rand(g, 2 * inter, k, scale=k**-0.5).to(dtype)
+    out = gate_up_silu(x, nw, w, EPS, blocks=Tile(16, 16, 4, None, split_k, True))
+    assert len(spy) == 2
+    gate, up = (rms64(x, nw) @ w.double().T).split(inter, dim=-1)
+    assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, hd, split_k", [(2, 16, 1), (3, 64, 3), (17, 16, 2), (64, 64, 1)])
+def test_qkv_rope_tma(nan_empty, spy, dtype, m, hd, split_k):
+    # hd 16: BLOCK_D 16 > HALF 8 (boxes run past the half); hd 64: two tiles of 16 a head
+    n_heads, n_kv, ps, k = 4, 2, 8, 48
+    pages = (m + ps - 1) // ps + 2
+    g = torch.Generator().manual_seed(m + hd)
+    n = (n_heads + 2 * n_kv) * hd
+    x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
+    w, b = rand(g, n, k, scale=k**-0.5).to(dtype), rand(g, n).to(dtype)
+    ang = torch.rand(80, hd // 2, generator=g, dtype=torch.float64) * 6
+    emb = torch.cat((ang, ang), -1)
+    cos_t, sin_t = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.randint(0, 80, (m,), generator=g)
+    slots = torch.randperm(pages * ps, generator=g)[:m]
+    k_cache = rand(g, pages, ps, n_kv, hd).to(dtype)
+    v_cache = rand(g, pages, ps, n_kv, hd).to(dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q = qkv_rope(
+        x, nw, w, b, EPS, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads,
+        blocks=Tile(16, 16, 4, None, split_k, True),
+    )  # fmt: skip
+    assert len(spy) == 2
+    qkv = rms64(x, nw) @ w.double().T + b.double()
+    qd, kd, vd = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+    cos, sin = cos_t[positions].double(), sin_t[positions].double()
+    assert rel_err(q, rope64(qd.view(m, n_heads, hd), cos, sin)) < 2 * TOL[dtype]
+    k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
+    assert rel_err(k_flat[slots], rope64(kd.view(m, n_kv, hd), cos, sin)) < 2 * TOL[dtype]
+    assert rel_err(v_flat[slots], vd.view(m, n_kv, hd)) < 2 * TOL[dtype]
+    untouched = torch.ones(pages * ps, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_flat[untouched], k0.view(-1, n_kv, hd)[untouched])
+    assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
+
+
+@pytest.mark.parametrize("m", [2, 17])
+def test_lm_head_argmax_tma(nan_empty, spy, m):
+    g = torch.Generator().manual_seed(3 * m)
+    k, vocab = 48, 70  # 5 programs of 16 columns, the last ragged (its box reads zeros)
+    x, nw = rand(g, m, k, scale=2).to(torch.float16), (1 + rand(g, k, scale=0.1)).half()
+    w = rand(g, vocab, k, scale=k**-0.5).to(torch.float16)
+    w[50] = w[20]  # a tie across programs: the first index wins
+    logits, tokens = lm_head_argmax(x, nw, w, EPS, blocks=Tile(16, 16, 4, None, 1, True))
+    assert len(spy) == 2
+    assert rel_err(logits, rms64(x, nw) @ w.double().T) < TOL[torch.float16]
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_pointer_loop_where_tma_cannot(nan_empty, spy, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    k, n, m = 64, 40, 3
+    w = rand(g, n, k, scale=k**-0.5).half()
+    res = rand(g, m, n).half()
+    tile = Tile(16, 16, 4, 2, 1, True)
+    wide = rand(g, m, k + 4).half()  # row stride 136 bytes: not 16-byte aligned
+    x = wide[:, :k]
+    want = x.double() @ w.double().T + res.double()
+    assert rel_err(gemv_residual(x, w, res, blocks=tile), want) < 3e-3 and spy == []
+    assert rel_err(gemv_residual(x.contiguous(), w, res, blocks=tile), want) < 3e-3
+    assert len(spy) == 2
+    monkeypatch.setenv(tma_tiles.TMA_ENV, "0")
+    assert rel_err(gemv_residual(x.contiguous(), w, res, blocks=tile), want) < 3e-3
+    assert len(spy) == 2  # switched off: the pointer loop
+    monkeypatch.delenv(tma_tiles.TMA_ENV)
+    gemv_residual(x[:1].contiguous(), w, res[:1], blocks=tile)  # one row: the GEMV, never TMA
+    assert len(spy) == 2
+
+
+def test_tma_limits():
+    # stride alignment exactly at 16 bytes and one element past it
+    assert tma_tiles.tma_ready(torch.zeros(3, 8, dtype=torch.float16))
+    assert not tma_tiles.tma_ready(torch.zeros(3, 12, dtype=torch.float16)[:, :8])
+    assert tma_tiles.tma_ready(torch.zeros(3, 4, dtype=torch.float32))
+    assert not tma_tiles.tma_ready(torch.zeros(3, 5, dtype=torch.float32))
+    assert not tma_tiles.tma_ready(torch.zeros(4, 8, dtype=torch.float16).t())  # not row-major
+    assert not tma_tiles.tma_ready(torch.zeros(8, dtype=torch.float16))  # 1-D
+    base = torch.zeros(40, dtype=torch.float16)
+    assert not tma_tiles.tma_ready(base[1:33].view(4, 8))  # base 2 bytes off
+    # boxes: powers of two up to 256 a side
+    assert tma_tiles.box_fits(256, 256, 64)
+    assert not tma_tiles.box_fits(512, 128, 16)
+    assert not tma_tiles.box_fits(64, 96, 16)
+    x, w = torch.zeros(8, 512), torch.zeros(32, 512)
+    assert proj_tiles.tma_descriptors(Tile(16, 512, 4, 1, 1, True), 8, x, w, 16) is None
+    assert proj_tiles.tma_descriptors(Tile(16, 256, 4, 1, 1, True), 8, x, w, 16) is not None
