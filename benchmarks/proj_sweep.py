@@ -32,24 +32,26 @@ ROWS = (8, 32, 64)  # one per BLOCK_M bucket: 16, 32, 64
 COPIES = 16
 T = Tile
 CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); block_n: the kernel's
-    # rounds 1-2 (2026-12-01) kept the best few; round 3 adds one-chunk tiles (the program's
-    # whole K range loaded before the PDL wait, as the one-row kernels do); round 4 the TMA
-    # tiles (tma_tiles: swap-AB, descriptors), near benchmarks/skinny_probe.py's best
-    "o_proj": [T(32, 64, 4, 4, 4), T(32, 128, 4, 4, 2), T(16, 512, 4, 1, 4), T(32, 512, 4, 1, 4),
-               T(64, 128, 4, 3, 8, True), T(64, 256, 4, 3, 4, True), T(64, 128, 4, 5, 4, True),
-               T(64, 128, 4, 3, 4, True), T(32, 128, 4, 4, 4, True)],
+    # rounds 1-3 (2026-12-01) kept the best few (round 3: one-chunk tiles, the program's whole K
+    # range loaded before the PDL wait); round 4 the TMA tiles of both kinds (tma 1: swap-AB,
+    # x by descriptor; 2: x from pointers), near benchmarks/skinny_probe.py's best
+    "o_proj": [T(32, 128, 4, 4, 2), T(16, 512, 4, 1, 4), T(32, 512, 4, 1, 4),
+               *(T(*t, mode) for mode in (1, 2) for t in
+                 ((64, 128, 4, 3, 4), (64, 128, 4, 3, 8), (64, 256, 4, 3, 4), (32, 128, 4, 4, 4)))],
     "down": [T(32, 128, 4, 4, 4), T(32, 128, 4, 3, 4), T(16, 1024, 4, 1, 8),
-             T(64, 128, 4, 3, 8, True), T(64, 256, 4, 3, 4, True), T(64, 128, 4, 5, 4, True),
-             T(64, 128, 4, 4, 8, True), T(64, 256, 4, 3, 8, True)],
+             *(T(*t, mode) for mode in (1, 2) for t in
+               ((64, 128, 4, 3, 8), (64, 256, 4, 3, 4), (64, 128, 4, 5, 4), (32, 128, 4, 4, 4)))],
     "gate_up": [T(64, 128, 8, 4, 1), T(64, 128, 8, 3, 1), T(16, 512, 4, 1, 4),
-                T(32, 128, 4, 3, 1, True), T(32, 128, 4, 5, 1, True), T(64, 128, 4, 3, 1, True),
-                T(64, 128, 8, 3, 1, True), T(32, 128, 4, 4, 2, True), T(64, 64, 4, 5, 1, True)],
+                *(T(*t, mode) for mode in (1, 2) for t in
+                  ((32, 128, 4, 3, 1), (64, 128, 4, 3, 1), (64, 128, 8, 4, 1),
+                   (32, 128, 4, 5, 1)))],
     "qkv": [T(32, 256, 4, 3, 4), T(16, 128, 4, 3, 4), T(32, 128, 4, 3, 4), T(16, 512, 4, 1, 4),
-            T(32, 128, 4, 3, 4, True), T(32, 128, 4, 3, 8, True), T(32, 128, 4, 5, 4, True),
-            T(32, 256, 4, 3, 4, True), T(16, 128, 4, 3, 8, True)],
+            *(T(*t, mode) for mode in (1, 2) for t in
+              ((32, 128, 4, 3, 4), (32, 256, 4, 3, 4), (32, 128, 4, 4, 8), (16, 128, 4, 3, 4)))],
     "lm_head": [T(256, 64, 8, 3), T(128, 128, 8, 3), T(128, 64, 4, 4), T(128, 128, 4, 4),
-                T(128, 128, 4, 3, 1, True), T(64, 128, 4, 3, 1, True), T(128, 256, 4, 3, 1, True),
-                T(256, 64, 8, 3, 1, True), T(128, 128, 8, 4, 1, True)],
+                *(T(*t, mode) for mode in (1, 2) for t in
+                  ((128, 128, 4, 3, 1), (256, 64, 8, 3, 1), (128, 64, 4, 4, 1),
+                   (64, 128, 4, 3, 1)))],
 }  # fmt: skip
 SHAPES = {  # kernel -> (proj_tiles kernel name, n, k)
     "o_proj": ("gemv_residual", H, Q), "down": ("gemv_residual", H, INTER),

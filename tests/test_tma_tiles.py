@@ -1,8 +1,9 @@
-"""The fused projections' TMA path (``Tile.tma``: weight and x through host descriptors, the
-swap-AB K loop of ``tma_tiles``) under the Triton interpreter, float32 and float16, at rows 2,
-3, 17 and 64, K in several chunks, column tiles ending ragged, split-K; float64 references
-written here, outputs poisoned first. A spy checks the descriptor path really ran (and that
-misaligned tensors and ``STEPGRAPH_TMA=0`` take the pointer loop instead)."""
+"""The fused projections' TMA paths (``Tile.tma`` 1: weight and x through host descriptors,
+the swap-AB K loop; 2: the weight by descriptor, x from pointers; ``tma_tiles``) under the
+Triton interpreter, float32 and float16, at rows 2, 3, 17 and 64, K in several chunks, column
+tiles ending ragged, split-K; float64 references written here, outputs poisoned first. A spy
+checks the descriptor path really ran (and that misaligned tensors and ``STEPGRAPH_TMA=0``
+take the pointer loop instead)."""
 
 from __future__ import annotations
 
@@ -45,53 +46,58 @@ def rand(g, *shape, scale=1.0):
     return scale * torch.randn(*shape, generator=g)
 
 
+@pytest.mark.parametrize("tma", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, split_k", [(2, 1), (3, 3), (17, 2), (64, 1)])
-def test_gemv_residual_tma(nan_empty, spy, dtype, m, split_k):
+def test_gemv_residual_tma(nan_empty, spy, tma, dtype, m, split_k):
     # K = 96 in chunks of 16: 6 chunks (2 a split at split_k 3); N = 40 in tiles of 16: ragged
     g = torch.Generator().manual_seed(10 * m + split_k)
     k, n = 96, 40
     x, w = rand(g, m, k).to(dtype), rand(g, n, k, scale=k**-0.5).to(dtype)
     res = rand(g, m, n).to(dtype)
-    tile = Tile(16, 16, 4, 2, split_k, True)
+    tile = Tile(16, 16, 4, 2, split_k, tma)
     y = gemv_residual(x, w, res, blocks=tile)
-    assert spy == [((n, k), 16, 16), ((m, k), proj_tiles.block_m(m), 16)]
+    want = [((n, k), 16, 16), ((m, k), proj_tiles.block_m(m), 16)]
+    assert spy == want[: 3 - tma]  # tma 2: x from pointers, no descriptor
     assert rel_err(y, x.double() @ w.double().T + res.double()) < TOL[dtype]
     # the tickets are left at zero: the next split-K launch starts clean
     assert all(int(t.abs().sum()) == 0 for _, t in proj_tiles._WORKSPACES.values())
     pointers = gemv_residual(x, w, res, blocks=Tile(16, 16, 4, 2, split_k))
-    assert len(spy) == 2  # tma=False: no descriptor
+    assert len(spy) == 3 - tma  # tma=0: no descriptor
     assert rel_err(y, pointers) < TOL[dtype]
 
 
+@pytest.mark.parametrize("tma", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, split_k", [(2, 2), (17, 1), (64, 2)])
-def test_norm_gemv_tma(nan_empty, spy, dtype, m, split_k):
+def test_norm_gemv_tma(nan_empty, spy, tma, dtype, m, split_k):
     g = torch.Generator().manual_seed(m)
     k, n = 64, 33
     x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
     w, b = rand(g, n, k, scale=k**-0.5).to(dtype), rand(g, n).to(dtype)
-    y = norm_gemv(x, nw, w, b, EPS, torch.float32, blocks=Tile(16, 16, 4, 2, split_k, True))
-    assert len(spy) == 2
+    y = norm_gemv(x, nw, w, b, EPS, torch.float32, blocks=Tile(16, 16, 4, 2, split_k, tma))
+    assert len(spy) == 3 - tma
     assert rel_err(y, rms64(x, nw) @ w.double().T + b.double()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("tma", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, split_k", [(2, 1), (3, 2), (17, 1), (64, 2)])
-def test_gate_up_silu_tma(nan_empty, spy, dtype, m, split_k):
+def test_gate_up_silu_tma(nan_empty, spy, tma, dtype, m, split_k):
     g = torch.Generator().manual_seed(7 * m)
     k, inter = 48, 24  # 2 tiles of 16 pairs (the second ragged: its gate box runs into up)
     x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
     w = rand(g, 2 * inter, k, scale=k**-0.5).to(dtype)
-    out = gate_up_silu(x, nw, w, EPS, blocks=Tile(16, 16, 4, None, split_k, True))
-    assert len(spy) == 2
+    out = gate_up_silu(x, nw, w, EPS, blocks=Tile(16, 16, 4, None, split_k, tma))
+    assert len(spy) == 3 - tma
     gate, up = (rms64(x, nw) @ w.double().T).split(inter, dim=-1)
     assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
 
 
+@pytest.mark.parametrize("tma", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, hd, split_k", [(2, 16, 1), (3, 64, 3), (17, 16, 2), (64, 64, 1)])
-def test_qkv_rope_tma(nan_empty, spy, dtype, m, hd, split_k):
+def test_qkv_rope_tma(nan_empty, spy, tma, dtype, m, hd, split_k):
     # hd 16: BLOCK_D 16 > HALF 8 (boxes run past the half); hd 64: two tiles of 16 a head
     n_heads, n_kv, ps, k = 4, 2, 8, 48
     pages = (m + ps - 1) // ps + 2
@@ -109,9 +115,9 @@ def test_qkv_rope_tma(nan_empty, spy, dtype, m, hd, split_k):
     k0, v0 = k_cache.clone(), v_cache.clone()
     q = qkv_rope(
         x, nw, w, b, EPS, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads,
-        blocks=Tile(16, 16, 4, None, split_k, True),
+        blocks=Tile(16, 16, 4, None, split_k, tma),
     )  # fmt: skip
-    assert len(spy) == 2
+    assert len(spy) == 3 - tma
     qkv = rms64(x, nw) @ w.double().T + b.double()
     qd, kd, vd = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
     cos, sin = cos_t[positions].double(), sin_t[positions].double()
@@ -125,15 +131,16 @@ def test_qkv_rope_tma(nan_empty, spy, dtype, m, hd, split_k):
     assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
 
 
+@pytest.mark.parametrize("tma", [1, 2])
 @pytest.mark.parametrize("m", [2, 17])
-def test_lm_head_argmax_tma(nan_empty, spy, m):
+def test_lm_head_argmax_tma(nan_empty, spy, tma, m):
     g = torch.Generator().manual_seed(3 * m)
     k, vocab = 48, 70  # 5 programs of 16 columns, the last ragged (its box reads zeros)
     x, nw = rand(g, m, k, scale=2).to(torch.float16), (1 + rand(g, k, scale=0.1)).half()
     w = rand(g, vocab, k, scale=k**-0.5).to(torch.float16)
     w[50] = w[20]  # a tie across programs: the first index wins
-    logits, tokens = lm_head_argmax(x, nw, w, EPS, blocks=Tile(16, 16, 4, None, 1, True))
-    assert len(spy) == 2
+    logits, tokens = lm_head_argmax(x, nw, w, EPS, blocks=Tile(16, 16, 4, None, 1, tma))
+    assert len(spy) == 3 - tma
     assert rel_err(logits, rms64(x, nw) @ w.double().T) < TOL[torch.float16]
     assert torch.equal(tokens, logits.argmax(-1))
 
@@ -143,7 +150,7 @@ def test_pointer_loop_where_tma_cannot(nan_empty, spy, monkeypatch):
     k, n, m = 64, 40, 3
     w = rand(g, n, k, scale=k**-0.5).half()
     res = rand(g, m, n).half()
-    tile = Tile(16, 16, 4, 2, 1, True)
+    tile = Tile(16, 16, 4, 2, 1, 1)
     wide = rand(g, m, k + 4).half()  # row stride 136 bytes: not 16-byte aligned
     x = wide[:, :k]
     want = x.double() @ w.double().T + res.double()
@@ -154,8 +161,11 @@ def test_pointer_loop_where_tma_cannot(nan_empty, spy, monkeypatch):
     assert rel_err(gemv_residual(x.contiguous(), w, res, blocks=tile), want) < 3e-3
     assert len(spy) == 2  # switched off: the pointer loop
     monkeypatch.delenv(tma_tiles.TMA_ENV)
+    # tma 2 reads x from pointers: a misaligned x keeps the weight's descriptor
+    assert rel_err(gemv_residual(x, w, res, blocks=Tile(16, 16, 4, 2, 1, 2)), want) < 3e-3
+    assert len(spy) == 3
     gemv_residual(x[:1].contiguous(), w, res[:1], blocks=tile)  # one row: the GEMV, never TMA
-    assert len(spy) == 2
+    assert len(spy) == 3
 
 
 def test_tma_limits():
@@ -175,3 +185,12 @@ def test_tma_limits():
     x, w = torch.zeros(8, 512), torch.zeros(32, 512)
     assert proj_tiles.tma_descriptors(Tile(16, 512, 4, 1, 1, True), 8, x, w, 16) is None
     assert proj_tiles.tma_descriptors(Tile(16, 256, 4, 1, 1, True), 8, x, w, 16) is not None
+
+
+def test_prefetch_lines():
+    # 64 KB of one row set (128-byte lines, a power of two), or the program's whole range
+    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 512  # 64 rows x 512 x 2 B
+    assert tma_tiles.prefetch_lines(64, 2048, 1, 128, 2, False) == 512  # capped at 64 KB
+    assert tma_tiles.prefetch_lines(64, 2048, 1, 128, 2, True) == 256  # both sets share it
+    assert tma_tiles.prefetch_lines(16, 48, 3, 16, 2, False) == 4  # 16 x 16 x 2 = 512 B
+    assert tma_tiles.prefetch_lines(16, 96, 1, 16, 2, False) == 16  # 24 lines -> 16

@@ -30,7 +30,7 @@ from .gemv_tiles import (
 from .norm_gemv import rmsnorm_reference
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
-from .tma_tiles import tma_loop
+from .tma_tiles import l2_prefetch, prefetch_lines, tma_loop
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _gate_up_silu_kernel(
     x_ptr, norm_w_ptr, w_ptr, out_ptr, ws_ptr, ticket_ptr, w_desc, x_desc,
     M, INTER, K, eps,
     stride_xm, stride_wn, stride_om,
-    USE_PDL: tl.constexpr, TMA: tl.constexpr,
+    USE_PDL: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -53,8 +53,8 @@ def _gate_up_silu_kernel(
     # -- weights only before the wait --
     n0 = pid_n * BLOCK_N
     if TMA:  # (a ragged last tile's gate rows run into up rows: masked at the store)
-        wg = w_desc.load([n0, k_lo])
-        wu = w_desc.load([n0 + INTER, k_lo])
+        l2_prefetch(w_ptr, stride_wn, n0, INTER, k_lo, k_hi, BLOCK_N, PREFETCH)
+        l2_prefetch(w_ptr, stride_wn, n0 + INTER, 2 * INTER, k_lo, k_hi, BLOCK_N, PREFETCH)
     else:
         wg = first_w_tile(g_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
         wu = first_w_tile(u_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
@@ -63,8 +63,8 @@ def _gate_up_silu_kernel(
     # -> [BLOCK_M, BLOCK_N] float32 each
     if TMA:
         gate, up = tma_loop(
-            w_desc, n0, n0 + INTER, wg, wu, x_desc, norm_w_ptr, K, k_lo, k_hi, inv_rms,
-            True, True, BLOCK_M, BLOCK_N, BLOCK_K,
+            w_desc, n0, n0 + INTER, x_desc, x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi,
+            inv_rms, True, True, TMA == 1, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     else:
         gate, up = gemv_loop(
@@ -130,7 +130,10 @@ def gate_up_silu(
             x, norm_w, weight, out, ws, tickets, *(descs or (x, x)),
             m, inter, k, eps,
             x.stride(0), weight.stride(0), out.stride(0),
-            USE_PDL=pdl, TMA=descs is not None, BLOCK_M=block_m(m),
+            USE_PDL=pdl, TMA=tile.tma if descs else 0,
+            PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k,
+                                    x.element_size(), True) if descs else 0,
+            BLOCK_M=block_m(m),
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_BLOCK=norm_block(m, k),
             SPLIT_K=tile.split_k,
             **tile.launch(), **launch_options(pdl),

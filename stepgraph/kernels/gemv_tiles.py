@@ -181,7 +181,7 @@ def x_tile(
 
 
 @triton.jit
-def _mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
+def mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
     # BLOCK_M == 1: acc [BLOCK_N, BLOCK_K] += w * x[None, :] (one reduction after the loop);
     # else acc [BLOCK_M, BLOCK_N] += x @ w^T on tensor cores (BLOCK_M >= 16)
     if BLOCK_M == 1:
@@ -211,9 +211,9 @@ def gemv_loop(
     a2 = a1
     # -- the first chunk: its weight tile is already here --
     x = x_tile(x_ptr, nw_ptr, stride_xm, k_lo, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-    a1 = _mul_acc(a1, w1, x, BLOCK_M)
+    a1 = mul_acc(a1, w1, x, BLOCK_M)
     if PAIRED:
-        a2 = _mul_acc(a2, w2, x, BLOCK_M)
+        a2 = mul_acc(a2, w2, x, BLOCK_M)
     # -- the rest: a plain stream of weight tiles (evict_first: never re-read this step) --
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         mask_w = mask_n[:, None] & ((k0 + offs_k) < k_hi)[None, :]
@@ -221,9 +221,9 @@ def gemv_loop(
         if PAIRED:
             w2 = tl.load(w2_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
         x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-        a1 = _mul_acc(a1, w1, x, BLOCK_M)
+        a1 = mul_acc(a1, w1, x, BLOCK_M)
         if PAIRED:
-            a2 = _mul_acc(a2, w2, x, BLOCK_M)
+            a2 = mul_acc(a2, w2, x, BLOCK_M)
     if BLOCK_M == 1:
         a1 = tl.sum(a1, axis=1)[None, :]  # [1, BLOCK_N]
         a2 = tl.sum(a2, axis=1)[None, :]
@@ -266,6 +266,7 @@ __all__ = [
     "proj_blocks",
     "row_inv_rms",
     "k_range",
+    "mul_acc",
     "splitk_reduce",
     "x_tile",
 ]

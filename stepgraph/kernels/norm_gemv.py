@@ -29,7 +29,7 @@ from .gemv_tiles import (
 )
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
-from .tma_tiles import tma_loop
+from .tma_tiles import l2_prefetch, prefetch_lines, tma_loop
 
 
 @triton.jit
@@ -42,7 +42,8 @@ def _norm_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,  # y = residual + (x @ w.T).to(dtype)
     ARGMAX: tl.constexpr,  # write (max, first index of max) of this program's columns
-    USE_PDL: tl.constexpr, TMA: tl.constexpr,  # weight and x through descriptors (tma_tiles)
+    USE_PDL: tl.constexpr,
+    TMA: tl.constexpr, PREFETCH: tl.constexpr,  # Tile.tma (tma_tiles), L2 lines before the wait
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -55,7 +56,7 @@ def _norm_gemv_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     # -- weights only before the wait: they are never written during a step --
     if TMA:
-        w = w_desc.load([pid_n * BLOCK_N, k_lo])
+        l2_prefetch(w_ptr, stride_wn, pid_n * BLOCK_N, N, k_lo, k_hi, BLOCK_N, PREFETCH)
     else:
         w = first_w_tile(w_ptrs, mask_n, k_lo, k_hi, BLOCK_K)  # [BLOCK_N, BLOCK_K]
     pdl_wait_then_trigger(USE_PDL)
@@ -66,8 +67,8 @@ def _norm_gemv_kernel(
     # -> [BLOCK_M, BLOCK_N] float32
     if TMA:
         acc, _ = tma_loop(
-            w_desc, pid_n * BLOCK_N, 0, w, w, x_desc, norm_w_ptr, K, k_lo, k_hi, inv_rms,
-            NORM, False, BLOCK_M, BLOCK_N, BLOCK_K,
+            w_desc, pid_n * BLOCK_N, 0, x_desc, x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi,
+            inv_rms, NORM, False, TMA == 1, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     else:
         acc, _ = gemv_loop(
@@ -140,7 +141,9 @@ def _launch(x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, 
         residual.stride(0) if residual is not None else 0, y.stride(0),
         part_val.stride(0) if parts is not None else 0,
         NORM=norm, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
-        ARGMAX=parts is not None, USE_PDL=pdl, TMA=descs is not None,
+        ARGMAX=parts is not None, USE_PDL=pdl, TMA=tile.tma if descs else 0,
+        PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k, x.element_size(),
+                                False) if descs else 0,
         BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
         **launch_options(pdl),

@@ -38,7 +38,8 @@ class Tile:
     num_warps: int = 4
     num_stages: int | None = None  # None: Triton's default (3)
     split_k: int = 1
-    tma: bool = False  # tensor-core rows: weight and x through TMA descriptors (tma_tiles)
+    tma: int = 0  # tensor-core rows through TMA (tma_tiles): 1 swap-AB, weight and x by
+    # descriptor; 2 x @ w^T, the weight by descriptor and x from pointers (a register operand)
 
     def launch(self) -> dict:
         """The launch options: ``num_warps``, and ``num_stages`` when set."""
@@ -177,11 +178,13 @@ def tma_descriptors(tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, r
     (``tile.tma``, tensor-core rows, boxes ``[rows, block_k]`` and ``[BLOCK_M, block_k]`` that
     TMA takes, both tensors ``tma_ready``), else None: the pointer loop, same tile."""
     bm = block_m(m)
-    if not tile.tma or bm < 16 or not box_fits(rows, tile.block_k, bm):
+    if tile.tma not in (1, 2) or bm < 16 or not box_fits(rows, tile.block_k, bm):
         return None
-    if not tma_ready(x, weight):
+    if not tma_ready(weight, *((x,) if tile.tma == 1 else ())):
         return None
-    return descriptor(weight, rows, tile.block_k), descriptor(x, bm, tile.block_k)
+    return descriptor(weight, rows, tile.block_k), (
+        descriptor(x, bm, tile.block_k) if tile.tma == 1 else x
+    )
 
 
 def as_tile(blocks) -> Tile:

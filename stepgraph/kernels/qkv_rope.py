@@ -40,7 +40,7 @@ from .proj_tiles import (
     tma_descriptors,
 )
 from .rope_kv import rope_kv_reference
-from .tma_tiles import tma_loop
+from .tma_tiles import l2_prefetch, prefetch_lines, tma_loop
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _qkv_rope_kernel(
     M, K, eps,
     stride_xm, stride_wn, stride_qm, stride_cos, stride_slot,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -69,8 +69,9 @@ def _qkv_rope_kernel(
     # -- weights only before the wait --
     r1 = head * HEAD_DIM + (pid % D_TILES) * BLOCK_D  # the first row of the tile (TMA)
     if TMA:  # (BLOCK_D > HALF: the box runs past the half; those columns are masked)
-        w1 = w_desc.load([r1, k_lo])
-        w2 = w_desc.load([r1 + HALF, k_lo])
+        N_ROWS: tl.constexpr = (N_HEADS + 2 * N_KV) * HEAD_DIM
+        l2_prefetch(w_ptr, stride_wn, r1, N_ROWS, k_lo, k_hi, BLOCK_D, PREFETCH)
+        l2_prefetch(w_ptr, stride_wn, r1 + HALF, N_ROWS, k_lo, k_hi, BLOCK_D, PREFETCH)
     else:
         w1 = first_w_tile(w1_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
         w2 = first_w_tile(w2_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
@@ -79,8 +80,8 @@ def _qkv_rope_kernel(
     # -> [BLOCK_M, BLOCK_D] float32 each
     if TMA:
         acc1, acc2 = tma_loop(
-            w_desc, r1, r1 + HALF, w1, w2, x_desc, norm_w_ptr, K, k_lo, k_hi, inv_rms,
-            True, True, BLOCK_M, BLOCK_D, BLOCK_K,
+            w_desc, r1, r1 + HALF, x_desc, x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi,
+            inv_rms, True, True, TMA == 1, BLOCK_M, BLOCK_D, BLOCK_K,
         )  # fmt: skip
     else:
         acc1, acc2 = gemv_loop(
@@ -187,7 +188,9 @@ def qkv_rope(
             m, k, eps,
             x.stride(0), weight.stride(0), q.stride(0), cos_table.stride(0), k_cache.stride(1),
             N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=half,
-            HAS_BIAS=bias is not None, USE_PDL=pdl, TMA=descs is not None,
+            HAS_BIAS=bias is not None, USE_PDL=pdl, TMA=tile.tma if descs else 0,
+            PREFETCH=prefetch_lines(bd, k, tile.split_k, tile.block_k, x.element_size(), True)
+            if descs else 0,
             BLOCK_M=block_m(m), BLOCK_D=bd, BLOCK_K=tile.block_k,
             NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
             **launch_options(pdl),

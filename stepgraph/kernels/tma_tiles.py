@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv_tiles import FENCE, mul_acc, x_tile
+
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: tma_ready() is False
@@ -38,6 +40,8 @@ except ImportError:  # pragma: no cover - older Triton: tma_ready() is False
 
 TMA_ENV = "STEPGRAPH_TMA"
 MAX_BOX = 256  # elements per dimension of one TMA box
+PREFETCH_ENV = "STEPGRAPH_L2_PREFETCH"  # bytes a program asks L2 for before the PDL wait
+PREFETCH_BYTES = 64 * 1024
 
 
 @functools.cache
@@ -75,6 +79,28 @@ def box_fits(block_n: int, block_k: int, bm: int) -> bool:
 
 
 @triton.jit
+def l2_prefetch(
+    w_ptr, stride_wn, row0, n_rows, k_lo, k_hi, BLOCK_N: tl.constexpr, LINES: tl.constexpr,
+):  # fmt: skip
+    # Before the PDL wait: ask L2 for the first LINES 128-byte lines of this program's weight
+    # rows [row0, row0 + BLOCK_N) from k_lo, chunk by chunk across the rows (the order the K
+    # loop reads them), rows past n_rows and columns past k_hi clamped to the last valid one.
+    # Fire and forget: nothing is held, so the waiting program takes no registers for it.
+    # (Compiled only: the interpreter has no inline asm.)
+    if FENCE and LINES > 0:
+        ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        per_row = tl.maximum((k_hi - k_lo) * ELEM // 128, 1)
+        idx = tl.arange(0, LINES)
+        r = tl.minimum(row0 + idx % BLOCK_N, n_rows - 1)
+        c = tl.minimum(idx // BLOCK_N, per_row - 1)
+        ptrs = w_ptr + r.to(tl.int64) * stride_wn + k_lo + c * (128 // ELEM)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _dot_t(acc, w, x):
     # acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x^T (float32 inputs at "ieee": no TF32)
     if w.dtype == tl.float32:
@@ -99,32 +125,63 @@ def tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.c
 
 @triton.jit
 def tma_loop(
-    w_desc, row1, row2, w1, w2, x_desc, nw_ptr, K, k_lo, k_hi, inv_rms,
-    NORM: tl.constexpr, PAIRED: tl.constexpr,
+    w_desc, row1, row2, x_desc, x_ptr, nw_ptr, stride_xm, M, K, k_lo, k_hi, inv_rms,
+    NORM: tl.constexpr, PAIRED: tl.constexpr, SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # gemv_tiles.gemv_loop through descriptors: w1 (and w2), the tiles at k_lo of weight rows
-    # row1 (row2), were loaded before the PDL wait. -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32
-    a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # gemv_tiles.gemv_loop with the weight through its descriptor, every load inside the loop
+    # (the software pipeliner keeps num_stages of them in flight; a tile loaded before the
+    # loop into registers measured 1.5-2 µs slower a call). SWAP: acc [BLOCK_N, BLOCK_M] =
+    # w @ x^T with x through its descriptor (Tile.tma == 1); else acc [BLOCK_M, BLOCK_N] =
+    # x @ w^T with x from pointers, normed in registers: the MMA's register operand
+    # (Tile.tma == 2). -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)
+    if SWAP:
+        a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        a1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a2 = a1
-    x = tma_x_tile(x_desc, nw_ptr, k_lo, K, inv_rms, NORM, BLOCK_K)
-    a1 = _dot_t(a1, w1, x)
-    if PAIRED:
-        a2 = _dot_t(a2, w2, x)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         w1 = w_desc.load([row1, k0])
         if PAIRED:
             w2 = w_desc.load([row2, k0])
-        x = tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM, BLOCK_K)
-        a1 = _dot_t(a1, w1, x)
+        if SWAP:
+            x = tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM, BLOCK_K)
+            a1 = _dot_t(a1, w1, x)
+            if PAIRED:
+                a2 = _dot_t(a2, w2, x)
+        else:
+            x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
+            a1 = mul_acc(a1, w1, x, BLOCK_M)
+            if PAIRED:
+                a2 = mul_acc(a2, w2, x, BLOCK_M)
+    if SWAP:
+        a1 = tl.trans(a1)
         if PAIRED:
-            a2 = _dot_t(a2, w2, x)
-    a1 = tl.trans(a1)
-    if PAIRED:
-        a2 = tl.trans(a2)
-    else:
+            a2 = tl.trans(a2)
+    if not PAIRED:
         a2 = a1
     return a1, a2
 
 
-__all__ = ["TMA_ENV", "box_fits", "descriptor", "tma_loop", "tma_ready", "tma_x_tile"]
+def prefetch_lines(block_n: int, k: int, split_k: int, block_k: int, elem: int,
+                   paired: bool) -> int:  # fmt: skip
+    """``LINES`` of ``l2_prefetch`` for one row set of a program: ``PREFETCH_BYTES`` (of both row
+    sets when paired) or the program's whole range if smaller, as a power of two of 128-byte
+    lines, 0 when ``STEPGRAPH_L2_PREFETCH=0``."""
+    budget = int(os.environ.get(PREFETCH_ENV, PREFETCH_BYTES)) // (2 if paired else 1)
+    span = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    lines = min(budget, block_n * span * elem) // 128
+    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
+
+
+__all__ = [
+    "PREFETCH_ENV",
+    "TMA_ENV",
+    "box_fits",
+    "descriptor",
+    "l2_prefetch",
+    "prefetch_lines",
+    "tma_loop",
+    "tma_ready",
+    "tma_x_tile",
+]

@@ -158,7 +158,7 @@ PDL_KERNELS = [
     split_kv._combine_kernel,
 ]
 NO_WEIGHTS = (lha._argmax_reduce_kernel, split_kv._split_kv_kernel, split_kv._combine_kernel)
-WEIGHT_LOAD = re.compile(r"evict_first|L2::cache_hint")
+WEIGHT_LOAD = re.compile(r"evict_first|L2::cache_hint|prefetch\.global\.L2")  # TMA tiles prefetch
 
 
 def compiled_kernels(jit_fn):
@@ -192,8 +192,9 @@ def test_ptx_waits_before_first_dependent_load(kernel):
         lines = k.asm["ptx"].splitlines()
         waits = [i for i, s in enumerate(lines) if "griddepcontrol.wait" in s]
         assert waits, f"{kernel.__name__}: no griddepcontrol.wait in the PTX"
-        before = [s.strip() for s in lines[: waits[0]] if "ld.global" in s]
+        before = [s.strip() for s in lines[: waits[0]] if "ld.global" in s or "prefetch." in s]
         stray = [s for s in before if not WEIGHT_LOAD.search(s)]
+        stray += [s.strip() for s in lines[: waits[0]] if "cp.async.bulk.tensor" in s]  # TMA
         assert not stray, f"{kernel.__name__}: loads before the wait: {stray[:4]}"
         trigger = [i for i, s in enumerate(lines) if "griddepcontrol.launch_dependents" in s]
         assert trigger and trigger[0] > waits[0], f"{kernel.__name__}: trigger before the wait"
