@@ -54,8 +54,8 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch):
 
 
 def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
-    """Shapes in ``proj_tiles.CUBLAS`` run norm + GEMM + RoPE/KV (or SiLU·mul) unfused inside the
-    fused step: same logits, tokens and K/V as the reference ops (tiny shapes listed here; the
+    """Shapes in ``proj_tiles.CUBLAS`` run norm + GEMM + RoPE/KV (or SiLU·mul, or argmax_rows)
+    unfused inside the fused step: same logits, tokens and K/V as the reference ops (tiny shapes listed here; the
     table is bf16-only, so the element-size check is lifted for this float32 model, and a spy
     counts the unfused choices the step made)."""
     from stepgraph.kernels import proj_tiles
@@ -65,6 +65,7 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
     monkeypatch.setattr(proj_tiles, "CUBLAS", {
         ("qkv_rope", qkv_n, cfg.hidden_size, 32),
         ("gate_up_silu", 2 * cfg.intermediate_size, cfg.hidden_size, 32),
+        ("lm_head", cfg.vocab_size, cfg.hidden_size, 32),
     })  # fmt: skip
     unfused = []
 
@@ -75,7 +76,7 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
 
     monkeypatch.setattr(fused_decode, "prefer_cublas", prefer)
     test_fused_step_matches_reference(mr, 17, 40, "tensor-core", monkeypatch)
-    assert len(unfused) == 2 * cfg.num_layers and all(unfused)
+    assert len(unfused) == 2 * cfg.num_layers + 1 and all(unfused)  # + the head
 
 
 def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr):

@@ -187,7 +187,9 @@ def test_tma_limits():
     assert proj_tiles.tma_descriptors(Tile(16, 256, 4, 1, 1, True), 8, x, w, 16) is not None
 
 
-def test_prefetch_lines():
+def test_prefetch_lines(monkeypatch):
+    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 0  # off unless asked
+    monkeypatch.setenv(tma_tiles.PREFETCH_ENV, "65536")
     # 64 KB of one row set (128-byte lines, a power of two), or the program's whole range
     assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 512  # 64 rows x 512 x 2 B
     assert tma_tiles.prefetch_lines(64, 2048, 1, 128, 2, False) == 512  # capped at 64 KB

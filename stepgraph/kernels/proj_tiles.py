@@ -56,7 +56,10 @@ def block_m(m: int) -> int:
 
 # (kernel, n, k, BLOCK_M) -> Tile, at Llama-3.2-1B's shapes (n: weight rows, all of them).
 # Measured on the H200 (benchmarks/proj_sweep.py, bf16, PDL on, 16 calls over 16 weights, µs
-# per call; 2026-12-01, rounds 2 and 3); see docs/results.md, "decode kernels bs 2-64 (issue 21)".
+# per call; 2026-12-01, rounds 2-4: round 4 with the TMA tiles, Tile(..., tma), whose figures
+# follow; the sweeps vary by about 3% run to run); see docs/results.md, "decode kernels bs 2-64
+# (issue 21)". Round 4 kept TMA for down (swap-AB: 11.70 / 12.30 / 13.91 against the pointer
+# tiles' 12.06 / 12.84 / 15.12 in the same run) and the LM head at 16 rows (141.09 vs 144.24).
 _QKV, _GU, _O, _DOWN, _LM = (3072, 2048), (16384, 2048), (2048, 2048), (2048, 8192), (128256, 2048)
 TILES: dict[tuple[str, int, int, int], Tile] = {
     ("qkv_rope", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 9.04 (cuBLAS GEMM alone 6.52)
@@ -68,19 +71,22 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
     ("gate_up_silu", *_GU, 16): Tile(64, 128, 8, 4, 1),  # 20.67 (18.57)
     ("gate_up_silu", *_GU, 32): Tile(64, 128, 8, 4, 1),  # 24.48 (19.03)
     ("gate_up_silu", *_GU, 64): Tile(64, 128, 8, 3, 1),  # 35.28 (19.53): CUBLAS below
-    ("gemv_residual", *_DOWN, 16): Tile(32, 128, 4, 4, 4),  # 11.44 (12.88)
-    ("gemv_residual", *_DOWN, 32): Tile(32, 128, 4, 4, 4),  # 12.43 (14.18)
-    ("gemv_residual", *_DOWN, 64): Tile(32, 128, 4, 3, 4),  # 14.06 (14.42)
-    ("lm_head", *_LM, 16): Tile(256, 64, 8, 3, 1),  # 144.54 (144.30)
-    ("lm_head", *_LM, 32): Tile(128, 128, 8, 3, 1),  # 161.87 (152.58)
-    ("lm_head", *_LM, 64): Tile(128, 64, 4, 4, 1),  # 208.43 (162.48)
+    ("gemv_residual", *_DOWN, 16): Tile(64, 128, 4, 5, 4, 1),  # 11.70 (13.44)
+    ("gemv_residual", *_DOWN, 32): Tile(64, 128, 4, 5, 4, 1),  # 12.30 (13.95)
+    ("gemv_residual", *_DOWN, 64): Tile(64, 128, 4, 5, 4, 1),  # 13.91 (14.23)
+    ("lm_head", *_LM, 16): Tile(256, 64, 8, 3, 1, 2),  # 141.09 (144.22)
+    ("lm_head", *_LM, 32): Tile(256, 64, 8, 3, 1, 1),  # 158.59 (150.42): CUBLAS below
+    ("lm_head", *_LM, 64): Tile(128, 64, 4, 4, 1, 2),  # 211.55 (162.74): CUBLAS below
 }
 # Where the unfused pieces win: RMSNorm kernel + cuBLAS + RoPE/KV-write (or SiLU·mul) kernel,
 # about 3.2-3.5 µs of small kernels plus two launches beside the GEMM (the reference step's
 # profile, bs 8), against the fused kernel above: qkv 6.6 + ~5.5 vs 14.5 at 32 rows and 6.8 +
-# ~5.5 vs 21.5 at 64; gate-up 19.5 + ~5 vs 35.3 at 64 (at 32: 19.0 + ~5 vs 24.5, a tie: fused).
+# ~5.5 vs 21.5 at 64; gate-up 19.5 + ~5 vs 35.3 at 64 (at 32: 19.0 + ~5 vs 24.5, a tie: fused);
+# the LM head's norm + cuBLAS + argmax_rows (~8 µs beside the GEMM): 150.4 + 8 vs 158.6 at 32
+# rows (a tie) and 162.7 + 8 vs 211.6 at 64.
 CUBLAS: set[tuple[str, int, int, int]] = {
     ("qkv_rope", *_QKV, 32), ("qkv_rope", *_QKV, 64), ("gate_up_silu", *_GU, 64),
+    ("lm_head", *_LM, 32), ("lm_head", *_LM, 64),
 }  # fmt: skip
 # The A/B switch of a measurement: STEPGRAPH_PROJ_CUBLAS="qkv_rope:16,gate_up_silu:32" also runs
 # those kernels' unfused pieces at that BLOCK_M, for every shape

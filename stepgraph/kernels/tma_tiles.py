@@ -41,7 +41,9 @@ except ImportError:  # pragma: no cover - older Triton: tma_ready() is False
 TMA_ENV = "STEPGRAPH_TMA"
 MAX_BOX = 256  # elements per dimension of one TMA box
 PREFETCH_ENV = "STEPGRAPH_L2_PREFETCH"  # bytes a program asks L2 for before the PDL wait
-PREFETCH_BYTES = 64 * 1024
+# Off by default: 64 KB a program ran the tensor-core step slower on the H200 (bs 8: 1.206 ms
+# against 1.129 without, same tiles, one device run, 2026-12-01); the switch stays for A/B.
+PREFETCH_BYTES = 0
 
 
 @functools.cache

@@ -245,6 +245,13 @@ def fused_decode_step(
         if tokens_out is not None:
             _greedy(logits, tokens_out)
         return logits
+    w_lm = model.lm_head.weight
+    if prefer_cublas("lm_head", bs, *w_lm.shape, w_lm.element_size()):  # norm, GEMM, argmax
+        h = model.norm(r)[0]
+        logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
+        if tokens_out is not None:
+            _greedy(logits, tokens_out)
+        return logits
     logits, _ = lm_head_argmax(
         r, model.norm.weight, model.lm_head.weight, model.norm.eps,
         logits_out=logits_out, tokens_out=tokens_out, use_pdl=use_pdl,
