@@ -25,6 +25,7 @@ from stepgraph.kernels.lm_head_argmax import lm_head_argmax, lm_head_argmax_refe
 from stepgraph.kernels.norm_gemv import gemv_residual
 from stepgraph.kernels.proj_tiles import Tile, block_m, tile_for
 from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
+from stepgraph.kernels.rope_kv import rope_kv_reference
 
 H, Q, KV, INTER, VOCAB, HD = 2048, 2048, 512, 8192, 128256, 64
 DT = torch.bfloat16
@@ -52,11 +53,18 @@ CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); blo
                 *(T(*t, mode) for mode in (1, 2) for t in
                   ((128, 128, 4, 3, 1), (256, 64, 8, 3, 1), (128, 64, 4, 4, 1),
                    (64, 128, 4, 3, 1)))],
+    # the _normed variants (x normed by its own kernel before: proj_tiles.SEPARATE_NORM)
+    "qkv_normed": [T(32, 256, 4, 3, 4), T(32, 128, 4, 3, 4, 1), T(32, 128, 4, 3, 8, 1),
+                   T(32, 256, 4, 3, 4, 1), T(32, 128, 4, 3, 4, 2), T(16, 128, 4, 3, 4, 1)],
+    "gate_up_normed": [T(64, 128, 8, 4, 1), T(32, 128, 4, 5, 1, 1), T(32, 128, 4, 3, 1, 1),
+                       T(64, 128, 4, 3, 1, 1), T(64, 128, 8, 4, 1, 2), T(32, 128, 4, 3, 2, 1)],
 }  # fmt: skip
 SHAPES = {  # kernel -> (proj_tiles kernel name, n, k)
     "o_proj": ("gemv_residual", H, Q), "down": ("gemv_residual", H, INTER),
     "gate_up": ("gate_up_silu", 2 * INTER, H), "qkv": ("qkv_rope", Q + 2 * KV, H),
     "lm_head": ("lm_head", VOCAB, H),
+    "qkv_normed": ("qkv_rope_normed", Q + 2 * KV, H),
+    "gate_up_normed": ("gate_up_silu_normed", 2 * INTER, H),
 }  # fmt: skip
 
 
@@ -73,6 +81,12 @@ def case(name: str, m: int, g: torch.Generator, copies: int):
             ws,
             (lambda w, t: gemv_residual(x, w, res, blocks=t)),
             (lambda w: F.linear(x, w) + res),
+        )
+    if name == "gate_up_normed":
+        return (
+            ws,
+            (lambda w, t: gate_up_silu(x, None, w, 1e-5, blocks=t)),
+            (lambda w: F.silu(F.linear(x, w).chunk(2, -1)[0]) * F.linear(x, w).chunk(2, -1)[1]),
         )
     if name == "gate_up":
         return (
@@ -93,10 +107,15 @@ def case(name: str, m: int, g: torch.Generator, copies: int):
     vc = torch.zeros_like(kc)
     slots = torch.arange(m, device=dev) * 64 + 3
 
+    normed = name == "qkv_normed"
+
     def call(w, t):
-        return qkv_rope(x, nw, w, None, 1e-5, pos, cos, sin, kc, vc, slots, Q // HD, blocks=t)
+        return qkv_rope(x, None if normed else nw, w, None, 1e-5, pos, cos, sin, kc, vc, slots,
+                        Q // HD, blocks=t)  # fmt: skip
 
     def ref(w):
+        if normed:
+            return rope_kv_reference(F.linear(x, w), pos, cos, sin, kc, vc, slots, Q // HD)[0]
         return qkv_rope_reference(x, nw, w, None, 1e-5, pos, cos, sin, kc, vc, slots, Q // HD)
 
     return ws, call, ref
@@ -118,8 +137,9 @@ def graph_us(fns) -> float:
     return us
 
 
-def jobs():
-    return [(name, m) for name in CANDIDATES for m in ROWS]
+def jobs(cases: str = ""):
+    names = [c for c in cases.split(",") if c] or list(CANDIDATES)
+    return [(name, m) for name in names for m in ROWS]
 
 
 def main(argv=None) -> dict:
@@ -128,12 +148,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--tiles-out", help="write the best tiles here ($STEPGRAPH_PROJ_TILES)")
+    ap.add_argument("--cases", default="", help=f"comma list of {', '.join(CANDIDATES)}")
     args = ap.parse_args(argv)
     i, n_shards = map(int, args.shard.split("/"))
     g = torch.Generator(device="cuda").manual_seed(0)
     gbps = None if args.compile_only else copy_bandwidth_gbps()
     rows, best = [], {}
-    for j, (name, m) in enumerate(jobs()):
+    for j, (name, m) in enumerate(jobs(args.cases)):
         if j % n_shards != i:
             continue
         kern, n, k = SHAPES[name]

@@ -27,12 +27,22 @@ def tensor_cores(monkeypatch) -> None:
     monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
 
 
-@pytest.mark.parametrize("path", ["tensor-core", "as shipped"])
+@pytest.mark.parametrize("path", ["tensor-core", "separate norm", "as shipped"])
 @pytest.mark.parametrize("bs, context", [(1, 17), (3, 1), (17, 40)])
 def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch):
-    if path == "tensor-core":
+    if path != "as shipped":
         tensor_cores(monkeypatch)
-    assert reference_rows(bs, mr.attn_backend, mr.model) == (path != "tensor-core" and bs > 1)
+    if path == "separate norm":  # norm kernel, then the fused kernel's _normed variant
+        from stepgraph.kernels import proj_tiles
+
+        monkeypatch.setattr(proj_tiles, "SEPARATE_ANY", {
+            (k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)
+        })  # fmt: skip
+        monkeypatch.setattr(proj_tiles, "separate_norm", lambda kernel, m, n, k, e=2:
+                            proj_tiles.block_m(m) > 1 and (kernel, proj_tiles.block_m(m))
+                            in proj_tiles.SEPARATE_ANY)  # fmt: skip
+        monkeypatch.setattr(fused_decode, "separate_norm", proj_tiles.separate_norm)
+    assert reference_rows(bs, mr.attn_backend, mr.model) == (path == "as shipped" and bs > 1)
     batch, pages = decode_batch(mr, Point(bs, context), seed=bs)
     try:
         kv0 = [c.clone() for c in (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)]
@@ -55,9 +65,9 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch):
 
 def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
     """Shapes in ``proj_tiles.CUBLAS`` run norm + GEMM + RoPE/KV (or SiLU·mul, or argmax_rows)
-    unfused inside the fused step: same logits, tokens and K/V as the reference ops (tiny shapes listed here; the
-    table is bf16-only, so the element-size check is lifted for this float32 model, and a spy
-    counts the unfused choices the step made)."""
+    unfused inside the fused step: same logits, tokens and K/V as the reference ops (tiny
+    shapes listed here; the table is bf16-only, so the element-size check is lifted for this
+    float32 model, and a spy counts the unfused choices the step made)."""
     from stepgraph.kernels import proj_tiles
 
     cfg = mr.config

@@ -196,3 +196,47 @@ def test_prefetch_lines(monkeypatch):
     assert tma_tiles.prefetch_lines(64, 2048, 1, 128, 2, True) == 256  # both sets share it
     assert tma_tiles.prefetch_lines(16, 48, 3, 16, 2, False) == 4  # 16 x 16 x 2 = 512 B
     assert tma_tiles.prefetch_lines(16, 96, 1, 16, 2, False) == 16  # 24 lines -> 16
+
+
+@pytest.mark.parametrize("tma", [0, 1, 2])
+@pytest.mark.parametrize("m", [3, 17])
+def test_normed_variants(nan_empty, spy, tma, m):
+    """``norm_w=None``: x was normed by its own kernel; the kernels read it as it is (the
+    ``_normed`` table entries, ``proj_tiles.SEPARATE_NORM``)."""
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(40 + m + tma)
+    k, inter = 48, 24
+    x = rand(g, m, k).to(dtype)
+    w = rand(g, 2 * inter, k, scale=k**-0.5).to(dtype)
+    out = gate_up_silu(x, None, w, EPS, blocks=Tile(16, 16, 4, None, 2, tma))
+    gate, up = (x.double() @ w.double().T).split(inter, dim=-1)
+    assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
+    n_heads, n_kv, hd, ps = 4, 2, 16, 8
+    n = (n_heads + 2 * n_kv) * hd
+    wq, b = rand(g, n, k, scale=k**-0.5).to(dtype), rand(g, n).to(dtype)
+    ang = torch.rand(80, hd // 2, generator=g, dtype=torch.float64) * 6
+    emb = torch.cat((ang, ang), -1)
+    cos_t, sin_t = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.randint(0, 80, (m,), generator=g)
+    slots = torch.randperm(4 * ps, generator=g)[:m]
+    kc, vc = rand(g, 4, ps, n_kv, hd).to(dtype), rand(g, 4, ps, n_kv, hd).to(dtype)
+    q = qkv_rope(x, None, wq, b, EPS, positions, cos_t, sin_t, kc, vc, slots, n_heads,
+                 blocks=Tile(16, 16, 4, None, 1, tma))  # fmt: skip
+    qkv = x.double() @ wq.double().T + b.double()
+    cos, sin = cos_t[positions].double(), sin_t[positions].double()
+    want = rope64(qkv[:, : n_heads * hd].view(m, n_heads, hd), cos, sin)
+    assert rel_err(q, want) < 2 * TOL[dtype]
+    assert len(spy) == (0 if tma == 0 else 2 * (3 - tma))
+    # the tables: the _normed names are their own keys, paired as their fused kernels
+    assert proj_tiles.default_tile("qkv_rope_normed", 8, 3072, 2048) == proj_tiles.default_tile(
+        "qkv_rope", 8, 3072, 2048
+    )
+
+
+def test_separate_norm_choice(monkeypatch):
+    assert not proj_tiles.separate_norm("qkv_rope", 8, 3072, 2048)  # nothing measured yet
+    monkeypatch.setattr(proj_tiles, "SEPARATE_ANY", {("gate_up_silu", 16)})
+    assert proj_tiles.separate_norm("gate_up_silu", 16, 16384, 2048)
+    assert not proj_tiles.separate_norm("gate_up_silu", 17, 16384, 2048)  # BLOCK_M 32
+    assert not proj_tiles.separate_norm("gate_up_silu", 1, 16384, 2048)  # one row: GEMV
+    assert not proj_tiles.separate_norm("gate_up_silu", 16, 16384, 2048, 4)  # float32

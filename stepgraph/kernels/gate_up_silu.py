@@ -38,7 +38,7 @@ def _gate_up_silu_kernel(
     x_ptr, norm_w_ptr, w_ptr, out_ptr, ws_ptr, ticket_ptr, w_desc, x_desc,
     M, INTER, K, eps,
     stride_xm, stride_wn, stride_om,
-    USE_PDL: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
+    NORM: tl.constexpr, USE_PDL: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -59,18 +59,21 @@ def _gate_up_silu_kernel(
         wg = first_w_tile(g_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
         wu = first_w_tile(u_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
     pdl_wait_then_trigger(USE_PDL)
-    inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
+    else:  # x is normed already (the separate-norm choice, proj_tiles.SEPARATE_NORM)
+        inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     # -> [BLOCK_M, BLOCK_N] float32 each
     if TMA:
         gate, up = tma_loop(
             w_desc, n0, n0 + INTER, x_desc, x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi,
-            inv_rms, True, True, TMA == 1, BLOCK_M, BLOCK_N, BLOCK_K,
+            inv_rms, NORM, True, TMA == 1, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     else:
         gate, up = gemv_loop(
             g_ptrs, u_ptrs, wg, wu, mask_n,
             x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-            True, True, BLOCK_M, BLOCK_N, BLOCK_K,
+            NORM, True, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     rows = BLOCK_M
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
@@ -88,6 +91,12 @@ def _gate_up_silu_kernel(
     )
 
 
+def _kernel_name(norm_w) -> str:
+    """The table name: ``gate_up_silu``, or ``gate_up_silu_normed`` for an x normed already
+    (``norm_w`` None: the norm ran as its own kernel before, ``proj_tiles.SEPARATE_NORM``)."""
+    return "gate_up_silu" if norm_w is not None else "gate_up_silu_normed"
+
+
 def gate_up_silu_reference(
     x: torch.Tensor,  # [M, K]
     norm_w: torch.Tensor,  # [K]
@@ -101,7 +110,7 @@ def gate_up_silu_reference(
 
 def gate_up_silu(
     x: torch.Tensor,  # [M, K], M <= 64, rows contiguous: the residual stream
-    norm_w: torch.Tensor,  # [K]
+    norm_w: torch.Tensor | None,  # [K]; None: x is normed already (no prologue)
     weight: torch.Tensor,  # [2 * I, K], gate rows then up rows, rows contiguous
     eps: float,
     *,
@@ -116,7 +125,7 @@ def gate_up_silu(
         tile = (
             as_tile(blocks)
             if blocks is not None
-            else tile_for("gate_up_silu", m, 2 * inter, k, weight.element_size())
+            else tile_for(_kernel_name(norm_w), m, 2 * inter, k, weight.element_size())
         )
         check_tile("gate_up_silu", tile, m)
         pdl = resolve_pdl(use_pdl, x.device)
@@ -127,10 +136,11 @@ def gate_up_silu(
             ws, tickets = splitk_workspace(x.device, elems, tiles)
         descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
         _gate_up_silu_kernel[(tiles, tile.split_k)](
-            x, norm_w, weight, out, ws, tickets, *(descs or (x, x)),
+            x, norm_w if norm_w is not None else weight, weight, out, ws, tickets,
+            *(descs or (x, x)),
             m, inter, k, eps,
             x.stride(0), weight.stride(0), out.stride(0),
-            USE_PDL=pdl, TMA=tile.tma if descs else 0,
+            NORM=norm_w is not None, USE_PDL=pdl, TMA=tile.tma if descs else 0,
             PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k,
                                     x.element_size(), True) if descs else 0,
             BLOCK_M=block_m(m),

@@ -27,7 +27,16 @@ from ..errors import ConfigError
 from .gemv_tiles import proj_blocks
 from .tma_tiles import box_fits, descriptor, tma_ready
 
-KERNELS = ("norm_gemv", "gemv_residual", "lm_head", "gate_up_silu", "qkv_rope")
+KERNELS = (
+    "norm_gemv",
+    "gemv_residual",
+    "lm_head",
+    "gate_up_silu",
+    "qkv_rope",
+    "gate_up_silu_normed",
+    "qkv_rope_normed",
+)  # _normed: x normed by its own kernel
+PAIRED = ("gate_up_silu", "qkv_rope", "gate_up_silu_normed", "qkv_rope_normed")
 TARGET_PROGRAMS = 264  # two programs per SM of the H200 (132 SMs)
 
 
@@ -98,6 +107,17 @@ CUBLAS_ANY: set[tuple[str, int]] = {
         if item.strip()
     )
 }
+# Where the norm runs as its own kernel (add_rmsnorm) before the fused kernel's ``_normed``
+# variant (no norm prologue: the activation streams as it is, as benchmarks/skinny_probe.py's
+# GEMM). STEPGRAPH_SEPARATE_NORM="qkv_rope:16,gate_up_silu:32" (kernel:BLOCK_M) or "all": the
+# A/B switch of the measurement
+SEPARATE_NORM: set[tuple[str, int, int, int]] = set()
+_SEP_ENV = os.environ.get("STEPGRAPH_SEPARATE_NORM", "").strip()
+SEPARATE_ANY: set[tuple[str, int]] = (
+    {(k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)} if _SEP_ENV == "all"
+    else {(k, int(bm)) for k, _, bm in (i.strip().partition(":") for i in _SEP_ENV.split(","))
+          if k}
+)  # fmt: skip
 TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile fields]}: a sweep's
 
 
@@ -130,7 +150,7 @@ def default_tile(kernel: str, m: int, n: int, k: int) -> Tile:
             bn = max(1, bn // 2)  # both row sets in one tile budget
         return Tile(bn, bk, warps)
     bm = block_m(m)
-    rows = n // 2 if kernel in ("gate_up_silu", "qkv_rope") else n  # per program: pairs
+    rows = n // 2 if kernel in PAIRED else n  # per program: pairs
     bn = 64 if kernel == "lm_head" else 16
     while bn > 16 and triton.cdiv(rows, bn) < TARGET_PROGRAMS:
         bn //= 2
@@ -148,7 +168,7 @@ SMEM_BUDGET = 200 * 1024  # bytes of shared memory a tile's pipeline may take (H
 def smem_bytes(kernel: str, tile: Tile, m: int, elem_bytes: int) -> int:
     """Shared memory of ``tile``'s software pipeline, roughly: stages x (x chunk + weight
     chunks) in the element size."""
-    rows = 2 * tile.block_n if kernel in ("gate_up_silu", "qkv_rope") else tile.block_n
+    rows = 2 * tile.block_n if kernel in PAIRED else tile.block_n
     stages = tile.num_stages or 3
     return stages * (block_m(m) + rows) * tile.block_k * elem_bytes
 
@@ -168,6 +188,17 @@ def prefer_cublas(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> b
     (measured in bf16; other element sizes keep the fused kernel)."""
     bm = block_m(m)
     return elem_bytes == 2 and ((kernel, n, k, bm) in CUBLAS or (kernel, bm) in CUBLAS_ANY)
+
+
+def separate_norm(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
+    """Whether the fused step runs ``kernel`` (``qkv_rope``, ``gate_up_silu``) at ``m`` rows as
+    the norm kernel, then the ``_normed`` variant on the normed x (measured in bf16)."""
+    bm = block_m(m)
+    return (
+        elem_bytes == 2
+        and bm > 1
+        and ((kernel, n, k, bm) in SEPARATE_NORM or (kernel, bm) in SEPARATE_ANY)
+    )
 
 
 def measured(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
@@ -249,6 +280,7 @@ __all__ = [
     "check_tile",
     "default_tile",
     "prefer_cublas",
+    "separate_norm",
     "smem_bytes",
     "splitk_workspace",
     "tile_for",

@@ -50,7 +50,8 @@ def _qkv_rope_kernel(
     M, K, eps,
     stride_xm, stride_wn, stride_qm, stride_cos, stride_slot,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    TMA: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -76,18 +77,21 @@ def _qkv_rope_kernel(
         w1 = first_w_tile(w1_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
         w2 = first_w_tile(w2_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
     pdl_wait_then_trigger(USE_PDL)
-    inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
+    else:  # x is normed already (the separate-norm choice, proj_tiles.SEPARATE_NORM)
+        inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     # -> [BLOCK_M, BLOCK_D] float32 each
     if TMA:
         acc1, acc2 = tma_loop(
             w_desc, r1, r1 + HALF, x_desc, x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi,
-            inv_rms, True, True, TMA == 1, BLOCK_M, BLOCK_D, BLOCK_K,
+            inv_rms, NORM, True, TMA == 1, BLOCK_M, BLOCK_D, BLOCK_K,
         )  # fmt: skip
     else:
         acc1, acc2 = gemv_loop(
             w1_ptrs, w2_ptrs, w1, w2, mask_n,
             x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-            True, True, BLOCK_M, BLOCK_D, BLOCK_K,
+            NORM, True, BLOCK_M, BLOCK_D, BLOCK_K,
         )  # fmt: skip
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         acc1, acc2, rows = splitk_reduce(
@@ -126,6 +130,12 @@ def _qkv_rope_kernel(
             tl.store(dst + HALF + d[None, :], o2, mask=mask)
 
 
+def _kernel_name(norm_w) -> str:
+    """The table name: ``qkv_rope``, or ``qkv_rope_normed`` for an x normed already (``norm_w``
+    None: the norm ran as its own kernel before, ``proj_tiles.SEPARATE_NORM``)."""
+    return "qkv_rope" if norm_w is not None else "qkv_rope_normed"
+
+
 def qkv_rope_reference(
     x, norm_w, weight, bias, eps, positions, cos_table, sin_table, k_cache, v_cache, slots,
     n_heads,
@@ -139,7 +149,7 @@ def qkv_rope_reference(
 
 def qkv_rope(
     x: torch.Tensor,  # [M, K], M <= 64, rows contiguous: the residual stream
-    norm_w: torch.Tensor,  # [K], input_layernorm's weight
+    norm_w: torch.Tensor | None,  # [K], input_layernorm's weight; None: x normed already
     weight: torch.Tensor,  # [(n_heads + 2 * n_kv) * head_dim, K], rows contiguous
     bias: torch.Tensor | None,  # [(n_heads + 2 * n_kv) * head_dim] or None
     eps: float,
@@ -163,7 +173,7 @@ def qkv_rope(
     if m:
         n_rows = (n_heads + 2 * n_kv) * hd
         if blocks is None:
-            tile = tile_for("qkv_rope", m, n_rows, k, weight.element_size())
+            tile = tile_for(_kernel_name(norm_w), m, n_rows, k, weight.element_size())
             if m == 1:  # the one-row rule counts both halves of a pair
                 tile = Tile(max(1, min(half, tile.block_n // 2)), tile.block_k, tile.num_warps)
         else:
@@ -182,13 +192,15 @@ def qkv_rope(
             ws, tickets = splitk_workspace(x.device, elems, tiles)
         descs = tma_descriptors(tile, m, x, weight, bd)  # None: the pointer loop
         _qkv_rope_kernel[(tiles, tile.split_k)](
-            x, norm_w, weight, bias if bias is not None else weight,
+            x, norm_w if norm_w is not None else weight, weight,
+            bias if bias is not None else weight,
             positions, slots, cos_table, sin_table, q, k_cache, v_cache, ws, tickets,
             *(descs or (x, x)),
             m, k, eps,
             x.stride(0), weight.stride(0), q.stride(0), cos_table.stride(0), k_cache.stride(1),
             N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=half,
-            HAS_BIAS=bias is not None, USE_PDL=pdl, TMA=tile.tma if descs else 0,
+            HAS_BIAS=bias is not None, NORM=norm_w is not None, USE_PDL=pdl,
+            TMA=tile.tma if descs else 0,
             PREFETCH=prefetch_lines(bd, k, tile.split_k, tile.block_k, x.element_size(), True)
             if descs else 0,
             BLOCK_M=block_m(m), BLOCK_D=bd, BLOCK_K=tile.block_k,

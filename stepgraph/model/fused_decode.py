@@ -47,7 +47,7 @@ from ..kernels.fused_act import silu_mul
 from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.lm_head_argmax import lm_head_argmax
 from ..kernels.norm_gemv import gemv_residual, norm_gemv
-from ..kernels.proj_tiles import measured, prefer_cublas
+from ..kernels.proj_tiles import measured, prefer_cublas, separate_norm
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
 from .llama import Linear, LlamaModel
@@ -224,18 +224,21 @@ def fused_decode_step(
                 attn.qkv_proj(norm1(r)[0]), positions, model.rope_cos, model.rope_sin,
                 kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
             )  # fmt: skip
-        else:
+        else:  # norm in the prologue, or its own kernel first (the x the kernel reads)
+            sep = separate_norm("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size())
             q = qkv_rope(
-                r, norm1.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.eps, positions,
-                model.rope_cos, model.rope_sin, kv.k_caches[i], kv.v_caches[i],
-                meta.out_cache_loc, n_heads, use_pdl=use_pdl,
+                norm1(r)[0] if sep else r, None if sep else norm1.weight, w_qkv,
+                attn.qkv_proj.bias, norm1.eps, positions, model.rope_cos, model.rope_sin,
+                kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, use_pdl=use_pdl,
             )  # fmt: skip
         o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
         r = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl)
         if prefer_cublas("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
             a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
+        elif separate_norm("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
+            a = gate_up_silu(norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl)
         else:
-            a = gate_up_silu(r, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, use_pdl=use_pdl)
+            a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl)
         r = _row(a, mlp.down_proj, r, use_pdl)  # [bs, hidden]
     if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
         local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
