@@ -234,7 +234,10 @@ def test_normed_variants(nan_empty, spy, tma, m):
 
 
 def test_separate_norm_choice(monkeypatch):
-    assert not proj_tiles.separate_norm("qkv_rope", 8, 3072, 2048)  # nothing measured yet
+    assert proj_tiles.separate_norm("qkv_rope", 8, 3072, 2048)  # measured: 1B's qkv at 16
+    assert not proj_tiles.separate_norm("qkv_rope", 8, 3072, 4096)  # another shape
+    monkeypatch.setattr(proj_tiles, "SEPARATE_NORM", set())
+    assert not proj_tiles.separate_norm("qkv_rope", 8, 3072, 2048)
     monkeypatch.setattr(proj_tiles, "SEPARATE_ANY", {("gate_up_silu", 16)})
     assert proj_tiles.separate_norm("gate_up_silu", 16, 16384, 2048)
     assert not proj_tiles.separate_norm("gate_up_silu", 17, 16384, 2048)  # BLOCK_M 32

@@ -86,6 +86,14 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
     ("lm_head", *_LM, 16): Tile(256, 64, 8, 3, 1, 2),  # 141.09 (144.22)
     ("lm_head", *_LM, 32): Tile(256, 64, 8, 3, 1, 1),  # 158.59 (150.42): CUBLAS below
     ("lm_head", *_LM, 64): Tile(128, 64, 4, 4, 1, 2),  # 211.55 (162.74): CUBLAS below
+    # x normed by its own kernel (SEPARATE_NORM below; round 5, 2026-12-01: cuBLAS GEMM alone
+    # 6.54 / 6.61 / 6.76 for qkv and 18.54 / 19.00 / 19.50 for gate-up at 16 / 32 / 64 rows)
+    ("qkv_rope_normed", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 7.14
+    ("qkv_rope_normed", *_QKV, 32): Tile(16, 128, 4, 3, 4, 1),  # 8.04
+    ("qkv_rope_normed", *_QKV, 64): Tile(16, 64, 4, 3, 2),  # 10.74
+    ("gate_up_silu_normed", *_GU, 16): Tile(64, 128, 4, 3, 1, 1),  # 17.81
+    ("gate_up_silu_normed", *_GU, 32): Tile(64, 128, 4, 3, 1, 1),  # 18.32
+    ("gate_up_silu_normed", *_GU, 64): Tile(64, 128, 4, 3, 1, 1),  # 19.46
 }
 # Where the unfused pieces win: RMSNorm kernel + cuBLAS + RoPE/KV-write (or SiLU·mul) kernel,
 # about 3.2-3.5 µs of small kernels plus two launches beside the GEMM (the reference step's
@@ -97,27 +105,31 @@ CUBLAS: set[tuple[str, int, int, int]] = {
     ("qkv_rope", *_QKV, 32), ("qkv_rope", *_QKV, 64), ("gate_up_silu", *_GU, 64),
     ("lm_head", *_LM, 32), ("lm_head", *_LM, 64),
 }  # fmt: skip
+
+
+def _env_pairs(name: str) -> set[tuple[str, int]]:
+    """The ``kernel:BLOCK_M`` pairs of an A/B switch, e.g. ``qkv_rope:16,gate_up_silu:32``."""
+    items = (i.strip().partition(":") for i in os.environ.get(name, "").split(","))
+    return {(kernel, int(bm)) for kernel, _, bm in items if kernel}
+
+
 # The A/B switch of a measurement: STEPGRAPH_PROJ_CUBLAS="qkv_rope:16,gate_up_silu:32" also runs
 # those kernels' unfused pieces at that BLOCK_M, for every shape
-CUBLAS_ANY: set[tuple[str, int]] = {
-    (kernel, int(bm))
-    for kernel, _, bm in (
-        item.strip().partition(":")
-        for item in os.environ.get("STEPGRAPH_PROJ_CUBLAS", "").split(",")
-        if item.strip()
-    )
-}
+CUBLAS_ANY = _env_pairs("STEPGRAPH_PROJ_CUBLAS")
 # Where the norm runs as its own kernel (add_rmsnorm) before the fused kernel's ``_normed``
-# variant (no norm prologue: the activation streams as it is, as benchmarks/skinny_probe.py's
-# GEMM). STEPGRAPH_SEPARATE_NORM="qkv_rope:16,gate_up_silu:32" (kernel:BLOCK_M) or "all": the
-# A/B switch of the measurement
-SEPARATE_NORM: set[tuple[str, int, int, int]] = set()
-_SEP_ENV = os.environ.get("STEPGRAPH_SEPARATE_NORM", "").strip()
-SEPARATE_ANY: set[tuple[str, int]] = (
-    {(k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)} if _SEP_ENV == "all"
-    else {(k, int(bm)) for k, _, bm in (i.strip().partition(":") for i in _SEP_ENV.split(","))
-          if k}
-)  # fmt: skip
+# variant (no prologue: the activation streams as it is). Measured in the step (stepgraph
+# bench, graph, ctx 512, 2026-12-01, one call, against the reference kernels): bs 4 1.066 vs
+# 1.076, bs 8 1.105 vs 1.122, bs 16 1.169 vs 1.204, bs 32 1.278 vs 1.309 (qkv there on CUBLAS);
+# with the norm prologue the fused kernels had tied or lost (docs/results.md, E3 and E5).
+SEPARATE_NORM: set[tuple[str, int, int, int]] = {
+    ("qkv_rope", *_QKV, 16), ("gate_up_silu", *_GU, 16), ("gate_up_silu", *_GU, 32),
+}  # fmt: skip
+# Its A/B switch: STEPGRAPH_SEPARATE_NORM="qkv_rope:16,gate_up_silu:32" or "all"
+SEPARATE_ANY = (
+    {(k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)}
+    if os.environ.get("STEPGRAPH_SEPARATE_NORM", "").strip() == "all"
+    else _env_pairs("STEPGRAPH_SEPARATE_NORM")
+)
 TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile fields]}: a sweep's
 
 

@@ -10,19 +10,21 @@
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  2 launches
 
-One row: the broadcast-multiply GEMV tiles (``gemv_tiles``); 99 kernels a step for Llama-3.2-1B
-(0.802 ms, 74% of the bandwidth floor, H200, 2026-11-30). Two rows and more (issue 21): the
-same kernels on tensor cores, M padded to 16/32/64, split-K where the output is narrow, tiles
-per (shape, bs bucket) in ``kernels/proj_tiles.TILES`` (measured by
-``benchmarks/proj_sweep.py``); where cuBLAS plus the small kernels measured faster
-(``proj_tiles.CUBLAS``: qkv at 17-64 rows, gate-up at 33-64) the step runs RMSNorm, cuBLAS and
-RoPE/KV-write (or SiLU·mul) there instead; ``REFERENCE_ROWS`` (bs 2-32, where the reference
-kernels measured as fast or faster) run the reference kernels inside the step. Measured
-(H200, 2026-12-01, ``stepgraph bench``, graph, ctx 512):
-bs 8 1.205 ms (52% of the floor), bs 32 1.429 (51%), bs 64 1.502 (57%), against 1.213 / 1.402 /
-1.636 for ``--kernels reference``; docs/results.md has the rest. The kernels are launched with
-programmatic dependent launch where the GPU has it (``kernels/pdl.py``); the attention kernels
-are not (measured slower with it at bs=1, see ``flash_decode``).
+One row: the broadcast-multiply GEMV tiles (``gemv_tiles``); 103 kernels a step for
+Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200, 2026-12-01). Two rows and more
+(issue 21): the same kernels on tensor cores, M padded to 16/32/64, split-K where the output is
+narrow, tiles per (shape, bs bucket) in ``kernels/proj_tiles.TILES`` (measured by
+``benchmarks/proj_sweep.py``; some stream the weight through TMA, ``kernels/tma_tiles.py``).
+Where cuBLAS plus the small kernels measured faster (``proj_tiles.CUBLAS``: qkv at 17-64 rows,
+gate-up and the LM head at 33-64) the step runs RMSNorm, cuBLAS and RoPE/KV-write (SiLU·mul,
+argmax_rows) there instead; where the norm measured faster as its own kernel
+(``proj_tiles.SEPARATE_NORM``: qkv at 2-16 rows, gate-up at 2-32) it runs first and the fused
+kernel reads the normed x; ``REFERENCE_ROWS`` (bucket 2) runs the reference kernels inside the
+step. Measured (H200, 2026-12-01, ``stepgraph bench``, graph, ctx 512): bs 8 1.105 ms (56% of
+the floor, 135 kernels), bs 32 1.278 (56%), bs 64 1.456 (58%); docs/results.md has the rest.
+The kernels are launched with programmatic dependent launch where the GPU has it
+(``kernels/pdl.py``); the attention kernels are not (measured slower with it at bs=1, see
+``flash_decode``).
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused step serves batches of up to
@@ -58,13 +60,13 @@ KERNEL_CHOICES = ("fused", "reference")
 FUSED_MAX_BS = 64
 # Batch sizes the fused step serves with the reference kernels (cuBLAS, separate norm, RoPE,
 # SiLU), its greedy tokens still computed in the step, decided by measurement (H200, 2026-12-01,
-# ``stepgraph bench``, graph mode, ctx 512, ms): bs 2 tensor-core 1.480 (cuBLAS 1.15 at bs 8);
-# bs 8 1.205 fused / 1.213 reference (a tie); bs 32 1.429 / 1.402, and 1.424 fused against 1.335
-# reference in two later runs of the same day; bs 64 1.502 / 1.636, where the fused step wins.
-# So bs 2-32 run the reference kernels and bs 33-64 (``block_m`` 64, bs 64's tiles) the fused
-# ones. Chosen on the batch size's default bucket (``kernel_class``): a live batch replays the
-# graph of its bucket, and eager and graph must pick the same kernels.
-REFERENCE_ROWS = range(2, 33)
+# ``stepgraph bench``, graph mode, ctx 512, ms, one call, reference rows / tensor cores with the
+# norm as its own kernel where ``proj_tiles.SEPARATE_NORM`` says): bs 2 1.059 / 1.100, bs 4
+# 1.076 / 1.066, bs 8 1.122 / 1.105, bs 16 1.204 / 1.169, bs 32 1.309 / 1.278, bs 64 1.458 /
+# 1.456 (docs/results.md, run E5). So only bucket 2 runs the reference kernels. Chosen on the
+# batch size's default bucket (``kernel_class``): a live batch replays the graph of its bucket,
+# and eager and graph must pick the same kernels.
+REFERENCE_ROWS = range(2, 3)
 # The A/B switch of that measurement: STEPGRAPH_REFERENCE_ROWS="LO-HI" (buckets LO..HI on the
 # reference kernels) or "none" (the fused kernels at every bs)
 _ROWS_ENV = os.environ.get("STEPGRAPH_REFERENCE_ROWS", "").strip().lower()

@@ -55,7 +55,7 @@ def rel(a, b) -> float:
 
 
 def tensor_cores(monkeypatch) -> None:
-    """The tensor-core kernels at every bs above one (as shipped, bs 2-32 and shapes without a
+    """The tensor-core kernels at every bs above one (as shipped, bucket 2 and shapes without a
     measured tile, qwen2.5-0.5b's and float32, run the reference kernels inside the step)."""
     monkeypatch.setattr(fused_decode, "REFERENCE_ROWS", range(0))
     monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
