@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from stepgraph.bench.timing import copy_bandwidth_gbps, cuda_time_ms
+from stepgraph.bench.timing import copy_bandwidth_gbps, cuda_time_ms, graph_call_us
 from stepgraph.bench.workload import (
     Point,
     build_model_runner,
@@ -52,19 +52,7 @@ GEMV_CONFIGS = {
 
 def graph_time_us(fns: list, repeats: int = 3) -> float:
     """Median µs per call of ``fns`` (called in turn, ``repeats`` times) captured in one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            for f in fns:
-                f()
-    ms = cuda_time_ms(graph.replay, warmup=3, iters=15)
-    return ms * 1e3 / (repeats * len(fns))
+    return graph_call_us(fns, repeats=repeats, iters=15)
 
 
 def time_shapes(mr, gbps: float) -> tuple[list[dict], dict]:

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from stepgraph.bench.timing import copy_bandwidth_gbps, cuda_time_ms
+from stepgraph.bench.timing import copy_bandwidth_gbps, graph_call_us
 from stepgraph.kernels.gate_up_silu import gate_up_silu, gate_up_silu_reference
 from stepgraph.kernels.lm_head_argmax import lm_head_argmax, lm_head_argmax_reference
 from stepgraph.kernels.norm_gemv import gemv_residual
@@ -121,22 +121,6 @@ def case(name: str, m: int, g: torch.Generator, copies: int):
     return ws, call, ref
 
 
-def graph_us(fns) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / len(fns)
-    del graph
-    return us
-
-
 def jobs(cases: str = ""):
     names = [c for c in cases.split(",") if c] or list(CANDIDATES)
     return [(name, m) for name in names for m in ROWS]
@@ -164,7 +148,7 @@ def main(argv=None) -> dict:
         xk = torch.randn(m, k, device="cuda", generator=g).to(DT)
         cublas = None
         if not args.compile_only:
-            cublas = graph_us([lambda w=w, xk=xk: F.linear(xk, w) for w in ws])
+            cublas = graph_call_us([lambda w=w, xk=xk: F.linear(xk, w) for w in ws])
         for t in dict.fromkeys(cands):
             row = dict(kernel=name, m=m, block_m=block_m(m), n=n, k=k,
                        tile=list(t.__dict__.values()), default=t == cands[0])  # fmt: skip
@@ -176,7 +160,7 @@ def main(argv=None) -> dict:
                 if not row["rel_err"] < 2e-2:
                     rows.append(row)
                     continue
-                us = graph_us([lambda w=w, t=t, c=call: c(w, t) for w in ws])
+                us = graph_call_us([lambda w=w, t=t, c=call: c(w, t) for w in ws])
                 row.update(us=us, gbps=n * k * 2 / us / 1e3, floor_us=n * k * 2 / gbps / 1e3,
                            cublas_us=cublas)  # fmt: skip
                 key = (kern, n, k, block_m(m))

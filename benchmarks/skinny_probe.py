@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from stepgraph.bench.timing import copy_bandwidth_gbps, graph_call_us
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
@@ -124,24 +126,6 @@ def candidates(shape: str, m: int):
     return out
 
 
-def graph_us(fns) -> float:
-    from stepgraph.bench.timing import cuda_time_ms
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / len(fns)
-    del graph
-    return us
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
@@ -151,8 +135,6 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     triton.set_allocator(_alloc)
     i, n_shards = map(int, args.shard.split("/"))
-    from stepgraph.bench.timing import copy_bandwidth_gbps
-
     gbps = None if args.compile_only else copy_bandwidth_gbps()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -169,9 +151,9 @@ def main(argv=None) -> dict:
         x = torch.randn(m, k, device="cuda", generator=g).to(DT)
         want = F.linear(x.double(), ws[0].double())
         floor = n * k * 2 / gbps / 1e3 if gbps else None
-        cublas = (
-            None if args.compile_only else graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
-        )
+        cublas = None
+        if not args.compile_only:
+            cublas = graph_call_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
         if not args.compile_only:
             rows.append(dict(shape=s, m=m, variant="cublas", us=cublas, of_floor=floor / cublas))
         for c in cands:
@@ -182,7 +164,7 @@ def main(argv=None) -> dict:
                 row["rel_err"] = ((got - want).norm() / want.norm()).item()
                 if not args.compile_only:
                     ys = [torch.empty_like(y) for _ in ws]
-                    us = graph_us([lambda w=w, yy=yy, c=c, x=x: probe(x, w, *c, y=yy)
+                    us = graph_call_us([lambda w=w, yy=yy, c=c, x=x: probe(x, w, *c, y=yy)
                                    for w, yy in zip(ws, ys)])  # fmt: skip
                     row.update(us=us, of_floor=floor / us, cublas_us=cublas)
             except Exception as e:  # out of resources, unsupported layout, ...

@@ -18,15 +18,10 @@ from stepgraph.kernels.norm_gemv import (
 from stepgraph.kernels.pdl import launch_options, pdl_enabled, resolve_pdl
 from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
 from tests.conftest import rel_err
-from tests.references import rope64
+from tests.references import check_qkv_rope, rms64
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 EPS = 1e-5
-
-
-def rms64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # float64 RMSNorm
-    xd = x.double()
-    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
 
 
 def inputs(m, k, n, dtype, seed, bias=False):
@@ -103,16 +98,8 @@ def test_qkv_rope(nan_empty, dtype, m, bias, blocks):
     )
     # float64 reference: norm, project, rotate, place k and v at their slots
     qkv = rms64(x, nw) @ w.double().T + (b.double() if bias else 0)
-    qd, kd, vd = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
-    cos, sin = cos_t[positions].double(), sin_t[positions].double()
-    assert rel_err(q, rope64(qd.view(m, n_heads, hd), cos, sin)) < 2 * TOL[dtype]
-    k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
-    assert rel_err(k_flat[slots], rope64(kd.view(m, n_kv, hd), cos, sin)) < 2 * TOL[dtype]
-    assert rel_err(v_flat[slots], vd.view(m, n_kv, hd)) < 2 * TOL[dtype]
-    untouched = torch.ones(pages * ps, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(k_flat[untouched], k0.view(-1, n_kv, hd)[untouched])
-    assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
+    check_qkv_rope(q, qkv, positions, cos_t, sin_t, (k_cache, v_cache), (k0, v0), slots,
+                   n_heads, 2 * TOL[dtype])  # fmt: skip
     # the unfused torch ops agree
     k_ref, v_ref = k0.clone(), v0.clone()
     q_ref = qkv_rope_reference(

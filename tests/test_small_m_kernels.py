@@ -16,16 +16,11 @@ from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
 from stepgraph.kernels.proj_tiles import Tile, block_m, default_tile, tile_for
 from stepgraph.kernels.qkv_rope import qkv_rope
 from tests.conftest import rel_err
-from tests.references import rope64
+from tests.references import check_qkv_rope, rms64
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 EPS = 1e-5
 ROWS = [1, 2, 3, 17, 64]
-
-
-def rms64(x, w):
-    xd = x.double()
-    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
 
 
 def rand(g, *shape, scale=1.0):
@@ -104,16 +99,8 @@ def test_qkv_rope_rows(nan_empty, dtype, m, hd, split_k):
         x, nw, w, b, EPS, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads, blocks=tile
     )
     qkv = rms64(x, nw) @ w.double().T + b.double()
-    qd, kd, vd = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
-    cos, sin = cos_t[positions].double(), sin_t[positions].double()
-    assert rel_err(q, rope64(qd.view(m, n_heads, hd), cos, sin)) < 2 * TOL[dtype]
-    k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
-    assert rel_err(k_flat[slots], rope64(kd.view(m, n_kv, hd), cos, sin)) < 2 * TOL[dtype]
-    assert rel_err(v_flat[slots], vd.view(m, n_kv, hd)) < 2 * TOL[dtype]
-    untouched = torch.ones(pages * ps, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(k_flat[untouched], k0.view(-1, n_kv, hd)[untouched])
-    assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
+    check_qkv_rope(q, qkv, positions, cos_t, sin_t, (k_cache, v_cache), (k0, v0), slots,
+                   n_heads, 2 * TOL[dtype])  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -17,7 +17,7 @@ from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
 from stepgraph.kernels.proj_tiles import Tile
 from stepgraph.kernels.qkv_rope import qkv_rope
 from tests.conftest import rel_err
-from tests.references import rope64
+from tests.references import check_qkv_rope, rms64, rope64
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 EPS = 1e-5
@@ -35,11 +35,6 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(proj_tiles, "descriptor", counting)
     return calls
-
-
-def rms64(x, w):
-    xd = x.double()
-    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
 
 
 def rand(g, *shape, scale=1.0):
@@ -119,16 +114,8 @@ def test_qkv_rope_tma(nan_empty, spy, tma, dtype, m, hd, split_k):
     )  # fmt: skip
     assert len(spy) == 3 - tma
     qkv = rms64(x, nw) @ w.double().T + b.double()
-    qd, kd, vd = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
-    cos, sin = cos_t[positions].double(), sin_t[positions].double()
-    assert rel_err(q, rope64(qd.view(m, n_heads, hd), cos, sin)) < 2 * TOL[dtype]
-    k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
-    assert rel_err(k_flat[slots], rope64(kd.view(m, n_kv, hd), cos, sin)) < 2 * TOL[dtype]
-    assert rel_err(v_flat[slots], vd.view(m, n_kv, hd)) < 2 * TOL[dtype]
-    untouched = torch.ones(pages * ps, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(k_flat[untouched], k0.view(-1, n_kv, hd)[untouched])
-    assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
+    check_qkv_rope(q, qkv, positions, cos_t, sin_t, (k_cache, v_cache), (k0, v0), slots,
+                   n_heads, 2 * TOL[dtype])  # fmt: skip
 
 
 @pytest.mark.parametrize("tma", [1, 2])

@@ -31,6 +31,28 @@ def cuda_time_ms(
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / inner
 
 
+def graph_call_us(
+    fns: list[Callable[[], object]], *, repeats: int = 1, warmup: int = 3, iters: int = 20
+) -> float:
+    """Median µs per call of ``fns``, called in turn ``repeats`` times inside one CUDA graph
+    (warmed up once on a side stream, then captured): launch gaps as inside a decode step, no
+    host in the loop. Used by the kernel sweeps (``benchmarks/proj_sweep.py`` and others)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            for f in fns:
+                f()
+    ms = cuda_time_ms(graph.replay, warmup=warmup, iters=iters)
+    del graph
+    return ms * 1e3 / (repeats * len(fns))
+
+
 def host_call_ms(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, inner: int = 1
                  ) -> float:  # fmt: skip
     """``cuda_time_ms`` on the host clock, for work that ends when the call returns (the CPU,
