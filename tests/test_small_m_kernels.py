@@ -76,9 +76,12 @@ def test_gate_up_silu_rows(nan_empty, dtype, m, split_k):
     assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
 
 
+@pytest.mark.parametrize("tma", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, hd, split_k", [(2, 16, 1), (3, 64, 3), (17, 16, 2), (64, 64, 1)])
-def test_qkv_rope_rows(nan_empty, dtype, m, hd, split_k):
+def test_qkv_rope_rows(nan_empty, monkeypatch, tma, dtype, m, hd, split_k):
+    # tma 1 and 2: the TMA tiles (tma_tiles), a spy counting their descriptors (boxes run past
+    # the half at hd 16)
     # hd 16: BLOCK_D 16 > HALF 8 (one masked tile a head); hd 64: two tiles of 16 a head
     n_heads, n_kv, ps, k = 4, 2, 8, 40
     pages = (m + ps - 1) // ps + 2
@@ -94,10 +97,14 @@ def test_qkv_rope_rows(nan_empty, dtype, m, hd, split_k):
     k_cache = rand(g, pages, ps, n_kv, hd).to(dtype)
     v_cache = rand(g, pages, ps, n_kv, hd).to(dtype)
     k0, v0 = k_cache.clone(), v_cache.clone()
-    tile = Tile(16, 16, 4, None, split_k) if m > 1 else None
+    tile = Tile(16, 16, 4, None, split_k, tma) if m > 1 else None
+    descs = []
+    real = proj_tiles.descriptor
+    monkeypatch.setattr(proj_tiles, "descriptor", lambda *a: descs.append(a) or real(*a))
     q = qkv_rope(
         x, nw, w, b, EPS, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads, blocks=tile
     )
+    assert len(descs) == (0 if tma == 0 else 3 - tma)
     qkv = rms64(x, nw) @ w.double().T + b.double()
     check_qkv_rope(q, qkv, positions, cos_t, sin_t, (k_cache, v_cache), (k0, v0), slots,
                    n_heads, 2 * TOL[dtype])  # fmt: skip

@@ -1,9 +1,9 @@
 """The fused projections' TMA paths (``Tile.tma`` 1: weight and x through host descriptors,
 the swap-AB K loop; 2: the weight by descriptor, x from pointers; ``tma_tiles``) under the
-Triton interpreter, float32 and float16, at rows 2, 3, 17 and 64, K in several chunks, column
-tiles ending ragged, split-K; float64 references written here, outputs poisoned first. A spy
-checks the descriptor path really ran (and that misaligned tensors and ``STEPGRAPH_TMA=0``
-take the pointer loop instead)."""
+Triton interpreter, float32 and float16, at rows 2, 3, 17 and 64 (qkv_rope's in
+``test_small_m_kernels``), K in several chunks, column tiles ending ragged, split-K; float64
+references written here, outputs poisoned first. A spy checks the descriptor path really ran
+(and that misaligned tensors and ``STEPGRAPH_TMA=0`` take the pointer loop instead)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
 from stepgraph.kernels.proj_tiles import Tile
 from stepgraph.kernels.qkv_rope import qkv_rope
 from tests.conftest import rel_err
-from tests.references import check_qkv_rope, rms64, rope64
+from tests.references import rms64, rope64
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 EPS = 1e-5
@@ -87,35 +87,6 @@ def test_gate_up_silu_tma(nan_empty, spy, tma, dtype, m, split_k):
     assert len(spy) == 3 - tma
     gate, up = (rms64(x, nw) @ w.double().T).split(inter, dim=-1)
     assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
-
-
-@pytest.mark.parametrize("tma", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m, hd, split_k", [(2, 16, 1), (3, 64, 3), (17, 16, 2), (64, 64, 1)])
-def test_qkv_rope_tma(nan_empty, spy, tma, dtype, m, hd, split_k):
-    # hd 16: BLOCK_D 16 > HALF 8 (boxes run past the half); hd 64: two tiles of 16 a head
-    n_heads, n_kv, ps, k = 4, 2, 8, 48
-    pages = (m + ps - 1) // ps + 2
-    g = torch.Generator().manual_seed(m + hd)
-    n = (n_heads + 2 * n_kv) * hd
-    x, nw = rand(g, m, k, scale=2).to(dtype), (1 + rand(g, k, scale=0.1)).to(dtype)
-    w, b = rand(g, n, k, scale=k**-0.5).to(dtype), rand(g, n).to(dtype)
-    ang = torch.rand(80, hd // 2, generator=g, dtype=torch.float64) * 6
-    emb = torch.cat((ang, ang), -1)
-    cos_t, sin_t = emb.cos().to(dtype), emb.sin().to(dtype)
-    positions = torch.randint(0, 80, (m,), generator=g)
-    slots = torch.randperm(pages * ps, generator=g)[:m]
-    k_cache = rand(g, pages, ps, n_kv, hd).to(dtype)
-    v_cache = rand(g, pages, ps, n_kv, hd).to(dtype)
-    k0, v0 = k_cache.clone(), v_cache.clone()
-    q = qkv_rope(
-        x, nw, w, b, EPS, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads,
-        blocks=Tile(16, 16, 4, None, split_k, tma),
-    )  # fmt: skip
-    assert len(spy) == 3 - tma
-    qkv = rms64(x, nw) @ w.double().T + b.double()
-    check_qkv_rope(q, qkv, positions, cos_t, sin_t, (k_cache, v_cache), (k0, v0), slots,
-                   n_heads, 2 * TOL[dtype])  # fmt: skip
 
 
 @pytest.mark.parametrize("tma", [1, 2])
