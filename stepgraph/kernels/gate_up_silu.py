@@ -20,17 +20,14 @@ import triton
 import triton.language as tl
 
 from .gemv_tiles import (
-    first_w_tile,
-    gemv_loop,
     k_range,
     norm_block,
-    row_inv_rms,
     splitk_reduce,
 )
 from .norm_gemv import rmsnorm_reference
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
-from .tma_tiles import l2_prefetch, prefetch_lines, tma_loop
+from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 
 @triton.jit
@@ -50,31 +47,19 @@ def _gate_up_silu_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = w_ptr + (offs_n + INTER)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    # -- weights only before the wait --
+    # -- weights only before the wait (TMA: a ragged last tile's gate rows run into up rows,
+    # masked at the store) --
     n0 = pid_n * BLOCK_N
-    if TMA:  # (a ragged last tile's gate rows run into up rows: masked at the store)
-        l2_prefetch(w_ptr, stride_wn, n0, INTER, k_lo, k_hi, BLOCK_N, PREFETCH)
-        l2_prefetch(w_ptr, stride_wn, n0 + INTER, 2 * INTER, k_lo, k_hi, BLOCK_N, PREFETCH)
-    else:
-        wg = first_w_tile(g_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
-        wu = first_w_tile(u_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+    wg, wu = weights_before_wait(
+        w_ptr, stride_wn, g_ptrs, u_ptrs, mask_n, n0, n0 + INTER, INTER, 2 * INTER, k_lo, k_hi,
+        TMA, True, PREFETCH, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     pdl_wait_then_trigger(USE_PDL)
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
-    else:  # x is normed already (the separate-norm choice, proj_tiles.SEPARATE_NORM)
-        inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    # -> [BLOCK_M, BLOCK_N] float32 each
-    if TMA:
-        gate, up = tma_loop(
-            w_desc, n0, n0 + INTER, x_desc, x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi,
-            inv_rms, NORM, True, TMA == 1, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    else:
-        gate, up = gemv_loop(
-            g_ptrs, u_ptrs, wg, wu, mask_n,
-            x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-            NORM, True, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    gate, up = proj_loop(  # -> [BLOCK_M, BLOCK_N] float32 each
+        w_desc, n0, n0 + INTER, x_desc, g_ptrs, u_ptrs, wg, wu, mask_n,
+        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps,
+        TMA, NORM, True, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK,
+    )  # fmt: skip
     rows = BLOCK_M
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         gate, up, rows = splitk_reduce(

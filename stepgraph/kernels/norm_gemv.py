@@ -20,16 +20,13 @@ import triton
 import triton.language as tl
 
 from .gemv_tiles import (
-    first_w_tile,
-    gemv_loop,
     k_range,
     norm_block,
-    row_inv_rms,
     splitk_reduce,
 )
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
-from .tma_tiles import l2_prefetch, prefetch_lines, tma_loop
+from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 
 @triton.jit
@@ -55,27 +52,17 @@ def _norm_gemv_kernel(
     mask_n = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     # -- weights only before the wait: they are never written during a step --
-    if TMA:
-        l2_prefetch(w_ptr, stride_wn, pid_n * BLOCK_N, N, k_lo, k_hi, BLOCK_N, PREFETCH)
-    else:
-        w = first_w_tile(w_ptrs, mask_n, k_lo, k_hi, BLOCK_K)  # [BLOCK_N, BLOCK_K]
+    n0 = pid_n * BLOCK_N
+    w, _ = weights_before_wait(
+        w_ptr, stride_wn, w_ptrs, w_ptrs, mask_n, n0, 0, N, N, k_lo, k_hi,
+        TMA, False, PREFETCH, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     pdl_wait_then_trigger(USE_PDL)
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
-    else:
-        inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    # -> [BLOCK_M, BLOCK_N] float32
-    if TMA:
-        acc, _ = tma_loop(
-            w_desc, pid_n * BLOCK_N, 0, x_desc, x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi,
-            inv_rms, NORM, False, TMA == 1, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    else:
-        acc, _ = gemv_loop(
-            w_ptrs, w_ptrs, w, w, mask_n,
-            x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-            NORM, False, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    acc, _ = proj_loop(  # -> [BLOCK_M, BLOCK_N] float32
+        w_desc, n0, 0, x_desc, w_ptrs, w_ptrs, w, w, mask_n,
+        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps,
+        TMA, NORM, False, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK,
+    )  # fmt: skip
     if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
         acc, _, rows = splitk_reduce(
             acc, acc, ws_ptr, ticket_ptr, pid_n, pid_k, False, SPLIT_K, BLOCK_M, BLOCK_N

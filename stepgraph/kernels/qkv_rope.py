@@ -21,11 +21,8 @@ import triton.language as tl
 
 from ..errors import ConfigError
 from .gemv_tiles import (
-    first_w_tile,
-    gemv_loop,
     k_range,
     norm_block,
-    row_inv_rms,
     splitk_reduce,
 )
 from .norm_gemv import rmsnorm_reference
@@ -40,7 +37,7 @@ from .proj_tiles import (
     tma_descriptors,
 )
 from .rope_kv import rope_kv_reference
-from .tma_tiles import l2_prefetch, prefetch_lines, tma_loop
+from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 
 @triton.jit
@@ -67,32 +64,20 @@ def _qkv_rope_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w1_ptrs = w_ptr + rows1[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     w2_ptrs = w1_ptrs + HALF * stride_wn
-    # -- weights only before the wait --
-    r1 = head * HEAD_DIM + (pid % D_TILES) * BLOCK_D  # the first row of the tile (TMA)
-    if TMA:  # (BLOCK_D > HALF: the box runs past the half; those columns are masked)
-        N_ROWS: tl.constexpr = (N_HEADS + 2 * N_KV) * HEAD_DIM
-        l2_prefetch(w_ptr, stride_wn, r1, N_ROWS, k_lo, k_hi, BLOCK_D, PREFETCH)
-        l2_prefetch(w_ptr, stride_wn, r1 + HALF, N_ROWS, k_lo, k_hi, BLOCK_D, PREFETCH)
-    else:
-        w1 = first_w_tile(w1_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
-        w2 = first_w_tile(w2_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+    # -- weights only before the wait (TMA, BLOCK_D > HALF: the boxes run past the half; those
+    # columns are masked) --
+    r1 = head * HEAD_DIM + (pid % D_TILES) * BLOCK_D  # the tile's first row
+    N_ROWS: tl.constexpr = (N_HEADS + 2 * N_KV) * HEAD_DIM
+    w1, w2 = weights_before_wait(
+        w_ptr, stride_wn, w1_ptrs, w2_ptrs, mask_n, r1, r1 + HALF, N_ROWS, N_ROWS, k_lo, k_hi,
+        TMA, True, PREFETCH, BLOCK_D, BLOCK_K,
+    )  # fmt: skip
     pdl_wait_then_trigger(USE_PDL)
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
-    else:  # x is normed already (the separate-norm choice, proj_tiles.SEPARATE_NORM)
-        inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    # -> [BLOCK_M, BLOCK_D] float32 each
-    if TMA:
-        acc1, acc2 = tma_loop(
-            w_desc, r1, r1 + HALF, x_desc, x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi,
-            inv_rms, NORM, True, TMA == 1, BLOCK_M, BLOCK_D, BLOCK_K,
-        )  # fmt: skip
-    else:
-        acc1, acc2 = gemv_loop(
-            w1_ptrs, w2_ptrs, w1, w2, mask_n,
-            x_ptr, norm_w_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-            NORM, True, BLOCK_M, BLOCK_D, BLOCK_K,
-        )  # fmt: skip
+    acc1, acc2 = proj_loop(  # -> [BLOCK_M, BLOCK_D] float32 each
+        w_desc, r1, r1 + HALF, x_desc, w1_ptrs, w2_ptrs, w1, w2, mask_n,
+        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps,
+        TMA, NORM, True, BLOCK_M, BLOCK_D, BLOCK_K, NORM_BLOCK,
+    )  # fmt: skip
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         acc1, acc2, rows = splitk_reduce(
             acc1, acc2, ws_ptr, ticket_ptr, pid, pid_k, True, SPLIT_K, BLOCK_M, BLOCK_D

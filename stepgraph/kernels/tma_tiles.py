@@ -17,6 +17,9 @@ The weight rows are the MMA's M (64 of them fill a Hopper warpgroup MMA) and the
 padding to ``BLOCK_M``), columns past ``K``, weight rows past ``N``. A program's K range starts
 and ends on ``BLOCK_K`` chunks (``gemv_tiles.k_range``), so no chunk crosses a split.
 
+``weights_before_wait`` and ``proj_loop`` are the two halves every projection kernel runs around
+its PDL wait, for the TMA loop and the pointer loop alike.
+
 TMA needs 16-byte aligned bases and row strides (``tma_ready``); anything else, the interpreter
 aside, takes the pointer loop of ``gemv_tiles`` with the same tile. ``STEPGRAPH_TMA=0`` turns
 it off everywhere (the A/B switch of a measurement).
@@ -31,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_tiles import FENCE, mul_acc, x_tile
+from .gemv_tiles import FENCE, first_w_tile, gemv_loop, mul_acc, row_inv_rms, x_tile
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -165,6 +168,60 @@ def tma_loop(
     return a1, a2
 
 
+@triton.jit
+def weights_before_wait(
+    w_ptr, stride_wn, w1_ptrs, w2_ptrs, mask_n, row1, row2, n1, n2, k_lo, k_hi,
+    TMA: tl.constexpr, PAIRED: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # The part of every projection kernel before the PDL wait: weights only (never written
+    # during a step). Pointer loop: the first tile at k_lo of rows w1_ptrs (and w2_ptrs),
+    # held in registers -> (w1, w2). TMA tiles: the L2 prefetch of rows [row1, +BLOCK_N) (and
+    # row2's) when PREFETCH lines are asked for, rows past n1 (n2) clamped; nothing held (the
+    # returned zero tiles are never read: tma_loop loads its own).
+    if TMA:
+        l2_prefetch(w_ptr, stride_wn, row1, n1, k_lo, k_hi, BLOCK_N, PREFETCH)
+        if PAIRED:
+            l2_prefetch(w_ptr, stride_wn, row2, n2, k_lo, k_hi, BLOCK_N, PREFETCH)
+        w1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+        w2 = w1
+    else:
+        w1 = first_w_tile(w1_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+        w2 = w1
+        if PAIRED:
+            w2 = first_w_tile(w2_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
+    return w1, w2
+
+
+@triton.jit
+def proj_loop(
+    w_desc, row1, row2, x_desc, w1_ptrs, w2_ptrs, w1, w2, mask_n,
+    x_ptr, nw_ptr, stride_xm, M, K, k_lo, k_hi, eps,
+    TMA: tl.constexpr, NORM: tl.constexpr, PAIRED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    # The part after the wait: each row's 1 / RMS when NORM (ones for an x that needs no norm:
+    # o_proj, down, or x normed by its own kernel), then the K loop through descriptors
+    # (tma_loop) or pointers (gemv_tiles.gemv_loop, from the tiles weights_before_wait held).
+    # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
+    else:
+        inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    if TMA:
+        a1, a2 = tma_loop(
+            w_desc, row1, row2, x_desc, x_ptr, nw_ptr, stride_xm, M, K, k_lo, k_hi, inv_rms,
+            NORM, PAIRED, TMA == 1, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        a1, a2 = gemv_loop(
+            w1_ptrs, w2_ptrs, w1, w2, mask_n, x_ptr, nw_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
+            NORM, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    return a1, a2
+
+
 def prefetch_lines(block_n: int, k: int, split_k: int, block_k: int, elem: int,
                    paired: bool) -> int:  # fmt: skip
     """``LINES`` of ``l2_prefetch`` for one row set of a program: ``PREFETCH_BYTES`` (of both row
@@ -183,7 +240,9 @@ __all__ = [
     "descriptor",
     "l2_prefetch",
     "prefetch_lines",
+    "proj_loop",
     "tma_loop",
     "tma_ready",
     "tma_x_tile",
+    "weights_before_wait",
 ]
