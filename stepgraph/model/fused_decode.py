@@ -182,6 +182,16 @@ def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl) -> torch.Tensor:
     return y
 
 
+def _cublas_head(model: LlamaModel, h: torch.Tensor, logits_out, tokens_out) -> torch.Tensor:
+    """The LM head of the normed ``h`` as ``F.linear`` (into ``logits_out`` when given), then the
+    greedy tokens into ``tokens_out`` when given: the reference rows' head, and the fused step's
+    where cuBLAS measured faster."""
+    logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
+    if tokens_out is not None:
+        _greedy(logits, tokens_out)
+    return logits
+
+
 def _greedy(logits: torch.Tensor, tokens_out: torch.Tensor) -> None:
     """The greedy tokens of logits a cuBLAS head wrote: ``argmax_rows`` on CUDA (two small
     launches instead of torch's 27 µs one at bs 8), ``torch.argmax`` on the CPU (same tokens)."""
@@ -208,11 +218,7 @@ def fused_decode_step(
     n_heads = model.config.num_heads
     bs = input_ids.shape[0]
     if reference_rows(bs, backend, model):  # the reference kernels, greedy tokens taken here
-        h = model(input_ids, positions, backend)
-        logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
-        if tokens_out is not None:
-            _greedy(logits, tokens_out)
-        return logits
+        return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out)
     if use_pdl is None and bs > 1:
         use_pdl = ROWS_PDL
     r = model.embed_tokens(input_ids)  # [bs, hidden], the residual stream
@@ -252,11 +258,7 @@ def fused_decode_step(
         return logits
     w_lm = model.lm_head.weight
     if prefer_cublas("lm_head", bs, *w_lm.shape, w_lm.element_size()):  # norm, GEMM, argmax
-        h = model.norm(r)[0]
-        logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
-        if tokens_out is not None:
-            _greedy(logits, tokens_out)
-        return logits
+        return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out)
     logits, _ = lm_head_argmax(
         r, model.norm.weight, model.lm_head.weight, model.norm.eps,
         logits_out=logits_out, tokens_out=tokens_out, use_pdl=use_pdl,
