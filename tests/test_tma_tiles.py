@@ -201,3 +201,37 @@ def test_separate_norm_choice(monkeypatch):
     assert not proj_tiles.separate_norm("gate_up_silu", 17, 16384, 2048)  # BLOCK_M 32
     assert not proj_tiles.separate_norm("gate_up_silu", 1, 16384, 2048)  # one row: GEMV
     assert not proj_tiles.separate_norm("gate_up_silu", 16, 16384, 2048, 4)  # float32
+
+
+def test_sweep_tiles_file_and_switches(tmp_path, monkeypatch):
+    """``$STEPGRAPH_PROJ_TILES`` (a sweep's ``--tiles-out``) adds its tiles and takes the key out
+    of ``CUBLAS``, so the same device run tries the sweep's choice; the ``kernel:BLOCK_M``
+    switches parse as pairs."""
+    import json
+
+    key = ("qkv_rope", 3072, 2048, 32)
+    assert key in proj_tiles.CUBLAS
+    monkeypatch.setattr(proj_tiles, "TILES", dict(proj_tiles.TILES))
+    monkeypatch.setattr(proj_tiles, "CUBLAS", set(proj_tiles.CUBLAS))
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"qkv_rope,3072,2048,32": [32, 128, 4, 3, 4, 1]}))
+    monkeypatch.setenv(proj_tiles.TILES_ENV, str(path))
+    proj_tiles._env_tiles()
+    assert proj_tiles.TILES[key] == Tile(32, 128, 4, 3, 4, 1)
+    assert key not in proj_tiles.CUBLAS and not proj_tiles.prefer_cublas("qkv_rope", 20, 3072, 2048)
+    assert proj_tiles.tile_for("qkv_rope", 20, 3072, 2048).tma == 1
+    monkeypatch.setenv("STEPGRAPH_X", "qkv_rope:16, gate_up_silu:32,")
+    assert proj_tiles._env_pairs("STEPGRAPH_X") == {("qkv_rope", 16), ("gate_up_silu", 32)}
+    monkeypatch.setenv("STEPGRAPH_X", "")
+    assert proj_tiles._env_pairs("STEPGRAPH_X") == set()
+
+
+def test_tma_descriptors_only_where_a_tile_asks():
+    x, w = torch.zeros(8, 64, dtype=torch.float16), torch.zeros(48, 64, dtype=torch.float16)
+    assert proj_tiles.tma_descriptors(Tile(16, 16, 4, 2, 1, 0), 8, x, w, 16) is None  # pointers
+    assert proj_tiles.tma_descriptors(Tile(16, 16, 4, 2, 1, 1), 1, x[:1], w, 16) is None  # GEMV
+    assert proj_tiles.tma_descriptors(Tile(16, 16, 4, 2, 1, 3), 8, x, w, 16) is None  # no kind 3
+    wd, xd = proj_tiles.tma_descriptors(Tile(16, 16, 4, 2, 1, 1), 8, x, w, 16)
+    assert wd.block_shape == [16, 16] and xd.block_shape == [16, 16] and wd.base is w
+    wd, xd = proj_tiles.tma_descriptors(Tile(16, 16, 4, 2, 1, 2), 8, x, w, 16)
+    assert xd is x  # kind 2 reads x from pointers
