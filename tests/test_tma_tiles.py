@@ -235,3 +235,18 @@ def test_tma_descriptors_only_where_a_tile_asks():
     assert wd.block_shape == [16, 16] and xd.block_shape == [16, 16] and wd.base is w
     wd, xd = proj_tiles.tma_descriptors(Tile(16, 16, 4, 2, 1, 2), 8, x, w, 16)
     assert xd is x  # kind 2 reads x from pointers
+
+
+def test_tile_table_is_launchable():
+    """Every measured tile fits the shared-memory budget and its kernel's limits, every TMA tile's
+    boxes are TMA boxes, and every separate-norm choice has its ``_normed`` tile (else the rule
+    would run unmeasured)."""
+    for (kernel, n, k, bm), tile in proj_tiles.TILES.items():
+        m = bm  # any row count of the bucket takes its tiles
+        assert proj_tiles.tile_for(kernel, m, n, k) == tile, (kernel, bm)
+        proj_tiles.check_tile(kernel, tile, m)
+        if tile.tma:
+            assert tile.tma in (1, 2) and tma_tiles.box_fits(tile.block_n, tile.block_k, bm)
+    for kernel, n, k, bm in proj_tiles.SEPARATE_NORM:
+        assert (f"{kernel}_normed", n, k, bm) in proj_tiles.TILES
+        assert (kernel, n, k, bm) not in proj_tiles.CUBLAS  # CUBLAS is checked first
