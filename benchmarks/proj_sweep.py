@@ -1,5 +1,6 @@
 """Issue 21: tile sweep of the fused projections at several rows (``tl.dot``, M padded to 16/32/64,
-split-K), Llama-3.2-1B shapes, bf16, PDL on, against cuBLAS ``F.linear`` of the same shape.
+split-K), Llama-3.2-1B shapes (``--preset`` another model's), bf16, PDL on, against cuBLAS
+``F.linear`` of the same shape.
 
     PYTHONPATH=. python3 benchmarks/proj_sweep.py --json $OUT/proj_sweep.json
     (--compile-only --shard i/n first, in parallel processes, fills Triton's cache)
@@ -27,7 +28,7 @@ from stepgraph.kernels.proj_tiles import Tile, block_m, tile_for
 from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
 from stepgraph.kernels.rope_kv import rope_kv_reference
 
-H, Q, KV, INTER, VOCAB, HD = 2048, 2048, 512, 8192, 128256, 64
+H, Q, KV, INTER, VOCAB, HD = 2048, 2048, 512, 8192, 128256, 64  # llama-3.2-1b; --preset
 DT = torch.bfloat16
 ROWS = (8, 32, 64)  # one per BLOCK_M bucket: 16, 32, 64
 COPIES = 16
@@ -59,13 +60,32 @@ CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); blo
     "gate_up_normed": [T(64, 128, 8, 4, 1), T(32, 128, 4, 5, 1, 1), T(32, 128, 4, 3, 1, 1),
                        T(64, 128, 4, 3, 1, 1), T(64, 128, 8, 4, 1, 2), T(32, 128, 4, 3, 2, 1)],
 }  # fmt: skip
-SHAPES = {  # kernel -> (proj_tiles kernel name, n, k)
-    "o_proj": ("gemv_residual", H, Q), "down": ("gemv_residual", H, INTER),
-    "gate_up": ("gate_up_silu", 2 * INTER, H), "qkv": ("qkv_rope", Q + 2 * KV, H),
-    "lm_head": ("lm_head", VOCAB, H),
-    "qkv_normed": ("qkv_rope_normed", Q + 2 * KV, H),
-    "gate_up_normed": ("gate_up_silu_normed", 2 * INTER, H),
-}  # fmt: skip
+
+
+def shapes() -> dict[str, tuple[str, int, int]]:
+    """Case -> (proj_tiles kernel name, n, k) at the current model sizes."""
+    return {
+        "o_proj": ("gemv_residual", H, Q), "down": ("gemv_residual", H, INTER),
+        "gate_up": ("gate_up_silu", 2 * INTER, H), "qkv": ("qkv_rope", Q + 2 * KV, H),
+        "lm_head": ("lm_head", VOCAB, H),
+        "qkv_normed": ("qkv_rope_normed", Q + 2 * KV, H),
+        "gate_up_normed": ("gate_up_silu_normed", 2 * INTER, H),
+    }  # fmt: skip
+
+
+SHAPES = shapes()
+
+
+def use_preset(name: str) -> None:
+    """Sweep the projection shapes of model preset ``name`` (``stepgraph.model`` presets, e.g.
+    llama-3.1-8b) instead of llama-3.2-1b's."""
+    global H, Q, KV, INTER, VOCAB, HD, SHAPES
+    from stepgraph.model.config import PRESETS
+
+    c = PRESETS[name]
+    H, INTER, VOCAB, HD = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    Q, KV = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    SHAPES = shapes()
 
 
 def case(name: str, m: int, g: torch.Generator, copies: int):
@@ -133,7 +153,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--tiles-out", help="write the best tiles here ($STEPGRAPH_PROJ_TILES)")
     ap.add_argument("--cases", default="", help=f"comma list of {', '.join(CANDIDATES)}")
+    ap.add_argument("--preset", default="llama-3.2-1b", help="the model whose shapes to sweep")
     args = ap.parse_args(argv)
+    use_preset(args.preset)
     i, n_shards = map(int, args.shard.split("/"))
     g = torch.Generator(device="cuda").manual_seed(0)
     gbps = None if args.compile_only else copy_bandwidth_gbps()
