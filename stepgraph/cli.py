@@ -45,6 +45,12 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"driver: unavailable ({e})")
     else:
         print("GPU: none visible (graphs run on the CPU stand-in; exact mode needs a GPU)")
+    if args.model is not None:
+        from .bench.constants import DTYPES
+        from .model.kernel_plan import format_plan
+
+        dtype = args.dtype or "bfloat16"
+        print(format_plan(args.model, dtype, model_config(args.model), DTYPES[dtype].itemsize))
     return 0
 
 
@@ -270,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     info = sub.add_parser("info", help="versions, GPU, driver, and what is missing")
+    info.add_argument("--model", help="also print which decode kernels run at each batch bucket "
+                      "for this preset or local HF directory (no weights are read)")  # fmt: skip
+    info.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                      help="for --model: the weights' dtype (default bfloat16)")  # fmt: skip
     info.set_defaults(func=cmd_info)
     return parser
 

@@ -115,10 +115,13 @@ def _qkv_rope_kernel(
             tl.store(dst + HALF + d[None, :], o2, mask=mask)
 
 
-def _kernel_name(norm_w) -> str:
-    """The table name: ``qkv_rope``, or ``qkv_rope_normed`` for an x normed already (``norm_w``
-    None: the norm ran as its own kernel before, ``proj_tiles.SEPARATE_NORM``)."""
-    return "qkv_rope" if norm_w is not None else "qkv_rope_normed"
+def qkv_tile(norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2) -> Tile:
+    """The tile ``qkv_rope`` launches for ``m`` rows (``norm``: with the norm prologue): the
+    table's, and at one row the one-row rule halved, since it counts both halves of a pair."""
+    tile = tile_for("qkv_rope" if norm else "qkv_rope_normed", m, n_rows, k, elem_bytes)
+    if m == 1:
+        tile = Tile(max(1, min(half, tile.block_n // 2)), tile.block_k, tile.num_warps)
+    return tile
 
 
 def qkv_rope_reference(
@@ -158,9 +161,7 @@ def qkv_rope(
     if m:
         n_rows = (n_heads + 2 * n_kv) * hd
         if blocks is None:
-            tile = tile_for(_kernel_name(norm_w), m, n_rows, k, weight.element_size())
-            if m == 1:  # the one-row rule counts both halves of a pair
-                tile = Tile(max(1, min(half, tile.block_n // 2)), tile.block_k, tile.num_warps)
+            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, weight.element_size())
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
@@ -195,4 +196,4 @@ def qkv_rope(
     return q
 
 
-__all__ = ["qkv_rope", "qkv_rope_reference"]
+__all__ = ["qkv_rope", "qkv_rope_reference", "qkv_tile"]

@@ -1,0 +1,100 @@
+"""Which kernels the fused decode step runs at each batch bucket, from a model's shapes alone:
+the choices ``fused_decode_step`` makes, in its order, with the table entry behind each
+(``stepgraph info --model NAME``). A user sees what runs at their batch size, and which switch
+(``STEPGRAPH_REFERENCE_ROWS``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
+``STEPGRAPH_TMA``) would change it, without a GPU or the weights."""
+
+from __future__ import annotations
+
+from ..buckets import default_capture_sizes
+from ..kernels.proj_tiles import (
+    Tile,
+    block_m,
+    measured,
+    prefer_cublas,
+    separate_norm,
+    tile_for,
+)
+from ..kernels.qkv_rope import qkv_tile
+from .config import ModelConfig
+from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
+
+# the step's projections: table kernel and what the unfused pieces add beside cuBLAS
+PIECES = {
+    "qkv": ("qkv_rope", "RoPE/KV write"),
+    "o_proj": ("gemv_residual", None),
+    "gate_up": ("gate_up_silu", "SiLU·mul"),
+    "down": ("gemv_residual", None),
+    "lm_head": ("lm_head", "argmax_rows"),
+}
+
+
+def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``[n, k]`` of each projection's (fused) weight, as the model holds it unsharded."""
+    h, inter = config.hidden_size, config.intermediate_size
+    return {
+        "qkv": (config.q_size + 2 * config.kv_size, h),
+        "o_proj": (h, config.q_size),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+        "lm_head": (config.vocab_size, h),
+    }
+
+
+def tile_text(t: Tile) -> str:
+    """``Tile(64, 128, 4, 5, 4, 1)`` -> ``64x128 w4 s5 split4 TMA1`` (defaults left out)."""
+    parts = [f"{t.block_n}x{t.block_k}", f"w{t.num_warps}"]
+    parts += [f"s{t.num_stages}"] if t.num_stages else []
+    parts += [f"split{t.split_k}"] if t.split_k > 1 else []
+    parts += [f"TMA{t.tma}"] if t.tma else []
+    return " ".join(parts)
+
+
+def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, half: int = 32
+                 ) -> str:  # fmt: skip
+    """What the fused step runs for ``piece`` at ``rows`` (its bucket): the unfused pieces where
+    ``proj_tiles.CUBLAS`` says, the norm as its own kernel first where ``SEPARATE_NORM`` says,
+    and the tile the fused kernel's launcher takes (``half``: head_dim / 2, for qkv)."""
+    kernel, beside = PIECES[piece]
+    if beside and prefer_cublas(kernel, rows, n, k, elem_bytes):
+        return f"norm + cuBLAS + {beside}"
+    sep = piece in ("qkv", "gate_up") and separate_norm(kernel, rows, n, k, elem_bytes)
+    if piece == "qkv":
+        tile = qkv_tile(not sep, rows, n, k, half, elem_bytes)
+    else:
+        tile = tile_for(kernel + "_normed" if sep else kernel, rows, n, k, elem_bytes)
+    return f"{'norm, then ' if sep else ''}{kernel} {tile_text(tile)}"
+
+
+def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
+    """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``
+    (choices empty where the reference kernels run)."""
+    shapes = piece_shapes(config)
+    out = []
+    for b in buckets or default_capture_sizes(FUSED_MAX_BS):
+        if b in REFERENCE_ROWS:
+            out.append((b, "reference kernels (REFERENCE_ROWS)", {}))
+            continue
+        if b > 1 and not all(measured(PIECES[p][0], b, *shapes[p], elem_bytes) for p in PIECES):
+            out.append((b, "reference kernels (no measured tiles for these shapes)", {}))
+            continue
+        path = "fused, one row (GEMV)"
+        if b > 1:
+            path = f"fused, tensor cores (M padded to {block_m(b)})"
+        half = config.head_dim // 2
+        out.append((b, path, {p: piece_choice(p, b, *shapes[p], elem_bytes, half) for p in PIECES}))
+    return out
+
+
+def format_plan(name: str, dtype: str, config: ModelConfig, elem_bytes: int) -> str:
+    """The plan as ``stepgraph info --model`` prints it."""
+    lines = [f"decode kernels of {name} ({dtype}, the fused step on CUDA; `--kernels reference`"
+             " runs the reference kernels everywhere):"]  # fmt: skip
+    for b, path, choices in kernel_plan(config, elem_bytes):
+        lines.append(f"  bs bucket {b}: {path}")
+        lines += [f"    {p:<8} {c}" for p, c in choices.items()]
+    lines.append(f"  above {FUSED_MAX_BS} rows: reference kernels (the fused kernels take 64 rows)")
+    return "\n".join(lines)
+
+
+__all__ = ["PIECES", "format_plan", "kernel_plan", "piece_choice", "piece_shapes", "tile_text"]

@@ -1,0 +1,111 @@
+"""``model/kernel_plan``: what ``stepgraph info --model`` says runs at each bucket. The 1B preset's
+plan as measured and committed; models without measured tiles and float32 on the reference
+kernels; and the plan equals what ``fused_decode_step`` actually launches (spies on the tiny
+preset, with the tables set for it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
+from stepgraph.cli import main
+from stepgraph.kernels.proj_tiles import block_m
+from stepgraph.model import fused_decode, kernel_plan
+from stepgraph.model.config import PRESETS
+
+
+def by_bucket(config, elem_bytes=2):
+    return {b: (path, choices) for b, path, choices in kernel_plan.kernel_plan(config, elem_bytes)}
+
+
+def test_the_1b_plan_as_committed():
+    plan = by_bucket(PRESETS["llama-3.2-1b"])
+    assert sorted(plan) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert plan[1][0] == "fused, one row (GEMV)"
+    assert plan[1][1]["qkv"] == "qkv_rope 4x1024 w4"  # the launcher's one-row halving
+    assert plan[2] == ("reference kernels (REFERENCE_ROWS)", {})
+    for b in (4, 8, 16):
+        c = plan[b][1]
+        assert c["qkv"].startswith("norm, then qkv_rope") and "TMA" not in c["qkv"]
+        assert c["gate_up"] == "norm, then gate_up_silu 64x128 w4 s3 TMA1"
+        assert c["down"] == "gemv_residual 64x128 w4 s5 split4 TMA1"
+        assert c["lm_head"] == "lm_head 256x64 w8 s3 TMA2"
+    assert plan[32][1]["qkv"] == "norm + cuBLAS + RoPE/KV write"
+    assert plan[32][1]["gate_up"].startswith("norm, then")
+    assert plan[64][1]["gate_up"] == "norm + cuBLAS + SiLU·mul"
+    assert plan[64][1]["lm_head"] == "norm + cuBLAS + argmax_rows"
+    assert plan[64][1]["o_proj"] == "gemv_residual 32x128 w4 s4 split2"
+
+
+def test_unmeasured_shapes_and_float32_run_the_reference_kernels():
+    for config, elem in ((PRESETS["llama-3.1-8b"], 2), (PRESETS["llama-3.2-1b"], 4)):
+        plan = by_bucket(config, elem)
+        assert plan[1][0] == "fused, one row (GEMV)"
+        assert all(plan[b][1] == {} and plan[b][0].startswith("reference") for b in plan if b > 1)
+
+
+def test_info_prints_the_plan(capsys):
+    assert main(["info", "--model", "llama-3.2-1b"]) == 0
+    out = capsys.readouterr().out
+    assert "decode kernels of llama-3.2-1b (bfloat16" in out
+    assert "  bs bucket 2: reference kernels (REFERENCE_ROWS)" in out
+    assert "above 64 rows: reference kernels" in out
+    assert main(["info", "--model", "no-such-model"]) == 2  # one line, naming the flag
+    assert "argument --model: 'no-such-model' is neither a preset" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def mr():
+    runner = build_model_runner("tiny", "cpu", torch.float32, max_bs=17, max_context=64)
+    fill_kv_random(runner)
+    return runner
+
+
+def test_the_plan_is_what_the_step_runs(mr, monkeypatch):
+    cfg = mr.config
+    shapes = kernel_plan.piece_shapes(cfg)
+    layer = mr.model.layers[0]
+    assert shapes["qkv"] == tuple(layer.self_attn.qkv_proj.weight.shape)
+    assert shapes["down"] == tuple(layer.mlp.down_proj.weight.shape)
+    cublas = {("qkv_rope", *shapes["qkv"], 32), ("lm_head", *shapes["lm_head"], 32)}
+    separate = {("gate_up_silu", *shapes["gate_up"], 16), ("qkv_rope", *shapes["qkv"], 16)}
+
+    def table(keys):  # the bf16 tables' element-size check lifted for this float32 model
+        return lambda kernel, m, n, k, e=2: (kernel, n, k, block_m(m)) in keys
+
+    for mod in (fused_decode, kernel_plan):
+        monkeypatch.setattr(mod, "prefer_cublas", table(cublas))
+        monkeypatch.setattr(mod, "separate_norm", table(separate))
+        monkeypatch.setattr(mod, "REFERENCE_ROWS", range(0))
+    monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
+    monkeypatch.setattr(kernel_plan, "measured", lambda *a: True)
+    ran: list[str] = []
+
+    def spy(name, fn, what):
+        monkeypatch.setattr(fused_decode, name, lambda *a, **k: ran.append(what(a)) or fn(*a, **k))
+
+    spy("qkv_rope", fused_decode.qkv_rope, lambda a: "qkv sep" if a[1] is None else "qkv fused")
+    spy("rope_kv", fused_decode.rope_kv, lambda a: "qkv cublas")
+    spy("gate_up_silu", fused_decode.gate_up_silu,
+        lambda a: "gate_up sep" if a[1] is None else "gate_up fused")  # fmt: skip
+    spy("silu_mul", fused_decode.silu_mul, lambda a: "gate_up cublas")
+    spy("lm_head_argmax", fused_decode.lm_head_argmax, lambda a: "lm_head fused")
+    spy("_cublas_head", fused_decode._cublas_head, lambda a: "lm_head cublas")
+    plan = by_bucket(cfg)
+    for bs in (3, 17):  # buckets 4 (M padded to 16) and 32
+        ran.clear()
+        batch, pages = decode_batch(mr, Point(bs, 20), seed=bs)
+        try:
+            mr.attn_backend.init_forward_metadata(batch)
+            fused_decode.fused_decode_step(mr.model, mr.attn_backend, batch.input_ids,
+                                           batch.positions)  # fmt: skip
+        finally:
+            for p in pages:
+                mr.kv_cache.release(p)
+        choices = plan[fused_decode.kernel_class(bs, mr.attn_backend)][1]
+        for piece in ("qkv", "gate_up", "lm_head"):
+            c = choices[piece]
+            want = "cublas" if "cuBLAS" in c else "sep" if c.startswith("norm, then") else "fused"
+            seen = {r for r in ran if r.startswith(piece)}
+            assert seen == {f"{piece} {want}"}, (bs, piece, c, seen)
