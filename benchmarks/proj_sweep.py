@@ -77,12 +77,12 @@ SHAPES = shapes()
 
 
 def use_preset(name: str) -> None:
-    """Sweep the projection shapes of model preset ``name`` (``stepgraph.model`` presets, e.g.
-    llama-3.1-8b) instead of llama-3.2-1b's."""
+    """Sweep the projection shapes of ``name``, a model preset (e.g. llama-3.1-8b) or a local
+    Hugging Face directory (its config.json; no weights are read), instead of llama-3.2-1b's."""
     global H, Q, KV, INTER, VOCAB, HD, SHAPES
-    from stepgraph.model.config import PRESETS
+    from stepgraph.cli_args import model_config
 
-    c = PRESETS[name]
+    c = model_config(name)
     H, INTER, VOCAB, HD = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     Q, KV = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     SHAPES = shapes()
@@ -153,7 +153,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--tiles-out", help="write the best tiles here ($STEPGRAPH_PROJ_TILES)")
     ap.add_argument("--cases", default="", help=f"comma list of {', '.join(CANDIDATES)}")
-    ap.add_argument("--preset", default="llama-3.2-1b", help="the model whose shapes to sweep")
+    ap.add_argument(
+        "--preset",
+        default="llama-3.2-1b",
+        help="the model whose shapes to sweep (a preset or a local HF directory)",
+    )
     args = ap.parse_args(argv)
     use_preset(args.preset)
     i, n_shards = map(int, args.shard.split("/"))

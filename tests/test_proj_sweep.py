@@ -38,3 +38,18 @@ def test_preset_shapes_are_the_model_weight_shapes():
     assert sweep.SHAPES["qkv_normed"][1:] == sweep.SHAPES["qkv"][1:]
     sweep.use_preset("llama-3.1-8b")
     assert sweep.SHAPES["down"] == ("gemv_residual", 4096, 14336)
+
+
+def test_a_local_hf_directory_gives_its_shapes(tmp_path):
+    import json
+
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
+          "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+          "max_position_embeddings": 512, "rope_theta": 10000.0}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    sweep = load_sweep()
+    sweep.use_preset(str(tmp_path))
+    assert sweep.SHAPES["qkv"] == ("qkv_rope", 256 + 2 * 64, 256)  # head_dim 32, 2 KV heads
+    assert sweep.SHAPES["down"] == ("gemv_residual", 256, 688)
+    assert sweep.SHAPES["lm_head"] == ("lm_head", 1000, 256)

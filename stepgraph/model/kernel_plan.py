@@ -29,6 +29,9 @@ PIECES = {
 }
 
 
+UNMEASURED = "no measured tiles for these shapes; docs/tuning.md"
+
+
 def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """``[n, k]`` of each projection's (fused) weight, as the model holds it unsharded."""
     h, inter = config.hidden_size, config.intermediate_size
@@ -76,7 +79,7 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
             out.append((b, "reference kernels (REFERENCE_ROWS)", {}))
             continue
         if b > 1 and not all(measured(PIECES[p][0], b, *shapes[p], elem_bytes) for p in PIECES):
-            out.append((b, "reference kernels (no measured tiles for these shapes)", {}))
+            out.append((b, f"reference kernels ({UNMEASURED})", {}))
             continue
         path = "fused, one row (GEMV)"
         if b > 1:
