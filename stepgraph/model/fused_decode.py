@@ -15,9 +15,9 @@ Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200, 2026-12-01). Two rows 
 (issue 21): the same kernels on tensor cores, M padded to 16/32/64, split-K where the output is
 narrow, tiles per (shape, bs bucket) in ``kernels/proj_tiles.TILES`` (measured by
 ``benchmarks/proj_sweep.py``; some stream the weight through TMA, ``kernels/tma_tiles.py``).
-Where cuBLAS plus the small kernels measured faster (``proj_tiles.CUBLAS``: qkv at 17-64 rows,
-gate-up and the LM head at 33-64) the step runs RMSNorm, cuBLAS and RoPE/KV-write (SiLU·mul,
-argmax_rows) there instead; where the norm measured faster as its own kernel
+Where cuBLAS plus the small kernels measured faster (``proj_tiles.CUBLAS``: qkv and the LM
+head at 17-64 rows, gate-up at 33-64) the step runs RMSNorm, cuBLAS and RoPE/KV-write
+(SiLU·mul, argmax_rows) there instead; where the norm measured faster as its own kernel
 (``proj_tiles.SEPARATE_NORM``: qkv at 2-16 rows, gate-up at 2-32) it runs first and the fused
 kernel reads the normed x; ``REFERENCE_ROWS`` (bucket 2) runs the reference kernels inside the
 step. Measured (H200, 2026-12-01, ``stepgraph bench``, graph, ctx 512): bs 8 1.105 ms (56% of
