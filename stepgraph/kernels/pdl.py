@@ -50,7 +50,8 @@ PDL_ENV = "STEPGRAPH_PDL"  # "0" turns PDL off everywhere (an escape hatch and t
 
 
 @functools.cache
-def _device_supports_pdl(index: int) -> bool:
+def hopper_or_later(index: int) -> bool:
+    """Whether CUDA device ``index`` has compute capability 9.0 or later (PDL, TMA)."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -63,7 +64,7 @@ def pdl_enabled(device: torch.device | str | None) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
-    return _device_supports_pdl(device.index if device.index is not None else 0)
+    return hopper_or_later(device.index if device.index is not None else 0)
 
 
 def resolve_pdl(use_pdl: bool | None, device: torch.device | str) -> bool:
@@ -92,6 +93,7 @@ __all__ = [
     "PDL_ENV",
     "gdc_launch_dependents",
     "gdc_wait",
+    "hopper_or_later",
     "launch_options",
     "pdl_enabled",
     "pdl_wait_then_trigger",

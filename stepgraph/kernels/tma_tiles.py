@@ -27,7 +27,6 @@ it off everywhere (the A/B switch of a measurement).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -35,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .gemv_tiles import FENCE, first_w_tile, gemv_loop, mul_acc, row_inv_rms, x_tile
+from .pdl import hopper_or_later
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -49,11 +49,6 @@ PREFETCH_ENV = "STEPGRAPH_L2_PREFETCH"  # bytes a program asks L2 for before the
 PREFETCH_BYTES = 0
 
 
-@functools.cache
-def _device_has_tma(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether every tensor can back a TMA descriptor: 2-D, last dimension contiguous, base and
     row stride 16-byte aligned, on a Hopper-or-later GPU (or under ``TRITON_INTERPRET=1``), and
@@ -66,7 +61,7 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
             return False
         if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False
-        if not interpret and (t.device.type != "cuda" or not _device_has_tma(t.device.index or 0)):
+        if not interpret and (t.device.type != "cuda" or not hopper_or_later(t.device.index or 0)):
             return False
     return True
 
