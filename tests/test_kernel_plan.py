@@ -25,14 +25,16 @@ def test_the_1b_plan_as_committed():
     assert plan[1][0] == "fused, one row (GEMV)"
     assert plan[1][1]["qkv"] == "qkv_rope 4x1024 w4"  # the launcher's one-row halving
     assert plan[2] == ("reference kernels (REFERENCE_ROWS)", {})
+    sums = ", the norm from the sums of squares"
     for b in (4, 8, 16):
         c = plan[b][1]
-        assert c["qkv"].startswith("norm, then qkv_rope") and "TMA" not in c["qkv"]
-        assert c["gate_up"] == "norm, then gate_up_silu 64x128 w4 s3 TMA1"
+        assert c["qkv"].startswith("qkv_rope ") and "TMA" not in c["qkv"]
+        assert c["qkv"].endswith(f"{sums} (layer 0: norm, then qkv_rope 32x256 w4 s3 split4)")
+        assert c["gate_up"] == "gate_up_silu 64x128 w4 s3 TMA1" + sums  # the _normed tile
         assert c["down"] == "gemv_residual 64x128 w4 s5 split4 TMA1"
-        assert c["lm_head"] == "lm_head 256x64 w8 s3 TMA2"
+        assert c["lm_head"] == "lm_head 256x64 w8 s3 TMA2" + sums
     assert plan[32][1]["qkv"] == "norm + cuBLAS + RoPE/KV write"
-    assert plan[32][1]["gate_up"].startswith("norm, then")
+    assert plan[32][1]["gate_up"].endswith(sums)
     assert plan[64][1]["gate_up"] == "norm + cuBLAS + SiLU·mul"
     assert plan[64][1]["lm_head"] == "norm + cuBLAS + argmax_rows"
     assert plan[64][1]["o_proj"] == "gemv_residual 32x128 w4 s4 split2"
@@ -62,7 +64,18 @@ def mr():
     return runner
 
 
-def test_the_plan_is_what_the_step_runs(mr, monkeypatch):
+def expected(piece: str, choice: str) -> set[str]:
+    """The spy's names for what ``choice`` (a plan line) launches for ``piece``."""
+    if "cuBLAS" in choice:
+        return {f"{piece} cublas"}
+    if "the norm from the sums of squares" in choice:
+        layer0 = choice.split(" (layer 0: ")[1][:-1] if "(layer 0: " in choice else None
+        return {f"{piece} handoff"} | (expected(piece, layer0) if layer0 else set())
+    return {f"{piece} sep" if choice.startswith("norm, then") else f"{piece} fused"}
+
+
+@pytest.mark.parametrize("handoff", [True, False])
+def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
     cfg = mr.config
     shapes = kernel_plan.piece_shapes(cfg)
     layer = mr.model.layers[0]
@@ -78,20 +91,30 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch):
         monkeypatch.setattr(mod, "prefer_cublas", table(cublas))
         monkeypatch.setattr(mod, "separate_norm", table(separate))
         monkeypatch.setattr(mod, "REFERENCE_ROWS", range(0))
+        monkeypatch.setattr(mod, "NORM_HANDOFF", handoff)
     monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
     monkeypatch.setattr(kernel_plan, "measured", lambda *a: True)
     ran: list[str] = []
 
     def spy(name, fn, what):
-        monkeypatch.setattr(fused_decode, name, lambda *a, **k: ran.append(what(a)) or fn(*a, **k))
+        def call(*a, **k):
+            ran.append(what(a, k))
+            return fn(*a, **k)
 
-    spy("qkv_rope", fused_decode.qkv_rope, lambda a: "qkv sep" if a[1] is None else "qkv fused")
-    spy("rope_kv", fused_decode.rope_kv, lambda a: "qkv cublas")
-    spy("gate_up_silu", fused_decode.gate_up_silu,
-        lambda a: "gate_up sep" if a[1] is None else "gate_up fused")  # fmt: skip
-    spy("silu_mul", fused_decode.silu_mul, lambda a: "gate_up cublas")
-    spy("lm_head_argmax", fused_decode.lm_head_argmax, lambda a: "lm_head fused")
-    spy("_cublas_head", fused_decode._cublas_head, lambda a: "lm_head cublas")
+        monkeypatch.setattr(fused_decode, name, call)
+
+    def kind(piece):
+        return lambda a, k: (
+            f"{piece} handoff" if k.get("ssq") is not None
+            else f"{piece} sep" if len(a) > 1 and a[1] is None else f"{piece} fused"
+        )  # fmt: skip
+
+    spy("qkv_rope", fused_decode.qkv_rope, kind("qkv"))
+    spy("rope_kv", fused_decode.rope_kv, lambda a, k: "qkv cublas")
+    spy("gate_up_silu", fused_decode.gate_up_silu, kind("gate_up"))
+    spy("silu_mul", fused_decode.silu_mul, lambda a, k: "gate_up cublas")
+    spy("lm_head_argmax", fused_decode.lm_head_argmax, kind("lm_head"))
+    spy("_cublas_head", fused_decode._cublas_head, lambda a, k: "lm_head cublas")
     plan = by_bucket(cfg)
     for bs in (3, 17):  # buckets 4 (M padded to 16) and 32
         ran.clear()
@@ -106,6 +129,6 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch):
         choices = plan[fused_decode.kernel_class(bs, mr.attn_backend)][1]
         for piece in ("qkv", "gate_up", "lm_head"):
             c = choices[piece]
-            want = "cublas" if "cuBLAS" in c else "sep" if c.startswith("norm, then") else "fused"
             seen = {r for r in ran if r.startswith(piece)}
-            assert seen == {f"{piece} {want}"}, (bs, piece, c, seen)
+            assert seen == expected(piece, c), (bs, piece, c, seen)
+            assert ("sums of squares" in c) == (handoff and "cuBLAS" not in c)

@@ -25,6 +25,7 @@ from .gemv_tiles import (
     splitk_reduce,
 )
 from .norm_gemv import rmsnorm_reference
+from .norm_handoff import ssq_args
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
@@ -32,10 +33,11 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 @triton.jit
 def _gate_up_silu_kernel(
-    x_ptr, norm_w_ptr, w_ptr, out_ptr, ws_ptr, ticket_ptr, w_desc, x_desc,
-    M, INTER, K, eps,
-    stride_xm, stride_wn, stride_om,
-    NORM: tl.constexpr, USE_PDL: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
+    x_ptr, norm_w_ptr, w_ptr, out_ptr, ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr,
+    M, INTER, K, eps, n_parts,
+    stride_xm, stride_wn, stride_om, stride_sm,
+    NORM: tl.constexpr, SSQ_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    TMA: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -57,8 +59,8 @@ def _gate_up_silu_kernel(
     pdl_wait_then_trigger(USE_PDL)
     gate, up = proj_loop(  # -> [BLOCK_M, BLOCK_N] float32 each
         w_desc, n0, n0 + INTER, x_desc, g_ptrs, u_ptrs, wg, wu, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps,
-        TMA, NORM, True, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK,
+        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
+        TMA, NORM, True, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK, SSQ_PAD,
     )  # fmt: skip
     rows = BLOCK_M
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
@@ -76,10 +78,11 @@ def _gate_up_silu_kernel(
     )
 
 
-def _kernel_name(norm_w) -> str:
+def _kernel_name(norm_w, ssq) -> str:
     """The table name: ``gate_up_silu``, or ``gate_up_silu_normed`` for an x normed already
-    (``norm_w`` None: the norm ran as its own kernel before, ``proj_tiles.SEPARATE_NORM``)."""
-    return "gate_up_silu" if norm_w is not None else "gate_up_silu_normed"
+    (``norm_w`` None: the norm ran as its own kernel before, ``proj_tiles.SEPARATE_NORM``) or
+    normed from its sums of squares (``ssq``: no pass over x either)."""
+    return "gate_up_silu" if norm_w is not None and ssq is None else "gate_up_silu_normed"
 
 
 def gate_up_silu_reference(
@@ -101,6 +104,7 @@ def gate_up_silu(
     *,
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N pairs, BLOCK_K, num_warps[, num_stages])
+    ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff), with norm_w
 ) -> torch.Tensor:  # [M, I], x.dtype
     """``silu(gate) * up`` of ``rmsnorm(x) @ weight.T`` in one launch."""
     m, k = x.shape
@@ -110,7 +114,7 @@ def gate_up_silu(
         tile = (
             as_tile(blocks)
             if blocks is not None
-            else tile_for(_kernel_name(norm_w), m, 2 * inter, k, weight.element_size())
+            else tile_for(_kernel_name(norm_w, ssq), m, 2 * inter, k, weight.element_size())
         )
         check_tile("gate_up_silu", tile, m)
         pdl = resolve_pdl(use_pdl, x.device)
@@ -120,12 +124,13 @@ def gate_up_silu(
             elems = tiles * tile.split_k * 2 * block_m(m) * tile.block_n
             ws, tickets = splitk_workspace(x.device, elems, tiles)
         descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
+        sums, stride_s, n_parts, ssq_pad = ssq_args(ssq if norm_w is not None else None, m, out)
         _gate_up_silu_kernel[(tiles, tile.split_k)](
             x, norm_w if norm_w is not None else weight, weight, out, ws, tickets,
-            *(descs or (x, x)),
-            m, inter, k, eps,
-            x.stride(0), weight.stride(0), out.stride(0),
-            NORM=norm_w is not None, USE_PDL=pdl, TMA=tile.tma if descs else 0,
+            *(descs or (x, x)), sums,
+            m, inter, k, eps, n_parts,
+            x.stride(0), weight.stride(0), out.stride(0), stride_s,
+            NORM=norm_w is not None, SSQ_PAD=ssq_pad, USE_PDL=pdl, TMA=tile.tma if descs else 0,
             PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k,
                                     x.element_size(), True) if descs else 0,
             BLOCK_M=block_m(m),

@@ -65,6 +65,7 @@ def lm_head_argmax(
     tokens_out: torch.Tensor | None = None,  # [M] int64
     use_pdl: bool | None = None,
     blocks: tuple[int, int, int] | None = None,  # norm_gemv's (BLOCK_N, BLOCK_K, num_warps)
+    ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff): the norm from them
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [M, vocab] float32, tokens [M] int64)
     """Float32 logits of ``rmsnorm(x) @ weight.T`` and their argmax per row: two launches,
     into ``logits_out`` / ``tokens_out`` when given (a graph's static buffers)."""
@@ -77,6 +78,7 @@ def lm_head_argmax(
     logits = norm_gemv(
         x, norm_w, weight, None, eps, torch.float32,
         argmax_parts=(part_val, part_idx), out=logits_out, use_pdl=use_pdl, blocks=blocks,
+        ssq=ssq,
     )  # fmt: skip
     if m:
         pdl = resolve_pdl(use_pdl, x.device)

@@ -24,6 +24,7 @@ from .gemv_tiles import (
     norm_block,
     splitk_reduce,
 )
+from .norm_handoff import row_ssq, ssq_args
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
@@ -32,10 +33,12 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 @triton.jit
 def _norm_gemv_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_val_ptr, part_idx_ptr,
-    ws_ptr, ticket_ptr, w_desc, x_desc,
-    M, N, K, eps,
-    stride_xm, stride_wn, stride_rm, stride_ym, stride_pm,
+    ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr,
+    M, N, K, eps, n_parts,
+    stride_xm, stride_wn, stride_rm, stride_ym, stride_pm, stride_sm,
     NORM: tl.constexpr,  # RMSNorm prologue (norm_w, eps)
+    SSQ_PAD: tl.constexpr,  # NORM: > 0, the 1 / RMS from ssq (norm_handoff), else from x
+    SSQ_OUT: tl.constexpr,  # write each row's sum of squares of y's tile into ssq[:, pid_n]
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,  # y = residual + (x @ w.T).to(dtype)
     ARGMAX: tl.constexpr,  # write (max, first index of max) of this program's columns
@@ -60,8 +63,8 @@ def _norm_gemv_kernel(
     pdl_wait_then_trigger(USE_PDL)
     acc, _ = proj_loop(  # -> [BLOCK_M, BLOCK_N] float32
         w_desc, n0, 0, x_desc, w_ptrs, w_ptrs, w, w, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps,
-        TMA, NORM, False, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK,
+        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
+        TMA, NORM, False, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK, SSQ_PAD,
     )  # fmt: skip
     if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
         acc, _, rows = splitk_reduce(
@@ -77,6 +80,8 @@ def _norm_gemv_kernel(
         acc = acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
+    if SSQ_OUT:
+        row_ssq(y, mask, ssq_ptr, stride_sm, pid_n, mask_m, BLOCK_M)
     if ARGMAX:
         # -- over the values as stored (float32 logits: the same), masked columns at -inf --
         vals = tl.where(mask_n[None, :], y.to(tl.float32), float("-inf"))
@@ -103,7 +108,11 @@ def gemv_residual_reference(x, weight, residual) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight) + residual
 
 
-def _launch(x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks, kernel):
+def _launch(
+    x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks, kernel,
+    ssq_in=None, ssq_out=False,
+):  # fmt: skip
+    # -> the sums of squares [M, column tiles] float32 when ssq_out, else None
     m, k = x.shape
     n = weight.shape[0]
     tile = (
@@ -119,15 +128,21 @@ def _launch(x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, 
         ws, tickets = splitk_workspace(x.device, elems, tiles)
     pdl = resolve_pdl(use_pdl, x.device)
     descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
+    ssq, stride_s, n_parts, ssq_pad = ssq_args(ssq_in, m, y)
+    sums = None
+    if ssq_out:
+        ssq = sums = torch.empty(m, tiles, dtype=torch.float32, device=y.device)
+        stride_s = sums.stride(0)
     _norm_gemv_kernel[(tiles, tile.split_k)](
         x, norm_w if norm else weight, weight, bias if bias is not None else weight,
         residual if residual is not None else y, y, part_val, part_idx, ws, tickets,
-        *(descs or (x, x)),
-        m, n, k, eps,
+        *(descs or (x, x)), ssq,
+        m, n, k, eps, n_parts,
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0),
-        part_val.stride(0) if parts is not None else 0,
-        NORM=norm, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+        part_val.stride(0) if parts is not None else 0, stride_s,
+        NORM=norm, SSQ_PAD=ssq_pad, SSQ_OUT=ssq_out,
+        HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=parts is not None, USE_PDL=pdl, TMA=tile.tma if descs else 0,
         PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k, x.element_size(),
                                 False) if descs else 0,
@@ -135,6 +150,7 @@ def _launch(x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, 
         NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
         **launch_options(pdl),
     )  # fmt: skip
+    return sums
 
 
 def norm_gemv(
@@ -149,6 +165,7 @@ def norm_gemv(
     out: torch.Tensor | None = None,  # [M, N] out_dtype, rows contiguous: written in place
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N, BLOCK_K, num_warps[, stages[, split_k]])
+    ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff): the norm from them
 ) -> torch.Tensor:  # [M, N], out_dtype (default x.dtype)
     """``rmsnorm(x) @ weight.T + bias`` in one launch, float32 accumulation."""
     y = out
@@ -158,6 +175,7 @@ def norm_gemv(
         _launch(
             x, norm_w, weight, bias, None, y, argmax_parts, eps, norm=True, use_pdl=use_pdl,
             blocks=blocks, kernel="lm_head" if argmax_parts is not None else "norm_gemv",
+            ssq_in=ssq,
         )  # fmt: skip
     return y
 
@@ -171,21 +189,25 @@ def gemv_residual(
     # reads and writes only its own columns)
     use_pdl: bool | None = None,
     blocks=None,  # as norm_gemv's
-) -> torch.Tensor:  # [M, N], residual.dtype (x.dtype without one)
+    ssq: bool = False,
+):  # -> y [M, N], residual.dtype (x.dtype without one); with ssq, (y, ssq [M, tiles] f32)
     """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first);
-    ``residual=None``: ``x @ weight.T`` (a tensor-parallel rank's partial sum)."""
+    ``residual=None``: ``x @ weight.T`` (a tensor-parallel rank's partial sum). ``ssq=True``
+    also returns each row's float32 sum of squares of y per column tile, for the next norm
+    (``norm_handoff``: pass it as the consumer's ``ssq``)."""
     if out is not None:
         y = out
     elif residual is not None:
         y = torch.empty_like(residual)
     else:
         y = x.new_empty(x.shape[0], weight.shape[0])
+    sums = torch.empty(0, 1, dtype=torch.float32, device=y.device)
     if x.shape[0]:
-        _launch(
+        sums = _launch(
             x, None, weight, None, residual, y, None, 0.0,
-            norm=False, use_pdl=use_pdl, blocks=blocks, kernel="gemv_residual",
+            norm=False, use_pdl=use_pdl, blocks=blocks, kernel="gemv_residual", ssq_out=ssq,
         )  # fmt: skip
-    return y
+    return (y, sums) if ssq else y
 
 
 def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2) -> int:

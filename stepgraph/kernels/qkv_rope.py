@@ -26,6 +26,7 @@ from .gemv_tiles import (
     splitk_reduce,
 )
 from .norm_gemv import rmsnorm_reference
+from .norm_handoff import ssq_args
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import (
     Tile,
@@ -43,11 +44,11 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 @triton.jit
 def _qkv_rope_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, ws_ptr, ticket_ptr, w_desc, x_desc,
-    M, K, eps,
-    stride_xm, stride_wn, stride_qm, stride_cos, stride_slot,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr,
+    M, K, eps, n_parts,
+    stride_xm, stride_wn, stride_qm, stride_cos, stride_slot, stride_sm,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SSQ_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     TMA: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -75,8 +76,8 @@ def _qkv_rope_kernel(
     pdl_wait_then_trigger(USE_PDL)
     acc1, acc2 = proj_loop(  # -> [BLOCK_M, BLOCK_D] float32 each
         w_desc, r1, r1 + HALF, x_desc, w1_ptrs, w2_ptrs, w1, w2, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps,
-        TMA, NORM, True, BLOCK_M, BLOCK_D, BLOCK_K, NORM_BLOCK,
+        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
+        TMA, NORM, True, BLOCK_M, BLOCK_D, BLOCK_K, NORM_BLOCK, SSQ_PAD,
     )  # fmt: skip
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         acc1, acc2, rows = splitk_reduce(
@@ -116,8 +117,9 @@ def _qkv_rope_kernel(
 
 
 def qkv_tile(norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2) -> Tile:
-    """The tile ``qkv_rope`` launches for ``m`` rows (``norm``: with the norm prologue): the
-    table's, and at one row the one-row rule halved, since it counts both halves of a pair."""
+    """The tile ``qkv_rope`` launches for ``m`` rows (``norm``: with the norm prologue's pass
+    over x; False for an x normed already or normed from its sums of squares): the table's, and
+    at one row the one-row rule halved, since it counts both halves of a pair."""
     tile = tile_for("qkv_rope" if norm else "qkv_rope_normed", m, n_rows, k, elem_bytes)
     if m == 1:
         tile = Tile(max(1, min(half, tile.block_n // 2)), tile.block_k, tile.num_warps)
@@ -151,6 +153,7 @@ def qkv_rope(
     *,
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_D, BLOCK_K, num_warps[, num_stages])
+    ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff), with norm_w
 ) -> torch.Tensor:  # [M, n_heads, head_dim], rotated q
     """Norm, qkv projection, RoPE and KV write in one launch; returns q. Slots are not
     bounds-checked on the device (padded graph rows must point at scratch slots)."""
@@ -161,7 +164,8 @@ def qkv_rope(
     if m:
         n_rows = (n_heads + 2 * n_kv) * hd
         if blocks is None:
-            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, weight.element_size())
+            prologue = norm_w is not None and ssq is None
+            tile = qkv_tile(prologue, m, n_rows, k, half, weight.element_size())
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
@@ -177,15 +181,17 @@ def qkv_rope(
             elems = tiles * tile.split_k * 2 * block_m(m) * bd
             ws, tickets = splitk_workspace(x.device, elems, tiles)
         descs = tma_descriptors(tile, m, x, weight, bd)  # None: the pointer loop
+        sums, stride_s, n_parts, ssq_pad = ssq_args(ssq if norm_w is not None else None, m, q)
         _qkv_rope_kernel[(tiles, tile.split_k)](
             x, norm_w if norm_w is not None else weight, weight,
             bias if bias is not None else weight,
             positions, slots, cos_table, sin_table, q, k_cache, v_cache, ws, tickets,
-            *(descs or (x, x)),
-            m, k, eps,
+            *(descs or (x, x)), sums,
+            m, k, eps, n_parts,
             x.stride(0), weight.stride(0), q.stride(0), cos_table.stride(0), k_cache.stride(1),
+            stride_s,
             N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=half,
-            HAS_BIAS=bias is not None, NORM=norm_w is not None, USE_PDL=pdl,
+            HAS_BIAS=bias is not None, NORM=norm_w is not None, SSQ_PAD=ssq_pad, USE_PDL=pdl,
             TMA=tile.tma if descs else 0,
             PREFETCH=prefetch_lines(bd, k, tile.split_k, tile.block_k, x.element_size(), True)
             if descs else 0,

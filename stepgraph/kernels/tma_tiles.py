@@ -33,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_tiles import FENCE, first_w_tile, gemv_loop, mul_acc, row_inv_rms, x_tile
+from .gemv_tiles import (
+    FENCE,
+    first_w_tile,
+    gemv_loop,
+    mul_acc,
+    row_inv_rms,
+    x_tile,
+)
+from .norm_handoff import ssq_inv_rms
 from .pdl import hopper_or_later
 
 try:  # Triton >= 3.4
@@ -191,16 +199,20 @@ def weights_before_wait(
 @triton.jit
 def proj_loop(
     w_desc, row1, row2, x_desc, w1_ptrs, w2_ptrs, w1, w2, mask_n,
-    x_ptr, nw_ptr, stride_xm, M, K, k_lo, k_hi, eps,
+    x_ptr, nw_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
     TMA: tl.constexpr, NORM: tl.constexpr, PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, SSQ_PAD: tl.constexpr,
 ):  # fmt: skip
     # The part after the wait: each row's 1 / RMS when NORM (ones for an x that needs no norm:
-    # o_proj, down, or x normed by its own kernel), then the K loop through descriptors
-    # (tma_loop) or pointers (gemv_tiles.gemv_loop, from the tiles weights_before_wait held).
-    # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)
-    if NORM:
+    # o_proj, down, or x normed by its own kernel), from x itself or, SSQ_PAD > 0, from the
+    # sums of squares x's writer left (norm_handoff.ssq_inv_rms); then the K loop through
+    # descriptors (tma_loop) or pointers (gemv_tiles.gemv_loop, from the tiles
+    # weights_before_wait held). -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1
+    # unless PAIRED)
+    if NORM and SSQ_PAD > 0:
+        inv_rms = ssq_inv_rms(ssq_ptr, stride_sm, M, n_parts, K, eps, BLOCK_M, SSQ_PAD)
+    elif NORM:
         inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     else:
         inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)

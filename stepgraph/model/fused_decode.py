@@ -10,21 +10,19 @@
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  2 launches
 
-One row: the broadcast-multiply GEMV tiles (``gemv_tiles``); 103 kernels a step for
-Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200, 2026-12-01). Two rows and more
-(issue 21): the same kernels on tensor cores, M padded to 16/32/64, split-K where the output is
-narrow, tiles per (shape, bs bucket) in ``kernels/proj_tiles.TILES`` (measured by
-``benchmarks/proj_sweep.py``; some stream the weight through TMA, ``kernels/tma_tiles.py``).
-Where cuBLAS plus the small kernels measured faster (``proj_tiles.CUBLAS``: qkv and the LM
-head at 17-64 rows, gate-up at 33-64) the step runs RMSNorm, cuBLAS and RoPE/KV-write
-(SiLU·mul, argmax_rows) there instead; where the norm measured faster as its own kernel
-(``proj_tiles.SEPARATE_NORM``: qkv at 2-16 rows, gate-up at 2-32) it runs first and the fused
-kernel reads the normed x; ``REFERENCE_ROWS`` (bucket 2) runs the reference kernels inside the
-step. Measured (H200, 2026-12-01, ``stepgraph bench``, graph, ctx 512): bs 8 1.105 ms (56% of
-the floor, 135 kernels), bs 32 1.278 (56%), bs 64 1.456 (58%); docs/results.md has the rest.
-The kernels are launched with programmatic dependent launch where the GPU has it
-(``kernels/pdl.py``); the attention kernels are not (measured slower with it at bs=1, see
-``flash_decode``).
+One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 103 kernels a step for
+Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200). Two rows and more (issue 21): the
+same kernels on tensor cores, M padded to 16/32/64, split-K where the output is narrow, tiles
+per (shape, bs bucket) in ``kernels/proj_tiles.TILES`` (``benchmarks/proj_sweep.py``; some
+through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster (``proj_tiles.CUBLAS``:
+qkv and the LM head at 17-64 rows, gate-up at 33-64) the step runs RMSNorm, cuBLAS and
+RoPE/KV-write (SiLU·mul, argmax_rows). Elsewhere the norm before qkv (from layer 1), gate-up
+and the LM head comes from the sums of squares o_proj and down leave beside the residual
+(``handoff``, ``kernels/norm_handoff.py``): no norm kernel. Layer 0's runs as its own kernel
+where ``proj_tiles.SEPARATE_NORM`` says, else in the prologue. ``REFERENCE_ROWS`` (bucket 2)
+runs the reference kernels inside the step. docs/results.md has the figures. The kernels are
+launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``); the
+attention kernels are not (measured slower with it, see ``flash_decode``).
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused step serves batches of up to
@@ -43,7 +41,6 @@ from torch import nn
 
 from ..buckets import replay_bucket
 from ..errors import ConfigError
-from ..kernels.argmax_rows import argmax_rows
 from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_act import silu_mul
 from ..kernels.gate_up_silu import gate_up_silu
@@ -54,18 +51,16 @@ from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
 from .llama import Linear, LlamaModel
 from .parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from .step_heads import cublas_head as _cublas_head
+from .step_heads import greedy_tokens as _greedy
 
 KERNEL_CHOICES = ("fused", "reference")
 # Rows the fused step serves (``gemv_tiles.MAX_M``: one launch takes up to 64 rows).
 FUSED_MAX_BS = 64
-# Batch sizes the fused step serves with the reference kernels (cuBLAS, separate norm, RoPE,
-# SiLU), its greedy tokens still computed in the step, decided by measurement (H200, 2026-12-01,
-# ``stepgraph bench``, graph mode, ctx 512, ms, one call, reference rows / tensor cores with the
-# norm as its own kernel where ``proj_tiles.SEPARATE_NORM`` says): bs 2 1.059 / 1.100, bs 4
-# 1.076 / 1.066, bs 8 1.122 / 1.105, bs 16 1.204 / 1.169, bs 32 1.309 / 1.278, bs 64 1.458 /
-# 1.456 (docs/results.md, run E5). So only bucket 2 runs the reference kernels. Chosen on the
-# batch size's default bucket (``kernel_class``): a live batch replays the graph of its bucket,
-# and eager and graph must pick the same kernels.
+# Batch sizes the fused step serves with the reference kernels (greedy tokens still taken in
+# the step), by measurement (docs/results.md, run E5: bs 2 1.059 ms on them against 1.100 on
+# tensor cores; bs 4 to 64 faster on tensor cores). Chosen on the batch size's bucket
+# (``kernel_class``): a live batch replays its bucket's graph, and eager must pick the same.
 REFERENCE_ROWS = range(2, 3)
 # The A/B switch of that measurement: STEPGRAPH_REFERENCE_ROWS="LO-HI" (buckets LO..HI on the
 # reference kernels) or "none" (the fused kernels at every bs)
@@ -80,6 +75,9 @@ if _ROWS_ENV:
         raise ConfigError(
             f"STEPGRAPH_REFERENCE_ROWS={_ROWS_ENV!r}: give LO-HI (e.g. 2-32) or none"
         ) from None
+# The norm handoff at two rows and more (``handoff``); STEPGRAPH_NORM_HANDOFF=0 turns it off
+# (the A/B switch of its measurement)
+NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
 # always takes the default (on, measured 2026-11-30)
 ROWS_PDL: bool | None = None
@@ -169,36 +167,55 @@ def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
     )  # fmt: skip
 
 
-def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl) -> torch.Tensor:
-    """``r + x @ W.T`` in one launch. A row-parallel shard: rank 0 adds the residual in the
-    epilogue, the others project alone, and the in-place all-reduce sums them, so every rank
-    holds the same ``r + sum of the partials`` (rounded once more than the reference path's
+def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl, ssq: bool = False):
+    """``(r + x @ W.T, its sums of squares or None)`` in one launch (``ssq``: the next norm's,
+    ``kernels/norm_handoff``; unsharded only). A row-parallel shard: rank 0 adds the residual
+    in the epilogue, the others project alone, and the in-place all-reduce sums them, so every
+    rank holds the same ``r + sum of the partials`` (rounded once more than the reference path's
     ``r + all_reduce(partials)``: the two agree within bf16 rounding, not bit for bit)."""
     if type(proj) is not RowParallelLinear or proj.world_size == 1:
-        return gemv_residual(x, proj.weight, r, use_pdl=use_pdl)
+        if ssq:
+            return gemv_residual(x, proj.weight, r, use_pdl=use_pdl, ssq=True)
+        return gemv_residual(x, proj.weight, r, use_pdl=use_pdl), None
     y = gemv_residual(x, proj.weight, r if dist.get_rank(proj.group) == 0 else None,
                       use_pdl=use_pdl)  # fmt: skip
     dist.all_reduce(y, group=proj.group)  # in place, on the stream: graph-capturable
-    return y
+    return y, None
 
 
-def _cublas_head(model: LlamaModel, h: torch.Tensor, logits_out, tokens_out) -> torch.Tensor:
-    """The LM head of the normed ``h`` as ``F.linear`` (into ``logits_out`` when given), then the
-    greedy tokens into ``tokens_out`` when given: the reference rows' head, and the fused step's
-    where cuBLAS measured faster."""
-    logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
-    if tokens_out is not None:
-        _greedy(logits, tokens_out)
-    return logits
+def _cublas(lin, kernel: str, bs: int) -> bool:
+    """Whether the step runs ``lin`` (a consumer of a norm) as norm + cuBLAS at ``bs`` rows."""
+    return prefer_cublas(kernel, bs, *lin.weight.shape, lin.weight.element_size())
 
 
-def _greedy(logits: torch.Tensor, tokens_out: torch.Tensor) -> None:
-    """The greedy tokens of logits a cuBLAS head wrote: ``argmax_rows`` on CUDA (two small
-    launches instead of torch's 27 µs one at bs 8), ``torch.argmax`` on the CPU (same tokens)."""
-    if logits.is_cuda and logits.stride(-1) == 1:
-        argmax_rows(logits, tokens_out)
-    else:
-        torch.argmax(logits, -1, out=tokens_out)
+def handoff(bs: int, model: LlamaModel) -> bool:
+    """Whether the fused step at ``bs`` rows takes the norms before qkv (from layer 1 on),
+    gate-up and the LM head from the sums of squares o_proj and down leave beside the residual
+    (``kernels/norm_handoff``): at tensor-core rows of an unsharded model, where the consumer
+    is a fused kernel (not norm + cuBLAS), unless ``STEPGRAPH_NORM_HANDOFF=0``."""
+    down = model.layers[0].mlp.down_proj
+    sharded = type(down) is RowParallelLinear and down.world_size > 1
+    return NORM_HANDOFF and bs > 1 and not sharded
+
+
+def _qkv(model, layer, i, r, ssq, positions, meta, kv, n_heads, use_pdl) -> torch.Tensor:
+    """Layer ``i``'s q ``[bs, n_heads, head_dim]``, rotated; this token's K/V into the pages:
+    norm + cuBLAS + RoPE/KV write where ``proj_tiles.CUBLAS`` says, else ``qkv_rope`` with the
+    norm from ``ssq`` (the norm handoff), as its own kernel first (``SEPARATE_NORM``), or in
+    the prologue."""
+    attn, norm1 = layer.self_attn, layer.input_layernorm
+    w_qkv, bs = attn.qkv_proj.weight, r.shape[0]
+    if prefer_cublas("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size()):  # norm GEMM RoPE
+        return rope_kv(
+            attn.qkv_proj(norm1(r)[0]), positions, model.rope_cos, model.rope_sin,
+            kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
+        )  # fmt: skip
+    sep = ssq is None and separate_norm("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size())
+    return qkv_rope(
+        norm1(r)[0] if sep else r, None if sep else norm1.weight, w_qkv,
+        attn.qkv_proj.bias, norm1.eps, positions, model.rope_cos, model.rope_sin,
+        kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, use_pdl=use_pdl, ssq=ssq,
+    )  # fmt: skip
 
 
 def fused_decode_step(
@@ -222,32 +239,28 @@ def fused_decode_step(
     if use_pdl is None and bs > 1:
         use_pdl = ROWS_PDL
     r = model.embed_tokens(input_ids)  # [bs, hidden], the residual stream
+    ho = handoff(bs, model)  # the norms from the sums of squares o_proj and down leave
+    ssq = None  # r's sums of squares, where its writer left them (norm_handoff)
+    last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        # q: [bs, n_heads, head_dim], rotated; this token's K/V are in the pages
-        w_qkv, w_gu = attn.qkv_proj.weight, mlp.gate_up_proj.weight
-        if prefer_cublas("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size()):  # norm GEMM RoPE
-            q = rope_kv(
-                attn.qkv_proj(norm1(r)[0]), positions, model.rope_cos, model.rope_sin,
-                kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
-            )  # fmt: skip
-        else:  # norm in the prologue, or its own kernel first (the x the kernel reads)
-            sep = separate_norm("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size())
-            q = qkv_rope(
-                norm1(r)[0] if sep else r, None if sep else norm1.weight, w_qkv,
-                attn.qkv_proj.bias, norm1.eps, positions, model.rope_cos, model.rope_sin,
-                kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, use_pdl=use_pdl,
-            )  # fmt: skip
+        norm2 = layer.post_attention_layernorm
+        q = _qkv(model, layer, i, r, ssq, positions, meta, kv, n_heads, use_pdl)
         o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
-        r = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl)
+        w_gu = mlp.gate_up_proj.weight
+        r, ssq = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl,
+                      ho and not _cublas(mlp.gate_up_proj, "gate_up_silu", bs))  # fmt: skip
         if prefer_cublas("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
             a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
+        elif ssq is not None:  # the norm from o_proj's sums of squares, in the K loop
+            a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl, ssq=ssq)
         elif separate_norm("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
             a = gate_up_silu(norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl)
         else:
             a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl)
-        r = _row(a, mlp.down_proj, r, use_pdl)  # [bs, hidden]
+        nxt = (model.layers[i + 1].self_attn.qkv_proj, "qkv_rope") if i < last else (
+            model.lm_head, "lm_head")  # fmt: skip
+        r, ssq = _row(a, mlp.down_proj, r, use_pdl, ho and not _cublas(*nxt, bs))  # [bs, hidden]
     if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
         local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
                           torch.float32, use_pdl=use_pdl)  # fmt: skip
@@ -261,7 +274,7 @@ def fused_decode_step(
         return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out)
     logits, _ = lm_head_argmax(
         r, model.norm.weight, model.lm_head.weight, model.norm.eps,
-        logits_out=logits_out, tokens_out=tokens_out, use_pdl=use_pdl,
+        logits_out=logits_out, tokens_out=tokens_out, use_pdl=use_pdl, ssq=ssq,
     )  # fmt: skip
     return logits
 
@@ -272,6 +285,7 @@ __all__ = [
     "check_kernels",
     "default_kernels",
     "fused_decode_step",
+    "handoff",
     "kernel_class",
     "reference_rows",
     "unfusable_reason",

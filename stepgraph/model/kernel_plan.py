@@ -1,8 +1,8 @@
 """Which kernels the fused decode step runs at each batch bucket, from a model's shapes alone:
 the choices ``fused_decode_step`` makes, in its order, with the table entry behind each
 (``stepgraph info --model NAME``). A user sees what runs at their batch size, and which switch
-(``STEPGRAPH_REFERENCE_ROWS``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
-``STEPGRAPH_TMA``) would change it, without a GPU or the weights."""
+(``STEPGRAPH_REFERENCE_ROWS``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_NORM_HANDOFF``,
+``STEPGRAPH_SEPARATE_NORM``, ``STEPGRAPH_TMA``) would change it, without a GPU or the weights."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..kernels.proj_tiles import (
 )
 from ..kernels.qkv_rope import qkv_tile
 from .config import ModelConfig
-from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
+from .fused_decode import FUSED_MAX_BS, NORM_HANDOFF, REFERENCE_ROWS
 
 # the step's projections: table kernel and what the unfused pieces add beside cuBLAS
 PIECES = {
@@ -53,14 +53,26 @@ def tile_text(t: Tile) -> str:
     return " ".join(parts)
 
 
-def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, half: int = 32
-                 ) -> str:  # fmt: skip
+def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, half: int = 32,
+                 handoff: bool = False) -> str:  # fmt: skip
     """What the fused step runs for ``piece`` at ``rows`` (its bucket): the unfused pieces where
-    ``proj_tiles.CUBLAS`` says, the norm as its own kernel first where ``SEPARATE_NORM`` says,
-    and the tile the fused kernel's launcher takes (``half``: head_dim / 2, for qkv)."""
+    ``proj_tiles.CUBLAS`` says; with ``handoff`` (``fused_decode.handoff``) the fused kernel
+    with the norm from the sums of squares (qkv: from layer 1 on); the norm as its own kernel
+    first where ``SEPARATE_NORM`` says; and the tile the fused kernel's launcher takes
+    (``half``: head_dim / 2, for qkv)."""
     kernel, beside = PIECES[piece]
     if beside and prefer_cublas(kernel, rows, n, k, elem_bytes):
         return f"norm + cuBLAS + {beside}"
+    if handoff and piece != "o_proj" and piece != "down":
+        if piece == "qkv":
+            tile = qkv_tile(False, rows, n, k, half, elem_bytes)
+        else:
+            tile = tile_for(kernel + ("_normed" if piece == "gate_up" else ""), rows, n, k,
+                            elem_bytes)  # fmt: skip
+        text = f"{kernel} {tile_text(tile)}, the norm from the sums of squares"
+        if piece == "qkv":  # layer 0's input is the embedding: no sums beside it
+            text += f" (layer 0: {piece_choice(piece, rows, n, k, elem_bytes, half)})"
+        return text
     sep = piece in ("qkv", "gate_up") and separate_norm(kernel, rows, n, k, elem_bytes)
     if piece == "qkv":
         tile = qkv_tile(not sep, rows, n, k, half, elem_bytes)
@@ -84,8 +96,9 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
         path = "fused, one row (GEMV)"
         if b > 1:
             path = f"fused, tensor cores (M padded to {block_m(b)})"
-        half = config.head_dim // 2
-        out.append((b, path, {p: piece_choice(p, b, *shapes[p], elem_bytes, half) for p in PIECES}))
+        half, ho = config.head_dim // 2, NORM_HANDOFF and b > 1
+        out.append((b, path, {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho)
+                              for p in PIECES}))  # fmt: skip
     return out
 
 
