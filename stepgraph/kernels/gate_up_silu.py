@@ -25,7 +25,7 @@ from .gemv_tiles import (
     splitk_reduce,
 )
 from .norm_gemv import rmsnorm_reference
-from .norm_handoff import ssq_args
+from .norm_handoff import check_handoff, ssq_args
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
@@ -78,11 +78,11 @@ def _gate_up_silu_kernel(
     )
 
 
-def _kernel_name(norm_w, ssq) -> str:
-    """The table name: ``gate_up_silu``, or ``gate_up_silu_normed`` for an x normed already
-    (``norm_w`` None: the norm ran as its own kernel before, ``proj_tiles.SEPARATE_NORM``) or
-    normed from its sums of squares (``ssq``: no pass over x either)."""
-    return "gate_up_silu" if norm_w is not None and ssq is None else "gate_up_silu_normed"
+def _kernel_name(norm_w) -> str:
+    """The table name: ``gate_up_silu``, or ``gate_up_silu_normed`` for an x that needs no norm
+    in the loop (``norm_w`` None: the norm ran as its own kernel before,
+    ``proj_tiles.SEPARATE_NORM``, or x is ``r * norm_w`` with ``ssq``, ``norm_handoff``)."""
+    return "gate_up_silu" if norm_w is not None else "gate_up_silu_normed"
 
 
 def gate_up_silu_reference(
@@ -104,9 +104,11 @@ def gate_up_silu(
     *,
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N pairs, BLOCK_K, num_warps[, num_stages])
-    ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff), with norm_w
+    ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
 ) -> torch.Tensor:  # [M, I], x.dtype
-    """``silu(gate) * up`` of ``rmsnorm(x) @ weight.T`` in one launch."""
+    """``silu(gate) * up`` of ``rmsnorm(x) @ weight.T`` in one launch (with ``ssq``, of the
+    ``rmsnorm(r)`` that ``x = r * norm_w`` came from)."""
+    check_handoff(norm_w, ssq, "gate_up_silu")
     m, k = x.shape
     inter = weight.shape[0] // 2
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
@@ -114,7 +116,7 @@ def gate_up_silu(
         tile = (
             as_tile(blocks)
             if blocks is not None
-            else tile_for(_kernel_name(norm_w, ssq), m, 2 * inter, k, weight.element_size())
+            else tile_for(_kernel_name(norm_w), m, 2 * inter, k, weight.element_size())
         )
         check_tile("gate_up_silu", tile, m)
         pdl = resolve_pdl(use_pdl, x.device)
@@ -124,7 +126,7 @@ def gate_up_silu(
             elems = tiles * tile.split_k * 2 * block_m(m) * tile.block_n
             ws, tickets = splitk_workspace(x.device, elems, tiles)
         descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
-        sums, stride_s, n_parts, ssq_pad = ssq_args(ssq if norm_w is not None else None, m, out)
+        sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, out)
         _gate_up_silu_kernel[(tiles, tile.split_k)](
             x, norm_w if norm_w is not None else weight, weight, out, ws, tickets,
             *(descs or (x, x)), sums,

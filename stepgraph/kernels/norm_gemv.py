@@ -24,7 +24,7 @@ from .gemv_tiles import (
     norm_block,
     splitk_reduce,
 )
-from .norm_handoff import row_ssq, ssq_args
+from .norm_handoff import check_handoff, handoff_out, ssq_args
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
@@ -33,12 +33,12 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 @triton.jit
 def _norm_gemv_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_val_ptr, part_idx_ptr,
-    ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr,
+    ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr, xw_ptr,
     M, N, K, eps, n_parts,
-    stride_xm, stride_wn, stride_rm, stride_ym, stride_pm, stride_sm,
+    stride_xm, stride_wn, stride_rm, stride_ym, stride_pm, stride_sm, stride_xw,
     NORM: tl.constexpr,  # RMSNorm prologue (norm_w, eps)
-    SSQ_PAD: tl.constexpr,  # NORM: > 0, the 1 / RMS from ssq (norm_handoff), else from x
-    SSQ_OUT: tl.constexpr,  # write each row's sum of squares of y's tile into ssq[:, pid_n]
+    SSQ_PAD: tl.constexpr,  # > 0: x is r * norm_w, rows scaled by 1 / RMS from ssq (handoff)
+    SSQ_OUT: tl.constexpr,  # the handoff out: ssq[:, pid_n] and xw = y * norm_w (the next's)
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,  # y = residual + (x @ w.T).to(dtype)
     ARGMAX: tl.constexpr,  # write (max, first index of max) of this program's columns
@@ -81,7 +81,8 @@ def _norm_gemv_kernel(
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
     if SSQ_OUT:
-        row_ssq(y, mask, ssq_ptr, stride_sm, pid_n, mask_m, BLOCK_M)
+        handoff_out(y, mask_m, mask_n, offs_n, pid_n, norm_w_ptr, xw_ptr, stride_xw, ssq_ptr,
+                    stride_sm, BLOCK_M)  # fmt: skip
     if ARGMAX:
         # -- over the values as stored (float32 logits: the same), masked columns at -inf --
         vals = tl.where(mask_n[None, :], y.to(tl.float32), float("-inf"))
@@ -110,9 +111,9 @@ def gemv_residual_reference(x, weight, residual) -> torch.Tensor:
 
 def _launch(
     x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks, kernel,
-    ssq_in=None, ssq_out=False,
+    ssq_in=None, next_norm=None,
 ):  # fmt: skip
-    # -> the sums of squares [M, column tiles] float32 when ssq_out, else None
+    # -> (xw [M, N], the sums of squares [M, column tiles] float32) given next_norm, else None
     m, k = x.shape
     n = weight.shape[0]
     tile = (
@@ -129,19 +130,22 @@ def _launch(
     pdl = resolve_pdl(use_pdl, x.device)
     descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
     ssq, stride_s, n_parts, ssq_pad = ssq_args(ssq_in, m, y)
-    sums = None
-    if ssq_out:
-        ssq = sums = torch.empty(m, tiles, dtype=torch.float32, device=y.device)
-        stride_s = sums.stride(0)
+    xw, out = y, None
+    if next_norm is not None:
+        xw = torch.empty_like(y)
+        ssq = torch.empty(m, tiles, dtype=torch.float32, device=y.device)
+        stride_s, out = ssq.stride(0), (xw, ssq)
+        norm_w = next_norm
     _norm_gemv_kernel[(tiles, tile.split_k)](
-        x, norm_w if norm else weight, weight, bias if bias is not None else weight,
+        x, norm_w if norm_w is not None else weight, weight,
+        bias if bias is not None else weight,
         residual if residual is not None else y, y, part_val, part_idx, ws, tickets,
-        *(descs or (x, x)), ssq,
+        *(descs or (x, x)), ssq, xw,
         m, n, k, eps, n_parts,
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0),
-        part_val.stride(0) if parts is not None else 0, stride_s,
-        NORM=norm, SSQ_PAD=ssq_pad, SSQ_OUT=ssq_out,
+        part_val.stride(0) if parts is not None else 0, stride_s, xw.stride(0),
+        NORM=norm, SSQ_PAD=ssq_pad, SSQ_OUT=next_norm is not None,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=parts is not None, USE_PDL=pdl, TMA=tile.tma if descs else 0,
         PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k, x.element_size(),
@@ -150,12 +154,12 @@ def _launch(
         NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
         **launch_options(pdl),
     )  # fmt: skip
-    return sums
+    return out
 
 
 def norm_gemv(
     x: torch.Tensor,  # [M, K], M <= 64, rows contiguous: the residual stream
-    norm_w: torch.Tensor,  # [K], the RMSNorm weight
+    norm_w: torch.Tensor | None,  # [K], the RMSNorm weight; None with ssq (x = r * norm_w)
     weight: torch.Tensor,  # [N, K], rows contiguous
     bias: torch.Tensor | None = None,  # [N]
     eps: float = 1e-6,
@@ -165,15 +169,18 @@ def norm_gemv(
     out: torch.Tensor | None = None,  # [M, N] out_dtype, rows contiguous: written in place
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N, BLOCK_K, num_warps[, stages[, split_k]])
-    ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff): the norm from them
+    ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
 ) -> torch.Tensor:  # [M, N], out_dtype (default x.dtype)
-    """``rmsnorm(x) @ weight.T + bias`` in one launch, float32 accumulation."""
+    """``rmsnorm(x) @ weight.T + bias`` in one launch, float32 accumulation (with ``ssq``,
+    ``rmsnorm(r) @ weight.T + bias`` of the ``r`` that ``x = r * norm_w`` came from)."""
+    check_handoff(norm_w, ssq, "norm_gemv", need_norm=True)
     y = out
     if y is None:
         y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     if x.shape[0]:
         _launch(
-            x, norm_w, weight, bias, None, y, argmax_parts, eps, norm=True, use_pdl=use_pdl,
+            x, norm_w, weight, bias, None, y, argmax_parts, eps, norm=ssq is None,
+            use_pdl=use_pdl,
             blocks=blocks, kernel="lm_head" if argmax_parts is not None else "norm_gemv",
             ssq_in=ssq,
         )  # fmt: skip
@@ -189,25 +196,26 @@ def gemv_residual(
     # reads and writes only its own columns)
     use_pdl: bool | None = None,
     blocks=None,  # as norm_gemv's
-    ssq: bool = False,
-):  # -> y [M, N], residual.dtype (x.dtype without one); with ssq, (y, ssq [M, tiles] f32)
+    next_norm: torch.Tensor | None = None,  # [N], the next RMSNorm's weight (norm_handoff)
+):  # -> y [M, N], residual.dtype (x.dtype without one); with next_norm (y, xw, ssq)
     """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first);
-    ``residual=None``: ``x @ weight.T`` (a tensor-parallel rank's partial sum). ``ssq=True``
-    also returns each row's float32 sum of squares of y per column tile, for the next norm
-    (``norm_handoff``: pass it as the consumer's ``ssq``)."""
+    ``residual=None``: ``x @ weight.T`` (a tensor-parallel rank's partial sum). Given
+    ``next_norm``, also ``xw = y * next_norm`` (rounded, ``[M, N]``) and each row's float32 sum
+    of squares of y per column tile (``ssq [M, tiles]``): the next projection's x and ``ssq``
+    (``kernels/norm_handoff``)."""
     if out is not None:
         y = out
     elif residual is not None:
         y = torch.empty_like(residual)
     else:
         y = x.new_empty(x.shape[0], weight.shape[0])
-    sums = torch.empty(0, 1, dtype=torch.float32, device=y.device)
+    handed = (torch.empty_like(y), torch.empty(0, 1, dtype=torch.float32, device=y.device))
     if x.shape[0]:
-        sums = _launch(
-            x, None, weight, None, residual, y, None, 0.0,
-            norm=False, use_pdl=use_pdl, blocks=blocks, kernel="gemv_residual", ssq_out=ssq,
-        )  # fmt: skip
-    return (y, sums) if ssq else y
+        handed = _launch(
+            x, None, weight, None, residual, y, None, 0.0, norm=False, use_pdl=use_pdl,
+            blocks=blocks, kernel="gemv_residual", next_norm=next_norm,
+        ) or handed  # fmt: skip
+    return (y, *handed) if next_norm is not None else y
 
 
 def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2) -> int:

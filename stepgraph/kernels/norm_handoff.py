@@ -1,18 +1,23 @@
-"""The norm handoff: the RMSNorm's sum of squares computed by the kernel that writes the
-residual stream, so that the next projection needs neither a norm kernel nor a pass over x.
+"""The norm handoff: the RMSNorm before a projection split between the kernel that writes the
+residual stream and the projection, so that neither a norm kernel nor a pass over x is needed.
 
-``gemv_residual(x, w, r, ssq=True)`` (o_proj and down) stores, beside each column tile of
-``r + x @ w.T`` it writes, every row's float32 sum of squares of that tile as stored (``row_ssq``:
-``ssq [M, tiles]``, one column per program, so no atomics and no zeroing: every step overwrites
-every entry). The consumer (``qkv_rope``, ``gate_up_silu``, the LM head) sums the row in tile
-order (``ssq_inv_rms``) for ``rsqrt(mean(r^2) + eps)`` and norms its x tiles in the K loop as the
-norm prologue does. The order of that sum is fixed by the tiles, so eager and graph (and exact)
-steps, which launch the same tiles, give the same bits; against ``RMSNorm`` it differs by float32
-rounding of the mean alone.
+    RMSNorm(r) @ W.T = (1 / rms(r)) * ((r * norm_w) @ W.T)        (rows scale; up to rounding)
 
-Without it, the tensor-core rows ran the norm as its own kernel (``proj_tiles.SEPARATE_NORM``,
-measured faster than the prologue's pass over ``[BLOCK_M, K]`` in every program): 32 launches
-a step for Llama-3.2-1B.
+``gemv_residual(x, w, r, next_norm=norm_w)`` (o_proj and down) writes, beside each column tile of
+``y = r + x @ w.T``, that tile of ``xw = y * norm_w`` rounded to the dtype (the next projection's
+x) and every row's float32 sum of squares of the tile as stored (``handoff_out``: ``ssq [M,
+tiles]``, one column per program, so no atomics and no zeroing: every step overwrites every
+entry). The consumer (``qkv_rope``, ``gate_up_silu``, the LM head, given ``xw``, no norm weight
+and ``ssq``) runs the plain K loop of a normed x, so the tiles of ``proj_tiles``' ``_normed``
+kernels serve it, and scales each row of the products by ``rsqrt(sum(ssq) / K + eps)`` (summed
+in tile order: ``ssq_inv_rms``) before its epilogue. The order of every sum is fixed by the tiles,
+so eager and graph (and exact) steps, which launch the same tiles, give the same bits; against
+``RMSNorm`` the products differ by rounding: ``r * norm_w`` is rounded where the reference rounds
+``r / rms`` and then its product with the weight.
+
+A first version normed x inside the consumer's K loop instead (x from r, the RMS from the sums):
+slower on the H200 than the norm as its own kernel (bs 8, ctx 512, graph: 1.150 against 1.110
+ms; docs/results.md, run F2): the loop's operand then passes through registers.
 """
 
 from __future__ import annotations
@@ -43,19 +48,26 @@ def ssq_inv_rms(
 
 
 @triton.jit
-def row_ssq(y, mask, ssq_ptr, stride_sm, pid_n, mask_m, BLOCK_M: tl.constexpr):
-    # y [BLOCK_M, BLOCK_N] as stored (the model dtype): each row's float32 sum of squares over
-    # the columns under mask, into ssq[m, pid_n] for the rows under mask_m
+def handoff_out(
+    y, mask_m, mask_n, offs_n, pid_n, nw_ptr, xw_ptr, stride_xw, ssq_ptr, stride_sm,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # y [BLOCK_M, BLOCK_N] as stored (the model dtype), columns offs_n (under mask_n), rows
+    # under mask_m: each row's float32 sum of squares into ssq[m, pid_n], and y * norm_w
+    # rounded to the dtype into xw (the next projection's x)
+    mask = mask_m[:, None] & mask_n[None, :]
     yf = tl.where(mask, y.to(tl.float32), 0.0)
-    ss = tl.sum(yf * yf, axis=1)  # [BLOCK_M]
     offs_m = tl.arange(0, BLOCK_M)
-    tl.store(ssq_ptr + offs_m * stride_sm + pid_n, ss, mask=mask_m)
+    tl.store(ssq_ptr + offs_m * stride_sm + pid_n, tl.sum(yf * yf, axis=1), mask=mask_m)
+    nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    xw = (yf * nw[None, :]).to(y.dtype)
+    tl.store(xw_ptr + offs_m[:, None] * stride_xw + offs_n[None, :], xw, mask=mask)
 
 
 def ssq_args(ssq: torch.Tensor | None, m: int, fallback: torch.Tensor) -> tuple:
     """``(tensor, row stride, parts, SSQ_PAD)`` of a consumer's sums of squares ``ssq``
-    (``[>= m, parts]`` float32, what ``gemv_residual(..., ssq=True)`` returned with x), or
-    ``(fallback, 0, 0, 0)`` for None: the norm from x itself. Refuses any other tensor."""
+    (``[>= m, parts]`` float32, what ``gemv_residual(..., next_norm=w)`` returned with x), or
+    ``(fallback, 0, 0, 0)`` for None. Refuses any other tensor."""
     if ssq is None:
         return fallback, 0, 0, 0
     if (
@@ -66,9 +78,21 @@ def ssq_args(ssq: torch.Tensor | None, m: int, fallback: torch.Tensor) -> tuple:
             ssq, torch.Tensor) else type(ssq).__name__  # fmt: skip
         raise ConfigError(
             f"ssq must be a [rows >= {m}, parts >= 1] float32 tensor with contiguous rows (the "
-            f"sums of squares gemv_residual(..., ssq=True) returns with x), got {got}"
+            f"sums of squares gemv_residual(..., next_norm=w) returns with x), got {got}"
         )
     return ssq, ssq.stride(0), ssq.shape[1], triton.next_power_of_2(ssq.shape[1])
 
 
-__all__ = ["row_ssq", "ssq_args", "ssq_inv_rms"]
+def check_handoff(norm_w, ssq, kernel: str, need_norm: bool = False) -> None:
+    """A consumer takes its norm one way: ``norm_w`` (the prologue) or ``ssq`` (x is already
+    ``r * norm_w``), never both; ``need_norm``: one of them is required (the LM head's)."""
+    if norm_w is not None and ssq is not None:
+        raise ConfigError(
+            f"{kernel}: pass norm_w or ssq, not both (with ssq, x is r * norm_w already: the "
+            "xw that gemv_residual(..., next_norm=norm_w) returns)"
+        )
+    if need_norm and norm_w is None and ssq is None:
+        raise ConfigError(f"{kernel}: needs norm_w (the RMSNorm weight) or ssq (norm_handoff)")
+
+
+__all__ = ["check_handoff", "handoff_out", "ssq_args", "ssq_inv_rms"]

@@ -26,7 +26,7 @@ from .gemv_tiles import (
     splitk_reduce,
 )
 from .norm_gemv import rmsnorm_reference
-from .norm_handoff import ssq_args
+from .norm_handoff import check_handoff, ssq_args
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import (
     Tile,
@@ -118,8 +118,8 @@ def _qkv_rope_kernel(
 
 def qkv_tile(norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2) -> Tile:
     """The tile ``qkv_rope`` launches for ``m`` rows (``norm``: with the norm prologue's pass
-    over x; False for an x normed already or normed from its sums of squares): the table's, and
-    at one row the one-row rule halved, since it counts both halves of a pair."""
+    over x; False for an x normed already or ``r * norm_w`` with its sums of squares): the
+    table's, and at one row the one-row rule halved, since it counts both halves of a pair."""
     tile = tile_for("qkv_rope" if norm else "qkv_rope_normed", m, n_rows, k, elem_bytes)
     if m == 1:
         tile = Tile(max(1, min(half, tile.block_n // 2)), tile.block_k, tile.num_warps)
@@ -153,10 +153,12 @@ def qkv_rope(
     *,
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_D, BLOCK_K, num_warps[, num_stages])
-    ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff), with norm_w
+    ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
 ) -> torch.Tensor:  # [M, n_heads, head_dim], rotated q
-    """Norm, qkv projection, RoPE and KV write in one launch; returns q. Slots are not
-    bounds-checked on the device (padded graph rows must point at scratch slots)."""
+    """Norm, qkv projection, RoPE and KV write in one launch; returns q (with ``ssq``, the
+    norm of the ``r`` that ``x = r * norm_w`` came from). Slots are not bounds-checked on the
+    device (padded graph rows must point at scratch slots)."""
+    check_handoff(norm_w, ssq, "qkv_rope")
     m, k = x.shape
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]
     half = hd // 2
@@ -164,8 +166,7 @@ def qkv_rope(
     if m:
         n_rows = (n_heads + 2 * n_kv) * hd
         if blocks is None:
-            prologue = norm_w is not None and ssq is None
-            tile = qkv_tile(prologue, m, n_rows, k, half, weight.element_size())
+            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, weight.element_size())
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
@@ -181,7 +182,7 @@ def qkv_rope(
             elems = tiles * tile.split_k * 2 * block_m(m) * bd
             ws, tickets = splitk_workspace(x.device, elems, tiles)
         descs = tma_descriptors(tile, m, x, weight, bd)  # None: the pointer loop
-        sums, stride_s, n_parts, ssq_pad = ssq_args(ssq if norm_w is not None else None, m, q)
+        sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, q)
         _qkv_rope_kernel[(tiles, tile.split_k)](
             x, norm_w if norm_w is not None else weight, weight,
             bias if bias is not None else weight,

@@ -205,14 +205,13 @@ def proj_loop(
     NORM_BLOCK: tl.constexpr, SSQ_PAD: tl.constexpr,
 ):  # fmt: skip
     # The part after the wait: each row's 1 / RMS when NORM (ones for an x that needs no norm:
-    # o_proj, down, or x normed by its own kernel), from x itself or, SSQ_PAD > 0, from the
-    # sums of squares x's writer left (norm_handoff.ssq_inv_rms); then the K loop through
-    # descriptors (tma_loop) or pointers (gemv_tiles.gemv_loop, from the tiles
-    # weights_before_wait held). -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1
-    # unless PAIRED)
-    if NORM and SSQ_PAD > 0:
-        inv_rms = ssq_inv_rms(ssq_ptr, stride_sm, M, n_parts, K, eps, BLOCK_M, SSQ_PAD)
-    elif NORM:
+    # o_proj, down, or x normed by its own kernel), then the K loop through descriptors
+    # (tma_loop) or pointers (gemv_tiles.gemv_loop, from the tiles weights_before_wait held).
+    # SSQ_PAD > 0 (the norm handoff, NORM False): x is r * norm_w already, rounded, and the
+    # 1 / RMS of r comes from the sums of squares its writer left (norm_handoff.ssq_inv_rms),
+    # a scale of each row of the products after the loop: the loop is a normed x's.
+    # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)
+    if NORM:
         inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     else:
         inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
@@ -226,6 +225,14 @@ def proj_loop(
             w1_ptrs, w2_ptrs, w1, w2, mask_n, x_ptr, nw_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
             NORM, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
+    if SSQ_PAD > 0:
+        scale = ssq_inv_rms(ssq_ptr, stride_sm, M, n_parts, K, eps, BLOCK_M, SSQ_PAD)
+        if BLOCK_M == 1:
+            a1 = a1 * scale
+            a2 = a2 * scale
+        else:
+            a1 = a1 * scale[:, None]
+            a2 = a2 * scale[:, None]
     return a1, a2
 
 

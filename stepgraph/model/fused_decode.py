@@ -167,15 +167,17 @@ def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
     )  # fmt: skip
 
 
-def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl, ssq: bool = False):
-    """``(r + x @ W.T, its sums of squares or None)`` in one launch (``ssq``: the next norm's,
-    ``kernels/norm_handoff``; unsharded only). A row-parallel shard: rank 0 adds the residual
+def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl, next_norm=None):
+    """``(r + x @ W.T, handoff)`` in one launch; ``handoff`` is ``(r * next_norm, its sums of
+    squares)`` given the next norm's weight (``kernels/norm_handoff``, unsharded), else None.
+    A row-parallel shard: rank 0 adds the residual
     in the epilogue, the others project alone, and the in-place all-reduce sums them, so every
     rank holds the same ``r + sum of the partials`` (rounded once more than the reference path's
     ``r + all_reduce(partials)``: the two agree within bf16 rounding, not bit for bit)."""
     if type(proj) is not RowParallelLinear or proj.world_size == 1:
-        if ssq:
-            return gemv_residual(x, proj.weight, r, use_pdl=use_pdl, ssq=True)
+        if next_norm is not None:
+            y, xw, ssq = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, next_norm=next_norm)
+            return y, (xw, ssq)
         return gemv_residual(x, proj.weight, r, use_pdl=use_pdl), None
     y = gemv_residual(x, proj.weight, r if dist.get_rank(proj.group) == 0 else None,
                       use_pdl=use_pdl)  # fmt: skip
@@ -198,11 +200,11 @@ def handoff(bs: int, model: LlamaModel) -> bool:
     return NORM_HANDOFF and bs > 1 and not sharded
 
 
-def _qkv(model, layer, i, r, ssq, positions, meta, kv, n_heads, use_pdl) -> torch.Tensor:
+def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl) -> torch.Tensor:
     """Layer ``i``'s q ``[bs, n_heads, head_dim]``, rotated; this token's K/V into the pages:
-    norm + cuBLAS + RoPE/KV write where ``proj_tiles.CUBLAS`` says, else ``qkv_rope`` with the
-    norm from ``ssq`` (the norm handoff), as its own kernel first (``SEPARATE_NORM``), or in
-    the prologue."""
+    norm + cuBLAS + RoPE/KV write where ``proj_tiles.CUBLAS`` says, else ``qkv_rope`` on what
+    ``hand`` holds (the norm handoff), the norm as its own kernel first (``SEPARATE_NORM``), or
+    the norm in the prologue."""
     attn, norm1 = layer.self_attn, layer.input_layernorm
     w_qkv, bs = attn.qkv_proj.weight, r.shape[0]
     if prefer_cublas("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size()):  # norm GEMM RoPE
@@ -210,10 +212,14 @@ def _qkv(model, layer, i, r, ssq, positions, meta, kv, n_heads, use_pdl) -> torc
             attn.qkv_proj(norm1(r)[0]), positions, model.rope_cos, model.rope_sin,
             kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
         )  # fmt: skip
-    sep = ssq is None and separate_norm("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size())
+    if hand is not None:  # x = r * norm1.weight, the rows scaled by down's 1 / RMS
+        x, nw, ssq = hand[0], None, hand[1]
+    elif separate_norm("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size()):
+        x, nw, ssq = norm1(r)[0], None, None
+    else:
+        x, nw, ssq = r, norm1.weight, None
     return qkv_rope(
-        norm1(r)[0] if sep else r, None if sep else norm1.weight, w_qkv,
-        attn.qkv_proj.bias, norm1.eps, positions, model.rope_cos, model.rope_sin,
+        x, nw, w_qkv, attn.qkv_proj.bias, norm1.eps, positions, model.rope_cos, model.rope_sin,
         kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, use_pdl=use_pdl, ssq=ssq,
     )  # fmt: skip
 
@@ -239,28 +245,29 @@ def fused_decode_step(
     if use_pdl is None and bs > 1:
         use_pdl = ROWS_PDL
     r = model.embed_tokens(input_ids)  # [bs, hidden], the residual stream
-    ho = handoff(bs, model)  # the norms from the sums of squares o_proj and down leave
-    ssq = None  # r's sums of squares, where its writer left them (norm_handoff)
+    ho = handoff(bs, model)  # the norms from what o_proj and down leave beside r
+    hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         norm2 = layer.post_attention_layernorm
-        q = _qkv(model, layer, i, r, ssq, positions, meta, kv, n_heads, use_pdl)
+        q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl)
         o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
         w_gu = mlp.gate_up_proj.weight
-        r, ssq = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl,
-                      ho and not _cublas(mlp.gate_up_proj, "gate_up_silu", bs))  # fmt: skip
+        nw = norm2.weight if ho and not _cublas(mlp.gate_up_proj, "gate_up_silu", bs) else None
+        r, hand = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl, nw)
         if prefer_cublas("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
             a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
-        elif ssq is not None:  # the norm from o_proj's sums of squares, in the K loop
-            a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl, ssq=ssq)
+        elif hand is not None:  # x = r * norm2.weight, the rows scaled by o_proj's 1 / RMS
+            a = gate_up_silu(hand[0], None, w_gu, norm2.eps, use_pdl=use_pdl, ssq=hand[1])
         elif separate_norm("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
             a = gate_up_silu(norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl)
         else:
             a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl)
-        nxt = (model.layers[i + 1].self_attn.qkv_proj, "qkv_rope") if i < last else (
-            model.lm_head, "lm_head")  # fmt: skip
-        r, ssq = _row(a, mlp.down_proj, r, use_pdl, ho and not _cublas(*nxt, bs))  # [bs, hidden]
+        nxt = (model.layers[i + 1].input_layernorm, model.layers[i + 1].self_attn.qkv_proj,
+               "qkv_rope") if i < last else (model.norm, model.lm_head, "lm_head")  # fmt: skip
+        nw = nxt[0].weight if ho and not _cublas(*nxt[1:], bs) else None
+        r, hand = _row(a, mlp.down_proj, r, use_pdl, nw)  # [bs, hidden]
     if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
         local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
                           torch.float32, use_pdl=use_pdl)  # fmt: skip
@@ -272,8 +279,9 @@ def fused_decode_step(
     w_lm = model.lm_head.weight
     if prefer_cublas("lm_head", bs, *w_lm.shape, w_lm.element_size()):  # norm, GEMM, argmax
         return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out)
+    x, nw, ssq = (r, model.norm.weight, None) if hand is None else (hand[0], None, hand[1])
     logits, _ = lm_head_argmax(
-        r, model.norm.weight, model.lm_head.weight, model.norm.eps,
+        x, nw, model.lm_head.weight, model.norm.eps,
         logits_out=logits_out, tokens_out=tokens_out, use_pdl=use_pdl, ssq=ssq,
     )  # fmt: skip
     return logits
