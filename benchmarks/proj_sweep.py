@@ -141,9 +141,9 @@ def case(name: str, m: int, g: torch.Generator, copies: int):
     return ws, call, ref
 
 
-def jobs(cases: str = ""):
+def jobs(cases: str = "", rows=ROWS):
     names = [c for c in cases.split(",") if c] or list(CANDIDATES)
-    return [(name, m) for name in names for m in ROWS]
+    return [(name, m) for name in names for m in rows]
 
 
 def main(argv=None) -> dict:
@@ -153,6 +153,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--tiles-out", help="write the best tiles here ($STEPGRAPH_PROJ_TILES)")
     ap.add_argument("--cases", default="", help=f"comma list of {', '.join(CANDIDATES)}")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)),
+                    help="comma list of batch rows (one per BLOCK_M: 8, 32, 64)")  # fmt: skip
     ap.add_argument(
         "--preset",
         default="llama-3.2-1b",
@@ -164,7 +166,8 @@ def main(argv=None) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     gbps = None if args.compile_only else copy_bandwidth_gbps()
     rows, best = [], {}
-    for j, (name, m) in enumerate(jobs(args.cases)):
+    rows_list = [int(r) for r in args.rows.split(",") if r]
+    for j, (name, m) in enumerate(jobs(args.cases, rows_list)):
         if j % n_shards != i:
             continue
         kern, n, k = SHAPES[name]

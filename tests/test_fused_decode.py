@@ -34,6 +34,8 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch):
         tensor_cores(monkeypatch)
     if path != "tensor-core":  # the norms in the prologue, or as their own kernels
         monkeypatch.setattr(fused_decode, "NORM_HANDOFF", False)
+    else:  # the norm handoff at every bucket above one
+        monkeypatch.setattr(fused_decode, "HANDOFF_MIN_BUCKET", 2)
     if path == "separate norm":  # norm kernel, then the fused kernel's _normed variant
         from stepgraph.kernels import proj_tiles
 

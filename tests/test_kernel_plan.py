@@ -26,7 +26,10 @@ def test_the_1b_plan_as_committed():
     assert plan[1][1]["qkv"] == "qkv_rope 4x1024 w4"  # the launcher's one-row halving
     assert plan[2] == ("reference kernels (REFERENCE_ROWS)", {})
     sums = ", the norm from the sums of squares"
-    for b in (4, 8, 16):
+    assert plan[4][1]["qkv"].startswith("norm, then qkv_rope")  # below HANDOFF_MIN_BUCKET
+    assert plan[4][1]["gate_up"] == "norm, then gate_up_silu 64x128 w4 s3 TMA1"
+    assert plan[4][1]["lm_head"] == "lm_head 256x64 w8 s3 TMA2"
+    for b in (8, 16):
         c = plan[b][1]
         assert c["qkv"].startswith("qkv_rope ") and "TMA" not in c["qkv"]
         assert c["qkv"].endswith(f"{sums} (layer 0: norm, then qkv_rope 32x256 w4 s3 split4)")
@@ -91,7 +94,7 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
         monkeypatch.setattr(mod, "prefer_cublas", table(cublas))
         monkeypatch.setattr(mod, "separate_norm", table(separate))
         monkeypatch.setattr(mod, "REFERENCE_ROWS", range(0))
-        monkeypatch.setattr(mod, "NORM_HANDOFF", handoff)
+    monkeypatch.setattr(fused_decode, "NORM_HANDOFF", handoff)
     monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
     monkeypatch.setattr(kernel_plan, "measured", lambda *a: True)
     ran: list[str] = []
@@ -116,7 +119,7 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
     spy("lm_head_argmax", fused_decode.lm_head_argmax, kind("lm_head"))
     spy("_cublas_head", fused_decode._cublas_head, lambda a, k: "lm_head cublas")
     plan = by_bucket(cfg)
-    for bs in (3, 17):  # buckets 4 (M padded to 16) and 32
+    for bs in (3, 5, 17):  # buckets 4 and 8 (M padded to 16, below and at the handoff's), 32
         ran.clear()
         batch, pages = decode_batch(mr, Point(bs, 20), seed=bs)
         try:
@@ -131,4 +134,5 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
             c = choices[piece]
             seen = {r for r in ran if r.startswith(piece)}
             assert seen == expected(piece, c), (bs, piece, c, seen)
-            assert ("sums of squares" in c) == (handoff and "cuBLAS" not in c)
+            ho = handoff and bs > 4 and "cuBLAS" not in c
+            assert ("sums of squares" in c) == ho

@@ -75,9 +75,10 @@ if _ROWS_ENV:
         raise ConfigError(
             f"STEPGRAPH_REFERENCE_ROWS={_ROWS_ENV!r}: give LO-HI (e.g. 2-32) or none"
         ) from None
-# The norm handoff at two rows and more (``handoff``); STEPGRAPH_NORM_HANDOFF=0 turns it off
-# (the A/B switch of its measurement)
+# The norm handoff (``handoff``) from bucket 8 on: graph, ctx 512, ms on / off (run F3): bs 4
+# 1.095 / 1.078, 8 1.116 / 1.114, 16 1.166 / 1.169, 32 1.256 / 1.277; STEPGRAPH_NORM_HANDOFF=0
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
+HANDOFF_MIN_BUCKET = 8
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
 # always takes the default (on, measured 2026-11-30)
 ROWS_PDL: bool | None = None
@@ -190,14 +191,13 @@ def _cublas(lin, kernel: str, bs: int) -> bool:
     return prefer_cublas(kernel, bs, *lin.weight.shape, lin.weight.element_size())
 
 
-def handoff(bs: int, model: LlamaModel) -> bool:
-    """Whether the fused step at ``bs`` rows takes the norms before qkv (from layer 1 on),
-    gate-up and the LM head from the sums of squares o_proj and down leave beside the residual
-    (``kernels/norm_handoff``): at tensor-core rows of an unsharded model, where the consumer
-    is a fused kernel (not norm + cuBLAS), unless ``STEPGRAPH_NORM_HANDOFF=0``."""
+def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
+    """Whether the step at ``bs`` rows takes the norms before qkv (from layer 1), gate-up and
+    the LM head from what o_proj and down leave (``kernels/norm_handoff``): from bucket
+    ``HANDOFF_MIN_BUCKET`` on, unsharded, where the consumer is fused (not norm + cuBLAS)."""
     down = model.layers[0].mlp.down_proj
     sharded = type(down) is RowParallelLinear and down.world_size > 1
-    return NORM_HANDOFF and bs > 1 and not sharded
+    return NORM_HANDOFF and kernel_class(bs, backend) >= HANDOFF_MIN_BUCKET and not sharded
 
 
 def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl) -> torch.Tensor:
@@ -245,7 +245,7 @@ def fused_decode_step(
     if use_pdl is None and bs > 1:
         use_pdl = ROWS_PDL
     r = model.embed_tokens(input_ids)  # [bs, hidden], the residual stream
-    ho = handoff(bs, model)  # the norms from what o_proj and down leave beside r
+    ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):

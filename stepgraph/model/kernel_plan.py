@@ -16,8 +16,9 @@ from ..kernels.proj_tiles import (
     tile_for,
 )
 from ..kernels.qkv_rope import qkv_tile
+from . import fused_decode as _fd
 from .config import ModelConfig
-from .fused_decode import FUSED_MAX_BS, NORM_HANDOFF, REFERENCE_ROWS
+from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
 
 # the step's projections: table kernel and what the unfused pieces add beside cuBLAS
 PIECES = {
@@ -96,7 +97,7 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
         path = "fused, one row (GEMV)"
         if b > 1:
             path = f"fused, tensor cores (M padded to {block_m(b)})"
-        half, ho = config.head_dim // 2, NORM_HANDOFF and b > 1
+        half, ho = config.head_dim // 2, _fd.NORM_HANDOFF and b >= _fd.HANDOFF_MIN_BUCKET
         out.append((b, path, {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho)
                               for p in PIECES}))  # fmt: skip
     return out
