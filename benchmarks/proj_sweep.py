@@ -8,7 +8,7 @@ split-K), Llama-3.2-1B shapes (``--preset`` another model's), bf16, PDL on, agai
 Per (kernel, bs): every candidate ``Tile`` is checked against torch on one weight (a wrong one
 is reported, never timed), then 16 calls over 16 weights (more than the 50 MB L2) are captured
 in one graph and replayed: µs per call, GB/s of weight bytes. The best tile per
-``(kernel, n, k, BLOCK_M)`` is printed as the ``proj_tiles.TILES`` literal.
+``(kernel, n, k, BLOCK_M)`` is printed as the ``tile_table.TILES`` literal.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); blo
                 *(T(*t, mode) for mode in (1, 2) for t in
                   ((128, 128, 4, 3, 1), (256, 64, 8, 3, 1), (128, 64, 4, 4, 1),
                    (64, 128, 4, 3, 1)))],
-    # the _normed variants (x normed by its own kernel before: proj_tiles.SEPARATE_NORM)
+    # the _normed variants (x normed by its own kernel before: tile_table.SEPARATE_NORM)
     "qkv_normed": [T(32, 256, 4, 3, 4), T(32, 128, 4, 3, 4, 1), T(32, 128, 4, 3, 8, 1),
                    T(32, 256, 4, 3, 4, 1), T(32, 128, 4, 3, 4, 2), T(16, 128, 4, 3, 4, 1)],
     "gate_up_normed": [T(64, 128, 8, 4, 1), T(32, 128, 4, 5, 1, 1), T(32, 128, 4, 3, 1, 1),

@@ -81,7 +81,7 @@ def _gate_up_silu_kernel(
 def _kernel_name(norm_w) -> str:
     """The table name: ``gate_up_silu``, or ``gate_up_silu_normed`` for an x that needs no norm
     in the loop (``norm_w`` None: the norm ran as its own kernel before,
-    ``proj_tiles.SEPARATE_NORM``, or x is ``r * norm_w`` with ``ssq``, ``norm_handoff``)."""
+    ``tile_table.SEPARATE_NORM``, or x is ``r * norm_w`` with ``ssq``, ``norm_handoff``)."""
     return "gate_up_silu" if norm_w is not None else "gate_up_silu_normed"
 
 

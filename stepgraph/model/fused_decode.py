@@ -13,13 +13,13 @@
 One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 103 kernels a step for
 Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200). Two rows and more (issue 21): the
 same kernels on tensor cores, M padded to 16/32/64, split-K where the output is narrow, tiles
-per (shape, bs bucket) in ``kernels/proj_tiles.TILES`` (``benchmarks/proj_sweep.py``; some
-through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster (``proj_tiles.CUBLAS``:
+per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/proj_sweep.py``; some
+through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster (``tile_table.CUBLAS``:
 qkv and the LM head at 17-64 rows, gate-up at 33-64) the step runs RMSNorm, cuBLAS and
 RoPE/KV-write (SiLU·mul, argmax_rows). Elsewhere the norm before qkv (from layer 1), gate-up
 and the LM head comes from the sums of squares o_proj and down leave beside the residual
 (``handoff``, ``kernels/norm_handoff.py``): no norm kernel. Layer 0's runs as its own kernel
-where ``proj_tiles.SEPARATE_NORM`` says, else in the prologue. ``REFERENCE_ROWS`` (bucket 2)
+where ``tile_table.SEPARATE_NORM`` says, else in the prologue. ``REFERENCE_ROWS`` (bucket 2)
 runs the reference kernels inside the step. docs/results.md has the figures. The kernels are
 launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``); the
 attention kernels are not (measured slower with it, see ``flash_decode``).
@@ -202,7 +202,7 @@ def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
 
 def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl) -> torch.Tensor:
     """Layer ``i``'s q ``[bs, n_heads, head_dim]``, rotated; this token's K/V into the pages:
-    norm + cuBLAS + RoPE/KV write where ``proj_tiles.CUBLAS`` says, else ``qkv_rope`` on what
+    norm + cuBLAS + RoPE/KV write where ``tile_table.CUBLAS`` says, else ``qkv_rope`` on what
     ``hand`` holds (the norm handoff), the norm as its own kernel first (``SEPARATE_NORM``), or
     the norm in the prologue."""
     attn, norm1 = layer.self_attn, layer.input_layernorm

@@ -57,7 +57,7 @@ def tile_text(t: Tile) -> str:
 def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, half: int = 32,
                  handoff: bool = False) -> str:  # fmt: skip
     """What the fused step runs for ``piece`` at ``rows`` (its bucket): the unfused pieces where
-    ``proj_tiles.CUBLAS`` says; with ``handoff`` (``fused_decode.handoff``) the fused kernel
+    ``tile_table.CUBLAS`` says; with ``handoff`` (``fused_decode.handoff``) the fused kernel
     with the norm from the sums of squares (qkv: from layer 1 on); the norm as its own kernel
     first where ``SEPARATE_NORM`` says; and the tile the fused kernel's launcher takes
     (``half``: head_dim / 2, for qkv)."""

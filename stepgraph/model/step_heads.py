@@ -1,5 +1,5 @@
 """The fused step's cuBLAS LM head and its greedy tokens (the reference rows' head, and the fused
-step's where ``proj_tiles.CUBLAS`` measured cuBLAS faster)."""
+step's where ``tile_table.CUBLAS`` measured cuBLAS faster)."""
 
 from __future__ import annotations
 
