@@ -98,6 +98,11 @@ SEPARATE_NORM: set[tuple[str, int, int, int]] = {
 # Llama-3.1-8B's gate-up below the norm handoff's buckets (bs 3-4): 59.08 µs a call on x normed
 # before against 65.48 with the norm prologue (round 6; not timed in the step at those sizes)
 SEPARATE_NORM.add(("gate_up_silu", *_GU8, 16))
+# Buckets where a model measured faster on the reference kernels inside the step, though its
+# tiles cover the rows (keyed by its fused qkv weight's shape): Llama-3.1-8B at bs 4 (bench,
+# graph, ctx 4096, one call: 5.018 ms on the reference kernels against 5.073 on its tiles; at
+# bs 16 the tiles won, 6.509 against 6.610; docs/results.md, run F6)
+REFERENCE_BUCKETS: set[tuple[int, int, int]] = {(*_Q8, 4)}
 
 
-__all__ = ["CUBLAS", "SEPARATE_NORM", "TILES", "Tile"]
+__all__ = ["CUBLAS", "REFERENCE_BUCKETS", "SEPARATE_NORM", "TILES", "Tile"]

@@ -37,7 +37,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..buckets import replay_bucket
 from ..errors import ConfigError
@@ -49,12 +48,13 @@ from ..kernels.norm_gemv import gemv_residual, norm_gemv
 from ..kernels.proj_tiles import measured, prefer_cublas, separate_norm
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
-from .llama import Linear, LlamaModel
-from .parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from ..kernels.tile_table import REFERENCE_BUCKETS
+from .kernel_choice import KERNEL_CHOICES, check_kernels, default_kernels, unfusable_reason
+from .llama import LlamaModel
+from .parallel import ParallelLMHead, RowParallelLinear
 from .step_heads import cublas_head as _cublas_head
 from .step_heads import greedy_tokens as _greedy
 
-KERNEL_CHOICES = ("fused", "reference")
 # Rows the fused step serves (``gemv_tiles.MAX_M``: one launch takes up to 64 rows).
 FUSED_MAX_BS = 64
 # Batch sizes the fused step serves with the reference kernels (greedy tokens still taken in
@@ -82,42 +82,8 @@ HANDOFF_MIN_BUCKET = 8
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
 # always takes the default (on, measured 2026-11-30)
 ROWS_PDL: bool | None = None
-# PDL on the attention kernel of the fused step: off unless STEPGRAPH_ATTENTION_PDL=1 (the A/B
-# switch of the measurement in docs/results.md)
+# PDL on the fused step's attention kernel: off unless STEPGRAPH_ATTENTION_PDL=1 (an A/B switch)
 ATTENTION_PDL: bool | None = None if os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1" else False
-
-
-def default_kernels(device: torch.device | str) -> str:
-    """ "fused" on CUDA, "reference" elsewhere (the CPU runs the torch reference ops)."""
-    return "fused" if torch.device(device).type == "cuda" else "reference"
-
-
-def check_kernels(kernels: str) -> str:
-    if kernels not in KERNEL_CHOICES:
-        raise ConfigError(
-            f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}; "
-            "'reference' runs the unfused kernels (the numerical reference)."
-        )
-    return kernels
-
-
-def unfusable_reason(model: LlamaModel) -> str | None:
-    """Why the fused step cannot run this model (None: it can). A tensor-parallel shard
-    (``model/parallel.py``) can: its all-reduces go between the fused kernels (``_row``)."""
-    layer = model.layers[0]
-    if not model.embed_tokens.weight.is_cuda:
-        return "the fused kernels run on CUDA only"
-    if type(model.lm_head) not in (Linear, ParallelLMHead):
-        return f"an lm_head of type {type(model.lm_head).__name__}"
-    if type(model.embed_tokens) not in (nn.Embedding, VocabParallelEmbedding):
-        return f"an embedding of type {type(model.embed_tokens).__name__}"
-    for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-        if type(proj) not in (Linear, RowParallelLinear):
-            return f"an o_proj or down_proj of type {type(proj).__name__}"
-    half = model.config.head_dim // 2
-    if half & (half - 1):
-        return f"head_dim / 2 = {half} is not a power of two (the RoPE epilogue needs one)"
-    return None
 
 
 def kernel_class(bs: int, backend=None) -> int:
@@ -142,7 +108,11 @@ def reference_rows(bs: int, backend=None, model: LlamaModel | None = None) -> bo
 
 
 def _measured(model: LlamaModel, rows: int) -> bool:
+    """Every projection has a measured choice at ``rows`` (a bucket), and the bucket is not one
+    where the model measured faster on the reference kernels (``tile_table.REFERENCE_BUCKETS``)."""
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    if (*attn.qkv_proj.weight.shape, rows) in REFERENCE_BUCKETS:
+        return False
     pieces = (("qkv_rope", attn.qkv_proj), ("gemv_residual", attn.o_proj),
               ("gate_up_silu", mlp.gate_up_proj), ("gemv_residual", mlp.down_proj),
               ("lm_head", model.lm_head))  # fmt: skip

@@ -16,6 +16,7 @@ from ..kernels.proj_tiles import (
     tile_for,
 )
 from ..kernels.qkv_rope import qkv_tile
+from ..kernels.tile_table import REFERENCE_BUCKETS
 from . import fused_decode as _fd
 from .config import ModelConfig
 from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
@@ -93,6 +94,9 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
             continue
         if b > 1 and not all(measured(PIECES[p][0], b, *shapes[p], elem_bytes) for p in PIECES):
             out.append((b, f"reference kernels ({UNMEASURED})", {}))
+            continue
+        if elem_bytes == 2 and (*shapes["qkv"], b) in REFERENCE_BUCKETS:
+            out.append((b, "reference kernels (measured faster here: REFERENCE_BUCKETS)", {}))
             continue
         path = "fused, one row (GEMV)"
         if b > 1:
