@@ -209,17 +209,17 @@ def test_sweep_tiles_file_and_switches(tmp_path, monkeypatch):
     switches parse as pairs."""
     import json
 
-    key = ("qkv_rope", 3072, 2048, 32)
+    key = ("qkv_rope", 3072, 2048, 64)
     assert key in proj_tiles.CUBLAS
     monkeypatch.setattr(proj_tiles, "TILES", dict(proj_tiles.TILES))
     monkeypatch.setattr(proj_tiles, "CUBLAS", set(proj_tiles.CUBLAS))
     path = tmp_path / "tiles.json"
-    path.write_text(json.dumps({"qkv_rope,3072,2048,32": [32, 128, 4, 3, 4, 1]}))
+    path.write_text(json.dumps({"qkv_rope,3072,2048,64": [32, 128, 4, 3, 4, 1]}))
     monkeypatch.setenv(proj_tiles.TILES_ENV, str(path))
     proj_tiles._env_tiles()
     assert proj_tiles.TILES[key] == Tile(32, 128, 4, 3, 4, 1)
-    assert key not in proj_tiles.CUBLAS and not proj_tiles.prefer_cublas("qkv_rope", 20, 3072, 2048)
-    assert proj_tiles.tile_for("qkv_rope", 20, 3072, 2048).tma == 1
+    assert key not in proj_tiles.CUBLAS and not proj_tiles.prefer_cublas("qkv_rope", 40, 3072, 2048)
+    assert proj_tiles.tile_for("qkv_rope", 40, 3072, 2048).tma == 1
     monkeypatch.setenv("STEPGRAPH_X", "qkv_rope:16, gate_up_silu:32,")
     assert proj_tiles._env_pairs("STEPGRAPH_X") == {("qkv_rope", 16), ("gate_up_silu", 32)}
     monkeypatch.setenv("STEPGRAPH_X", "")

@@ -66,9 +66,13 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
 # ~5.5 vs 21.5 at 64; gate-up 19.5 + ~5 vs 35.3 at 64 (at 32: 19.0 + ~5 vs 24.5, a tie: fused);
 # the LM head's norm + cuBLAS + argmax_rows (~8 µs beside the GEMM): 150.4 + 8 vs 158.6 at 32
 # rows (a tie) and 162.7 + 8 vs 211.6 at 64.
+# With the norm handoff (from bucket 8 on) gate-up at 64 rows streams the activation as the
+# _normed variant does, with no norm kernel (19.46 µs against 19.5 + ~3.2), so it runs fused:
+# bench, graph, ctx 512 (run F7), bs 48 1.307 ms against 1.368 on cuBLAS, bs 64 1.405 against
+# 1.467. qkv fused the same way lost in the step: bs 32 1.273 against 1.252 on cuBLAS, bs 64
+# 1.450 against 1.405; so did the LM head at 32 rows (1.257 against 1.252).
 CUBLAS: set[tuple[str, int, int, int]] = {
-    ("qkv_rope", *_QKV, 32), ("qkv_rope", *_QKV, 64), ("gate_up_silu", *_GU, 64),
-    ("lm_head", *_LM, 32), ("lm_head", *_LM, 64),
+    ("qkv_rope", *_QKV, 32), ("qkv_rope", *_QKV, 64), ("lm_head", *_LM, 32), ("lm_head", *_LM, 64),
 }  # fmt: skip
 
 # Llama-3.1-8B at 8 rows (BLOCK_M 16), round 6 (run F4, 2026-12-01, proj_sweep.py --preset
@@ -94,6 +98,9 @@ CUBLAS.add(("qkv_rope", *_Q8, 16))
 # with the norm prologue the fused kernels had tied or lost (docs/results.md, E3 and E5).
 SEPARATE_NORM: set[tuple[str, int, int, int]] = {
     ("qkv_rope", *_QKV, 16), ("gate_up_silu", *_GU, 16), ("gate_up_silu", *_GU, 32),
+    # gate-up at 64 rows with the handoff off: the _normed tile's 19.46 µs against 35.28 with
+    # the norm prologue (not timed in the step: the handoff serves bucket 64)
+    ("gate_up_silu", *_GU, 64),
 }  # fmt: skip
 # Llama-3.1-8B's gate-up below the norm handoff's buckets (bs 3-4): 59.08 µs a call on x normed
 # before against 65.48 with the norm prologue (round 6; not timed in the step at those sizes)

@@ -15,8 +15,8 @@ Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200). Two rows and more (is
 same kernels on tensor cores, M padded to 16/32/64, split-K where the output is narrow, tiles
 per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/proj_sweep.py``; some
 through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster (``tile_table.CUBLAS``:
-qkv and the LM head at 17-64 rows, gate-up at 33-64) the step runs RMSNorm, cuBLAS and
-RoPE/KV-write (SiLU·mul, argmax_rows). Elsewhere the norm before qkv (from layer 1), gate-up
+qkv and the LM head at 17-64 rows) the step runs RMSNorm, cuBLAS and RoPE/KV-write
+(argmax_rows). Elsewhere the norm before qkv (from layer 1), gate-up
 and the LM head comes from the sums of squares o_proj and down leave beside the residual
 (``handoff``, ``kernels/norm_handoff.py``): no norm kernel. Layer 0's runs as its own kernel
 where ``tile_table.SEPARATE_NORM`` says, else in the prologue. ``REFERENCE_ROWS`` (bucket 2)
