@@ -209,13 +209,17 @@ def gemv_residual(
         y = torch.empty_like(residual)
     else:
         y = x.new_empty(x.shape[0], weight.shape[0])
-    handed = (torch.empty_like(y), torch.empty(0, 1, dtype=torch.float32, device=y.device))
+    handed = None
     if x.shape[0]:
         handed = _launch(
             x, None, weight, None, residual, y, None, 0.0, norm=False, use_pdl=use_pdl,
             blocks=blocks, kernel="gemv_residual", next_norm=next_norm,
-        ) or handed  # fmt: skip
-    return (y, *handed) if next_norm is not None else y
+        )  # fmt: skip
+    if next_norm is None:
+        return y
+    if handed is None:  # no rows
+        handed = (torch.empty_like(y), torch.empty(0, 1, dtype=torch.float32, device=y.device))
+    return (y, *handed)
 
 
 def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2) -> int:

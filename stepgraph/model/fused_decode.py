@@ -16,13 +16,14 @@ same kernels on tensor cores, M padded to 16/32/64, split-K where the output is 
 per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/proj_sweep.py``; some
 through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster (``tile_table.CUBLAS``:
 qkv and the LM head at 17-64 rows) the step runs RMSNorm, cuBLAS and RoPE/KV-write
-(argmax_rows). Elsewhere the norm before qkv (from layer 1), gate-up
-and the LM head comes from the sums of squares o_proj and down leave beside the residual
-(``handoff``, ``kernels/norm_handoff.py``): no norm kernel. Layer 0's runs as its own kernel
-where ``tile_table.SEPARATE_NORM`` says, else in the prologue. ``REFERENCE_ROWS`` (bucket 2)
-runs the reference kernels inside the step. docs/results.md has the figures. The kernels are
-launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``); the
-attention kernels are not (measured slower with it, see ``flash_decode``).
+(argmax_rows). From bucket 8 on, the norms before the other consumers (qkv from layer 1,
+gate-up, the LM head) come from what o_proj and down leave beside the residual (``handoff``,
+``kernels/norm_handoff.py``): no norm kernel. Below that, and for layer 0, the norm runs as
+its own kernel where ``tile_table.SEPARATE_NORM`` says, else in the prologue.
+``REFERENCE_ROWS`` (bucket 2) runs the reference kernels inside the step. docs/results.md has
+the figures. The kernels are launched with programmatic dependent launch where the GPU has it
+(``kernels/pdl.py``); the attention kernels are not (measured slower with it, see
+``flash_decode``).
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused step serves batches of up to
@@ -75,8 +76,8 @@ if _ROWS_ENV:
         raise ConfigError(
             f"STEPGRAPH_REFERENCE_ROWS={_ROWS_ENV!r}: give LO-HI (e.g. 2-32) or none"
         ) from None
-# The norm handoff (``handoff``) from bucket 8 on: graph, ctx 512, ms on / off (run F3): bs 4
-# 1.095 / 1.078, 8 1.116 / 1.114, 16 1.166 / 1.169, 32 1.256 / 1.277; STEPGRAPH_NORM_HANDOFF=0
+# The norm handoff (``handoff``) from bucket 8 on: graph, ctx 512, ms on / off: bs 4 1.095 /
+# 1.078 (run F3); 8 1.103 / 1.098, 16 1.169 / 1.169, 32 1.257 / 1.276 (F5); STEPGRAPH_NORM_HANDOFF=0
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
 HANDOFF_MIN_BUCKET = 8
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
@@ -141,10 +142,10 @@ def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
 def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl, next_norm=None):
     """``(r + x @ W.T, handoff)`` in one launch; ``handoff`` is ``(r * next_norm, its sums of
     squares)`` given the next norm's weight (``kernels/norm_handoff``, unsharded), else None.
-    A row-parallel shard: rank 0 adds the residual
-    in the epilogue, the others project alone, and the in-place all-reduce sums them, so every
-    rank holds the same ``r + sum of the partials`` (rounded once more than the reference path's
-    ``r + all_reduce(partials)``: the two agree within bf16 rounding, not bit for bit)."""
+    A row-parallel shard: rank 0 adds the residual in the epilogue, the others project alone,
+    and the in-place all-reduce sums them, so every rank holds the same ``r + sum of the
+    partials`` (rounded once more than the reference path's ``r + all_reduce(partials)``: the
+    two agree within bf16 rounding, not bit for bit)."""
     if type(proj) is not RowParallelLinear or proj.world_size == 1:
         if next_norm is not None:
             y, xw, ssq = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, next_norm=next_norm)
@@ -177,7 +178,7 @@ def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl) -> tor
     the norm in the prologue."""
     attn, norm1 = layer.self_attn, layer.input_layernorm
     w_qkv, bs = attn.qkv_proj.weight, r.shape[0]
-    if prefer_cublas("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size()):  # norm GEMM RoPE
+    if _cublas(attn.qkv_proj, "qkv_rope", bs):  # norm, GEMM, RoPE
         return rope_kv(
             attn.qkv_proj(norm1(r)[0]), positions, model.rope_cos, model.rope_sin,
             kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
@@ -226,7 +227,7 @@ def fused_decode_step(
         w_gu = mlp.gate_up_proj.weight
         nw = norm2.weight if ho and not _cublas(mlp.gate_up_proj, "gate_up_silu", bs) else None
         r, hand = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl, nw)
-        if prefer_cublas("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
+        if _cublas(mlp.gate_up_proj, "gate_up_silu", bs):
             a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
         elif hand is not None:  # x = r * norm2.weight, the rows scaled by o_proj's 1 / RMS
             a = gate_up_silu(hand[0], None, w_gu, norm2.eps, use_pdl=use_pdl, ssq=hand[1])
@@ -246,8 +247,7 @@ def fused_decode_step(
         if tokens_out is not None:
             _greedy(logits, tokens_out)
         return logits
-    w_lm = model.lm_head.weight
-    if prefer_cublas("lm_head", bs, *w_lm.shape, w_lm.element_size()):  # norm, GEMM, argmax
+    if _cublas(model.lm_head, "lm_head", bs):  # norm, GEMM, argmax
         return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out)
     x, nw, ssq = (r, model.norm.weight, None) if hand is None else (hand[0], None, hand[1])
     logits, _ = lm_head_argmax(

@@ -65,7 +65,7 @@ def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, hal
     kernel, beside = PIECES[piece]
     if beside and prefer_cublas(kernel, rows, n, k, elem_bytes):
         return f"norm + cuBLAS + {beside}"
-    if handoff and piece != "o_proj" and piece != "down":
+    if handoff and piece in ("qkv", "gate_up", "lm_head"):  # the norms' consumers
         if piece == "qkv":
             tile = qkv_tile(False, rows, n, k, half, elem_bytes)
         else:
