@@ -95,7 +95,7 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
     assert len(unfused) >= 2 * cfg.num_layers + 1 and all(unfused)
 
 
-def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr):
+def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr, monkeypatch):
     """The 1B preset's bf16 shapes have tiles at every tile class; the tiny preset's do not,
     and float32 never does: the step runs the reference kernels there (``proj_tiles.measured``),
     as the rule's tiles ran the 8B preset at half cuBLAS's speed."""
@@ -109,6 +109,15 @@ def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr):
     ]  # fmt: skip
     assert not fused_decode._measured(mr.model, 64)
     assert reference_rows(40, mr.attn_backend, mr.model) and not reference_rows(1, None, mr.model)
+    # a bucket in REFERENCE_BUCKETS for the model's qkv shape runs the reference kernels too
+    from stepgraph.kernels import proj_tiles
+
+    monkeypatch.setattr(proj_tiles, "REFERENCE_BUCKETS", {(3072, 2048, 32)})
+    assert proj_tiles.reference_bucket(3072, 2048, 32) and not proj_tiles.reference_bucket(
+        3072, 2048, 32, elem_bytes=4)  # fmt: skip
+    assert [reference_rows(bs, big.attn_backend, big.model) for bs in (16, 17, 32, 33)] == [
+        False, True, True, False,
+    ]  # fmt: skip
 
 
 def test_kernel_switch_on_cpu(mr):

@@ -24,7 +24,7 @@ import triton
 
 from ..errors import ConfigError
 from .gemv_tiles import proj_blocks
-from .tile_table import CUBLAS, SEPARATE_NORM, TILES, Tile
+from .tile_table import CUBLAS, REFERENCE_BUCKETS, SEPARATE_NORM, TILES, Tile
 from .tma_tiles import box_fits, descriptor, tma_ready
 
 KERNELS = (
@@ -152,6 +152,13 @@ def measured(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
     was measured."""
     key = (kernel, n, k, block_m(m))
     return elem_bytes == 2 and (key in TILES or key in CUBLAS or (kernel, key[3]) in CUBLAS_ANY)
+
+
+def reference_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2) -> bool:
+    """Whether a model whose fused qkv weight is ``[qkv_n, k]`` measured faster on the reference
+    kernels at ``bucket`` although its tiles cover the rows (``tile_table.REFERENCE_BUCKETS``,
+    measured in bf16)."""
+    return elem_bytes == 2 and (qkv_n, k, bucket) in REFERENCE_BUCKETS
 
 
 def tma_descriptors(tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int):

@@ -33,14 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_tiles import (
-    FENCE,
-    first_w_tile,
-    gemv_loop,
-    mul_acc,
-    row_inv_rms,
-    x_tile,
-)
+from .gemv_tiles import FENCE, first_w_tile, gemv_loop, mul_acc, row_inv_rms, x_tile
 from .norm_handoff import ssq_inv_rms
 from .pdl import hopper_or_later
 

@@ -46,10 +46,9 @@ from ..kernels.fused_act import silu_mul
 from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.lm_head_argmax import lm_head_argmax
 from ..kernels.norm_gemv import gemv_residual, norm_gemv
-from ..kernels.proj_tiles import measured, prefer_cublas, separate_norm
+from ..kernels.proj_tiles import measured, prefer_cublas, reference_bucket, separate_norm
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
-from ..kernels.tile_table import REFERENCE_BUCKETS
 from .kernel_choice import KERNEL_CHOICES, check_kernels, default_kernels, unfusable_reason
 from .llama import LlamaModel
 from .parallel import ParallelLMHead, RowParallelLinear
@@ -112,7 +111,8 @@ def _measured(model: LlamaModel, rows: int) -> bool:
     """Every projection has a measured choice at ``rows`` (a bucket), and the bucket is not one
     where the model measured faster on the reference kernels (``tile_table.REFERENCE_BUCKETS``)."""
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    if (*attn.qkv_proj.weight.shape, rows) in REFERENCE_BUCKETS:
+    w = attn.qkv_proj.weight
+    if reference_bucket(*w.shape, rows, w.element_size()):
         return False
     pieces = (("qkv_rope", attn.qkv_proj), ("gemv_residual", attn.o_proj),
               ("gate_up_silu", mlp.gate_up_proj), ("gemv_residual", mlp.down_proj),

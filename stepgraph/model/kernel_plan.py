@@ -12,11 +12,11 @@ from ..kernels.proj_tiles import (
     block_m,
     measured,
     prefer_cublas,
+    reference_bucket,
     separate_norm,
     tile_for,
 )
 from ..kernels.qkv_rope import qkv_tile
-from ..kernels.tile_table import REFERENCE_BUCKETS
 from . import fused_decode as _fd
 from .config import ModelConfig
 from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
@@ -95,7 +95,7 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
         if b > 1 and not all(measured(PIECES[p][0], b, *shapes[p], elem_bytes) for p in PIECES):
             out.append((b, f"reference kernels ({UNMEASURED})", {}))
             continue
-        if elem_bytes == 2 and (*shapes["qkv"], b) in REFERENCE_BUCKETS:
+        if reference_bucket(*shapes["qkv"], b, elem_bytes):
             out.append((b, "reference kernels (measured faster here: REFERENCE_BUCKETS)", {}))
             continue
         path = "fused, one row (GEMV)"
