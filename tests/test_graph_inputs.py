@@ -55,7 +55,7 @@ def test_one_launch_equals_the_torch_ops(staged, fed, bucket):
         rows = [_rows(g, MAX_BS, fed) for _ in range(2)]
         for bufs, st in ((kb, ks), (tb, ts)):
             if st is not None:
-                st.host[:, :, :] = torch.stack(rows)
+                st.host[:, :, :] = torch.stack(rows, 1)  # [max_bs, slot, width]
             else:
                 bufs.packed[:] = rows[0]
             _poison(bufs)

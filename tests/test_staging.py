@@ -40,19 +40,19 @@ def test_random_walk_of_batch_sizes_equals_eager(packed):
         assert int(staging.copied) == k + 1  # the in-graph copy count, mirrored on the host
         bucket = min(b for b in runner.capture_bs if b >= bs)
         slot = k % 2  # the slot this replay read: live rows, then padding up to the bucket
-        torch.testing.assert_close(staging.host[slot, :bs], pack_batch(batch).cpu())
-        assert (staging.host[slot, bs:bucket] == staging.pad).all()
+        torch.testing.assert_close(staging.rows(slot)[:bs], pack_batch(batch).cpu())
+        assert (staging.rows(slot)[bs:bucket] == staging.pad).all()
 
 
 def test_a_slot_is_not_overwritten_before_its_copy_ran():
     mr = ToyModelRunner(num_pages=160, seed=2)
     width = mr.max_pages_per_request + 4
     staging = PinnedStaging(pad_row(mr.max_pages_per_request, 1, torch.device("cpu")), 8, mr.device)
-    assert staging.host.shape == (2, 8, width)
+    assert staging.host.shape == (8, 2, width)
     seen_at_wait = []
 
     def gpu_catches_up():  # the wait's pause: replay 0 copies its slot now
-        seen_at_wait.append(staging.host[0].clone())
+        seen_at_wait.append(staging.rows(0).clone())
         staging.copied[0] = 1
 
     staging.pause = gpu_catches_up
@@ -66,5 +66,5 @@ def test_a_slot_is_not_overwritten_before_its_copy_ran():
     staging.stage(c, 4)  # slot 0 again: must wait for replay 0's copy before writing
     assert staging.waits == 1 and len(seen_at_wait) == 1
     torch.testing.assert_close(seen_at_wait[0][:4], pack_batch(a))  # still a's rows then
-    torch.testing.assert_close(staging.host[0, :4], pack_batch(c))
-    torch.testing.assert_close(staging.host[1, :4], pack_batch(b))
+    torch.testing.assert_close(staging.rows(0)[:4], pack_batch(c))
+    torch.testing.assert_close(staging.rows(1)[:4], pack_batch(b))

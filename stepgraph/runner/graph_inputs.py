@@ -12,8 +12,9 @@ one program per row:
     fields     input_ids (feed resolved), positions, out_cache_loc int64; seq_lens int32
     table      block_table int32, in chunks of ``BLOCK_P`` pages
     count      staged: the last program to finish (an atomic ticket) bumps ``copies``, sets
-               ``parity = copies & 1`` and resets the ticket, after every program read
-               ``copies`` (each reads it before taking its ticket)
+               ``parity = copies & 1``, writes the count to the host's pinned ``copied`` (a
+               store through its mapped address: no D2H memcpy node) and resets the ticket,
+               after every program read ``copies`` (each reads it before taking its ticket)
 
 Elsewhere (the CPU stand-in) the torch ops run, as before; ``tests/test_graph_inputs.py``
 checks the kernel against them under the Triton interpreter.
@@ -33,11 +34,13 @@ BLOCK_P = 128  # block-table pages per inner iteration
 
 @triton.jit
 def _fill_inputs_kernel(
-    src_ptr,  # int64 rows: [B, W] (packed) or [2, max_bs, W] (staged slots)
+    src_ptr,  # int64 rows: [B, W] (packed) or [max_bs, 2, W] (staged slots)
+    row_stride,  # elements between two rows
     slot_stride,  # elements between the two staged slots
     copies_ptr,  # int64 [1]: replays that copied (staged)
     parity_ptr,  # int64 [1]: copies & 1 (staged)
     ticket_ptr,  # int32 [1]: programs done this replay (staged), 0 between replays
+    copied_ptr,  # int64 [1], pinned host memory: the count's mirror (staged)
     feed_ptr,  # int64 [F]
     feed_n,
     ids_ptr,
@@ -46,14 +49,13 @@ def _fill_inputs_kernel(
     seq_ptr,  # int32
     table_ptr,  # int32 [*, table_stride]
     table_stride,
-    width,
     pages,
     STAGED: tl.constexpr,
     FEED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    src = src_ptr + row.to(tl.int64) * width
+    src = src_ptr + row.to(tl.int64) * row_stride
     if STAGED:
         k = tl.load(copies_ptr)
         src += (k & 1) * slot_stride
@@ -76,18 +78,18 @@ def _fill_inputs_kernel(
             tl.store(ticket_ptr, 0)
             tl.store(copies_ptr, k + 1)
             tl.store(parity_ptr, (k + 1) & 1)
+            tl.store(copied_ptr, k + 1)  # to the host, after this replay's copy (stream order)
 
 
 def captured_inputs(buffers, bucket: int, staging, feed, unpack: bool, kernel: bool) -> None:
     """Captured: the live batch into ``buffers``' static fields. ``kernel`` (CUDA, packed
-    inputs): the slots' copies, one ``fill_inputs`` launch, the copy count's mirror; else the
-    torch ops (the staged slot selected, the packed rows unpacked, the feed resolved)."""
+    inputs): the slots' copy, then one ``fill_inputs`` launch (which also mirrors the copy
+    count to the host); else the torch ops (the staged slot selected, the packed rows unpacked,
+    the feed resolved)."""
     if kernel:
         if staging is not None:
             staging.copy_slots(bucket)
         fill_inputs(buffers, bucket, staging, feed)
-        if staging is not None:
-            staging.mirror()
         return
     if staging is not None:
         staging.upload(bucket, buffers.packed)
@@ -102,18 +104,19 @@ def fill_inputs(buffers, bucket: int, staging=None, feed: torch.Tensor | None = 
     ``buffers.packed``) into ``buffers``' fields, ids read from ``feed`` where they ask."""
     assert PACKED.fields == ("input_ids", "positions", "out_cache_loc", "seq_lens")
     if staging is not None:
-        src, slot_stride = staging.device_rows, staging.device_rows.stride(0)
+        src, slot_stride = staging.device_rows, staging.device_rows.stride(1)
         copies, parity, ticket = staging.copies, staging.parity, staging.ticket
+        copied = staging.copied  # pinned: the kernel writes it through its mapped address
     else:
         src, slot_stride = buffers.packed, 0
-        copies = parity = buffers.packed  # unread: STAGED is off
+        copies = parity = copied = buffers.packed  # unread: STAGED is off
         ticket = buffers.seq_lens
-    width, table = src.shape[-1], buffers.block_table
+    table = buffers.block_table
     _fill_inputs_kernel[(bucket,)](
-        src, slot_stride, copies, parity, ticket,
+        src, src.stride(0), slot_stride, copies, parity, ticket, copied,
         feed if feed is not None else buffers.input_ids, 0 if feed is None else feed.shape[0],
         buffers.input_ids, buffers.positions, buffers.out_cache_loc, buffers.seq_lens,
-        table, table.stride(0), width, width - PACKED.table_col,
+        table, table.stride(0), src.shape[-1] - PACKED.table_col,
         STAGED=staging is not None, FEED=feed is not None, BLOCK=BLOCK_P,
     )  # fmt: skip
 

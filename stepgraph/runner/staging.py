@@ -5,11 +5,14 @@ time on the H200 VM, where every CUDA call costs 8-17 us). With
 ``RunnerConfig(pinned_staging=True)`` the host path makes no CUDA call but the graph launch: it
 writes the rows into pinned memory (numpy), and each captured step begins by fetching them:
 
-    host   [2, max_bs, width] int64, pinned     two slots; replay k reads slot k % 2
-    device [2, max_bs, width] int64             both slots' rows [:B], two memcpy nodes
+    host   [max_bs, 2, width] int64, pinned     two slots; replay k reads slot k % 2
+    device [max_bs, 2, width] int64             both slots' rows [:B]: one memcpy node (the
+                                                slots interleave, so rows [:B] are contiguous)
     parity [1] int64, device                    which slot this replay reads; flipped in-graph
     packed [max_bs, width]                      rows [:B] of slot ``parity`` (index_select)
-    copied [1] int64, device -> pinned host     replays whose copy has run (a D2H memcpy node)
+    copied [1] int64, pinned host               replays whose copy has run: on CUDA written by
+                                                ``graph_inputs``' launch itself (no memcpy
+                                                node), on the CPU stand-in a copy
 
 The rule (also in ``docs/design.md``): the host writes slot ``k % 2`` for replay ``k`` only once
 ``copied >= k - 1``, i.e. once replay ``k - 2``, the last one to read that slot, has copied it;
@@ -49,9 +52,9 @@ class PinnedStaging:
         width = pad.shape[0]
         cuda = device.type == "cuda"
         self.pad = pad.cpu()  # [width] int64
-        self.host = torch.empty(SLOTS, max_bs, width, dtype=torch.int64, pin_memory=cuda)
+        self.host = torch.empty(max_bs, SLOTS, width, dtype=torch.int64, pin_memory=cuda)
         self.host[:] = self.pad
-        self.device_rows = torch.empty(SLOTS, max_bs, width, dtype=torch.int64, device=device)
+        self.device_rows = torch.empty(max_bs, SLOTS, width, dtype=torch.int64, device=device)
         self.parity = torch.zeros(1, dtype=torch.int64, device=device)
         self.copies = torch.zeros(1, dtype=torch.int64, device=device)  # bumped in-graph
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)  # graph_inputs.py's
@@ -71,21 +74,20 @@ class PinnedStaging:
         ``packed[:bucket]``, the parity flipped and the copy counted (on the host too). On CUDA
         the runner does the middle part in one launch instead (``graph_inputs.py``)."""
         self.copy_slots(bucket)
-        dst = packed[:bucket].unsqueeze(0)  # [1, bucket, width]
-        torch.index_select(self.device_rows[:, :bucket], 0, self.parity, out=dst)
+        dst = packed[:bucket].unsqueeze(1)  # [bucket, 1, width]
+        torch.index_select(self.device_rows[:bucket], 1, self.parity, out=dst)
         self.parity.bitwise_xor_(1)
         self.copies.add_(1)
         self.mirror()
 
     def copy_slots(self, bucket: int) -> None:
         """Captured: both slots' rows ``[:bucket]`` to the device (a graph's addresses are
-        fixed, so both; the replay reads the one of its count)."""
-        for s in range(SLOTS):
-            self.device_rows[s, :bucket].copy_(self.host[s, :bucket], non_blocking=True)
+        fixed, so both; the replay reads the one of its count), in one copy."""
+        self.device_rows[:bucket].copy_(self.host[:bucket], non_blocking=True)
 
     def mirror(self) -> None:
-        """Captured, last: the copy count to pinned host memory, after the copies in stream
-        order."""
+        """Captured, last (the torch-op path): the copy count to pinned host memory, after the
+        copies in stream order."""
         self.copied.copy_(self.copies, non_blocking=True)
 
     def reset(self) -> None:
@@ -96,6 +98,10 @@ class PinnedStaging:
         self.ticket.zero_()
         self.copied.zero_()
         self.count = 0
+
+    def rows(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s host rows ``[max_bs, width]`` (a view)."""
+        return self.host[:, slot]
 
     # -- on the host, per replay -------------------------------------------------------------
 
@@ -112,14 +118,14 @@ class PinnedStaging:
         if src is not None:
             rows = src.numpy()  # [bs, <= width]: a narrower table's missing columns are unread
             bs = rows.shape[0]
-            self._host_np[slot, :bs, : rows.shape[1]] = rows
+            self._host_np[:bs, slot, : rows.shape[1]] = rows
         else:  # device rows: a D2H copy, ordered before the graph's H2D on the stream
             rows, bs = None, batch.batch_size
             src = batch.packed if batch.packed is not None else pack_batch(batch)
-            self.host[slot, :bs, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
+            self.host[:bs, slot, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
         stale = min(self.dirty[slot], bucket)
         if stale > bs:
-            self._host_np[slot, bs:stale] = self._pad_np
+            self._host_np[bs:stale, slot] = self._pad_np
         self.dirty[slot] = self.dirty[slot] if self.dirty[slot] > bucket else bs
         return rows
 

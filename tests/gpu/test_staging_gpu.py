@@ -65,6 +65,8 @@ def test_staged_random_walk_equals_eager_with_the_host_ahead(mr):
     for k, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"step {k}")
     assert runner._staging.waits > 0  # the host really was ahead and had to wait
+    # the count the fill kernel stores into pinned host memory: one per replay
+    assert int(runner._staging.copied) == runner._staging.count == len(batches)
     runner.shutdown()
 
 
