@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stepgraph.kernels.fused_act import silu_mul
-from stepgraph.kernels.fused_norm import add_rmsnorm
+from stepgraph.kernels.fused_norm import add_rmsnorm, embed_rmsnorm
 from stepgraph.kernels.gemv import gemv
 from stepgraph.kernels.rope_kv import apply_rope, rope_kv
 from tests.conftest import rel_err
@@ -31,6 +31,22 @@ def test_add_rmsnorm(nan_empty, dtype, t, n, with_res):
     assert rel_err(out, ref) < TOL[dtype]
     if not with_res:
         assert new_res is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embed_rmsnorm_is_the_embedding_then_the_norm_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(5)
+    table = (3 * torch.randn(50, 48, generator=g)).to(dtype)
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype)
+    ids = torch.tensor([49, 0, 7, 7, 23])  # the last row, the first, one twice
+    out, rows = embed_rmsnorm(ids, table, w, 1e-5)
+    assert torch.equal(rows, table[ids])
+    assert torch.equal(out, add_rmsnorm(table[ids], None, w, 1e-5)[0])
+    s = table[ids].double()
+    ref = w.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert rel_err(out, ref) < TOL[dtype]
+    empty = embed_rmsnorm(ids[:0], table, w, 1e-5)
+    assert empty[0].shape == empty[1].shape == (0, 48)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

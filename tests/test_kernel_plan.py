@@ -127,8 +127,11 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
     spy("silu_mul", fused_decode.silu_mul, lambda a, k: "gate_up cublas")
     spy("lm_head_argmax", fused_decode.lm_head_argmax, kind("lm_head"))
     spy("_cublas_head", fused_decode._cublas_head, lambda a, k: "lm_head cublas")
+    spy("embed_rmsnorm", fused_decode.embed_rmsnorm, lambda a, k: "embed with the norm")
     plan = by_bucket(cfg)
-    for bs in (3, 5, 17):  # buckets 4 and 8 (M padded to 16, below and at the handoff's), 32
+    owns = []
+    for bs in (1, 3, 5, 17):  # buckets 1 (one row), 4 and 8 (M padded to 16, below and at the
+        # handoff's), 32
         ran.clear()
         batch, pages = decode_batch(mr, Point(bs, 20), seed=bs)
         try:
@@ -145,3 +148,9 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
             assert seen == expected(piece, c), (bs, piece, c, seen)
             ho = handoff and bs > 4 and "cuBLAS" not in c
             assert ("sums of squares" in c) == ho
+        # layer 0's norm as its own kernel (cuBLAS qkv, SEPARATE_NORM): run with the embedding
+        first = choices["qkv"].split(" (layer 0: ")[-1]
+        own = "cuBLAS" in first or first.startswith("norm, then")
+        assert ran.count("embed with the norm") == own, (bs, choices["qkv"])
+        owns.append(own)
+    assert owns == [False, True, True, True]

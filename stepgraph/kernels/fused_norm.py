@@ -5,6 +5,9 @@
 
 One program per token row (``hidden`` up to 8k fits one block). With ``residual=None`` it is a
 plain RMSNorm and the "new residual" is ``x`` itself (the first layer's input).
+``embed_rmsnorm`` is the same kernel reading its rows out of the embedding table by token id:
+the fused decode step's embedding and its first norm in one launch, each output bit for bit
+what ``embedding`` then ``add_rmsnorm`` give.
 """
 
 from __future__ import annotations
@@ -16,16 +19,20 @@ import triton.language as tl
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ids_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
     HAS_RESIDUAL: tl.constexpr,
+    GATHER: tl.constexpr,  # x's row is ids[row] of x (an embedding table), copied to res_out
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    src = tl.load(ids_ptr + row).to(tl.int64) if GATHER else row
+    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
+    if GATHER:  # the embedding: the residual stream's first value
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     # -- residual add, rounded to the model dtype before the norm reads it --
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -68,13 +75,34 @@ def add_rmsnorm(
     res = residual if has_res else x
     if t:
         _add_rmsnorm_kernel[(t,)](
-            x, res, weight, out, res_out,
+            x, res, weight, out, res_out, x,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             n, eps,
-            HAS_RESIDUAL=has_res, BLOCK_N=triton.next_power_of_2(n),
+            HAS_RESIDUAL=has_res, GATHER=False, BLOCK_N=triton.next_power_of_2(n),
             num_warps=8 if n >= 2048 else 4,
         )  # fmt: skip
     return out, res_out
 
 
-__all__ = ["add_rmsnorm", "add_rmsnorm_reference"]
+def embed_rmsnorm(
+    ids: torch.Tensor,  # [T] int64 token ids, each in [0, vocab)
+    table: torch.Tensor,  # [vocab, hidden], the embedding weight, rows contiguous
+    weight: torch.Tensor,  # [hidden], the norm's weight
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, hidden], the embedded rows [T, hidden])
+    """``(rmsnorm(table[ids]), table[ids])`` in one launch."""
+    t, n = ids.shape[0], table.shape[1]
+    out = table.new_empty(t, n)
+    rows = table.new_empty(t, n)
+    if t:
+        _add_rmsnorm_kernel[(t,)](
+            table, table, weight, out, rows, ids,
+            table.stride(0), 0, out.stride(0), rows.stride(0),
+            n, eps,
+            HAS_RESIDUAL=False, GATHER=True, BLOCK_N=triton.next_power_of_2(n),
+            num_warps=8 if n >= 2048 else 4,
+        )  # fmt: skip
+    return out, rows
+
+
+__all__ = ["add_rmsnorm", "add_rmsnorm_reference", "embed_rmsnorm"]

@@ -1,23 +1,30 @@
-"""Greedy sampling inside the step: the final RMSNorm, the LM head and the argmax in two
-launches; and the torch reference.
+"""Greedy sampling inside the step: the final RMSNorm, the LM head and the argmax in one
+launch; and the torch reference.
 
-1. ``norm_gemv`` with ``ARGMAX``: each program writes its float32 logits and the (max, first
-   index of max) of its ``BLOCK_N`` columns into ``part_val`` / ``part_idx`` ``[M, P]``
-   (``P`` = programs, 4008 at vocab 128256).
-2. ``_argmax_reduce_kernel``, grid ``(M,)``: the first index of the largest partial. Ties go to
-   the smaller index at both levels, so the token is ``torch.argmax``'s (first occurrence).
+``norm_gemv`` with ``ARGMAX``: each program writes its float32 logits and the (max, first index
+of max) of its ``BLOCK_N`` columns into ``part_val`` / ``part_idx`` ``[M, P]`` (``P`` =
+programs, 4008 at vocab 128256 and one row); the last program to finish reduces them to the
+first index of the largest partial (``argmax_parts.fold_argmax``). Ties go to the smaller index
+at both levels, so the token is ``torch.argmax``'s (first occurrence). ``STEPGRAPH_ARGMAX_FOLD=0``
+runs the reduce as a second launch instead (``_argmax_reduce_kernel``, grid ``(M,)``; the A/B
+switch of its measurement).
 
 The float32 logits stay in their buffer for sampling at temperature > 0 and parity checks.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from .argmax_parts import parts_argmax
 from .norm_gemv import argmax_programs, norm_gemv, norm_gemv_reference
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+
+FOLD_ENV = "STEPGRAPH_ARGMAX_FOLD"
 
 
 @triton.jit
@@ -29,20 +36,7 @@ def _argmax_reduce_kernel(
 ):  # fmt: skip
     row = tl.program_id(0)
     pdl_wait_then_trigger(USE_PDL)  # the partials are the predecessor's output
-    offs = tl.arange(0, BLOCK_P)
-    best_val = tl.full((BLOCK_P,), float("-inf"), dtype=tl.float32)
-    best_idx = tl.full((BLOCK_P,), 2**31 - 1, dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        mask = (p0 + offs) < P
-        v = tl.load(part_val_ptr + row * stride_pm + p0 + offs, mask=mask, other=float("-inf"))
-        i = tl.load(part_idx_ptr + row * stride_pm + p0 + offs, mask=mask, other=2**31 - 1)
-        # -- strictly greater: a lane keeps its earlier (smaller-index) partial on a tie --
-        better = v > best_val
-        best_val = tl.where(better, v, best_val)
-        best_idx = tl.where(better, i, best_idx)
-    top = tl.max(best_val, axis=0)
-    idx = tl.min(tl.where(best_val == top, best_idx, 2**31 - 1), axis=0)
-    tl.store(out_ptr + row, idx.to(tl.int64))
+    parts_argmax(part_val_ptr, part_idx_ptr, stride_pm, row, row + 1, P, out_ptr, 1, BLOCK_P)
 
 
 def lm_head_argmax_reference(
@@ -67,20 +61,22 @@ def lm_head_argmax(
     blocks: tuple[int, int, int] | None = None,  # norm_gemv's (BLOCK_N, BLOCK_K, num_warps)
     ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff): the norm from them
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [M, vocab] float32, tokens [M] int64)
-    """Float32 logits of ``rmsnorm(x) @ weight.T`` and their argmax per row: two launches,
-    into ``logits_out`` / ``tokens_out`` when given (a graph's static buffers)."""
+    """Float32 logits of ``rmsnorm(x) @ weight.T`` and their argmax per row in one launch (two
+    with ``STEPGRAPH_ARGMAX_FOLD=0``), into ``logits_out`` / ``tokens_out`` when given (a graph's
+    static buffers)."""
     m, k = x.shape
     vocab = weight.shape[0]
     n_prog = argmax_programs(m, vocab, k, blocks, weight.element_size())
     part_val = torch.empty(m, n_prog, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(m, n_prog, dtype=torch.int32, device=x.device)
     tokens = tokens_out if tokens_out is not None else x.new_empty(m, dtype=torch.int64)
+    fold = os.environ.get(FOLD_ENV, "1") != "0"
     logits = norm_gemv(
         x, norm_w, weight, None, eps, torch.float32,
-        argmax_parts=(part_val, part_idx), out=logits_out, use_pdl=use_pdl, blocks=blocks,
-        ssq=ssq,
+        argmax_parts=(part_val, part_idx), argmax_tokens=tokens if fold else None,
+        out=logits_out, use_pdl=use_pdl, blocks=blocks, ssq=ssq,
     )  # fmt: skip
-    if m:
+    if m and not fold:
         pdl = resolve_pdl(use_pdl, x.device)
         _argmax_reduce_kernel[(m,)](
             part_val, part_idx, tokens, n_prog, part_val.stride(0),

@@ -3,7 +3,8 @@ references: the projections of the fused decode step that need no paired rows.
 
     norm_gemv(x, norm_w, w)        y = rmsnorm(x) @ w.T (+ bias)      lm_head (qkv: ``qkv_rope``)
     gemv_residual(x, w, residual)  y = residual + (x @ w.T)          o_proj and down
-    argmax partials (ARGMAX)       (max, index) of each program's columns, for ``lm_head_argmax``
+    argmax partials (ARGMAX)       (max, index) of each program's columns, for ``lm_head_argmax``,
+                                   and their reduce to the tokens by the last program (FOLD)
 
 Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; the pieces are in ``gemv_tiles``, the tiles per shape and
 batch bucket in ``proj_tiles``. With ``SPLIT_K > 1`` the programs of one column tile each take
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .argmax_parts import fold_argmax, fold_block
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -33,7 +35,7 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 @triton.jit
 def _norm_gemv_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_val_ptr, part_idx_ptr,
-    ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr, xw_ptr,
+    ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr, xw_ptr, tok_ptr,
     M, N, K, eps, n_parts,
     stride_xm, stride_wn, stride_rm, stride_ym, stride_pm, stride_sm, stride_xw,
     NORM: tl.constexpr,  # RMSNorm prologue (norm_w, eps)
@@ -42,6 +44,8 @@ def _norm_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,  # y = residual + (x @ w.T).to(dtype)
     ARGMAX: tl.constexpr,  # write (max, first index of max) of this program's columns
+    FOLD: tl.constexpr,  # ARGMAX, and the last program reduces them into tok_ptr (argmax_parts)
+    BLOCK_P: tl.constexpr,  # FOLD's block of partials (argmax_parts.fold_block)
     USE_PDL: tl.constexpr,
     TMA: tl.constexpr, PREFETCH: tl.constexpr,  # Tile.tma (tma_tiles), L2 lines before the wait
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -90,6 +94,10 @@ def _norm_gemv_kernel(
         idx = tl.argmax(vals, axis=1, tie_break_left=True) + pid_n * BLOCK_N  # [BLOCK_M]
         tl.store(part_val_ptr + offs_m * stride_pm + pid_n, best, mask=mask_m)
         tl.store(part_idx_ptr + offs_m * stride_pm + pid_n, idx.to(tl.int32), mask=mask_m)
+        if FOLD:  # the ticket after the split-K tickets [0, tiles)
+            tiles = tl.num_programs(0)
+            fold_argmax(part_val_ptr, part_idx_ptr, stride_pm, M, tiles, tok_ptr,
+                        ticket_ptr + tiles, BLOCK_M, BLOCK_P)  # fmt: skip
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,7 +119,7 @@ def gemv_residual_reference(x, weight, residual) -> torch.Tensor:
 
 def _launch(
     x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks, kernel,
-    ssq_in=None, next_norm=None,
+    ssq_in=None, next_norm=None, tokens=None,
 ):  # fmt: skip
     # -> (xw [M, N], the sums of squares [M, column tiles] float32) given next_norm, else None
     m, k = x.shape
@@ -124,9 +132,9 @@ def _launch(
     part_val, part_idx = parts if parts is not None else (y, y)
     tiles = triton.cdiv(n, tile.block_n)
     ws, tickets = y, y
-    if tile.split_k > 1:
-        elems = tiles * tile.split_k * tile.block_n * bm
-        ws, tickets = splitk_workspace(x.device, elems, tiles)
+    if tile.split_k > 1 or tokens is not None:  # tokens: one more ticket, the fold's
+        elems = tiles * tile.split_k * tile.block_n * bm if tile.split_k > 1 else 0
+        ws, tickets = splitk_workspace(x.device, elems, tiles + 1)
     pdl = resolve_pdl(use_pdl, x.device)
     descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
     ssq, stride_s, n_parts, ssq_pad = ssq_args(ssq_in, m, y)
@@ -140,14 +148,16 @@ def _launch(
         x, norm_w if norm_w is not None else weight, weight,
         bias if bias is not None else weight,
         residual if residual is not None else y, y, part_val, part_idx, ws, tickets,
-        *(descs or (x, x)), ssq, xw,
+        *(descs or (x, x)), ssq, xw, tokens if tokens is not None else y,
         m, n, k, eps, n_parts,
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0),
         part_val.stride(0) if parts is not None else 0, stride_s, xw.stride(0),
         NORM=norm, SSQ_PAD=ssq_pad, SSQ_OUT=next_norm is not None,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
-        ARGMAX=parts is not None, USE_PDL=pdl, TMA=tile.tma if descs else 0,
+        ARGMAX=parts is not None, FOLD=tokens is not None,
+        BLOCK_P=fold_block(bm, tiles) if tokens is not None else 2,
+        USE_PDL=pdl, TMA=tile.tma if descs else 0,
         PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k, x.element_size(),
                                 False) if descs else 0,
         BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -166,6 +176,7 @@ def norm_gemv(
     out_dtype: torch.dtype | None = None,
     *,
     argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,  # [M, n_programs] f32, i32
+    argmax_tokens: torch.Tensor | None = None,  # [M] int64: with argmax_parts, the tokens too
     out: torch.Tensor | None = None,  # [M, N] out_dtype, rows contiguous: written in place
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N, BLOCK_K, num_warps[, stages[, split_k]])
@@ -182,7 +193,7 @@ def norm_gemv(
             x, norm_w, weight, bias, None, y, argmax_parts, eps, norm=ssq is None,
             use_pdl=use_pdl,
             blocks=blocks, kernel="lm_head" if argmax_parts is not None else "norm_gemv",
-            ssq_in=ssq,
+            ssq_in=ssq, tokens=argmax_tokens if argmax_parts is not None else None,
         )  # fmt: skip
     return y
 

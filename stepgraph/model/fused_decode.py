@@ -1,6 +1,6 @@
 """The fused decode step: six launches a layer and greedy sampling inside the step.
 
-    r = embed(ids)                                           the residual stream [bs, hidden]
+    r = embed(ids)           with layer 0's norm where it is its own kernel        1 launch
     per layer:
       q = qkv_rope(r)          norm, qkv (+ bias), RoPE, K/V into the pages        1 launch
       o = attention(q)         split-KV decode (split + combine; one launch where   2 (1)
@@ -8,7 +8,7 @@
       r = r + o_proj(o)        residual add in the GEMV epilogue                   1 launch
       a = gate_up_silu(r)      norm, gate-up, SiLU * up                            1 launch
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
-    logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  2 launches
+    logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 launch
 
 One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 103 kernels a step for
 Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200). Two rows and more (issue 21): the
@@ -38,11 +38,13 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..buckets import replay_bucket
 from ..errors import ConfigError
 from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_act import silu_mul
+from ..kernels.fused_norm import embed_rmsnorm
 from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.lm_head_argmax import lm_head_argmax
 from ..kernels.norm_gemv import gemv_residual, norm_gemv
@@ -171,22 +173,41 @@ def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
     return NORM_HANDOFF and kernel_class(bs, backend) >= HANDOFF_MIN_BUCKET and not sharded
 
 
-def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl) -> torch.Tensor:
+def _own_norm(layer, bs: int) -> bool:
+    """Whether ``layer``'s input norm runs as its own kernel at ``bs`` rows when no handoff
+    serves it: before cuBLAS (``tile_table.CUBLAS``) or by ``SEPARATE_NORM``."""
+    w = layer.self_attn.qkv_proj.weight
+    return _cublas(layer.self_attn.qkv_proj, "qkv_rope", bs) or separate_norm(
+        "qkv_rope", bs, *w.shape, w.element_size()
+    )
+
+
+def _embed(model, input_ids: torch.Tensor):
+    """``(r, layer 0's normed x or None)``: the embedded rows, and where layer 0's norm is its
+    own kernel (``_own_norm``) the norm too, in the same launch (``embed_rmsnorm``)."""
+    norm1, bs = model.layers[0].input_layernorm, input_ids.shape[0]
+    if type(model.embed_tokens) is not nn.Embedding or not _own_norm(model.layers[0], bs):
+        return model.embed_tokens(input_ids), None
+    x0, r = embed_rmsnorm(input_ids, model.embed_tokens.weight, norm1.weight, norm1.eps)
+    return r, x0
+
+
+def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0) -> torch.Tensor:
     """Layer ``i``'s q ``[bs, n_heads, head_dim]``, rotated; this token's K/V into the pages:
     norm + cuBLAS + RoPE/KV write where ``tile_table.CUBLAS`` says, else ``qkv_rope`` on what
     ``hand`` holds (the norm handoff), the norm as its own kernel first (``SEPARATE_NORM``), or
-    the norm in the prologue."""
+    the norm in the prologue. ``x0``: the norm already run with the embedding (layer 0)."""
     attn, norm1 = layer.self_attn, layer.input_layernorm
     w_qkv, bs = attn.qkv_proj.weight, r.shape[0]
     if _cublas(attn.qkv_proj, "qkv_rope", bs):  # norm, GEMM, RoPE
         return rope_kv(
-            attn.qkv_proj(norm1(r)[0]), positions, model.rope_cos, model.rope_sin,
-            kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
+            attn.qkv_proj(norm1(r)[0] if x0 is None else x0), positions, model.rope_cos,
+            model.rope_sin, kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
         )  # fmt: skip
     if hand is not None:  # x = r * norm1.weight, the rows scaled by down's 1 / RMS
         x, nw, ssq = hand[0], None, hand[1]
     elif separate_norm("qkv_rope", bs, *w_qkv.shape, w_qkv.element_size()):
-        x, nw, ssq = norm1(r)[0], None, None
+        x, nw, ssq = norm1(r)[0] if x0 is None else x0, None, None
     else:
         x, nw, ssq = r, norm1.weight, None
     return qkv_rope(
@@ -215,14 +236,15 @@ def fused_decode_step(
         return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out)
     if use_pdl is None and bs > 1:
         use_pdl = ROWS_PDL
-    r = model.embed_tokens(input_ids)  # [bs, hidden], the residual stream
+    r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         norm2 = layer.post_attention_layernorm
-        q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl)
+        q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
+                 x0 if i == 0 else None)  # fmt: skip
         o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
         w_gu = mlp.gate_up_proj.weight
         nw = norm2.weight if ho and not _cublas(mlp.gate_up_proj, "gate_up_silu", bs) else None

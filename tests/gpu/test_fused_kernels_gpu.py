@@ -42,6 +42,17 @@ def test_add_rmsnorm_bf16(nan_empty, t):
     assert rel_err(out, ref_out.double()) < 4e-3
 
 
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_embed_rmsnorm_bf16_is_the_embedding_then_the_norm(t):
+    g = torch.Generator(DEV).manual_seed(40 + t)
+    table, w = randn(VOCAB, HIDDEN, g=g), 1 + randn(HIDDEN, g=g, scale=0.1)
+    ids = torch.randint(0, VOCAB, (t,), generator=g, device=DEV)
+    ids[0] = VOCAB - 1  # the table's last row
+    out, rows = fused_norm.embed_rmsnorm(ids, table, w, 1e-5)
+    assert torch.equal(rows, torch.nn.functional.embedding(ids, table))
+    assert torch.equal(out, fused_norm.add_rmsnorm(rows, None, w, 1e-5)[0])  # bit for bit
+
+
 @pytest.mark.parametrize("t", [1, 8, 33])
 def test_silu_mul_bf16(nan_empty, t):
     g = torch.Generator(DEV).manual_seed(t)

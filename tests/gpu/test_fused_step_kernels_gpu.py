@@ -105,6 +105,31 @@ def test_lm_head_argmax_bf16(m):
     assert torch.equal(tokens, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_folded_argmax_in_a_graph_equals_the_two_launches(m, monkeypatch):
+    """The argmax folded into the LM head's launch (the default) against its own launch, bf16
+    at the real vocab, captured and replayed: the ticket each replay resets serves the next."""
+    g = torch.Generator(DEV).manual_seed(30 + m)
+    nw, emb = 1 + randn(HIDDEN, g=g, scale=0.1), randn(VOCAB, HIDDEN, g=g, scale=0.02)
+    r = randn(m, HIDDEN, g=g)
+    monkeypatch.setenv(lha.FOLD_ENV, "1")
+    out = torch.empty(m, dtype=torch.int64, device=DEV)
+    lha.lm_head_argmax(r, nw, emb, EPS, tokens_out=out)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits, _ = lha.lm_head_argmax(r, nw, emb, EPS, tokens_out=out)
+    for step in range(3):
+        if step:
+            r.copy_(randn(m, HIDDEN, g=g))
+        out.fill_(-5)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, logits.argmax(-1)), f"replay {step}"
+    monkeypatch.setenv(lha.FOLD_ENV, "0")
+    logits_two, two = lha.lm_head_argmax(r, nw, emb, EPS)  # the last replay's r, two launches
+    assert torch.equal(logits_two, logits) and torch.equal(two, out)
+
+
 def fused_chain(w, r, m, rope, use_pdl):
     """Two layers of the fused step minus attention (q feeds o_proj), then the LM head."""
     cos, sin, positions, slots, (kc, vc) = rope
@@ -171,9 +196,11 @@ def compiled_kernels(jit_fn):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not pdl_enabled(DEV), reason="needs PDL")
 @pytest.mark.parametrize("kernel", PDL_KERNELS, ids=lambda k: k.__name__)
-def test_ptx_waits_before_first_dependent_load(kernel):
+def test_ptx_waits_before_first_dependent_load(kernel, monkeypatch):
     """In the PTX of each PDL variant: ``griddepcontrol.wait`` is there, only weight loads
     (``evict_first``) come before it, and ``launch_dependents`` follows it."""
+    if kernel is lha._argmax_reduce_kernel:  # the argmax's own launch: only with the fold off
+        monkeypatch.setenv(lha.FOLD_ENV, "0")
     g = torch.Generator(DEV).manual_seed(0)
     w = layer(g)
     fused_chain(w, randn(1, HIDDEN, g=g), 1, rope_inputs(1, g), use_pdl=True)

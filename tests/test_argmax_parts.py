@@ -1,0 +1,69 @@
+"""The LM head's argmax folded into its launch (``argmax_parts``) under the Triton interpreter:
+the last program's reduce gives ``torch.argmax``'s tokens (first index on ties, across programs
+and inside one), equal to the two-launch path, with reduce loops of one and several steps, and
+leaves its ticket at zero for the next launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.kernels import argmax_parts
+from stepgraph.kernels.argmax_parts import fold_block
+from stepgraph.kernels.lm_head_argmax import FOLD_ENV, lm_head_argmax
+from stepgraph.kernels.proj_tiles import Tile, block_m, splitk_workspace
+
+EPS = 1e-5
+
+
+def _case(g, m, k=40, vocab=70, dtype=torch.float32):
+    x = (2 * torch.randn(m, k, generator=g)).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    w = (k**-0.5 * torch.randn(vocab, k, generator=g)).to(dtype)
+    w[53] = w[21]  # a tie across programs (16 columns each): the first index wins
+    w[22] = w[21]  # and inside one
+    x[0] = w[21].float() * 4  # row 0's top logit is the tied one
+    return x, nw, w
+
+
+def _tokens(x, nw, w, tile, fold: bool, monkeypatch):
+    monkeypatch.setenv(FOLD_ENV, "1" if fold else "0")
+    out = torch.full((x.shape[0],), -5, dtype=torch.int64)  # poisoned
+    logits, tokens = lm_head_argmax(x, nw, w, EPS, tokens_out=out, blocks=tile)
+    assert tokens.data_ptr() == out.data_ptr()
+    return logits, tokens
+
+
+@pytest.mark.parametrize("m", [1, 2, 17])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_folded_argmax_equals_torch_and_the_two_launches(monkeypatch, m, split_k):
+    g = torch.Generator().manual_seed(10 * m + split_k)
+    x, nw, w = _case(g, m)
+    tile = Tile(16, 16, 4, None, split_k) if m > 1 else Tile(16, 16, 4)
+    logits, folded = _tokens(x, nw, w, tile, True, monkeypatch)
+    assert torch.equal(folded, logits.argmax(-1))
+    assert int(folded[0]) == 21  # three equal maxima at 21, 22 and 53
+    _, two = _tokens(x, nw, w, tile, False, monkeypatch)
+    assert torch.equal(folded, two)
+    tiles = 5  # cdiv(70, 16): the fold's ticket is the one after the split-K tickets
+    assert int(splitk_workspace(x.device, 0, tiles + 1)[1][tiles]) == 0
+
+
+def test_a_reduce_of_several_steps_and_a_second_launch(monkeypatch):
+    monkeypatch.setattr(argmax_parts, "FOLD_ELEMS", 64)  # BLOCK_M 32 -> BLOCK_P 2: 3 steps
+    g = torch.Generator().manual_seed(4)
+    x, nw, w = _case(g, 17)
+    assert fold_block(block_m(17), 5) == 2
+    tile = Tile(16, 16, 4, None, 1)
+    for _ in range(2):  # the ticket the first launch reset serves the second
+        x = x + 0.5 * torch.randn(x.shape, generator=g)
+        logits, tokens = _tokens(x, nw, w, tile, True, monkeypatch)
+        assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_fold_block():
+    assert fold_block(1, 4008) == 4096  # one row: every partial in one step
+    assert fold_block(16, 501) == 512  # 16 rows of 501
+    assert fold_block(64, 4008) == 128  # 8192 // 64
+    assert fold_block(16, 1) == 2  # at least 2
+    assert fold_block(1, 2) == 2 and fold_block(1, 3) == 4
