@@ -1,0 +1,116 @@
+"""A/B of the fused decode step's switches in one process, interleaved: one model, and for each
+round, variant and batch size a graph captured at that bucket alone, its median ms per step
+(CUDA events after warm-up, as ``stepgraph bench`` times it), the fraction of the bandwidth
+floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the step's
+import-time flags are re-read after each is set.
+
+    PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
+        --variant base: --variant "gu:STEPGRAPH_SHADOW_PREFETCH=o,gu=0.25;STEPGRAPH_PDL=1"
+
+Rounds interleave the variants, so a drift of the GPU over the run shows as a spread between
+rounds rather than as a difference between variants (bs 8 varies about 2% between calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from stepgraph.bench.modes import kernels_per_step, time_step
+from stepgraph.bench.timing import copy_bandwidth_gbps
+from stepgraph.bench.workload import (
+    Point,
+    build_model_runner,
+    decode_batch,
+    kv_bytes,
+    weight_bytes,
+)
+from stepgraph.kernels.l2_shadow import shadow_spec
+from stepgraph.model import fused_decode
+from stepgraph.runner import CudaGraphRunner, RunnerConfig
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``name:VAR=V;VAR2=V2`` -> (name, env); ``name:`` is the defaults."""
+    name, _, body = text.partition(":")
+    env = {}
+    for item in filter(None, body.split(";")):
+        key, _, value = item.partition("=")
+        env[key.strip()] = value.strip()
+    return name, env
+
+
+def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
+    """Set ``env`` over the saved originals, and re-read the step's import-time flags."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    for key, value in env.items():
+        saved.setdefault(key, os.environ.get(key))
+        os.environ[key] = value
+    fused_decode.SHADOW = shadow_spec()
+    fused_decode.NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--batch-sizes", default="8,32")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--variant", action="append", required=True, help="name:VAR=V;VAR2=V2")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    variants = [parse_variant(v) for v in args.variant]
+    mr = build_model_runner(args.model, "cuda", torch.bfloat16, max(sizes), args.context + 64)
+    gbps = copy_bandwidth_gbps()
+    wbytes = weight_bytes(mr)
+    saved: dict[str, str | None] = {}
+    ms: dict[tuple[str, int], list[float]] = {}
+    kernels: dict[tuple[str, int], float] = {}
+    for _ in range(args.rounds):
+        for name, env in variants:
+            apply(env, saved)
+            for bs in sizes:
+                point = Point(bs, args.context)
+                cfg = RunnerConfig(capture_bs=(bs,), max_bs=bs, show_progress=False)
+                runner = CudaGraphRunner(mr, cfg)
+                batch, pages = decode_batch(mr, point)
+                try:
+                    step = lambda b=batch, r=runner: r.replay(b)  # noqa: E731 - the timed call
+                    ms.setdefault((name, bs), []).append(time_step(step, args.iters))
+                    if (name, bs) not in kernels:
+                        kernels[(name, bs)] = kernels_per_step(step)
+                finally:
+                    runner.shutdown()
+                    for p in pages:
+                        mr.kv_cache.release(p)
+    apply({}, saved)
+    print(f"{args.model}, ctx {args.context}, graph, copy bandwidth {gbps:.0f} GB/s")
+    print(f"{'variant':<16}{'bs':>4}{'ms (each round)':>28}{'median':>9}{'floor':>7}{'kern':>6}")
+    rows = []
+    for name, _ in variants:
+        for bs in sizes:
+            t = ms[(name, bs)]
+            floor = (wbytes + kv_bytes(mr, Point(bs, args.context))) / (gbps * 1e9) * 1e3
+            med = statistics.median(t)
+            each = " ".join(f"{x:.3f}" for x in t)
+            print(f"{name:<16}{bs:>4}{each:>28}{med:>9.3f}{floor / med:>7.0%}"
+                  f"{kernels[(name, bs)]:>6.0f}")  # fmt: skip
+            rows.append(dict(variant=name, bs=bs, ms=t, median=med, of_floor=floor / med,
+                             kernels=kernels[(name, bs)]))  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, context=args.context, gbps=gbps, rows=rows), f)
+
+
+if __name__ == "__main__":
+    main()
