@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from stepgraph.errors import ConfigError
+from stepgraph.kernels.decode_inputs import DecodeWorkspace
 from stepgraph.kernels.flash_decode import flash_decode
 from stepgraph.kernels.l2_shadow import shadow_args, shadow_kwargs, shadow_spec
-from stepgraph.kernels.decode_inputs import DecodeWorkspace
 
 
 @pytest.mark.parametrize(

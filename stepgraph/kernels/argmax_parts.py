@@ -21,7 +21,7 @@ import triton.language as tl
 from .gemv_tiles import gpu_fence
 
 FOLD_ELEMS = 8192  # partials one reduce step holds: BLOCK_P = FOLD_ELEMS // BLOCK_M at most
-_NO_INDEX = 2**31 - 1
+_NO_INDEX = tl.constexpr(2**31 - 1)  # a global a kernel reads: a constexpr
 
 
 def fold_block(m_block: int, parts: int) -> int:

@@ -28,7 +28,7 @@ from .gemv_tiles import FENCE
 
 SHADOW_ENV = "STEPGRAPH_SHADOW_PREFETCH"
 SHADOW_DEFAULT = "0"
-LINES = 64  # 128-byte lines a program asks for per loop step
+LINES = tl.constexpr(64)  # 128-byte lines a program asks for per loop step (read in kernels)
 MAX_REGIONS = 2
 
 
