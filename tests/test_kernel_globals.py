@@ -26,8 +26,10 @@ def _jit_functions():
         mod = importlib.import_module(info.name)
         for name, obj in vars(mod).items():
             fn = getattr(obj, "fn", None)
-            if inspect.isfunction(fn) and fn.__module__ == mod.__name__ and "triton" in str(
-                type(obj).__module__
+            if (
+                inspect.isfunction(fn)
+                and fn.__module__ == mod.__name__
+                and "triton" in str(type(obj).__module__)
             ):
                 yield f"{mod.__name__}.{name}", fn
 

@@ -171,8 +171,14 @@ def _split_kv_kernel(
     stride_pos,
     stride_lb,
     stride_lh,
-    pf1, pf1_rows, pf1_stride, pf1_cols,  # l2_shadow's regions (unused unless SHADOW)
-    pf2, pf2_rows, pf2_stride, pf2_cols,
+    pf1,
+    pf1_rows,
+    pf1_stride,
+    pf1_cols,  # l2_shadow's regions (unused unless SHADOW)
+    pf2,
+    pf2_rows,
+    pf2_stride,
+    pf2_cols,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # rows of the q tile: max(16, next_pow2(GROUP)) for tl.dot
     HEAD_DIM: tl.constexpr,
