@@ -5,7 +5,7 @@ floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the
 import-time flags are re-read after each is set.
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
-        --variant base: --variant "gu:STEPGRAPH_SHADOW_PREFETCH=o,gu=0.25;STEPGRAPH_PDL=1"
+        --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
 
 Rounds interleave the variants, so a drift of the GPU over the run shows as a spread between
 rounds rather than as a difference between variants (bs 8 varies about 2% between calls).
@@ -29,7 +29,6 @@ from stepgraph.bench.workload import (
     kv_bytes,
     weight_bytes,
 )
-from stepgraph.kernels.l2_shadow import shadow_spec
 from stepgraph.model import fused_decode
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
@@ -54,7 +53,6 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     for key, value in env.items():
         saved.setdefault(key, os.environ.get(key))
         os.environ[key] = value
-    fused_decode.SHADOW = shadow_spec()
     fused_decode.NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
 
 

@@ -50,10 +50,10 @@ def test_folded_argmax_equals_torch_and_the_two_launches(monkeypatch, m, split_k
 
 
 def test_a_reduce_of_several_steps_and_a_second_launch(monkeypatch):
-    monkeypatch.setattr(argmax_parts, "FOLD_ELEMS", 64)  # BLOCK_M 32 -> BLOCK_P 2: 3 steps
+    monkeypatch.setenv(argmax_parts.PER_THREAD_ENV, "1")  # 4 warps, BLOCK_M 32 -> BLOCK_P 4
     g = torch.Generator().manual_seed(4)
-    x, nw, w = _case(g, 17)
-    assert fold_block(block_m(17), 5) == 2
+    x, nw, w = _case(g, 17, vocab=150)  # 10 programs: 3 steps of 4
+    assert fold_block(block_m(17), 10, 4) == 4
     tile = Tile(16, 16, 4, None, 1)
     for _ in range(2):  # the ticket the first launch reset serves the second
         x = x + 0.5 * torch.randn(x.shape, generator=g)
@@ -62,8 +62,12 @@ def test_a_reduce_of_several_steps_and_a_second_launch(monkeypatch):
 
 
 def test_fold_block():
-    assert fold_block(1, 4008) == 4096  # one row: every partial in one step
-    assert fold_block(16, 501) == 512  # 16 rows of 501
-    assert fold_block(64, 4008) == 128  # 8192 // 64
-    assert fold_block(16, 1) == 2  # at least 2
-    assert fold_block(1, 2) == 2 and fold_block(1, 3) == 4
+    assert fold_block(1, 4008, 4) == 1024  # one row, 4 warps: 8 a thread
+    assert fold_block(16, 501, 8) == 128  # 16 rows, 8 warps
+    assert fold_block(1, 600, 8) == 1024  # 8 warps: 2048 a row, the row's 600 rounded up
+    assert fold_block(64, 4008, 4) == 16  # 1024 // 64
+    assert fold_block(3, 4008, 4) == 256  # 1024 // 3 = 341: the power of two below
+    assert fold_block(64, 4008, 1) == 4  # exactly 256 // 64
+    assert fold_block(128, 4008, 1) == 2 and fold_block(512, 4008, 1) == 2  # at least 2
+    assert fold_block(16, 1, 4) == 2
+    assert fold_block(1, 2, 4) == 2 and fold_block(1, 3, 4) == 4

@@ -10,24 +10,32 @@ largest value wins, so the token is ``torch.argmax``'s (first occurrence) at bot
 stored, fences (gpu scope) and takes a ticket; the program that draws the last one (every
 partial is stored by then) reduces all rows and resets the ticket for the next launch. So
 greedy sampling costs no launch of its own (``lm_head_argmax``); the reduce reads the partials
-from L2 in one block where they fit (``FOLD_ELEMS``: 4008 at one row, 501 at 16).
+from L2 in blocks of ``PER_THREAD`` a thread (4008 a row at one row, 501 at 16).
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
 
 from .gemv_tiles import gpu_fence
 
-FOLD_ELEMS = 8192  # partials one reduce step holds: BLOCK_P = FOLD_ELEMS // BLOCK_M at most
+# Partials one reduce step holds per thread of the launch. The reduce's registers count for the
+# whole kernel: at one row a block of 4096 partials (32 a thread) slowed the LM head from 0.802
+# to 0.860 ms a step (run G2, 2026-12-01), the streaming part running at a lower occupancy.
+PER_THREAD_ENV = "STEPGRAPH_ARGMAX_FOLD_PER_THREAD"
+PER_THREAD = 8
 _NO_INDEX = tl.constexpr(2**31 - 1)  # a global a kernel reads: a constexpr
 
 
-def fold_block(m_block: int, parts: int) -> int:
-    """``BLOCK_P`` of the folded reduce: the partials of a row in one step where
-    ``BLOCK_M * BLOCK_P <= FOLD_ELEMS`` lets it, a power of two, at least 2."""
-    return max(2, min(triton.next_power_of_2(parts), FOLD_ELEMS // m_block))
+def fold_block(m_block: int, parts: int, num_warps: int) -> int:
+    """``BLOCK_P`` of the folded reduce: a power of two, at least 2, at most a row's partials
+    (rounded up), and ``BLOCK_M * BLOCK_P`` at most ``PER_THREAD`` a thread of the launch."""
+    per_thread = int(os.environ.get(PER_THREAD_ENV, PER_THREAD))
+    cap = 1 << (max(1, per_thread * 32 * num_warps // m_block).bit_length() - 1)  # pow2 <=
+    return max(2, min(triton.next_power_of_2(parts), cap))
 
 
 @triton.jit
@@ -74,4 +82,4 @@ def fold_argmax(
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
 
-__all__ = ["FOLD_ELEMS", "fold_argmax", "fold_block", "parts_argmax"]
+__all__ = ["PER_THREAD", "PER_THREAD_ENV", "fold_argmax", "fold_block", "parts_argmax"]

@@ -21,7 +21,6 @@ import torch
 
 from ..errors import ConfigError
 from .decode_inputs import DecodeWorkspace, KernelVariant, _check_inputs
-from .l2_shadow import shadow_args
 from .pdl import launch_options, resolve_pdl
 from .split_kv import (
     _INTERPRETED,
@@ -86,8 +85,6 @@ def flash_decode(
     variant: KernelVariant | None = None,
     use_pdl: bool | None = False,
     fold_combine: bool = False,
-    shadow=None,  # [(weight, cols), ...]: prefetched into L2 by the split programs (l2_shadow)
-    shadow_end: bool = False,  # the prefetch after each split's own work
 ) -> torch.Tensor:  # [bs, n_heads, head_dim], q.dtype
     """Decode attention of one new token per request over its paged keys and values.
 
@@ -164,9 +161,8 @@ def flash_decode(
         return launch_fold(
             q, k_cache, v_cache, block_table, seq_lens, workspace, out, num_splits, sm_scale,
             cfg, group, group_pad, precision, upcast, _next_pow2(workspace.max_splits), pdl,
-            launch_options(pdl), shadow, shadow_end,
+            launch_options(pdl),
         )  # fmt: skip
-    pf, n_pf = shadow_args(shadow, q)
 
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         po, lse, q, k_cache, v_cache, block_table, seq_lens, float(sm_scale),
@@ -175,11 +171,11 @@ def flash_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         po.stride(0), po.stride(1), po.stride(2),
-        lse.stride(0), lse.stride(1), *pf,
+        lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
         K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
-        NUM_STAGES=cfg.num_stages, USE_PDL=pdl, SHADOW=n_pf, SHADOW_END=shadow_end,
+        NUM_STAGES=cfg.num_stages, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )  # fmt: skip
     _combine_kernel[(bs, n_heads)](

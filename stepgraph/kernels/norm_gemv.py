@@ -156,7 +156,7 @@ def _launch(
         NORM=norm, SSQ_PAD=ssq_pad, SSQ_OUT=next_norm is not None,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=parts is not None, FOLD=tokens is not None,
-        BLOCK_P=fold_block(bm, tiles) if tokens is not None else 2,
+        BLOCK_P=fold_block(bm, tiles, tile.num_warps) if tokens is not None else 2,
         USE_PDL=pdl, TMA=tile.tma if descs else 0,
         PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k, x.element_size(),
                                 False) if descs else 0,

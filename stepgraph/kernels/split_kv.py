@@ -39,7 +39,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .l2_shadow import shadow_regions
 from .pdl import pdl_wait_then_trigger
 
 MAIN_KERNEL_NAME = "_split_kv_kernel"
@@ -171,14 +170,6 @@ def _split_kv_kernel(
     stride_pos,
     stride_lb,
     stride_lh,
-    pf1,
-    pf1_rows,
-    pf1_stride,
-    pf1_cols,  # l2_shadow's regions (unused unless SHADOW)
-    pf2,
-    pf2_rows,
-    pf2_stride,
-    pf2_cols,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # rows of the q tile: max(16, next_pow2(GROUP)) for tl.dot
     HEAD_DIM: tl.constexpr,
@@ -191,15 +182,10 @@ def _split_kv_kernel(
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of the key loop (also a launch option)
     UPCAST: tl.constexpr,  # q, K, V in fp32: the FMA path, or the interpreter's bf16 dot (wrong)
     USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py); adds no parameter
-    SHADOW: tl.constexpr = 0,  # weight regions to prefetch into L2 (l2_shadow)
-    SHADOW_END: tl.constexpr = False,  # after the split's own work, not before it
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
-    if not SHADOW_END:  # weights only: never written during a step
-        shadow_regions(pf1, pf1_rows, pf1_stride, pf1_cols, pf2, pf2_rows, pf2_stride,
-                       pf2_cols, SHADOW)  # fmt: skip
     # everything below reads the predecessors' output (q, the KV just written, seq_lens):
     # wait first, before the pipelined key loop
     pdl_wait_then_trigger(USE_PDL)
@@ -222,9 +208,6 @@ def _split_kv_kernel(
     tl.store(po_ptrs, o, mask=mask_g[:, None])
     lse_ptrs = partial_lse_ptr + cur_batch * stride_lb + cur_heads * stride_lh + split_id
     tl.store(lse_ptrs, lse, mask=mask_g)
-    if SHADOW_END:
-        shadow_regions(pf1, pf1_rows, pf1_stride, pf1_cols, pf2, pf2_rows, pf2_stride,
-                       pf2_cols, SHADOW)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["n_splits"])

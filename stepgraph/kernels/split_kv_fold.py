@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from .gemv_tiles import gpu_fence
-from .l2_shadow import shadow_args, shadow_regions
 from .pdl import pdl_wait_then_trigger
 from .split_kv import split_partial
 
@@ -44,8 +43,6 @@ def _split_kv_fold_kernel(
     ticket_ptr,  # [>= bs * n_kv_heads] int32, zero
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_pob, stride_poh, stride_pos, stride_lb, stride_lh, stride_ob, stride_oh,
-    pf1, pf1_rows, pf1_stride, pf1_cols,  # l2_shadow's regions (unused unless SHADOW)
-    pf2, pf2_rows, pf2_stride, pf2_cols,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr,
     K_ROWS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -53,16 +50,11 @@ def _split_kv_fold_kernel(
     SPLITS_PAD: tl.constexpr,  # next_pow2(max_splits)
     MERGE: tl.constexpr,  # False: one split (grid z == 1), the merge is compiled out
     USE_PDL: tl.constexpr = False,
-    SHADOW: tl.constexpr = 0,  # weight regions to prefetch into L2 (l2_shadow)
-    SHADOW_END: tl.constexpr = False,  # after the split's own work, not before it
 ):  # fmt: skip
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    if not SHADOW_END:  # weights only: never written during a step
-        shadow_regions(pf1, pf1_rows, pf1_stride, pf1_cols, pf2, pf2_rows, pf2_stride,
-                       pf2_cols, SHADOW)  # fmt: skip
     pdl_wait_then_trigger(USE_PDL)  # q, the KV just written and seq_lens are predecessors'
     o, lse, cur_heads, mask_g, chunk = split_partial(
         q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, sm_scale,
@@ -75,9 +67,6 @@ def _split_kv_fold_kernel(
     seq_len = tl.load(seq_lens_ptr + cur_batch)
     dtype = out_ptr.dtype.element_ty
     out_ptrs = out_ptr + cur_batch * stride_ob + cur_heads[:, None] * stride_oh + offs_d[None, :]
-    if SHADOW_END:
-        shadow_regions(pf1, pf1_rows, pf1_stride, pf1_cols, pf2, pf2_rows, pf2_stride,
-                       pf2_cols, SHADOW)  # fmt: skip
     if not MERGE:  # -- one split: final --
         tl.store(out_ptrs, o.to(dtype), mask=mask_g[:, None])
     elif seq_len <= chunk:  # -- one split holds every key: split 0 is final, no partials --
@@ -124,13 +113,11 @@ def _split_kv_fold_kernel(
 def launch_fold(
     q, k_cache, v_cache, block_table, seq_lens, workspace, out, num_splits,
     sm_scale, cfg, group, group_pad, precision, upcast, splits_pad, pdl, options,
-    shadow=None, shadow_end=False,
 ):  # fmt: skip
     """``flash_decode(..., fold_combine=True)``'s launch (its checks done there)."""
     bs, n_kv = q.shape[0], k_cache.shape[2]
     po, lse = workspace.partial_o, workspace.partial_lse
     page_size = k_cache.shape[1]
-    pf, n_pf = shadow_args(shadow, q)
     _split_kv_fold_kernel[(bs, n_kv, num_splits)](
         po, lse, q, k_cache, v_cache, block_table, seq_lens, float(sm_scale),
         out, workspace.tickets,
@@ -139,12 +126,11 @@ def launch_fold(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         po.stride(0), po.stride(1), po.stride(2),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), *pf,
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=q.shape[2], PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
         K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
         NUM_STAGES=cfg.num_stages, SPLITS_PAD=splits_pad, MERGE=num_splits > 1, USE_PDL=pdl,
-        SHADOW=n_pf, SHADOW_END=shadow_end,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
     )  # fmt: skip
     return out

@@ -221,16 +221,15 @@ class PagedAttentionBackend:
             )
         return self.meta
 
-    def _attend(self, m, q, k_cache, v_cache, **shadow) -> torch.Tensor:  # [T, n_heads, hd]
-        """Attention of ``q`` once this step's K/V are in the pages (``shadow``: flash_decode's
-        L2 prefetch of the next weights, ``kernels/l2_shadow``)."""
+    def _attend(self, m, q, k_cache, v_cache) -> torch.Tensor:  # [T, n_heads, head_dim]
+        """Attention of ``q`` once this step's K/V are in the pages."""
         if isinstance(m, ExtendBatch):
             return extend_attention(q, k_cache, v_cache, m, self.sm_scale)
         if self.use_kernel:
             return flash_decode(
                 q, k_cache, v_cache, m.block_table, m.seq_lens,
                 num_splits=m.num_splits, workspace=m.workspace,
-                sm_scale=self.sm_scale, num_sms=self.num_sms, **shadow,
+                sm_scale=self.sm_scale, num_sms=self.num_sms,
             )  # fmt: skip
         return paged_decode_reference(
             q, k_cache, v_cache, m.block_table, m.seq_lens, sm_scale=self.sm_scale
@@ -240,7 +239,6 @@ class PagedAttentionBackend:
         self,
         layer_id: int,
         q: torch.Tensor,  # [bs, n_heads, head_dim], rotated
-        **shadow,  # flash_decode's shadow / shadow_end (kernels/l2_shadow)
     ) -> torch.Tensor:  # [bs, n_heads, head_dim]
         """Decode attention of layer ``layer_id`` once this step's K/V are already in its pages
         (the fused decode step's qkv kernel writes them): the kernels ``rope_attention`` runs
@@ -251,7 +249,7 @@ class PagedAttentionBackend:
                 "decode_attention needs decode metadata; a prefill goes through rope_attention."
             )
         kv = self.kv_cache
-        return self._attend(m, q, kv.k_caches[layer_id], kv.v_caches[layer_id], **shadow)
+        return self._attend(m, q, kv.k_caches[layer_id], kv.v_caches[layer_id])
 
 
 __all__ = ["DecodeMetadata", "PagedAttentionBackend", "SEQ_LEN_FILL_VALUE"]

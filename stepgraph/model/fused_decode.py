@@ -46,7 +46,6 @@ from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_act import silu_mul
 from ..kernels.fused_norm import embed_rmsnorm
 from ..kernels.gate_up_silu import gate_up_silu
-from ..kernels.l2_shadow import shadow_kwargs, shadow_spec
 from ..kernels.lm_head_argmax import lm_head_argmax
 from ..kernels.norm_gemv import gemv_residual, norm_gemv
 from ..kernels.proj_tiles import measured, prefer_cublas, reference_bucket, separate_norm
@@ -87,8 +86,6 @@ HANDOFF_MIN_BUCKET = 8
 ROWS_PDL: bool | None = None
 # PDL on the fused step's attention kernel: off unless STEPGRAPH_ATTENTION_PDL=1 (an A/B switch)
 ATTENTION_PDL: bool | None = None if os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1" else False
-# The attention's L2 prefetch of the next weights (kernels/l2_shadow): STEPGRAPH_SHADOW_PREFETCH
-SHADOW = shadow_spec()
 
 
 def kernel_class(bs: int, backend=None) -> int:
@@ -128,22 +125,19 @@ def _measured(model: LlamaModel, rows: int) -> bool:
     )
 
 
-def _attention(backend, layer, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
     """Split-KV decode over the pages. Where the ladder gives every row one split at any
     context for this batch size's class (``bucket_splits(kernel_class(bs, backend)) == 1``: the
     same in eager, graph and exact mode), one launch: the split kernel writes the output
     (``kernels/split_kv_fold.py``). Elsewhere the backend's split + combine (the folded merge
     measured slower there)."""
-    shadow = {}
-    if backend.use_kernel:
-        shadow = shadow_kwargs(layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, SHADOW)
     if not backend.use_kernel or backend.bucket_splits(kernel_class(q.shape[0], backend)) > 1:
-        return backend.decode_attention(layer_id, q, **shadow)
+        return backend.decode_attention(layer_id, q)
     m, kv = backend.meta, backend.kv_cache
     return flash_decode(
         q, kv.k_caches[layer_id], kv.v_caches[layer_id], m.block_table, m.seq_lens,
         num_splits=m.num_splits, workspace=m.workspace, sm_scale=backend.sm_scale,
-        num_sms=backend.num_sms, use_pdl=ATTENTION_PDL, fold_combine=True, **shadow,
+        num_sms=backend.num_sms, use_pdl=ATTENTION_PDL, fold_combine=True,
     )  # fmt: skip
 
 
@@ -251,7 +245,7 @@ def fused_decode_step(
         norm2 = layer.post_attention_layernorm
         q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
                  x0 if i == 0 else None)  # fmt: skip
-        o = _attention(backend, layer, i, q)  # [bs, n_heads, head_dim]
+        o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
         w_gu = mlp.gate_up_proj.weight
         nw = norm2.weight if ho and not _cublas(mlp.gate_up_proj, "gate_up_silu", bs) else None
         r, hand = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl, nw)
