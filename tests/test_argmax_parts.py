@@ -71,3 +71,22 @@ def test_fold_block():
     assert fold_block(128, 4008, 1) == 2 and fold_block(512, 4008, 1) == 2  # at least 2
     assert fold_block(16, 1, 4) == 2
     assert fold_block(1, 2, 4) == 2 and fold_block(1, 3, 4) == 4
+
+
+@pytest.mark.parametrize("m, fold_env, launches", [(1, "1", 1), (2, "1", 0), (2, "0", 1)])
+def test_one_row_keeps_the_second_launch(monkeypatch, m, fold_env, launches):
+    from stepgraph.kernels import lm_head_argmax as lha
+
+    calls = []
+
+    class Spy:  # the reduce kernel's launches, counted
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return original[grid]
+
+    original = lha._argmax_reduce_kernel
+    monkeypatch.setattr(lha, "_argmax_reduce_kernel", Spy())
+    g = torch.Generator().manual_seed(9)
+    x, nw, w = _case(g, m)
+    logits, tokens = _tokens(x, nw, w, Tile(16, 16, 4), fold_env == "1", monkeypatch)
+    assert len(calls) == launches and torch.equal(tokens, logits.argmax(-1))

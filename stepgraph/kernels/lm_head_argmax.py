@@ -4,10 +4,16 @@ launch; and the torch reference.
 ``norm_gemv`` with ``ARGMAX``: each program writes its float32 logits and the (max, first index
 of max) of its ``BLOCK_N`` columns into ``part_val`` / ``part_idx`` ``[M, P]`` (``P`` =
 programs, 4008 at vocab 128256 and one row); the last program to finish reduces them to the
-first index of the largest partial (``argmax_parts.fold_argmax``). Ties go to the smaller index
-at both levels, so the token is ``torch.argmax``'s (first occurrence). ``STEPGRAPH_ARGMAX_FOLD=0``
-runs the reduce as a second launch instead (``_argmax_reduce_kernel``, grid ``(M,)``; the A/B
-switch of its measurement).
+first index of the largest partial (``argmax_parts.fold_argmax``), from two rows on. Ties go to
+the smaller index at both levels, so the token is ``torch.argmax``'s (first occurrence). One row,
+or ``STEPGRAPH_ARGMAX_FOLD=0`` (the A/B switch), runs the reduce as a second launch
+(``_argmax_reduce_kernel``, grid ``(M,)``).
+
+Measured on the H200 (``benchmarks/ab_step.py``, graph, ctx 512, ms a step, runs G2 and G3 of
+2026-12-01, two rounds each): folded against two launches, bs 8 1.080 / 1.080 and 1.110 /
+1.107, bs 16 1.162 / 1.157, bs 32 1.239 / 1.239, bs 64 1.385 / 1.385: a tie and a kernel fewer.
+One row: 0.808 against 0.800 (4008 programs each fence and take the ticket), so it keeps its
+second launch.
 
 The float32 logits stay in their buffer for sampling at temperature > 0 and parity checks.
 """
@@ -62,15 +68,15 @@ def lm_head_argmax(
     ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff): the norm from them
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [M, vocab] float32, tokens [M] int64)
     """Float32 logits of ``rmsnorm(x) @ weight.T`` and their argmax per row in one launch (two
-    with ``STEPGRAPH_ARGMAX_FOLD=0``), into ``logits_out`` / ``tokens_out`` when given (a graph's
-    static buffers)."""
+    for one row or with ``STEPGRAPH_ARGMAX_FOLD=0``), into ``logits_out`` / ``tokens_out`` when
+    given (a graph's static buffers)."""
     m, k = x.shape
     vocab = weight.shape[0]
     n_prog = argmax_programs(m, vocab, k, blocks, weight.element_size())
     part_val = torch.empty(m, n_prog, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(m, n_prog, dtype=torch.int32, device=x.device)
     tokens = tokens_out if tokens_out is not None else x.new_empty(m, dtype=torch.int64)
-    fold = os.environ.get(FOLD_ENV, "1") != "0"
+    fold = m > 1 and os.environ.get(FOLD_ENV, "1") != "0"  # one row: two launches (above)
     logits = norm_gemv(
         x, norm_w, weight, None, eps, torch.float32,
         argmax_parts=(part_val, part_idx), argmax_tokens=tokens if fold else None,

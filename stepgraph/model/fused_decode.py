@@ -8,7 +8,7 @@
       r = r + o_proj(o)        residual add in the GEMV epilogue                   1 launch
       a = gate_up_silu(r)      norm, gate-up, SiLU * up                            1 launch
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
-    logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 launch
+    logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 (2 at bs 1)
 
 One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 103 kernels a step for
 Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200). Two rows and more (issue 21): the
