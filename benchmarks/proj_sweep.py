@@ -60,6 +60,19 @@ CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); blo
     "gate_up_normed": [T(64, 128, 8, 4, 1), T(32, 128, 4, 5, 1, 1), T(32, 128, 4, 3, 1, 1),
                        T(64, 128, 4, 3, 1, 1), T(64, 128, 8, 4, 1, 2), T(32, 128, 4, 3, 2, 1)],
 }  # fmt: skip
+# Round 7 (2026-12-01, run G5): one split or two, 16-32 weight rows a program, deeper TMA
+# pipelines: no split-K reduce tail for the narrow projections (o_proj, down, qkv)
+_ROUND7 = {  # fmt: skip
+    "o_proj": [(16, 128, 4, 6, 1, 1), (16, 256, 4, 4, 1, 1), (16, 128, 4, 8, 1, 1),
+               (16, 128, 4, 6, 1, 2), (16, 256, 4, 4, 2, 1), (32, 256, 4, 4, 1, 1)],
+    "down": [(16, 256, 4, 4, 1, 1), (16, 128, 4, 8, 1, 1), (16, 256, 4, 6, 1, 1),
+             (16, 256, 4, 4, 2, 1), (32, 256, 4, 4, 2, 1)],
+    "qkv_normed": [(16, 128, 4, 6, 1, 1), (16, 256, 4, 4, 1, 1), (16, 128, 4, 4, 2, 1),
+                   (32, 128, 4, 4, 1, 1)],
+    "gate_up_normed": [(32, 128, 4, 6, 1, 1), (32, 256, 4, 4, 1, 1)],
+}  # fmt: skip
+for _name, _tiles in _ROUND7.items():
+    CANDIDATES[_name] += [T(*t) for t in _tiles]
 
 
 def shapes() -> dict[str, tuple[str, int, int]]:
