@@ -130,3 +130,32 @@ def test_kernel_switch_on_cpu(mr):
         mr.set_kernels("reference")
     with pytest.raises(ConfigError, match="kernels must be one of fused, reference"):
         mr.set_kernels("triton")
+
+
+def test_pdl_off_at_buckets_8_to_16_only(mr, monkeypatch):
+    """The projections' ``use_pdl`` per bucket: off at 8-16 (``NO_PDL_BUCKETS``), the default
+    (None: wherever the GPU has it) at 4 and 32, and an explicit value always honoured."""
+    tensor_cores(monkeypatch)
+    seen: list = []
+    real = fused_decode.gemv_residual
+
+    def spy(*a, **k):
+        seen.append(k.get("use_pdl"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(fused_decode, "gemv_residual", spy)
+    got = {}
+    for bs, use_pdl in ((3, None), (5, None), (9, None), (17, None), (5, True)):
+        seen.clear()
+        batch, pages = decode_batch(mr, Point(bs, 9), seed=bs)
+        try:
+            mr.attn_backend.init_forward_metadata(batch)
+            fused_decode_step(mr.model, mr.attn_backend, batch.input_ids, batch.positions,
+                              use_pdl=use_pdl)  # fmt: skip
+        finally:
+            for p in pages:
+                mr.kv_cache.release(p)
+        assert len(set(seen)) == 1 and len(seen) == 2 * len(mr.model.layers)
+        got[(bs, use_pdl)] = seen[0]
+    assert got == {(3, None): None, (5, None): False, (9, None): False, (17, None): None,
+                   (5, True): True}  # fmt: skip

@@ -22,8 +22,8 @@ gate-up, the LM head) come from what o_proj and down leave beside the residual (
 its own kernel where ``tile_table.SEPARATE_NORM`` says, else in the prologue.
 ``REFERENCE_ROWS`` (bucket 2) runs the reference kernels inside the step. docs/results.md has
 the figures. The kernels are launched with programmatic dependent launch where the GPU has it
-(``kernels/pdl.py``); the attention kernels are not (measured slower with it, see
-``flash_decode``).
+(``kernels/pdl.py``), except at buckets 8-16 (``NO_PDL_BUCKETS``) and the attention kernels
+(each measured faster without it, see ``flash_decode``).
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused step serves batches of up to
@@ -64,26 +64,33 @@ FUSED_MAX_BS = 64
 # tensor cores; bs 4 to 64 faster on tensor cores). Chosen on the batch size's bucket
 # (``kernel_class``): a live batch replays its bucket's graph, and eager must pick the same.
 REFERENCE_ROWS = range(2, 3)
-# The A/B switch of that measurement: STEPGRAPH_REFERENCE_ROWS="LO-HI" (buckets LO..HI on the
-# reference kernels) or "none" (the fused kernels at every bs)
-_ROWS_ENV = os.environ.get("STEPGRAPH_REFERENCE_ROWS", "").strip().lower()
-if _ROWS_ENV:
+
+
+def _buckets_env(name: str, default: range) -> range:
+    """An A/B switch of a bucket range: ``$name`` as ``LO-HI`` (buckets LO..HI) or ``none``;
+    ``default`` when unset."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
     try:
-        REFERENCE_ROWS = (
-            range(0) if _ROWS_ENV == "none"
-            else range(int(_ROWS_ENV.split("-")[0]), int(_ROWS_ENV.split("-")[1]) + 1)
-        )  # fmt: skip
-    except (ValueError, IndexError):
-        raise ConfigError(
-            f"STEPGRAPH_REFERENCE_ROWS={_ROWS_ENV!r}: give LO-HI (e.g. 2-32) or none"
-        ) from None
+        lo, _, hi = raw.partition("-")
+        return range(0) if raw == "none" else range(int(lo), int(hi) + 1)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: give LO-HI (e.g. 2-32) or none") from None
+
+
+REFERENCE_ROWS = _buckets_env("STEPGRAPH_REFERENCE_ROWS", REFERENCE_ROWS)  # its A/B switch
 # The norm handoff (``handoff``) from bucket 8 on: graph, ctx 512, ms on / off: bs 4 1.095 /
 # 1.078 (run F3); 8 1.103 / 1.098, 16 1.169 / 1.169, 32 1.257 / 1.276 (F5); STEPGRAPH_NORM_HANDOFF=0
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
 HANDOFF_MIN_BUCKET = 8
-# PDL on the projection kernels at two rows and more (None: wherever the GPU has it); one row
-# always takes the default (on, measured 2026-11-30)
+# PDL on the projection kernels at two rows and more (None: wherever the GPU has it), but not at
+# the buckets of NO_PDL_BUCKETS; one row always takes the default (on). benchmarks/ab_step.py,
+# graph, ctx 512, ms on / off (STEPGRAPH_PDL=0), two interleaved rounds (run G7, 2026-12-01):
+# bs 1 0.801 / 0.873, 4 1.070 / 1.111, 8 1.117 / 1.102, 16 1.164 / 1.152, 32 1.240 / 1.298,
+# 64 1.383 / 1.430
 ROWS_PDL: bool | None = None
+NO_PDL_BUCKETS = _buckets_env("STEPGRAPH_NO_PDL_BUCKETS", range(8, 17))  # its A/B switch
 # PDL on the fused step's attention kernel: off unless STEPGRAPH_ATTENTION_PDL=1 (an A/B switch)
 ATTENTION_PDL: bool | None = None if os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1" else False
 
@@ -235,7 +242,7 @@ def fused_decode_step(
     if reference_rows(bs, backend, model):  # the reference kernels, greedy tokens taken here
         return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out)
     if use_pdl is None and bs > 1:
-        use_pdl = ROWS_PDL
+        use_pdl = False if kernel_class(bs, backend) in NO_PDL_BUCKETS else ROWS_PDL
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
