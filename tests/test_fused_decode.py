@@ -132,10 +132,22 @@ def test_kernel_switch_on_cpu(mr):
         mr.set_kernels("triton")
 
 
-def test_pdl_off_at_buckets_8_to_16_only(mr, monkeypatch):
-    """The projections' ``use_pdl`` per bucket: off at 8-16 (``NO_PDL_BUCKETS``), the default
-    (None: wherever the GPU has it) at 4 and 32, and an explicit value always honoured."""
+@pytest.mark.parametrize("switch", [None, "none", "2-4"])
+def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
+    """The projections' ``use_pdl`` per bucket: off where ``tile_table.NO_PDL_BUCKETS`` holds
+    the model's qkv shape and bucket (here the tiny model's at 8 and 16), else the default
+    (None: wherever the GPU has it); ``STEPGRAPH_NO_PDL_BUCKETS`` (``NO_PDL_ENV``) replaces the
+    table for every model; an explicit value is always honoured."""
+    from stepgraph.kernels import proj_tiles
+    from stepgraph.model.kernel_choice import buckets_env
+
     tensor_cores(monkeypatch)
+    w = mr.model.layers[0].self_attn.qkv_proj.weight
+    table = {(*w.shape, 8), (*w.shape, 16)}  # the table's check, this float32 model's entries
+    monkeypatch.setattr(proj_tiles, "no_pdl_bucket", lambda n, k, b, e=2: (n, k, b) in table)
+    if switch is not None:
+        monkeypatch.setenv("STEPGRAPH_NO_PDL_BUCKETS", switch)
+    monkeypatch.setattr(fused_decode, "NO_PDL_ENV", buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None))
     seen: list = []
     real = fused_decode.gemv_residual
 
@@ -157,5 +169,15 @@ def test_pdl_off_at_buckets_8_to_16_only(mr, monkeypatch):
                 mr.kv_cache.release(p)
         assert len(set(seen)) == 1 and len(seen) == 2 * len(mr.model.layers)
         got[(bs, use_pdl)] = seen[0]
-    assert got == {(3, None): None, (5, None): False, (9, None): False, (17, None): None,
-                   (5, True): True}  # fmt: skip
+    off = {None: (5, 9), "none": (), "2-4": (3,)}[switch]  # buckets 4, 8, 16, 32
+    want = {(bs, None): False if bs in off else None for bs in (3, 5, 9, 17)}
+    assert got == {**want, (5, True): True}
+
+
+def test_no_pdl_table_keys():
+    from stepgraph.kernels.proj_tiles import no_pdl_bucket
+
+    assert no_pdl_bucket(3072, 2048, 8) and no_pdl_bucket(3072, 2048, 16)  # Llama-3.2-1B
+    assert not no_pdl_bucket(3072, 2048, 4) and not no_pdl_bucket(3072, 2048, 32)
+    assert not no_pdl_bucket(3072, 2048, 8, elem_bytes=4)  # measured in bf16
+    assert not no_pdl_bucket(6144, 4096, 8)  # Llama-3.1-8B: faster with PDL

@@ -24,7 +24,7 @@ import triton
 
 from ..errors import ConfigError
 from .gemv_tiles import proj_blocks
-from .tile_table import CUBLAS, REFERENCE_BUCKETS, SEPARATE_NORM, TILES, Tile
+from .tile_table import CUBLAS, NO_PDL_BUCKETS, REFERENCE_BUCKETS, SEPARATE_NORM, TILES, Tile
 from .tma_tiles import box_fits, descriptor, tma_ready
 
 KERNELS = (
@@ -161,6 +161,12 @@ def reference_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2) -> bo
     return elem_bytes == 2 and (qkv_n, k, bucket) in REFERENCE_BUCKETS
 
 
+def no_pdl_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2) -> bool:
+    """Whether the step at ``bucket`` measured faster without PDL on its projections, for a
+    model whose fused qkv weight is ``[qkv_n, k]`` (``tile_table.NO_PDL_BUCKETS``, bf16)."""
+    return elem_bytes == 2 and (qkv_n, k, bucket) in NO_PDL_BUCKETS
+
+
 def tma_descriptors(tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int):
     """``(weight descriptor, x descriptor)`` when ``tile`` streams through TMA at ``m`` rows
     (``tile.tma``, tensor-core rows, boxes ``[rows, block_k]`` and ``[BLOCK_M, block_k]`` that
@@ -230,6 +236,7 @@ __all__ = [
     "block_m",
     "check_tile",
     "default_tile",
+    "no_pdl_bucket",
     "prefer_cublas",
     "separate_norm",
     "smem_bytes",

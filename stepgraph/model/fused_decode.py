@@ -22,8 +22,8 @@ gate-up, the LM head) come from what o_proj and down leave beside the residual (
 its own kernel where ``tile_table.SEPARATE_NORM`` says, else in the prologue.
 ``REFERENCE_ROWS`` (bucket 2) runs the reference kernels inside the step. docs/results.md has
 the figures. The kernels are launched with programmatic dependent launch where the GPU has it
-(``kernels/pdl.py``), except at buckets 8-16 (``NO_PDL_BUCKETS``) and the attention kernels
-(each measured faster without it, see ``flash_decode``).
+(``kernels/pdl.py``), except where ``tile_table.NO_PDL_BUCKETS`` says and the attention
+kernels (each measured faster without it, see ``flash_decode``).
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused step serves batches of up to
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buckets import replay_bucket
-from ..errors import ConfigError
+from ..kernels import proj_tiles
 from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_act import silu_mul
 from ..kernels.fused_norm import embed_rmsnorm
@@ -51,6 +51,7 @@ from ..kernels.norm_gemv import gemv_residual, norm_gemv
 from ..kernels.proj_tiles import measured, prefer_cublas, reference_bucket, separate_norm
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
+from . import kernel_choice
 from .kernel_choice import KERNEL_CHOICES, check_kernels, default_kernels, unfusable_reason
 from .llama import LlamaModel
 from .parallel import ParallelLMHead, RowParallelLinear
@@ -63,34 +64,17 @@ FUSED_MAX_BS = 64
 # the step), by measurement (docs/results.md, run E5: bs 2 1.059 ms on them against 1.100 on
 # tensor cores; bs 4 to 64 faster on tensor cores). Chosen on the batch size's bucket
 # (``kernel_class``): a live batch replays its bucket's graph, and eager must pick the same.
-REFERENCE_ROWS = range(2, 3)
-
-
-def _buckets_env(name: str, default: range) -> range:
-    """An A/B switch of a bucket range: ``$name`` as ``LO-HI`` (buckets LO..HI) or ``none``;
-    ``default`` when unset."""
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    try:
-        lo, _, hi = raw.partition("-")
-        return range(0) if raw == "none" else range(int(lo), int(hi) + 1)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r}: give LO-HI (e.g. 2-32) or none") from None
-
-
-REFERENCE_ROWS = _buckets_env("STEPGRAPH_REFERENCE_ROWS", REFERENCE_ROWS)  # its A/B switch
+# STEPGRAPH_REFERENCE_ROWS=LO-HI or none is the A/B switch of that measurement.
+REFERENCE_ROWS = kernel_choice.buckets_env("STEPGRAPH_REFERENCE_ROWS", range(2, 3))
 # The norm handoff (``handoff``) from bucket 8 on: graph, ctx 512, ms on / off: bs 4 1.095 /
 # 1.078 (run F3); 8 1.103 / 1.098, 16 1.169 / 1.169, 32 1.257 / 1.276 (F5); STEPGRAPH_NORM_HANDOFF=0
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
 HANDOFF_MIN_BUCKET = 8
 # PDL on the projection kernels at two rows and more (None: wherever the GPU has it), but not at
-# the buckets of NO_PDL_BUCKETS; one row always takes the default (on). benchmarks/ab_step.py,
-# graph, ctx 512, ms on / off (STEPGRAPH_PDL=0), two interleaved rounds (run G7, 2026-12-01):
-# bs 1 0.801 / 0.873, 4 1.070 / 1.111, 8 1.117 / 1.102, 16 1.164 / 1.152, 32 1.240 / 1.298,
-# 64 1.383 / 1.430
+# a model's buckets of tile_table.NO_PDL_BUCKETS (STEPGRAPH_NO_PDL_BUCKETS=LO-HI or none: those
+# for every model, the A/B switch); one row always takes the default (on)
 ROWS_PDL: bool | None = None
-NO_PDL_BUCKETS = _buckets_env("STEPGRAPH_NO_PDL_BUCKETS", range(8, 17))  # its A/B switch
+NO_PDL_ENV = kernel_choice.buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
 # PDL on the fused step's attention kernel: off unless STEPGRAPH_ATTENTION_PDL=1 (an A/B switch)
 ATTENTION_PDL: bool | None = None if os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1" else False
 
@@ -130,6 +114,15 @@ def _measured(model: LlamaModel, rows: int) -> bool:
         measured(kernel, rows, *lin.weight.shape, lin.weight.element_size())
         for kernel, lin in pieces
     )
+
+
+def _no_pdl(model: LlamaModel, bucket: int) -> bool:
+    """Whether the projections at ``bucket`` launch without PDL (``NO_PDL_ENV``, else
+    ``proj_tiles.no_pdl_bucket`` by the model's qkv shape)."""
+    if NO_PDL_ENV is not None:
+        return bucket in NO_PDL_ENV
+    w = model.layers[0].self_attn.qkv_proj.weight
+    return proj_tiles.no_pdl_bucket(*w.shape, bucket, w.element_size())
 
 
 def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
@@ -242,7 +235,7 @@ def fused_decode_step(
     if reference_rows(bs, backend, model):  # the reference kernels, greedy tokens taken here
         return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out)
     if use_pdl is None and bs > 1:
-        use_pdl = False if kernel_class(bs, backend) in NO_PDL_BUCKETS else ROWS_PDL
+        use_pdl = False if _no_pdl(model, kernel_class(bs, backend)) else ROWS_PDL
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them

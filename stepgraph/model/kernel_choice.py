@@ -4,6 +4,8 @@ of a user's choice, and why a model cannot take the fused step."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -12,6 +14,19 @@ from .llama import Linear, LlamaModel
 from .parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 KERNEL_CHOICES = ("fused", "reference")
+
+
+def buckets_env(name: str, default: range | None) -> range | None:
+    """An A/B switch of a bucket range: ``$name`` as ``LO-HI`` (buckets LO..HI) or ``none``;
+    ``default`` when unset."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    try:
+        lo, _, hi = raw.partition("-")
+        return range(0) if raw == "none" else range(int(lo), int(hi) + 1)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: give LO-HI (e.g. 2-32) or none") from None
 
 
 def default_kernels(device: torch.device | str) -> str:
