@@ -30,6 +30,7 @@ from stepgraph.bench.workload import (
     weight_bytes,
 )
 from stepgraph.model import fused_decode
+from stepgraph.model.kernel_choice import buckets_env
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 
@@ -54,6 +55,8 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
         saved.setdefault(key, os.environ.get(key))
         os.environ[key] = value
     fused_decode.NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
+    fused_decode.NO_PDL_ENV = buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
+    fused_decode.REFERENCE_ROWS = buckets_env("STEPGRAPH_REFERENCE_ROWS", range(2, 3))
 
 
 def main() -> None:
