@@ -10,7 +10,7 @@ largest value wins, so the token is ``torch.argmax``'s (first occurrence) at bot
 stored, fences (gpu scope) and takes a ticket; the program that draws the last one (every
 partial is stored by then) reduces all rows and resets the ticket for the next launch. So
 greedy sampling costs no launch of its own (``lm_head_argmax``); the reduce reads the partials
-from L2 in blocks of ``PER_THREAD`` a thread (4008 a row at one row, 501 at 16).
+from L2 in blocks of ``PER_THREAD`` a thread (501 a row at 16 rows; one row keeps a launch).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton.language as tl
 from .gemv_tiles import gpu_fence
 
 # Partials one reduce step holds per thread of the launch. The reduce's registers count for the
-# whole kernel: at one row a block of 4096 partials (32 a thread) slowed the LM head from 0.802
+# whole kernel: at one row a block of 8192 partials (64 a thread) slowed the LM head from 0.802
 # to 0.860 ms a step (run G2, 2026-12-01), the streaming part running at a lower occupancy.
 PER_THREAD_ENV = "STEPGRAPH_ARGMAX_FOLD_PER_THREAD"
 PER_THREAD = 8

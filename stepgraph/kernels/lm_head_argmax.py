@@ -3,16 +3,16 @@ launch; and the torch reference.
 
 ``norm_gemv`` with ``ARGMAX``: each program writes its float32 logits and the (max, first index
 of max) of its ``BLOCK_N`` columns into ``part_val`` / ``part_idx`` ``[M, P]`` (``P`` =
-programs, 4008 at vocab 128256 and one row); the last program to finish reduces them to the
-first index of the largest partial (``argmax_parts.fold_argmax``), from two rows on. Ties go to
-the smaller index at both levels, so the token is ``torch.argmax``'s (first occurrence). One row,
-or ``STEPGRAPH_ARGMAX_FOLD=0`` (the A/B switch), runs the reduce as a second launch
-(``_argmax_reduce_kernel``, grid ``(M,)``).
+programs: 8016 at vocab 128256 and one row, 501 at 16 rows); the last program to finish
+reduces them to the first index of the largest partial (``argmax_parts.fold_argmax``), from two
+rows on. Ties go to the smaller index at both levels, so the token is ``torch.argmax``'s (first
+occurrence). One row, or ``STEPGRAPH_ARGMAX_FOLD=0`` (the A/B switch), runs the reduce as a
+second launch (``_argmax_reduce_kernel``, grid ``(M,)``).
 
 Measured on the H200 (``benchmarks/ab_step.py``, graph, ctx 512, ms a step, runs G2 and G3 of
 2026-12-01, two rounds each): folded against two launches, bs 8 1.080 / 1.080 and 1.110 /
 1.107, bs 16 1.162 / 1.157, bs 32 1.239 / 1.239, bs 64 1.385 / 1.385: a tie and a kernel fewer.
-One row: 0.808 against 0.800 (4008 programs each fence and take the ticket), so it keeps its
+One row: 0.808 against 0.800 (8016 programs each fence and take the ticket), so it keeps its
 second launch.
 
 The float32 logits stay in their buffer for sampling at temperature > 0 and parity checks.

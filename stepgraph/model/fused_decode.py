@@ -10,8 +10,8 @@
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 (2 at bs 1)
 
-One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 103 kernels a step for
-Llama-3.2-1B (0.808 ms, 74% of the bandwidth floor, H200). Two rows and more (issue 21): the
+One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 101 kernels a step for
+Llama-3.2-1B (0.812 ms exact, 73% of the bandwidth floor, H200). Two rows and more (issue 21): the
 same kernels on tensor cores, M padded to 16/32/64, split-K where the output is narrow, tiles
 per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/proj_sweep.py``; some
 through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster (``tile_table.CUBLAS``:
