@@ -56,7 +56,9 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
         os.environ[key] = value
     fused_decode.NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
     fused_decode.NO_PDL_ENV = buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
-    fused_decode.REFERENCE_ROWS = buckets_env("STEPGRAPH_REFERENCE_ROWS", range(2, 3))
+    fused_decode.REFERENCE_ROWS = buckets_env(
+        "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT
+    )
 
 
 def main() -> None:

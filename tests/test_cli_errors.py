@@ -15,7 +15,7 @@ from .guards import time_limit
 GEN = ["generate", "--model", "tiny", "--device", "cpu", "--max-new-tokens", "2"]
 
 
-def _fails(capsys, argv, *needles):
+def _assert_fails(capsys, argv, *needles):
     with time_limit(30):
         assert main(argv) == 2
     captured = capsys.readouterr()
@@ -47,26 +47,28 @@ def _fails(capsys, argv, *needles):
     ],
 )
 def test_generate_bad_arguments(capsys, extra, needles):
-    _fails(capsys, GEN + extra, *needles)
+    _assert_fails(capsys, GEN + extra, *needles)
 
 
 def test_no_subcommand_is_one_line(capsys):
-    _fails(capsys, [], "command")
+    _assert_fails(capsys, [], "command")
 
 
 def test_model_neither_preset_nor_directory_says_both(capsys, tmp_path):
-    line = _fails(capsys, GEN + ["--prompt-ids", "1", "--model", str(tmp_path / "nope")])
+    line = _assert_fails(capsys, GEN + ["--prompt-ids", "1", "--model", str(tmp_path / "nope")])
     assert "preset" in line and "directory" in line and "tiny" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_device_cuda_without_gpu(capsys):
-    _fails(capsys, ["generate", "--model", "tiny", "--prompt-ids", "1", "--device", "cuda"], "GPU")
+    _assert_fails(
+        capsys, ["generate", "--model", "tiny", "--prompt-ids", "1", "--device", "cuda"], "GPU"
+    )
 
 
 def test_malformed_config_json_names_the_file(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 64,')
-    line = _fails(capsys, GEN + ["--prompt-ids", "1", "--model", str(tmp_path)])
+    line = _assert_fails(capsys, GEN + ["--prompt-ids", "1", "--model", str(tmp_path)])
     assert "config.json" in line and "JSON" in line
 
 
@@ -88,7 +90,7 @@ def test_truncated_safetensors_names_the_file(capsys, tmp_path):
     save_file({"model.norm.weight": torch.randn(64, generator=g)}, tmp_path / "model.safetensors")
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) - 40])
-    line = _fails(capsys, GEN + ["--prompt-ids", "1", "--model", str(tmp_path)])
+    line = _assert_fails(capsys, GEN + ["--prompt-ids", "1", "--model", str(tmp_path)])
     assert "model.safetensors" in line
 
 
@@ -103,7 +105,7 @@ def test_truncated_safetensors_names_the_file(capsys, tmp_path):
     ],
 )
 def test_bench_bad_arguments(capsys, extra, needles):
-    _fails(capsys, ["bench", "--device", "cpu"] + extra, *needles)
+    _assert_fails(capsys, ["bench", "--device", "cpu"] + extra, *needles)
 
 
 def test_debug_shows_the_traceback(capsys):

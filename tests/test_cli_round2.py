@@ -28,7 +28,7 @@ GEN = ["generate", "--model", "tiny", "--device", "cpu", "--max-new-tokens", "2"
 CHECK = ["check", "--model", "tiny", "--device", "cpu"]
 
 
-def _fails(capsys, argv, *needles, absent=()):
+def _assert_fails(capsys, argv, *needles, absent=()):
     """``main(argv)`` exits 2 with one ``stepgraph: error:`` line on stderr and nothing on
     stdout (nothing ran), naming every needle; returns the line."""
     with time_limit(30):
@@ -73,14 +73,16 @@ def test_cpu_bench_runs_where_a_prompt_was_empty(tmp_path, capsys, one_thread, s
 def test_tp_without_torchrun_says_how_to_launch(capsys, monkeypatch, argv):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    _fails(capsys, argv, "--tp", "torchrun --nproc-per-node 2 -m stepgraph", f"{argv[0]} --tp 2")
+    _assert_fails(
+        capsys, argv, "--tp", "torchrun --nproc-per-node 2 -m stepgraph", f"{argv[0]} --tp 2"
+    )
 
 
 def test_tp_under_a_torchrun_of_another_size(capsys, monkeypatch):
     env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     for k, v in {**env, "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(k, v)
-    _fails(capsys, [*BENCH, "--tp", "2"], "--tp", "started 4 processes", "--tp 4")
+    _assert_fails(capsys, [*BENCH, "--tp", "2"], "--tp", "started 4 processes", "--tp 4")
 
 
 def test_cpu_bench_under_torchrun_prints_once_with_the_all_reduce(tmp_path):
@@ -123,22 +125,24 @@ def test_prompt_text_with_a_directory_without_tokenizer(capsys, tmp_path):
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(hf))
     argv = ["generate", "--device", "cpu", "--model", str(tmp_path), "--prompt", "hello"]
-    _fails(capsys, argv, "--prompt", "tokenizer", str(tmp_path), "--prompt-ids")
+    _assert_fails(capsys, argv, "--prompt", "tokenizer", str(tmp_path), "--prompt-ids")
 
 
 @pytest.mark.parametrize("threads", ["0", "-1"])
 def test_bench_threads_below_one(capsys, threads):
-    _fails(capsys, [*BENCH, "--threads", threads], "--threads", ">= 1")
+    _assert_fails(capsys, [*BENCH, "--threads", threads], "--threads", ">= 1")
 
 
 @pytest.mark.parametrize("iters", ["0", "-3"])
 def test_bench_iters_below_one(capsys, iters):
-    _fails(capsys, [*BENCH, "--iters", iters], "--iters", ">= 1")
+    _assert_fails(capsys, [*BENCH, "--iters", iters], "--iters", ">= 1")
 
 
 @pytest.mark.parametrize("context", ["2049", "1000000000"])
 def test_bench_context_past_the_model_positions(capsys, context):
-    _fails(capsys, [*BENCH, "--contexts", context], "--contexts", "max_position_embeddings=2048")
+    _assert_fails(
+        capsys, [*BENCH, "--contexts", context], "--contexts", "max_position_embeddings=2048"
+    )
 
 
 def test_bench_context_at_the_model_positions_runs(capsys, one_thread):
@@ -150,12 +154,14 @@ def test_bench_context_at_the_model_positions_runs(capsys, one_thread):
 
 @pytest.mark.parametrize("name", ["out.txt", "out", "out.json"])
 def test_bench_plot_that_is_no_image_is_refused_before_the_run(capsys, tmp_path, name):
-    _fails(capsys, [*BENCH, "--plot", str(tmp_path / name)], "--plot", ".png")
+    _assert_fails(capsys, [*BENCH, "--plot", str(tmp_path / name)], "--plot", ".png")
 
 
 @pytest.mark.parametrize("seed", [str(2**64), str(2**70), "1180591620717411303424", "-1"])
 def test_generate_seed_outside_64_bits(capsys, seed):
-    _fails(capsys, [*GEN, "--prompt-ids", "1,2", "--seed", seed, "--temperature", "1"], "--seed")
+    _assert_fails(
+        capsys, [*GEN, "--prompt-ids", "1,2", "--seed", seed, "--temperature", "1"], "--seed"
+    )
 
 
 def test_generate_largest_seed_runs(capsys):
@@ -165,20 +171,22 @@ def test_generate_largest_seed_runs(capsys):
 
 
 def test_check_seed_outside_64_bits(capsys):
-    _fails(capsys, [*CHECK, "--seed", str(2**64)], "--seed")
+    _assert_fails(capsys, [*CHECK, "--seed", str(2**64)], "--seed")
 
 
 # -- 4. what cannot fit is refused up front, with the memory it needs -------------------------
 
 
 def test_bench_batch_that_cannot_fit_names_the_memory(capsys):
-    line = _fails(capsys, [*BENCH, "--batch-sizes", "10000000"], "--batch-sizes", "GiB")
+    line = _assert_fails(capsys, [*BENCH, "--batch-sizes", "10000000"], "--batch-sizes", "GiB")
     assert "KV cache" in line and "free on cpu" in line
 
 
 def test_bench_memory_is_checked_against_free_memory(capsys, monkeypatch):
     monkeypatch.setattr(kv_cache, "free_bytes", lambda device: 2**16)  # 64 KiB free
-    _fails(capsys, [*BENCH, "--batch-sizes", "1,2"], "--batch-sizes", "0.00 GiB is free on cpu")
+    _assert_fails(
+        capsys, [*BENCH, "--batch-sizes", "1,2"], "--batch-sizes", "0.00 GiB is free on cpu"
+    )
 
 
 def test_cpu_bench_says_how_long_a_slow_point_takes(capsys, monkeypatch, one_thread):
@@ -203,21 +211,23 @@ def test_cpu_bench_fast_points_are_quiet(capsys, one_thread):
 
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
 def test_bench_output_that_is_a_directory(capsys, tmp_path, flag):
-    _fails(capsys, [*BENCH, flag, str(tmp_path)], flag, "is a directory")
+    _assert_fails(capsys, [*BENCH, flag, str(tmp_path)], flag, "is a directory")
 
 
 def test_check_exact_on_the_cpu_is_refused_before_it_runs(capsys):
-    _fails(capsys, [*CHECK, "--modes", "exact"], "--modes", "exact", "eager,graph,walk")
+    _assert_fails(capsys, [*CHECK, "--modes", "exact"], "--modes", "exact", "eager,graph,walk")
 
 
 @pytest.mark.parametrize("context", ["1", "23"])
 def test_check_context_too_short_for_any_mix(capsys, context):
-    _fails(capsys, [*CHECK, "--context", context], "--context", "24 or more")
+    _assert_fails(capsys, [*CHECK, "--context", context], "--context", "24 or more")
 
 
 @pytest.mark.parametrize("context", ["2049", "10000000"])
 def test_check_context_past_the_model_positions(capsys, context):
-    _fails(capsys, [*CHECK, "--context", context], "--context", "max_position_embeddings=2048")
+    _assert_fails(
+        capsys, [*CHECK, "--context", context], "--context", "max_position_embeddings=2048"
+    )
 
 
 def test_check_shortest_context_runs(capsys):
@@ -235,13 +245,13 @@ def test_check_shortest_context_runs(capsys):
 )
 @pytest.mark.parametrize("command", [BENCH, CHECK])
 def test_unknown_or_empty_modes_are_not_called_a_cuda_problem(capsys, command, modes, needles):
-    _fails(capsys, [*command, f"--modes={modes}"], "--modes", *needles, absent=("CUDA",))
+    _assert_fails(capsys, [*command, f"--modes={modes}"], "--modes", *needles, absent=("CUDA",))
 
 
 @pytest.mark.parametrize("flag", ["--prompt-ids", "--stop-ids"])
 def test_negative_ids_reach_the_id_check(capsys, flag):
     argv = [*GEN, "--prompt-ids", "1,2"] if flag == "--stop-ids" else [*GEN]
-    _fails(capsys, [*argv, flag, "-1,2"], "[-1]", absent=("expected one argument",))
+    _assert_fails(capsys, [*argv, flag, "-1,2"], "[-1]", absent=("expected one argument",))
 
 
 def _hf_config(tmp_path, **changes):
@@ -265,16 +275,16 @@ HINT = "is it the checkpoint's own config.json"
 
 def test_unsupported_architecture_is_not_blamed_on_the_file(capsys, tmp_path):
     argv = _hf_config(tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    _fails(capsys, argv, "config.json", "unsupported architecture", "GPT2", absent=(HINT,))
+    _assert_fails(capsys, argv, "config.json", "unsupported architecture", "GPT2", absent=(HINT,))
 
 
 def test_unsupported_rope_is_not_blamed_on_the_file(capsys, tmp_path):
     argv = _hf_config(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    _fails(capsys, argv, "config.json", "'yarn' is not supported", absent=(HINT,))
+    _assert_fails(capsys, argv, "config.json", "'yarn' is not supported", absent=(HINT,))
 
 
 def test_missing_field_still_asks_about_the_file(capsys, tmp_path):
-    _fails(capsys, _hf_config(tmp_path, hidden_size=None), "'hidden_size'", HINT)
+    _assert_fails(capsys, _hf_config(tmp_path, hidden_size=None), "'hidden_size'", HINT)
 
 
 # -- 7. stepgraph buckets: the sizes seen, and padding as a percentage over -------------------
@@ -295,7 +305,7 @@ def test_buckets_say_the_sizes_seen_and_padding_over(capsys, tmp_path):
 def test_buckets_trace_with_a_bool_is_refused(capsys, tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text("[1, true, 3]")
-    _fails(capsys, ["buckets", "--trace", str(trace), "--max-graphs", "2"], "item 1", "True")
+    _assert_fails(capsys, ["buckets", "--trace", str(trace), "--max-graphs", "2"], "item 1", "True")
 
 
 # -- 9. --kernels fused on the CPU says what runs there ----------------------------------------
@@ -321,7 +331,7 @@ def test_bench_kernels_fused_on_the_cpu_says_reference(capsys, one_thread):
 def test_prompt_file_with_booleans_is_refused(capsys, tmp_path, text):
     path = tmp_path / "prompts.json"
     path.write_text(text)
-    _fails(capsys, [*GEN, "--prompt-file", str(path)], str(path), "not a list of token ids")
+    _assert_fails(capsys, [*GEN, "--prompt-file", str(path)], str(path), "not a list of token ids")
 
 
 # -- docs: --help says the defaults -----------------------------------------------------------

@@ -65,7 +65,8 @@ FUSED_MAX_BS = 64
 # tensor cores; bs 4 to 64 faster on tensor cores). Chosen on the batch size's bucket
 # (``kernel_class``): a live batch replays its bucket's graph, and eager must pick the same.
 # STEPGRAPH_REFERENCE_ROWS=LO-HI or none is the A/B switch of that measurement.
-REFERENCE_ROWS = kernel_choice.buckets_env("STEPGRAPH_REFERENCE_ROWS", range(2, 3))
+REFERENCE_ROWS_DEFAULT = range(2, 3)
+REFERENCE_ROWS = kernel_choice.buckets_env("STEPGRAPH_REFERENCE_ROWS", REFERENCE_ROWS_DEFAULT)
 # The norm handoff (``handoff``) from bucket 8 on: graph, ctx 512, ms on / off: bs 4 1.095 /
 # 1.078 (run F3); 8 1.103 / 1.098, 16 1.169 / 1.169, 32 1.257 / 1.276 (F5); STEPGRAPH_NORM_HANDOFF=0
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"

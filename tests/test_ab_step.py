@@ -1,0 +1,48 @@
+"""``benchmarks/ab_step.py``'s variants on the CPU: the ``name:VAR=V;VAR2=V2`` grammar (values
+may hold commas and ``=``), and that applying a variant sets its switches, re-reads the step's
+import-time flags, and that the next variant starts from the original environment."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+
+from stepgraph.model import fused_decode
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_ab():
+    spec = importlib.util.spec_from_file_location("ab_step", ROOT / "benchmarks" / "ab_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_variant():
+    ab = load_ab()
+    assert ab.parse_variant("base:") == ("base", {})
+    assert ab.parse_variant("x:STEPGRAPH_A=o,gu=0.25;STEPGRAPH_B=1") == (
+        "x", {"STEPGRAPH_A": "o,gu=0.25", "STEPGRAPH_B": "1"},
+    )  # fmt: skip
+    assert ab.parse_variant("y: STEPGRAPH_C = 2-4 ;") == ("y", {"STEPGRAPH_C": "2-4"})
+
+
+def test_apply_sets_rereads_and_restores(monkeypatch):
+    ab = load_ab()
+    monkeypatch.delenv("STEPGRAPH_NO_PDL_BUCKETS", raising=False)
+    monkeypatch.setenv("STEPGRAPH_NORM_HANDOFF", "1")
+    for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS"):  # restored after the test
+        monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))
+    saved: dict = {}
+    ab.apply({"STEPGRAPH_NO_PDL_BUCKETS": "2-64", "STEPGRAPH_NORM_HANDOFF": "0"}, saved)
+    assert fused_decode.NO_PDL_ENV == range(2, 65) and fused_decode.NORM_HANDOFF is False
+    ab.apply({"STEPGRAPH_REFERENCE_ROWS": "none"}, saved)  # the next variant: the first undone
+    assert "STEPGRAPH_NO_PDL_BUCKETS" not in os.environ
+    assert os.environ["STEPGRAPH_NORM_HANDOFF"] == "1"
+    assert fused_decode.NO_PDL_ENV is None and fused_decode.NORM_HANDOFF is True
+    assert fused_decode.REFERENCE_ROWS == range(0)
+    ab.apply({}, saved)  # the end of the run: the original environment
+    assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ
+    assert fused_decode.REFERENCE_ROWS == range(2, 3)
