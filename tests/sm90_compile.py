@@ -1,0 +1,148 @@
+"""Compile, for sm_90 and without a GPU, every Triton kernel the fused decode step launches.
+
+Run by ``tests/test_sm90_compile.py`` in a process of its own without ``TRITON_INTERPRET`` (the
+kernels must be Triton's compiled functions, not the interpreter's). A stand-in driver answers
+Triton's device queries with an H200's target, every launch is turned into Triton's warm-up
+(compile, no launch), and PDL and TMA are switched on as on a Hopper GPU. The step then runs
+its Python over CPU tensors at Llama-3.2-1B's shapes (two layers) at bs 1, 8, 32 and 64, so
+each kernel variant the GPU would compile is compiled here, to PTX and a cubin (Triton ships
+ptxas); the attention's split + combine and its folded merge, and the graph-input kernel, are
+launched directly. The interpreter takes what the GPU compiler refuses (a plain-int global, a
+type mismatch), so this is the CPU tier's only check of that. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+import triton.runtime.jit as jit  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+
+class _H200:
+    """Triton's device queries, answered for device 0 of an H200 (sm_90)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+driver.set_active(_H200())
+COMPILED: list[tuple[str, object]] = []
+_run = jit.JITFunction.run
+
+
+def _warmup(self, *args, grid, warmup, **kwargs):  # every launch compiles and returns
+    kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
+    COMPILED.append((self.fn.__name__, kernel))
+    return kernel
+
+
+jit.JITFunction.run = _warmup
+
+from stepgraph.kernels import pdl, proj_tiles, tma_tiles  # noqa: E402
+
+
+def _tma_ready(*tensors):  # as on a Hopper GPU: the layout rules alone
+    return all(
+        t.dim() == 2 and t.stride(1) == 1 and t.shape[0] > 0 and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in tensors
+    )  # fmt: skip
+
+
+pdl.pdl_enabled = lambda device: device is not None and pdl.HAS_GDC
+tma_tiles.tma_ready = proj_tiles.tma_ready = _tma_ready
+
+from stepgraph.bench.workload import Point, decode_batch  # noqa: E402
+from stepgraph.kernels.decode_inputs import DecodeWorkspace  # noqa: E402
+from stepgraph.kernels.flash_decode import flash_decode  # noqa: E402
+from stepgraph.model import ModelRunner, fused_decode  # noqa: E402
+from stepgraph.runner.graph_inputs import fill_inputs  # noqa: E402
+from stepgraph.runner.input_buffers import GraphInputBuffers, pad_row  # noqa: E402
+from stepgraph.runner.staging import PinnedStaging  # noqa: E402
+
+PLAIN = 64  # a plain global: the compiler refuses it in a kernel, the interpreter takes it
+
+
+@triton.jit
+def _refused(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr) + PLAIN)
+
+
+def _variants(since: int) -> list[dict]:
+    out = []
+    for name, k in COMPILED[since:]:
+        ptx = k.asm.get("ptx", "")
+        tma = "cp.async.bulk.tensor" in ptx
+        out.append(dict(kernel=name, pdl="griddepcontrol.wait" in ptx, tma=tma,
+                        cubin=bool(k.asm.get("cubin"))))  # fmt: skip
+    return out
+
+
+def main() -> dict:
+    result: dict = {"steps": {}, "errors": {}}
+    mr = ModelRunner.from_preset("llama-3.2-1b", "cpu", torch.bfloat16, seed=0, num_layers=2,
+                                 max_bs=64, max_context_len=640, page_size=64)  # fmt: skip
+    backend = mr.attn_backend
+    backend.use_kernel = True  # the Triton attention, as on CUDA
+    for bs in (1, 8, 32, 64):
+        batch, pages = decode_batch(mr, Point(bs, 500))
+        since = len(COMPILED)
+        try:
+            backend.init_forward_metadata(batch)
+            fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions)
+            result["steps"][bs] = _variants(since)
+        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+            result["errors"][f"step bs {bs}"] = f"{type(e).__name__}: {e}"[:600]
+        for p in pages:
+            mr.kv_cache.release(p)
+    # the attention's two-kernel path and its folded merge (what bs 8 takes on the H200)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 32, 64, generator=g).bfloat16()
+    kc, vc = (torch.randn(20, 64, 8, 64, generator=g).bfloat16() for _ in range(2))
+    table = torch.arange(16, dtype=torch.int32).reshape(8, 2)
+    lens = torch.full((8,), 100, dtype=torch.int32)
+    for fold in (False, True):
+        since = len(COMPILED)
+        try:
+            ws = DecodeWorkspace.allocate(8, 32, 64, 8, q.device)
+            flash_decode(q, kc, vc, table, lens, num_splits=8, workspace=ws, fold_combine=fold)
+            result["steps"][f"attention fold={fold}"] = _variants(since)
+        except Exception as e:  # noqa: BLE001
+            result["errors"][f"attention fold={fold}"] = f"{type(e).__name__}: {e}"[:600]
+    since = len(COMPILED)
+    try:  # the graph's input kernel, staged and fed
+        bufs = GraphInputBuffers.allocate(16, 4, torch.device("cpu"), 1)
+        staging = PinnedStaging(pad_row(4, 1, torch.device("cpu")), 16, torch.device("cpu"))
+        fill_inputs(bufs, 16, staging, torch.zeros(4, dtype=torch.int64))
+        result["steps"]["inputs"] = _variants(since)
+    except Exception as e:  # noqa: BLE001
+        result["errors"]["inputs"] = f"{type(e).__name__}: {e}"[:600]
+    try:
+        _refused[(1,)](torch.zeros(1))
+        result["refused"] = False
+    except Exception as e:  # noqa: BLE001 - the compiler's refusal, as on the GPU
+        result["refused"] = "PLAIN" in str(e)
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
+    sys.exit(0)
