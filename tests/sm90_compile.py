@@ -6,9 +6,10 @@ Triton's device queries with an H200's target, every launch is turned into Trito
 (compile, no launch), and PDL and TMA are switched on as on a Hopper GPU. The step then runs
 its Python over CPU tensors at Llama-3.2-1B's shapes (two layers) at bs 1, 8, 32 and 64, so
 each kernel variant the GPU would compile is compiled here, to PTX and a cubin (Triton ships
-ptxas); the attention's split + combine and its folded merge, and the graph-input kernel, are
-launched directly. The interpreter takes what the GPU compiler refuses (a plain-int global, a
-type mismatch), so this is the CPU tier's only check of that. Prints one JSON line.
+ptxas); the attention's split + combine and its folded merge, the greedy tokens after a cuBLAS
+head, the prefill's extend attention and the graph-input kernel are launched directly. The
+interpreter takes what the GPU compiler refuses (a plain-int global, a type mismatch), so this
+is the CPU tier's only check of that. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _warmup(self, *args, grid, warmup, **kwargs):  # every launch compiles and r
 
 jit.JITFunction.run = _warmup
 
+from stepgraph.kernels import extend_attention as ea  # noqa: E402
 from stepgraph.kernels import pdl, proj_tiles, tma_tiles  # noqa: E402
 
 
@@ -69,8 +71,11 @@ def _tma_ready(*tensors):  # as on a Hopper GPU: the layout rules alone
 
 pdl.pdl_enabled = lambda device: device is not None and pdl.HAS_GDC
 tma_tiles.tma_ready = proj_tiles.tma_ready = _tma_ready
+_check_extend = ea.check_extend_inputs  # its CPU-tensor refusal lifted, as the interpreter's
+ea.check_extend_inputs = lambda *a, **k: _check_extend(*a, **{**k, "interpreted": True})
 
 from stepgraph.bench.workload import Point, decode_batch  # noqa: E402
+from stepgraph.kernels.argmax_rows import argmax_rows  # noqa: E402
 from stepgraph.kernels.decode_inputs import DecodeWorkspace  # noqa: E402
 from stepgraph.kernels.flash_decode import flash_decode  # noqa: E402
 from stepgraph.model import ModelRunner, fused_decode  # noqa: E402
@@ -107,7 +112,9 @@ def main() -> dict:
         since = len(COMPILED)
         try:
             backend.init_forward_metadata(batch)
-            fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions)
+            tokens = torch.empty(bs, dtype=torch.int64)  # greedy tokens in the step, as served
+            fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions,
+                                           tokens_out=tokens)  # fmt: skip
             result["steps"][bs] = _variants(since)
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it
             result["errors"][f"step bs {bs}"] = f"{type(e).__name__}: {e}"[:600]
@@ -127,6 +134,22 @@ def main() -> dict:
             result["steps"][f"attention fold={fold}"] = _variants(since)
         except Exception as e:  # noqa: BLE001
             result["errors"][f"attention fold={fold}"] = f"{type(e).__name__}: {e}"[:600]
+    since = len(COMPILED)
+    try:  # the greedy tokens after a cuBLAS head (bs 32 and 64 on the H200)
+        argmax_rows(torch.randn(32, 128256, generator=g), torch.empty(32, dtype=torch.int64))
+        result["steps"]["greedy tokens"] = _variants(since)
+    except Exception as e:  # noqa: BLE001
+        result["errors"]["greedy tokens"] = f"{type(e).__name__}: {e}"[:600]
+    since = len(COMPILED)
+    try:  # the prefill's attention: two requests, a cached prefix and new tokens each
+        q = torch.randn(40, 32, 64, generator=g).bfloat16()
+        indptr = torch.tensor([0, 24, 40], dtype=torch.int32)
+        kv_lens = torch.tensor([88, 16], dtype=torch.int32)
+        bt = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+        ea.extend_attention(q, kc, vc, indptr, kv_lens, bt, max_q_len=24, sm_scale=0.125)
+        result["steps"]["prefill attention"] = _variants(since)
+    except Exception as e:  # noqa: BLE001
+        result["errors"]["prefill attention"] = f"{type(e).__name__}: {e}"[:600]
     since = len(COMPILED)
     try:  # the graph's input kernel, staged and fed
         bufs = GraphInputBuffers.allocate(16, 4, torch.device("cpu"), 1)
