@@ -117,13 +117,12 @@ def _measured(model: LlamaModel, rows: int) -> bool:
     )
 
 
-def _no_pdl(model: LlamaModel, bucket: int) -> bool:
-    """Whether the projections at ``bucket`` launch without PDL (``NO_PDL_ENV``, else
-    ``proj_tiles.no_pdl_bucket`` by the model's qkv shape)."""
+def no_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int) -> bool:
+    """Whether the projections at ``bucket`` launch without PDL, for a model whose fused qkv
+    weight is ``[qkv_n, k]``: ``NO_PDL_ENV`` if set, else ``proj_tiles.no_pdl_bucket``."""
     if NO_PDL_ENV is not None:
         return bucket in NO_PDL_ENV
-    w = model.layers[0].self_attn.qkv_proj.weight
-    return proj_tiles.no_pdl_bucket(*w.shape, bucket, w.element_size())
+    return proj_tiles.no_pdl_bucket(qkv_n, k, bucket, elem_bytes)
 
 
 def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
@@ -236,7 +235,9 @@ def fused_decode_step(
     if reference_rows(bs, backend, model):  # the reference kernels, greedy tokens taken here
         return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out)
     if use_pdl is None and bs > 1:
-        use_pdl = False if _no_pdl(model, kernel_class(bs, backend)) else ROWS_PDL
+        w = model.layers[0].self_attn.qkv_proj.weight
+        off = no_pdl(*w.shape, kernel_class(bs, backend), w.element_size())
+        use_pdl = False if off else ROWS_PDL
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
@@ -288,6 +289,7 @@ __all__ = [
     "fused_decode_step",
     "handoff",
     "kernel_class",
+    "no_pdl",
     "reference_rows",
     "unfusable_reason",
 ]

@@ -11,7 +11,6 @@ from ..kernels.proj_tiles import (
     Tile,
     block_m,
     measured,
-    no_pdl_bucket,
     prefer_cublas,
     reference_bucket,
     separate_norm,
@@ -102,7 +101,7 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
         path = "fused, one row (GEMV)"
         if b > 1:
             path = f"fused, tensor cores (M padded to {block_m(b)})"
-            if no_pdl_bucket(*shapes["qkv"], b, elem_bytes):
+            if _fd.no_pdl(*shapes["qkv"], b, elem_bytes):
                 path += ", no PDL (NO_PDL_BUCKETS)"
         half, ho = config.head_dim // 2, _fd.NORM_HANDOFF and b >= _fd.HANDOFF_MIN_BUCKET
         out.append((b, path, {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho)
