@@ -6,7 +6,8 @@ Triton's device queries with an H200's target, every launch is turned into Trito
 (compile, no launch), and PDL and TMA are switched on as on a Hopper GPU. The step then runs
 its Python over CPU tensors at Llama-3.2-1B's shapes (two layers) at bs 1, 8, 32 and 64, so
 each kernel variant the GPU would compile is compiled here, to PTX and a cubin (Triton ships
-ptxas); the attention's split + combine and its folded merge, the greedy tokens after a cuBLAS
+ptxas); the MLP half as one persistent launch (both schedules), the attention's split +
+combine and its folded merge, the greedy tokens after a cuBLAS
 head, the prefill's extend attention and the graph-input kernel are launched directly. The
 interpreter takes what the GPU compiler refuses (a plain-int global, a type mismatch), so this
 is the CPU tier's only check of that. Prints one JSON line.
@@ -75,10 +76,11 @@ _check_extend = ea.check_extend_inputs  # its CPU-tensor refusal lifted, as the 
 ea.check_extend_inputs = lambda *a, **k: _check_extend(*a, **{**k, "interpreted": True})
 
 from stepgraph.bench.workload import Point, decode_batch  # noqa: E402
+from stepgraph.kernels import mlp_block  # noqa: E402
 from stepgraph.kernels.argmax_rows import argmax_rows  # noqa: E402
 from stepgraph.kernels.decode_inputs import DecodeWorkspace  # noqa: E402
 from stepgraph.kernels.flash_decode import flash_decode  # noqa: E402
-from stepgraph.model import ModelRunner, fused_decode  # noqa: E402
+from stepgraph.model import ModelRunner, fused_decode, fused_mlp  # noqa: E402
 from stepgraph.runner.graph_inputs import fill_inputs  # noqa: E402
 from stepgraph.runner.input_buffers import GraphInputBuffers, pad_row  # noqa: E402
 from stepgraph.runner.staging import PinnedStaging  # noqa: E402
@@ -120,6 +122,29 @@ def main() -> dict:
             result["errors"][f"step bs {bs}"] = f"{type(e).__name__}: {e}"[:600]
         for p in pages:
             mr.kv_cache.release(p)
+    # the MLP half in one persistent launch (STEPGRAPH_MLP_BLOCK=1): the step at bs 8, and the
+    # block alone at 64 rows on the stride schedule
+    since = len(COMPILED)
+    try:
+        fused_mlp.MLP_BLOCK = True
+        batch, pages = decode_batch(mr, Point(8, 500))
+        backend.init_forward_metadata(batch)
+        fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions,
+                                       tokens_out=torch.empty(8, dtype=torch.int64))  # fmt: skip
+        for p in pages:
+            mr.kv_cache.release(p)
+        os.environ[mlp_block.SCHEDULE_ENV] = "stride"
+        layer = mr.model.layers[0]
+        w = [layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
+             layer.mlp.gate_up_proj.weight, 1e-5, layer.mlp.down_proj.weight]  # fmt: skip
+        rows = torch.randn(64, 2048).bfloat16()
+        mlp_block.mlp_block(rows, rows, *w, programs=2)
+        result["steps"]["mlp block"] = _variants(since)
+    except Exception as e:  # noqa: BLE001
+        result["errors"]["mlp block"] = f"{type(e).__name__}: {e}"[:600]
+    finally:
+        fused_mlp.MLP_BLOCK = False
+        os.environ.pop(mlp_block.SCHEDULE_ENV, None)
     # the attention's two-kernel path and its folded merge (what bs 8 takes on the H200)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(8, 32, 64, generator=g).bfloat16()

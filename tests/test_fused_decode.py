@@ -9,7 +9,7 @@ import torch
 
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.errors import ConfigError
-from stepgraph.model import fused_decode
+from stepgraph.model import fused_decode, fused_mlp
 from stepgraph.model.fused_decode import fused_decode_step, reference_rows, unfusable_reason
 
 
@@ -46,6 +46,7 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch):
                             proj_tiles.block_m(m) > 1 and (kernel, proj_tiles.block_m(m))
                             in proj_tiles.SEPARATE_ANY)  # fmt: skip
         monkeypatch.setattr(fused_decode, "separate_norm", proj_tiles.separate_norm)
+        monkeypatch.setattr(fused_mlp, "separate_norm", proj_tiles.separate_norm)
     assert reference_rows(bs, mr.attn_backend, mr.model) == (path == "as shipped" and bs > 1)
     batch, pages = decode_batch(mr, Point(bs, context), seed=bs)
     try:
@@ -88,7 +89,7 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
         unfused.append(choice)
         return choice
 
-    monkeypatch.setattr(fused_decode, "prefer_cublas", prefer)
+    monkeypatch.setattr(fused_mlp, "prefer_cublas", prefer)  # every choice goes through it
     test_fused_step_matches_reference(mr, 17, 40, "tensor-core", monkeypatch)
     # every choice of the step (qkv and gate-up a layer, the head; and the norm handoff's
     # look-ahead at each) went to cuBLAS
@@ -149,13 +150,13 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
         monkeypatch.setenv("STEPGRAPH_NO_PDL_BUCKETS", switch)
     monkeypatch.setattr(fused_decode, "NO_PDL_ENV", buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None))
     seen: list = []
-    real = fused_decode.gemv_residual
+    real = fused_mlp.gemv_residual
 
     def spy(*a, **k):
         seen.append(k.get("use_pdl"))
         return real(*a, **k)
 
-    monkeypatch.setattr(fused_decode, "gemv_residual", spy)
+    monkeypatch.setattr(fused_mlp, "gemv_residual", spy)
     got = {}
     for bs, use_pdl in ((3, None), (5, None), (9, None), (17, None), (5, True)):
         seen.clear()

@@ -11,7 +11,7 @@ import torch
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.cli import main
 from stepgraph.kernels.proj_tiles import block_m
-from stepgraph.model import fused_decode, kernel_plan
+from stepgraph.model import fused_decode, fused_mlp, kernel_plan
 from stepgraph.model.config import PRESETS
 
 
@@ -102,20 +102,22 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
         return lambda kernel, m, n, k, e=2: (kernel, n, k, block_m(m)) in keys
 
     for mod in (fused_decode, kernel_plan):
-        monkeypatch.setattr(mod, "prefer_cublas", table(cublas))
         monkeypatch.setattr(mod, "separate_norm", table(separate))
         monkeypatch.setattr(mod, "REFERENCE_ROWS", range(0))
+    for mod in (kernel_plan, fused_mlp):  # fused_decode's cuBLAS choices are fused_mlp.cublas
+        monkeypatch.setattr(mod, "prefer_cublas", table(cublas))
+    monkeypatch.setattr(fused_mlp, "separate_norm", table(separate))
     monkeypatch.setattr(fused_decode, "NORM_HANDOFF", handoff)
     monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
     monkeypatch.setattr(kernel_plan, "measured", lambda *a: True)
     ran: list[str] = []
 
-    def spy(name, fn, what):
+    def spy(name, fn, what, mod=fused_decode):
         def call(*a, **k):
             ran.append(what(a, k))
             return fn(*a, **k)
 
-        monkeypatch.setattr(fused_decode, name, call)
+        monkeypatch.setattr(mod, name, call)
 
     def kind(piece):
         return lambda a, k: (
@@ -125,8 +127,8 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
 
     spy("qkv_rope", fused_decode.qkv_rope, kind("qkv"))
     spy("rope_kv", fused_decode.rope_kv, lambda a, k: "qkv cublas")
-    spy("gate_up_silu", fused_decode.gate_up_silu, kind("gate_up"))
-    spy("silu_mul", fused_decode.silu_mul, lambda a, k: "gate_up cublas")
+    spy("gate_up_silu", fused_mlp.gate_up_silu, kind("gate_up"), fused_mlp)
+    spy("silu_mul", fused_mlp.silu_mul, lambda a, k: "gate_up cublas", fused_mlp)
     spy("lm_head_argmax", fused_decode.lm_head_argmax, kind("lm_head"))
     spy("_cublas_head", fused_decode._cublas_head, lambda a, k: "lm_head cublas")
     spy("embed_rmsnorm", fused_decode.embed_rmsnorm, lambda a, k: "embed with the norm")

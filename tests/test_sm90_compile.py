@@ -38,7 +38,7 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     assert result["errors"] == {}
     steps = result["steps"]
     assert set(steps) == {"1", "8", "32", "64", "attention fold=False", "attention fold=True",
-                          "greedy tokens", "prefill attention", "inputs"}  # fmt: skip
+                          "greedy tokens", "prefill attention", "inputs", "mlp block"}  # fmt: skip
     variants = [v for vs in steps.values() for v in vs]
     assert variants and all(v["cubin"] for v in variants)
     names = {v["kernel"] for v in variants}
@@ -52,3 +52,8 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     assert any(v["pdl"] for v in steps["1"] if v["kernel"] == "_norm_gemv_kernel")
     assert any(v["tma"] for v in steps["32"] + steps["64"])
     assert any(v["kernel"] == "_add_rmsnorm_kernel" for v in steps["8"])  # embedding + norm
+    # the persistent MLP half: the step's at bs 8 (a layer each; no PDL there, NO_PDL_BUCKETS),
+    # then the stride schedule's at 64 rows with PDL; TMA in both
+    block = [v for v in steps["mlp block"] if v["kernel"] == "_mlp_block_kernel"]
+    assert len(block) == 3 and all(v["tma"] for v in block)
+    assert [v["pdl"] for v in block] == [False, False, True]

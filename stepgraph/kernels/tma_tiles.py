@@ -102,7 +102,7 @@ def l2_prefetch(
 
 
 @triton.jit
-def _dot_t(acc, w, x):
+def dot_t(acc, w, x):
     # acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x^T (float32 inputs at "ieee": no TF32)
     if w.dtype == tl.float32:
         acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
@@ -147,9 +147,9 @@ def tma_loop(
             w2 = w_desc.load([row2, k0])
         if SWAP:
             x = tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM, BLOCK_K)
-            a1 = _dot_t(a1, w1, x)
+            a1 = dot_t(a1, w1, x)
             if PAIRED:
-                a2 = _dot_t(a2, w2, x)
+                a2 = dot_t(a2, w2, x)
         else:
             x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
             a1 = mul_acc(a1, w1, x, BLOCK_M)
@@ -245,6 +245,7 @@ __all__ = [
     "TMA_ENV",
     "box_fits",
     "descriptor",
+    "dot_t",
     "l2_prefetch",
     "prefetch_lines",
     "proj_loop",

@@ -8,6 +8,8 @@
       r = r + o_proj(o)        residual add in the GEMV epilogue                   1 launch
       a = gate_up_silu(r)      norm, gate-up, SiLU * up                            1 launch
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
+                               (these three: ``fused_mlp``; one persistent launch behind
+                               STEPGRAPH_MLP_BLOCK=1, ``kernels/mlp_block``)
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 (2 at bs 1)
 
 One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 101 kernels a step for
@@ -37,21 +39,19 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..buckets import replay_bucket
 from ..kernels import proj_tiles
 from ..kernels.flash_decode import flash_decode
-from ..kernels.fused_act import silu_mul
 from ..kernels.fused_norm import embed_rmsnorm
-from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.lm_head_argmax import lm_head_argmax
-from ..kernels.norm_gemv import gemv_residual, norm_gemv
-from ..kernels.proj_tiles import measured, prefer_cublas, reference_bucket, separate_norm
+from ..kernels.norm_gemv import norm_gemv
+from ..kernels.proj_tiles import measured, reference_bucket, separate_norm
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
-from . import kernel_choice
+from . import fused_mlp, kernel_choice
+from .fused_mlp import cublas
 from .kernel_choice import KERNEL_CHOICES, check_kernels, default_kernels, unfusable_reason
 from .llama import LlamaModel
 from .parallel import ParallelLMHead, RowParallelLinear
@@ -141,29 +141,6 @@ def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
     )  # fmt: skip
 
 
-def _row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl, next_norm=None):
-    """``(r + x @ W.T, handoff)`` in one launch; ``handoff`` is ``(r * next_norm, its sums of
-    squares)`` given the next norm's weight (``kernels/norm_handoff``, unsharded), else None.
-    A row-parallel shard: rank 0 adds the residual in the epilogue, the others project alone,
-    and the in-place all-reduce sums them, so every rank holds the same ``r + sum of the
-    partials`` (rounded once more than the reference path's ``r + all_reduce(partials)``: the
-    two agree within bf16 rounding, not bit for bit)."""
-    if type(proj) is not RowParallelLinear or proj.world_size == 1:
-        if next_norm is not None:
-            y, xw, ssq = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, next_norm=next_norm)
-            return y, (xw, ssq)
-        return gemv_residual(x, proj.weight, r, use_pdl=use_pdl), None
-    y = gemv_residual(x, proj.weight, r if dist.get_rank(proj.group) == 0 else None,
-                      use_pdl=use_pdl)  # fmt: skip
-    dist.all_reduce(y, group=proj.group)  # in place, on the stream: graph-capturable
-    return y, None
-
-
-def _cublas(lin, kernel: str, bs: int) -> bool:
-    """Whether the step runs ``lin`` (a consumer of a norm) as norm + cuBLAS at ``bs`` rows."""
-    return prefer_cublas(kernel, bs, *lin.weight.shape, lin.weight.element_size())
-
-
 def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
     """Whether the step at ``bs`` rows takes the norms before qkv (from layer 1), gate-up and
     the LM head from what o_proj and down leave (``kernels/norm_handoff``): from bucket
@@ -177,7 +154,7 @@ def _own_norm(layer, bs: int) -> bool:
     """Whether ``layer``'s input norm runs as its own kernel at ``bs`` rows when no handoff
     serves it: before cuBLAS (``tile_table.CUBLAS``) or by ``SEPARATE_NORM``."""
     w = layer.self_attn.qkv_proj.weight
-    return _cublas(layer.self_attn.qkv_proj, "qkv_rope", bs) or separate_norm(
+    return cublas(layer.self_attn.qkv_proj, "qkv_rope", bs) or separate_norm(
         "qkv_rope", bs, *w.shape, w.element_size()
     )
 
@@ -199,7 +176,7 @@ def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0) ->
     the norm in the prologue. ``x0``: the norm already run with the embedding (layer 0)."""
     attn, norm1 = layer.self_attn, layer.input_layernorm
     w_qkv, bs = attn.qkv_proj.weight, r.shape[0]
-    if _cublas(attn.qkv_proj, "qkv_rope", bs):  # norm, GEMM, RoPE
+    if cublas(attn.qkv_proj, "qkv_rope", bs):  # norm, GEMM, RoPE
         return rope_kv(
             attn.qkv_proj(norm1(r)[0] if x0 is None else x0), positions, model.rope_cos,
             model.rope_sin, kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
@@ -241,28 +218,11 @@ def fused_decode_step(
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
-    last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        norm2 = layer.post_attention_layernorm
         q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
                  x0 if i == 0 else None)  # fmt: skip
         o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
-        w_gu = mlp.gate_up_proj.weight
-        nw = norm2.weight if ho and not _cublas(mlp.gate_up_proj, "gate_up_silu", bs) else None
-        r, hand = _row(o.reshape(bs, -1), attn.o_proj, r, use_pdl, nw)
-        if _cublas(mlp.gate_up_proj, "gate_up_silu", bs):
-            a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
-        elif hand is not None:  # x = r * norm2.weight, the rows scaled by o_proj's 1 / RMS
-            a = gate_up_silu(hand[0], None, w_gu, norm2.eps, use_pdl=use_pdl, ssq=hand[1])
-        elif separate_norm("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
-            a = gate_up_silu(norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl)
-        else:
-            a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl)
-        nxt = (model.layers[i + 1].input_layernorm, model.layers[i + 1].self_attn.qkv_proj,
-               "qkv_rope") if i < last else (model.norm, model.lm_head, "lm_head")  # fmt: skip
-        nw = nxt[0].weight if ho and not _cublas(*nxt[1:], bs) else None
-        r, hand = _row(a, mlp.down_proj, r, use_pdl, nw)  # [bs, hidden]
+        r, hand = fused_mlp.mlp_half(model, i, o.reshape(bs, -1), r, ho, use_pdl)
     if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
         local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
                           torch.float32, use_pdl=use_pdl)  # fmt: skip
@@ -271,7 +231,7 @@ def fused_decode_step(
         if tokens_out is not None:
             _greedy(logits, tokens_out)
         return logits
-    if _cublas(model.lm_head, "lm_head", bs):  # norm, GEMM, argmax
+    if cublas(model.lm_head, "lm_head", bs):  # norm, GEMM, argmax
         return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out)
     x, nw, ssq = (r, model.norm.weight, None) if hand is None else (hand[0], None, hand[1])
     logits, _ = lm_head_argmax(

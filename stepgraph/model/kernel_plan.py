@@ -2,7 +2,8 @@
 the choices ``fused_decode_step`` makes, in its order, with the table entry behind each
 (``stepgraph info --model NAME``). A user sees what runs at their batch size, and which switch
 (``STEPGRAPH_REFERENCE_ROWS``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_NORM_HANDOFF``,
-``STEPGRAPH_SEPARATE_NORM``, ``STEPGRAPH_TMA``) would change it, without a GPU or the weights."""
+``STEPGRAPH_SEPARATE_NORM``, ``STEPGRAPH_TMA``, ``STEPGRAPH_MLP_BLOCK``) would change it,
+without a GPU or the weights."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..kernels.qkv_rope import qkv_tile
 from . import fused_decode as _fd
 from .config import ModelConfig
 from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
+from .fused_mlp import block_serves
 
 # the step's projections: table kernel and what the unfused pieces add beside cuBLAS
 PIECES = {
@@ -104,6 +106,8 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
             if _fd.no_pdl(*shapes["qkv"], b, elem_bytes):
                 path += ", no PDL (NO_PDL_BUCKETS)"
         half, ho = config.head_dim // 2, _fd.NORM_HANDOFF and b >= _fd.HANDOFF_MIN_BUCKET
+        if b > 1 and block_serves(b, *shapes["o_proj"], shapes["down"][1], elem_bytes, ho):
+            path += ", o_proj + gate-up + down in one launch (STEPGRAPH_MLP_BLOCK)"
         out.append((b, path, {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho)
                               for p in PIECES}))  # fmt: skip
     return out

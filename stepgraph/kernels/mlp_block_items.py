@@ -1,0 +1,185 @@
+"""The three kinds of item of ``mlp_block``'s persistent launch, each one tile of a projection
+and its epilogue: o_proj (``o_item``), gate-up (``gate_up_item``), down (``down_item``), and the
+K loop they share. The loops, the split-K reduce and the epilogues are the three kernels' own
+pieces (``gemv_tiles``, ``tma_tiles``, ``norm_handoff``), in the same order, so an item computes
+the bits its kernel's program computes; only the waits and signals are new (``block_sync``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import block_sync as bs
+from .gemv_tiles import mul_acc, splitk_reduce, x_tile
+from .norm_handoff import handoff_out, ssq_inv_rms
+from .tma_tiles import dot_t, l2_prefetch
+
+
+@triton.jit
+def _split(K, pid_k, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    # -> (k_lo, k_hi) of split pid_k: gemv_tiles.k_range's ranges, the split given
+    k_span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_span
+    return k_lo, tl.minimum(K, k_lo + k_span)
+
+
+@triton.jit
+def _k_loop(
+    w_desc, row1, row2, x_desc, w_ptr, stride_wn, offs_n, mask_n, x_ptr, stride_xm, M,
+    k_lo, k_hi,
+    TMA: tl.constexpr, PAIRED: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # tma_tiles.tma_loop (TMA 1, 2) and gemv_tiles.gemv_loop (0, tensor-core rows) on an x
+    # that needs no norm, with this loop's own pipeline depth. -> (acc1, acc2) [BLOCK_M,
+    # BLOCK_N] float32 (acc2 = acc1 unless PAIRED); row2: the second row set (PAIRED)
+    offs_k = tl.arange(0, BLOCK_K)
+    w1_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w2_ptrs = w1_ptrs + (row2 - row1).to(tl.int64) * stride_wn
+    if TMA == 1:
+        a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        a1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a2 = a1
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        if TMA:
+            w1 = w_desc.load([row1, k0])
+            w2 = w1
+            if PAIRED:
+                w2 = w_desc.load([row2, k0])
+        else:
+            mask_w = mask_n[:, None] & ((k0 + offs_k) < k_hi)[None, :]
+            w1 = tl.load(w1_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
+            w2 = w1
+            if PAIRED:
+                w2 = tl.load(w2_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
+        if TMA == 1:
+            x = x_desc.load([0, k0])
+            a1 = dot_t(a1, w1, x)
+            if PAIRED:
+                a2 = dot_t(a2, w2, x)
+        else:
+            x = x_tile(x_ptr, x_ptr, stride_xm, k0, M, k_hi, 1.0, False, BLOCK_M, BLOCK_K)
+            a1 = mul_acc(a1, w1, x, BLOCK_M)
+            if PAIRED:
+                a2 = mul_acc(a2, w2, x, BLOCK_M)
+    if TMA == 1:
+        a1 = tl.trans(a1)
+        a2 = tl.trans(a2)
+    if not PAIRED:
+        a2 = a1
+    return a1, a2
+
+
+@triton.jit
+def _residual_out(
+    acc, rows, offs_n, mask_n, tile, M, res_ptr, stride_rm, y_ptr, stride_ym,
+    nw_ptr, xw_ptr, ssq_ptr, stride_sm, HANDOFF: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # _norm_gemv_kernel's RESIDUAL epilogue: the projection rounded to the dtype, then
+    # proj + residual in the dtype; the handoff beside it (HANDOFF). Rows under `rows` only.
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = (offs_m < M) & (offs_m < rows)
+    mask = mask_m[:, None] & mask_n[None, :]
+    res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+    acc = acc.to(res.dtype).to(tl.float32) + res.to(tl.float32)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
+    if HANDOFF:
+        handoff_out(y, mask_m, mask_n, offs_n, tile, nw_ptr, xw_ptr, stride_ym, ssq_ptr,
+                    stride_sm, BLOCK_M)  # fmt: skip
+
+
+@triton.jit
+def o_item(
+    j, o_ptr, r_ptr, wo_ptr, wo_desc, o_desc, r1_ptr, xw1_ptr, ssq1_ptr, n2w_ptr, ws_ptr,
+    tickets, a_done, M, H, KA, stride_om, stride_rm, stride_hm, stride_wo, stride_s1,
+    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # o_proj's item j: r1 = r + o @ Wo.T and the handoff to gate-up's norm (xw1, ssq1)
+    tile = j // SPLIT
+    n0 = tile * BN
+    offs_n = n0 + tl.arange(0, BN)
+    k_lo, k_hi = _split(KA, j % SPLIT, SPLIT, BK)
+    acc, _ = _k_loop(wo_desc, n0, n0, o_desc, wo_ptr, stride_wo, offs_n, offs_n < H, o_ptr,
+                     stride_om, M, k_lo, k_hi, TMA, False, STAGES, BLOCK_M, BN, BK)  # fmt: skip
+    rows = BLOCK_M
+    if SPLIT > 1:
+        acc, _, rows = splitk_reduce(acc, acc, ws_ptr, tickets, tile, j % SPLIT, False, SPLIT,
+                                     BLOCK_M, BN)  # fmt: skip
+    _residual_out(acc, rows, offs_n, offs_n < H, tile, M, r_ptr, stride_rm, r1_ptr, stride_hm,
+                  n2w_ptr, xw1_ptr, ssq1_ptr, stride_s1, True, BLOCK_M)  # fmt: skip
+    bs.signal(a_done, rows)
+
+
+@triton.jit
+def gate_up_item(
+    j, wgu_ptr, wgu_desc, xw1_desc, xw1_ptr, ssq1_ptr, act_ptr, ws_ptr, tickets, a_done,
+    tiles_a, c_span, M, H, INTER, eps, stride_hm, stride_am, stride_wgu, stride_s1,
+    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+    STAGES: tl.constexpr, LINES: tl.constexpr, SSQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # gate-up's item j: a = silu(gate) * up of rmsnorm(r1), from the handoff, once every o_proj
+    # tile is done; then the count of the down split these columns feed
+    tile = j // SPLIT
+    n0 = tile * BN
+    offs_n = n0 + tl.arange(0, BN)
+    k_lo, k_hi = _split(H, j % SPLIT, SPLIT, BK)
+    l2_prefetch(wgu_ptr, stride_wgu, n0, INTER, k_lo, k_hi, BN, LINES)
+    l2_prefetch(wgu_ptr, stride_wgu, n0 + INTER, 2 * INTER, k_lo, k_hi, BN, LINES)
+    bs.wait_count(a_done, tiles_a, a_done - bs.COUNTERS, TMA == 1)
+    gate, up = _k_loop(wgu_desc, n0, n0 + INTER, xw1_desc, wgu_ptr, stride_wgu, offs_n,
+                       offs_n < INTER, xw1_ptr, stride_hm, M, k_lo, k_hi, TMA, True, STAGES,
+                       BLOCK_M, BN, BK)  # fmt: skip
+    scale = ssq_inv_rms(ssq1_ptr, stride_s1, M, tiles_a, H, eps, BLOCK_M, SSQ_PAD)
+    gate = gate * scale[:, None]
+    up = up * scale[:, None]
+    rows = BLOCK_M
+    if SPLIT > 1:
+        gate, up, rows = splitk_reduce(gate, up, ws_ptr, tickets, tile, j % SPLIT, True, SPLIT,
+                                       BLOCK_M, BN)  # fmt: skip
+    # -- SiLU(gate) * up, rounded at each step as _gate_up_silu_kernel does --
+    dtype = act_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask = ((offs_m < M) & (offs_m < rows))[:, None] & (offs_n < INTER)[None, :]
+    tl.store(act_ptr + offs_m[:, None] * stride_am + offs_n[None, :], (act * up).to(dtype),
+             mask=mask)  # fmt: skip
+    bs.signal(a_done + 1 + n0 // c_span, rows)
+
+
+@triton.jit
+def down_item(
+    j, wd_ptr, wd_desc, act_desc, act_ptr, r1_ptr, r2_ptr, xw2_ptr, ssq2_ptr, nnw_ptr, ws_ptr,
+    tickets, a_done, tiles_c, c_span, M, H, INTER, stride_hm, stride_am, stride_wd, stride_s2,
+    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+    STAGES: tl.constexpr, LINES: tl.constexpr, GATE_BN: tl.constexpr, SSQ_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # down's item j (split by split): r2 = r1 + a @ Wd.T (+ the handoff to the next norm), once
+    # the gate-up tiles of its K range are done
+    split = j // tiles_c
+    tile = j % tiles_c
+    n0 = tile * BN
+    offs_n = n0 + tl.arange(0, BN)
+    k_lo, k_hi = _split(INTER, split, SPLIT, BK)
+    l2_prefetch(wd_ptr, stride_wd, n0, H, k_lo, k_hi, BN, LINES)
+    cols = tl.maximum(tl.minimum(c_span, INTER - split * c_span), 0)
+    bs.wait_count(
+        a_done + 1 + split, (cols + GATE_BN - 1) // GATE_BN, a_done - bs.COUNTERS, TMA == 1
+    )
+    acc, _ = _k_loop(wd_desc, n0, n0, act_desc, wd_ptr, stride_wd, offs_n, offs_n < H, act_ptr,
+                     stride_am, M, k_lo, k_hi, TMA, False, STAGES, BLOCK_M, BN, BK)  # fmt: skip
+    rows = BLOCK_M
+    if SPLIT > 1:
+        acc, _, rows = splitk_reduce(acc, acc, ws_ptr, tickets, tile, split, False, SPLIT,
+                                     BLOCK_M, BN)  # fmt: skip
+    _residual_out(acc, rows, offs_n, offs_n < H, tile, M, r1_ptr, stride_hm, r2_ptr, stride_hm,
+                  nnw_ptr, xw2_ptr, ssq2_ptr, stride_s2, SSQ_OUT, BLOCK_M)  # fmt: skip
+
+
+__all__ = ["down_item", "gate_up_item", "o_item"]

@@ -1,0 +1,105 @@
+"""The fused step's second half of a layer: o_proj, gate-up, down, as three launches or as one
+persistent launch (``kernels/mlp_block``).
+
+    r = r + o_proj(o)        residual add in the GEMV epilogue (the norm handoff beside it)
+    a = gate_up_silu(r)      norm (or the handoff's), gate-up, SiLU * up
+    r = r + down(a)          residual add (the handoff to the next norm)
+
+``MLP_BLOCK`` (``STEPGRAPH_MLP_BLOCK=1``; off by default: not measured on a GPU yet) runs the
+three as ``mlp_block`` wherever the step takes the norm handoff into a fused gate-up (bucket 8
+on, unsharded) and the block can run the three kernels' tiles (``block_tiles``). Both ways
+compute the same bits (tests/test_mlp_block.py), and the choice is a function of the bucket,
+so eager, graph and exact agree.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..kernels.fused_act import silu_mul
+from ..kernels.gate_up_silu import gate_up_silu
+from ..kernels.mlp_block import block_tiles, mlp_block
+from ..kernels.norm_gemv import gemv_residual
+from ..kernels.proj_tiles import prefer_cublas, separate_norm
+from .parallel import RowParallelLinear
+
+MLP_BLOCK = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") == "1"
+
+
+def cublas(lin, kernel: str, bs: int) -> bool:
+    """Whether the step runs ``lin`` (a consumer of a norm) as norm + cuBLAS at ``bs`` rows."""
+    return prefer_cublas(kernel, bs, *lin.weight.shape, lin.weight.element_size())
+
+
+def row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl, next_norm=None):
+    """``(r + x @ W.T, handoff)`` in one launch; ``handoff`` is ``(r * next_norm, its sums of
+    squares)`` given the next norm's weight (``kernels/norm_handoff``, unsharded), else None.
+    A row-parallel shard: rank 0 adds the residual in the epilogue, the others project alone,
+    and the in-place all-reduce sums them, so every rank holds the same ``r + sum of the
+    partials`` (rounded once more than the reference path's ``r + all_reduce(partials)``: the
+    two agree within bf16 rounding, not bit for bit)."""
+    if type(proj) is not RowParallelLinear or proj.world_size == 1:
+        if next_norm is not None:
+            y, xw, ssq = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, next_norm=next_norm)
+            return y, (xw, ssq)
+        return gemv_residual(x, proj.weight, r, use_pdl=use_pdl), None
+    y = gemv_residual(x, proj.weight, r if dist.get_rank(proj.group) == 0 else None,
+                      use_pdl=use_pdl)  # fmt: skip
+    dist.all_reduce(y, group=proj.group)  # in place, on the stream: graph-capturable
+    return y, None
+
+
+def block_serves(bs: int, h: int, ka: int, inter: int, elem_bytes: int, ho: bool) -> bool:
+    """From the shapes alone (``o_proj`` ``[h, ka]``, down ``[h, inter]``): whether the second
+    half at ``bs`` rows runs as one ``mlp_block`` launch: ``MLP_BLOCK``, the norm handoff on
+    (``ho``), gate-up fused (not norm + cuBLAS), and the block's tiles valid."""
+    if not (MLP_BLOCK and ho) or prefer_cublas("gate_up_silu", bs, 2 * inter, h, elem_bytes):
+        return False
+    try:
+        block_tiles(bs, h, ka, inter, elem_bytes)
+    except ConfigError:
+        return False
+    return True
+
+
+def use_block(layer, bs: int, ho: bool) -> bool:
+    """``block_serves`` for ``layer``'s weights."""
+    o_w, d_w = layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight
+    return block_serves(bs, *o_w.shape, d_w.shape[1], o_w.element_size(), ho)
+
+
+def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl):
+    """Layer ``i``'s o_proj, gate-up and down on the attention's rows ``o`` ``[bs, heads *
+    head_dim]`` and the residual ``r``: ``(r, hand)``, ``hand`` the handoff to the next norm
+    (layer ``i + 1``'s, or the final one) where ``ho`` and its consumer is fused, else None."""
+    layer, bs = model.layers[i], r.shape[0]
+    attn, mlp, norm2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    if i < len(model.layers) - 1:
+        nxt = (model.layers[i + 1].input_layernorm, model.layers[i + 1].self_attn.qkv_proj,
+               "qkv_rope")  # fmt: skip
+    else:
+        nxt = (model.norm, model.lm_head, "lm_head")
+    nw_next = nxt[0].weight if ho and not cublas(*nxt[1:], bs) else None
+    w_gu = mlp.gate_up_proj.weight
+    if use_block(layer, bs, ho):
+        out = mlp_block(o, r, attn.o_proj.weight, norm2.weight, w_gu, norm2.eps,
+                        mlp.down_proj.weight, nw_next, use_pdl=use_pdl)  # fmt: skip
+        return (out, None) if nw_next is None else (out[0], out[1:])
+    nw = norm2.weight if ho and not cublas(mlp.gate_up_proj, "gate_up_silu", bs) else None
+    r, hand = row(o, attn.o_proj, r, use_pdl, nw)
+    if cublas(mlp.gate_up_proj, "gate_up_silu", bs):
+        a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
+    elif hand is not None:  # x = r * norm2.weight, the rows scaled by o_proj's 1 / RMS
+        a = gate_up_silu(hand[0], None, w_gu, norm2.eps, use_pdl=use_pdl, ssq=hand[1])
+    elif separate_norm("gate_up_silu", bs, *w_gu.shape, w_gu.element_size()):
+        a = gate_up_silu(norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl)
+    else:
+        a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl)
+    return row(a, mlp.down_proj, r, use_pdl, nw_next)
+
+
+__all__ = ["MLP_BLOCK", "block_serves", "cublas", "mlp_half", "row", "use_block"]

@@ -1,0 +1,230 @@
+"""``kernels/mlp_block`` on the CPU (Triton interpreter): o_proj, gate-up and down in one
+persistent launch compute the bits of the three launches they replace (``gemv_residual`` with
+the handoff, ``gate_up_silu`` on it, ``gemv_residual``), are close to a float64 reference,
+leave every counter of their sync area at zero (a graph replays the same buffers), refuse what
+they cannot run with a ConfigError, and serve the fused step behind ``STEPGRAPH_MLP_BLOCK``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stepgraph.errors import ConfigError
+from stepgraph.kernels import block_sync
+from stepgraph.kernels import mlp_block as mb
+from stepgraph.kernels.gate_up_silu import gate_up_silu
+from stepgraph.kernels.norm_gemv import gemv_residual
+from stepgraph.kernels.proj_tiles import Tile, splitk_workspace
+
+EPS = 1e-5
+# o_proj: KA 192 in two splits of 128 and 64 (two and one K chunks); gate-up: H in two splits of
+# four chunks; down: I in four splits of four chunks each, four gate-up tiles a split
+SPLITS = mb.BlockTiles(Tile(32, 64, 4, 1, 2), Tile(32, 32, 4, 3, 2), Tile(64, 32, 4, 5, 4))
+
+
+def tiles(tma: int) -> mb.BlockTiles:
+    """``SPLITS`` with the weights through TMA: o_proj's x from pointers (``tma`` 2), gate-up's
+    and down's x by descriptor too (``tma`` 1)."""
+    o, g, d = SPLITS.o, SPLITS.gate_up, SPLITS.down
+    return mb.BlockTiles(Tile(o.block_n, o.block_k, 4, 1, o.split_k, 2 if tma else 0),
+                         Tile(g.block_n, g.block_k, 4, 3, g.split_k, tma),
+                         Tile(d.block_n, d.block_k, 4, 5, d.split_k, tma))  # fmt: skip
+
+
+def weights(m, h, ka, inter, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+    return dict(
+        o=rnd(m, ka), r=rnd(m, h), wo=rnd(h, ka, scale=ka**-0.5), norm2_w=rnd(h).abs() + 0.5,
+        w_gu=rnd(2 * inter, h, scale=h**-0.5), wd=rnd(h, inter, scale=inter**-0.5),
+        next_norm=rnd(h).abs() + 0.5,
+    )  # fmt: skip
+
+
+def three_launches(w, t: mb.BlockTiles, next_norm=True):
+    """What the step runs without the block, with the block's tiles."""
+    r1, xw1, ssq1 = gemv_residual(w["o"], w["wo"], w["r"], next_norm=w["norm2_w"], blocks=t.o)
+    a = gate_up_silu(xw1, None, w["w_gu"], EPS, ssq=ssq1, blocks=t.gate_up)
+    nn = w["next_norm"] if next_norm else None
+    return gemv_residual(a, w["wd"], r1, next_norm=nn, blocks=t.down)
+
+
+def block(w, t=None, next_norm=True, **kw):
+    return mb.mlp_block(w["o"], w["r"], w["wo"], w["norm2_w"], w["w_gu"], EPS, w["wd"],
+                        w["next_norm"] if next_norm else None, tiles=t, **kw)  # fmt: skip
+
+
+def sync_area(device="cpu"):
+    return splitk_workspace(torch.device(device), 1, 1)[1]
+
+
+def poison_partials():
+    """NaN in every split-K partial: a read of one this launch did not write shows."""
+    splitk_workspace(torch.device("cpu"), 1, 1)[0].fill_(float("nan"))
+
+
+@pytest.mark.parametrize(
+    "dtype, m, h, inter, tma, programs",
+    [
+        (torch.float32, 2, 256, 512, 0, 1),
+        (torch.float32, 3, 240, 500, 0, 3),  # ragged: last tiles, splits and a short down split
+        (torch.float16, 17, 256, 512, 1, 4),  # M padded to 32; TMA, x by descriptor
+        (torch.float16, 64, 256, 512, 2, 2),  # M = 64; TMA weights, x from pointers
+        (torch.float16, 9, 256, 512, 0, 1000),  # more programs than items
+    ],
+)
+def test_block_computes_the_three_launches_bits(dtype, m, h, inter, tma, programs):
+    w = weights(m, h, 192, inter, dtype, seed=m)
+    t = tiles(tma)
+    want = three_launches(w, t)
+    poison_partials()
+    got = block(w, t, programs=programs)
+    for name, a, b in zip(("r2", "xw2", "ssq2"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+    assert int(sync_area()[: block_sync.sync_slots(1 + t.down.split_k)].abs().sum()) == 0
+
+
+def test_block_is_close_to_float64():
+    """Against the unfused math in float64 (not the kernels the block reuses)."""
+    w = weights(5, 256, 192, 512, torch.float32, seed=7)
+    r2 = block(w, SPLITS, next_norm=False)
+    d = {k: v.double() for k, v in w.items()}
+    r1 = d["r"] + d["o"] @ d["wo"].T
+    x = r1 * torch.rsqrt(r1.pow(2).mean(-1, keepdim=True) + EPS) * d["norm2_w"]
+    gate, up = (x @ d["w_gu"].T).chunk(2, dim=-1)
+    ref = r1 + (F.silu(gate) * up) @ d["wd"].T
+    assert ((r2.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_a_second_launch_sees_fresh_counters():
+    """Two launches on one sync area with different inputs: each equals its three launches
+    (a counter left behind would skip items or wait forever), without the handoff out too."""
+    for seed in (1, 2):
+        w = weights(6, 256, 192, 512, torch.float32, seed)
+        assert torch.equal(block(w, SPLITS, next_norm=False, programs=2),
+                           three_launches(w, SPLITS, next_norm=False))  # fmt: skip
+
+
+def test_stride_schedule(monkeypatch):
+    w = weights(4, 256, 192, 512, torch.float32, seed=3)
+    want = three_launches(w, SPLITS)
+    monkeypatch.setenv(mb.SCHEDULE_ENV, "stride")
+    got = block(w, SPLITS, programs=1)  # one program: its items in order, as the queue's
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ConfigError, match="resident"):  # the interpreter would wait forever
+        block(w, SPLITS, programs=2)
+    monkeypatch.setenv(mb.SCHEDULE_ENV, "static")
+    with pytest.raises(ConfigError, match="'queue' or 'stride'"):
+        block(w, SPLITS)
+
+
+@pytest.mark.parametrize("m, ok", [(1, False), (2, True), (64, True), (65, False)])
+def test_block_rows_at_their_limits(m, ok):
+    if ok:
+        assert mb.block_tiles(m, 2048, 2048, 8192).gate_up.block_n == 64  # the 1B's table
+    else:
+        with pytest.raises(ConfigError, match="2 to 64 rows"):
+            mb.block_tiles(m, 2048, 2048, 8192)
+
+
+def test_block_tiles_refusals(monkeypatch):
+    def table(o, g, d):
+        picks = {"gemv_residual": iter([o, d]), "gate_up_silu_normed": iter([g])}
+        monkeypatch.setattr(mb, "tile_for", lambda kernel, *a: next(picks[kernel]))
+
+    table(Tile(32, 64, 4), Tile(32, 32, 8), Tile(64, 32, 4))  # one launch, one warp count
+    with pytest.raises(ConfigError, match="one warp count"):
+        mb.block_tiles(4, 256, 256, 512)
+    table(Tile(32, 64, 4), Tile(48, 32, 4), Tile(64, 32, 4, 3, 4))  # 128 per split, 48 a tile
+    with pytest.raises(ConfigError, match="not a multiple"):
+        mb.block_tiles(4, 256, 256, 512)
+    table(Tile(32, 64, 4), Tile(64, 32, 4), Tile(64, 32, 4, 3, 2))  # 256 per split: fine
+    assert mb.block_tiles(4, 256, 256, 512).down.split_k == 2
+
+
+def test_bad_inputs_name_the_tensor():
+    w = weights(4, 256, 192, 512, torch.float32, seed=0)
+    with pytest.raises(ConfigError, match="wd must be"):
+        block({**w, "wd": w["wd"][:, :256]}, SPLITS)
+    with pytest.raises(ConfigError, match=r"w_gu must be .*torch.float32, got .*float16"):
+        block({**w, "w_gu": w["w_gu"].half()}, SPLITS)
+    with pytest.raises(ConfigError, match="o must be"):
+        block({**w, "o": w["o"].T.contiguous().T}, SPLITS)  # rows not contiguous
+
+
+def test_prefetch_lines(monkeypatch):
+    t = Tile(64, 128, 4, 5, 4, 1)  # down at the 1B: 64 rows x 2048 of K a split
+    assert mb.prefetch_lines(t, 8192, 2) == 32768 // 128
+    monkeypatch.setenv(mb.PREFETCH_ENV, "0")
+    assert mb.prefetch_lines(t, 8192, 2) == 0
+    monkeypatch.setenv(mb.PREFETCH_ENV, str(1 << 30))  # capped at the tile's whole range
+    assert mb.prefetch_lines(t, 8192, 2) == 64 * 2048 * 2 // 128
+    assert mb.prefetch_lines(t, 8192, 4) == 64 * 2048 * 4 // 128
+    monkeypatch.setenv(mb.PREFETCH_ENV, "200")  # one 128-byte line: a power of two below
+    assert mb.prefetch_lines(t, 8192, 2) == 1
+
+
+def test_check_fault_raises_once():
+    sync = torch.zeros(8, dtype=torch.int32)
+    block_sync.check_fault(sync, "x")  # nothing marked
+    sync[block_sync.FAULT] = 1
+    with pytest.raises(RuntimeError, match="would hang"):
+        block_sync.check_fault(sync, "x")
+    assert int(sync[block_sync.FAULT]) == 0
+
+
+@pytest.mark.parametrize("bs", [3, 17])
+def test_the_step_with_the_block_is_bit_for_bit_the_step_without(bs, monkeypatch):
+    """The fused step at the tiny preset, the norm handoff at every bucket above one: with
+    ``MLP_BLOCK`` every layer's second half is one ``mlp_block`` launch (a spy counts them), and
+    the logits, tokens and K/V equal those without it."""
+    from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
+    from stepgraph.model import fused_decode, fused_mlp
+
+    mr = build_model_runner("tiny", "cpu", torch.float32, max_bs=17, max_context=64)
+    fill_kv_random(mr)
+    monkeypatch.setattr(fused_decode, "REFERENCE_ROWS", range(0))
+    monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
+    monkeypatch.setattr(fused_decode, "HANDOFF_MIN_BUCKET", 2)
+    calls = []
+    monkeypatch.setattr(fused_mlp, "mlp_block", lambda *a, **k: calls.append(1) or
+                        mb.mlp_block(*a, **k))  # fmt: skip
+    batch, pages = decode_batch(mr, Point(bs, 40), seed=bs)
+    kv = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
+    kv0 = [c.clone() for c in kv]
+    runs = []
+    try:
+        for on in (False, True):
+            monkeypatch.setattr(fused_mlp, "MLP_BLOCK", on)
+            for c, c0 in zip(kv, kv0):
+                c.copy_(c0)
+            mr.attn_backend.init_forward_metadata(batch)
+            tokens = torch.full((bs,), -1, dtype=torch.int64)
+            logits = fused_decode.fused_decode_step(mr.model, mr.attn_backend, batch.input_ids,
+                                                    batch.positions, tokens_out=tokens)  # fmt: skip
+            runs.append((logits.clone(), tokens, [c.clone() for c in kv]))
+    finally:
+        for p in pages:
+            mr.kv_cache.release(p)
+    assert len(calls) == mr.config.num_layers  # the block ran once a layer, only when on
+    (l0, t0, kv_a), (l1, t1, kv_b) = runs
+    assert torch.equal(l0, l1) and torch.equal(t0, t1) and (t0 >= 0).all()
+    assert all(torch.equal(a, b) for a, b in zip(kv_a, kv_b))
+
+
+def test_the_plan_names_the_block(monkeypatch):
+    from stepgraph.model import fused_mlp, kernel_plan
+    from stepgraph.model.config import PRESETS
+
+    cfg = PRESETS["llama-3.2-1b"]
+    for on in (False, True):
+        monkeypatch.setattr(fused_mlp, "MLP_BLOCK", on)
+        paths = {b: p for b, p, _ in kernel_plan.kernel_plan(cfg)}
+        named = {b for b, p in paths.items() if "in one launch (STEPGRAPH_MLP_BLOCK)" in p}
+        # the handoff's buckets (8 on), where gate-up is fused at every one of them
+        assert named == ({b for b in paths if b >= 8} if on else set())
