@@ -2,10 +2,13 @@
 round, variant and batch size a graph captured at that bucket alone, its median ms per step
 (CUDA events after warm-up, as ``stepgraph bench`` times it), the fraction of the bandwidth
 floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the step's
-import-time flags are re-read after each is set.
+import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK`` among them).
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
         --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
+
+The last column compares each variant's logits with the first variant's on the same batch
+(bit for bit where the variant changes no arithmetic: PDL, schedules, the MLP block).
 
 Rounds interleave the variants, so a drift of the GPU over the run shows as a spread between
 rounds rather than as a difference between variants (bs 8 varies about 2% between calls).
@@ -29,7 +32,7 @@ from stepgraph.bench.workload import (
     kv_bytes,
     weight_bytes,
 )
-from stepgraph.model import fused_decode
+from stepgraph.model import fused_decode, fused_mlp
 from stepgraph.model.kernel_choice import buckets_env
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
@@ -59,6 +62,8 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     fused_decode.REFERENCE_ROWS = buckets_env(
         "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT
     )
+    fused_mlp.MLP_BLOCK = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") == "1"  # the rest of its
+    # switches (schedule, prefetch, programs) are read at each launch
 
 
 def main() -> None:
@@ -79,6 +84,8 @@ def main() -> None:
     saved: dict[str, str | None] = {}
     ms: dict[tuple[str, int], list[float]] = {}
     kernels: dict[tuple[str, int], float] = {}
+    logits_of: dict[int, torch.Tensor] = {}  # the first variant's logits at each bs
+    diff: dict[tuple[str, int], float] = {}  # each variant's max |logits - the first's|
     for _ in range(args.rounds):
         for name, env in variants:
             apply(env, saved)
@@ -92,13 +99,17 @@ def main() -> None:
                     ms.setdefault((name, bs), []).append(time_step(step, args.iters))
                     if (name, bs) not in kernels:
                         kernels[(name, bs)] = kernels_per_step(step)
+                        logits = step().float().clone()  # same batch: same K/V, same bits
+                        first = logits_of.setdefault(bs, logits)
+                        diff[(name, bs)] = (logits - first).abs().max().item()
                 finally:
                     runner.shutdown()
                     for p in pages:
                         mr.kv_cache.release(p)
     apply({}, saved)
     print(f"{args.model}, ctx {args.context}, graph, copy bandwidth {gbps:.0f} GB/s")
-    print(f"{'variant':<16}{'bs':>4}{'ms (each round)':>28}{'median':>9}{'floor':>7}{'kern':>6}")
+    print(f"{'variant':<16}{'bs':>4}{'ms (each round)':>28}{'median':>9}{'floor':>7}{'kern':>6}"
+          f"{'logits vs first':>17}")  # fmt: skip
     rows = []
     for name, _ in variants:
         for bs in sizes:
@@ -106,10 +117,12 @@ def main() -> None:
             floor = (wbytes + kv_bytes(mr, Point(bs, args.context))) / (gbps * 1e9) * 1e3
             med = statistics.median(t)
             each = " ".join(f"{x:.3f}" for x in t)
+            d = diff[(name, bs)]
+            same = "same bits" if d == 0 else f"max diff {d:.2e}"
             print(f"{name:<16}{bs:>4}{each:>28}{med:>9.3f}{floor / med:>7.0%}"
-                  f"{kernels[(name, bs)]:>6.0f}")  # fmt: skip
+                  f"{kernels[(name, bs)]:>6.0f}{same:>17}")  # fmt: skip
             rows.append(dict(variant=name, bs=bs, ms=t, median=med, of_floor=floor / med,
-                             kernels=kernels[(name, bs)]))  # fmt: skip
+                             kernels=kernels[(name, bs)], logits_max_diff=d))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, context=args.context, gbps=gbps, rows=rows), f)

@@ -6,6 +6,8 @@ they cannot run with a ConfigError, and serve the fused step behind ``STEPGRAPH_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,11 +77,12 @@ def poison_partials():
         (torch.float16, 17, 256, 512, 1, 4),  # M padded to 32; TMA, x by descriptor
         (torch.float16, 64, 256, 512, 2, 2),  # M = 64; TMA weights, x from pointers
         (torch.float16, 9, 256, 512, 0, 1000),  # more programs than items
+        (torch.float32, 5, 256, 512, -1, 3),  # gate-up without split-K, as the 1B's tiles
     ],
 )
 def test_block_computes_the_three_launches_bits(dtype, m, h, inter, tma, programs):
     w = weights(m, h, 192, inter, dtype, seed=m)
-    t = tiles(tma)
+    t = tiles(tma) if tma >= 0 else replace(SPLITS, gate_up=Tile(32, 32, 4, 3, 1))
     want = three_launches(w, t)
     poison_partials()
     got = block(w, t, programs=programs)
@@ -228,3 +231,18 @@ def test_the_plan_names_the_block(monkeypatch):
         named = {b for b, p in paths.items() if "in one launch (STEPGRAPH_MLP_BLOCK)" in p}
         # the handoff's buckets (8 on), where gate-up is fused at every one of them
         assert named == ({b for b in paths if b >= 8} if on else set())
+
+
+def test_the_grid(monkeypatch):
+    cpu = torch.device("cpu")
+    assert mb._programs(cpu, 512, None, False) == 2  # two "SMs" off CUDA
+    monkeypatch.setenv(mb.PER_SM_ENV, "3")
+    assert mb._programs(cpu, 512, None, False) == 6
+    assert mb._programs(cpu, 5, None, False) == 5  # at most one an item
+    assert mb._programs(cpu, 512, 1000, False) == 512
+    with pytest.raises(ConfigError, match="programs must be >= 1"):
+        mb._programs(cpu, 512, 0, False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # compiled: stride takes one a SM
+    assert mb._programs(cpu, 512, 2, True) == 2
+    with pytest.raises(ConfigError, match="resident"):
+        mb._programs(cpu, 512, 3, True)

@@ -39,6 +39,7 @@ from .proj_tiles import Tile, block_m, splitk_workspace, tile_for, tma_descripto
 PREFETCH_ENV = "STEPGRAPH_MLP_BLOCK_PREFETCH"  # bytes of L2 prefetch before a wait, per tile
 PREFETCH_BYTES = 32768
 SCHEDULE_ENV = "STEPGRAPH_MLP_BLOCK_SCHEDULE"  # "queue" (default) or "stride" (block_sync)
+PER_SM_ENV = "STEPGRAPH_MLP_BLOCK_PER_SM"  # programs a SM (default 1; the queue takes any)
 
 
 @triton.jit
@@ -67,8 +68,9 @@ def _mlp_block_kernel(
     total = n_ab + tiles_c * C_SPLIT
     a_done = sync_ptr + bs.COUNTERS  # o_proj tiles finished; then one counter per down split
     tickets = a_done + 1 + C_SPLIT  # split-K tickets: o_proj's, gate-up's, down's tiles
-    ws_b = ws_ptr + tiles_a * (A_SPLIT * BLOCK_M * A_BN)
-    ws_c = ws_b + tiles_b * (B_SPLIT * 2 * BLOCK_M * B_BN)
+    # split-K partials of the projections that split (mlp_block's `parts`), one after another
+    ws_b = ws_ptr + tiles_a * (A_SPLIT * BLOCK_M * A_BN) * (A_SPLIT > 1)
+    ws_c = ws_b + tiles_b * (B_SPLIT * 2 * BLOCK_M * B_BN) * (B_SPLIT > 1)
     c_span = tl.cdiv(tl.cdiv(INTER, C_SPLIT), C_BK) * C_BK  # down's K per split
     item = bs.first_item(sync_ptr, STRIDE)
     while item < total:  # items in dependency order: o_proj, gate-up, down (block_sync)
@@ -130,9 +132,13 @@ def block_tiles(m: int, h: int, ka: int, inter: int, elem_bytes: int = 2) -> Blo
 
 
 def _programs(device: torch.device, items: int, programs: int | None, stride: bool) -> int:
+    """The grid: ``programs``, else ``$STEPGRAPH_MLP_BLOCK_PER_SM`` (default 1) a SM (two SMs
+    off CUDA), at most one an item; the stride schedule's limit checked."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if (
         device.type == "cuda") else 2  # fmt: skip
-    p = min(items, sms if programs is None else programs)
+    if programs is None:
+        programs = sms * int(os.environ.get(PER_SM_ENV, "1"))
+    p = min(items, programs)
     if p < 1:
         raise ConfigError(f"mlp_block: programs must be >= 1, got {programs}")
     if stride and p > (1 if os.environ.get("TRITON_INTERPRET") == "1" else sms):
@@ -177,8 +183,9 @@ def mlp_block(
     ssq1 = new(tiles[0], torch.float32)
     xw2, ssq2 = (new(h), new(tiles[2], torch.float32)) if next_norm is not None else (r2, ssq1)
     bm = block_m(m)
-    elems = bm * (tiles[0] * a.split_k * a.block_n + tiles[1] * g.split_k * 2 * g.block_n
-                  + tiles[2] * d.split_k * d.block_n)  # fmt: skip
+    parts = [n * t.split_k * t.block_n * bm * (2 if t is g else 1) * (t.split_k > 1)
+             for n, t in zip(tiles, (a, g, d))]  # fmt: skip
+    elems = sum(parts)  # float32 split-K partials: the projections that split
     counters = 1 + d.split_k
     ws, sync = splitk_workspace(o.device, elems, bs.sync_slots(counters) + sum(tiles))
     stride = _stride()
@@ -221,4 +228,4 @@ def prefetch_lines(tile: Tile, k: int, elem_bytes: int) -> int:
     return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
 
 
-__all__ = ["BlockTiles", "PREFETCH_ENV", "SCHEDULE_ENV", "block_tiles", "mlp_block"]
+__all__ = ["BlockTiles", "PER_SM_ENV", "PREFETCH_ENV", "SCHEDULE_ENV", "block_tiles", "mlp_block"]
