@@ -13,8 +13,9 @@ smaller numbers. Two schedules hand them out:
   Deadlock-free only while all ``P`` programs are resident at once: compiled launches only, with
   ``P`` at most the SM count (``mlp_block`` checks it); the interpreter would wait forever.
 
-Memory order: a tile's writer stores, fences at gpu scope (every thread), syncs the CTA, then
-one thread bumps the counter with release semantics (``signal``). A waiter polls with volatile
+Memory order: a tile's writer stores, fences at gpu scope and between the generic and the async
+proxy (every thread), syncs the CTA, then one thread bumps the counter with release semantics
+(``signal``). A waiter polls with volatile
 loads (L2, no RMW traffic on the line), then fences at gpu scope (acquire) and, before TMA reads
 of what other programs wrote, fences between the generic and the async proxy (``wait_count``).
 """
@@ -85,8 +86,10 @@ def wait_count(counter_ptr, target, sync_ptr, TMA_AFTER: tl.constexpr):
 @triton.jit
 def signal(counter_ptr, rows):
     """Bump ``*counter_ptr`` once for this CTA when ``rows > 0`` (the program that finished the
-    tile: ``gemv_tiles.splitk_reduce``'s last one), after every thread's stores."""
+    tile: ``gemv_tiles.splitk_reduce``'s last one), after every thread's stores (fenced for the
+    async proxy too: dependents may read them by TMA)."""
     gpu_fence()
+    proxy_fence()
     tl.debug_barrier()
     tl.atomic_add(counter_ptr, 1, mask=rows > 0, sem="release", scope="gpu")
 
