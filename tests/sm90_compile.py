@@ -7,9 +7,10 @@ Triton's device queries with an H200's target, every launch is turned into Trito
 its Python over CPU tensors at Llama-3.2-1B's shapes (two layers) at bs 1, 8, 32 and 64, so
 each kernel variant the GPU would compile is compiled here, to PTX and a cubin (Triton ships
 ptxas); the MLP half as one persistent launch (both schedules), the attention's split +
-combine and its folded merge, the greedy tokens after a cuBLAS
-head, the prefill's extend attention and the graph-input kernel are launched directly. The
-interpreter takes what the GPU compiler refuses (a plain-int global, a type mismatch), so this
+combine and its folded merge, the greedy tokens after a cuBLAS head, the prefill's extend
+attention, the graph-input kernel and the reference path's GEMV and SiLU·mul are launched
+directly (the test checks that every kernel of the package is among them). The interpreter
+takes what the GPU compiler refuses (a plain-int global, a type mismatch), so this
 is the CPU tier's only check of that. Prints one JSON line.
 """
 
@@ -80,6 +81,8 @@ from stepgraph.kernels import mlp_block  # noqa: E402
 from stepgraph.kernels.argmax_rows import argmax_rows  # noqa: E402
 from stepgraph.kernels.decode_inputs import DecodeWorkspace  # noqa: E402
 from stepgraph.kernels.flash_decode import flash_decode  # noqa: E402
+from stepgraph.kernels.fused_act import silu_mul  # noqa: E402
+from stepgraph.kernels.gemv import gemv  # noqa: E402
 from stepgraph.model import ModelRunner, fused_decode, fused_mlp  # noqa: E402
 from stepgraph.runner.graph_inputs import fill_inputs  # noqa: E402
 from stepgraph.runner.input_buffers import GraphInputBuffers, pad_row  # noqa: E402
@@ -183,6 +186,15 @@ def main() -> dict:
         result["steps"]["inputs"] = _variants(since)
     except Exception as e:  # noqa: BLE001
         result["errors"]["inputs"] = f"{type(e).__name__}: {e}"[:600]
+    since = len(COMPILED)
+    try:  # the reference path's own kernels (bucket 2, `--kernels reference`): GEMV, SiLU·mul
+        x = torch.randn(2, 2048, generator=g).bfloat16()
+        gemv(x, torch.randn(3072, 2048, generator=g).bfloat16(),
+             torch.randn(3072, generator=g).bfloat16())  # fmt: skip
+        silu_mul(torch.randn(2, 16384, generator=g).bfloat16())
+        result["steps"]["reference kernels"] = _variants(since)
+    except Exception as e:  # noqa: BLE001
+        result["errors"]["reference kernels"] = f"{type(e).__name__}: {e}"[:600]
     try:
         _refused[(1,)](torch.zeros(1))
         result["refused"] = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -38,7 +39,8 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     assert result["errors"] == {}
     steps = result["steps"]
     assert set(steps) == {"1", "8", "32", "64", "attention fold=False", "attention fold=True",
-                          "greedy tokens", "prefill attention", "inputs", "mlp block"}  # fmt: skip
+                          "greedy tokens", "prefill attention", "inputs", "mlp block",
+                          "reference kernels"}  # fmt: skip
     variants = [v for vs in steps.values() for v in vs]
     assert variants and all(v["cubin"] for v in variants)
     names = {v["kernel"] for v in variants}
@@ -46,7 +48,7 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
         "_norm_gemv_kernel", "_qkv_rope_kernel", "_gate_up_silu_kernel", "_split_kv_kernel",
         "_combine_kernel", "_split_kv_fold_kernel", "_argmax_reduce_kernel", "_rope_kv_kernel",
         "_add_rmsnorm_kernel", "_fill_inputs_kernel", "_extend_kernel", "_argmax_part_kernel",
-        "_argmax_keys_kernel",
+        "_argmax_keys_kernel", "_mlp_block_kernel", "_gemv_kernel", "_silu_mul_kernel",
     }  # fmt: skip
     # the GPU's paths were the ones compiled: PDL at one row, TMA tiles from two rows
     assert any(v["pdl"] for v in steps["1"] if v["kernel"] == "_norm_gemv_kernel")
@@ -57,3 +59,12 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     block = [v for v in steps["mlp block"] if v["kernel"] == "_mlp_block_kernel"]
     assert len(block) == 3 and all(v["tma"] for v in block)
     assert [v["pdl"] for v in block] == [False, False, True]
+
+
+def test_every_kernel_of_the_package_is_compiled(result):
+    """Each ``@triton.jit`` kernel the package launches (``def _..._kernel``) is among those the
+    harness compiled: a new kernel needs a launch in ``tests/sm90_compile.py``."""
+    src = "\n".join(p.read_text() for p in (ROOT / "stepgraph").rglob("*.py"))
+    kernels = set(re.findall(r"^@triton\.jit(?:\(.*\))?\s*\ndef (_\w+_kernel)\(", src, re.M))
+    compiled = {v["kernel"] for vs in result["steps"].values() for v in vs}
+    assert len(kernels) >= 16 and kernels <= compiled, sorted(kernels - compiled)
