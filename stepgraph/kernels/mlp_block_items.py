@@ -12,7 +12,7 @@ import triton.language as tl
 
 from . import block_sync as bs
 from .gemv_tiles import mul_acc, splitk_reduce, x_tile
-from .norm_handoff import handoff_out, ssq_inv_rms
+from .norm_handoff import residual_out, ssq_inv_rms
 from .tma_tiles import dot_t, l2_prefetch
 
 
@@ -73,25 +73,6 @@ def _k_loop(
 
 
 @triton.jit
-def _residual_out(
-    acc, rows, offs_n, mask_n, tile, M, res_ptr, stride_rm, y_ptr, stride_ym,
-    nw_ptr, xw_ptr, ssq_ptr, stride_sm, HANDOFF: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    # _norm_gemv_kernel's RESIDUAL epilogue: the projection rounded to the dtype, then
-    # proj + residual in the dtype; the handoff beside it (HANDOFF). Rows under `rows` only.
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = (offs_m < M) & (offs_m < rows)
-    mask = mask_m[:, None] & mask_n[None, :]
-    res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-    acc = acc.to(res.dtype).to(tl.float32) + res.to(tl.float32)
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
-    if HANDOFF:
-        handoff_out(y, mask_m, mask_n, offs_n, tile, nw_ptr, xw_ptr, stride_ym, ssq_ptr,
-                    stride_sm, BLOCK_M)  # fmt: skip
-
-
-@triton.jit
 def o_item(
     j, o_ptr, r_ptr, wo_ptr, wo_desc, o_desc, r1_ptr, xw1_ptr, ssq1_ptr, n2w_ptr, ws_ptr,
     tickets, a_done, M, H, KA, stride_om, stride_rm, stride_hm, stride_wo, stride_s1,
@@ -109,8 +90,9 @@ def o_item(
     if SPLIT > 1:
         acc, _, rows = splitk_reduce(acc, acc, ws_ptr, tickets, tile, j % SPLIT, False, SPLIT,
                                      BLOCK_M, BN)  # fmt: skip
-    _residual_out(acc, rows, offs_n, offs_n < H, tile, M, r_ptr, stride_rm, r1_ptr, stride_hm,
-                  n2w_ptr, xw1_ptr, ssq1_ptr, stride_s1, True, BLOCK_M)  # fmt: skip
+    mask_m = (tl.arange(0, BLOCK_M) < M) & (tl.arange(0, BLOCK_M) < rows)
+    residual_out(acc, mask_m, offs_n < H, offs_n, tile, r_ptr, stride_rm, r1_ptr, stride_hm,
+                 n2w_ptr, xw1_ptr, stride_hm, ssq1_ptr, stride_s1, True, True, BLOCK_M)  # fmt: skip
     bs.signal(a_done, rows)
 
 
@@ -178,8 +160,10 @@ def down_item(
     if SPLIT > 1:
         acc, _, rows = splitk_reduce(acc, acc, ws_ptr, tickets, tile, split, False, SPLIT,
                                      BLOCK_M, BN)  # fmt: skip
-    _residual_out(acc, rows, offs_n, offs_n < H, tile, M, r1_ptr, stride_hm, r2_ptr, stride_hm,
-                  nnw_ptr, xw2_ptr, ssq2_ptr, stride_s2, SSQ_OUT, BLOCK_M)  # fmt: skip
+    mask_m = (tl.arange(0, BLOCK_M) < M) & (tl.arange(0, BLOCK_M) < rows)
+    residual_out(acc, mask_m, offs_n < H, offs_n, tile, r1_ptr, stride_hm, r2_ptr, stride_hm,
+                 nnw_ptr, xw2_ptr, stride_hm, ssq2_ptr, stride_s2, True, SSQ_OUT,
+                 BLOCK_M)  # fmt: skip
 
 
 __all__ = ["down_item", "gate_up_item", "o_item"]

@@ -26,7 +26,7 @@ from .gemv_tiles import (
     norm_block,
     splitk_reduce,
 )
-from .norm_handoff import check_handoff, handoff_out, ssq_args
+from .norm_handoff import check_handoff, residual_out, ssq_args
 from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
@@ -77,16 +77,9 @@ def _norm_gemv_kernel(
         mask_m = mask_m & (offs_m < rows)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if RESIDUAL:
-        # -- the projection rounded to the dtype, then `proj + residual` in the dtype --
-        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-        acc = acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
-    if SSQ_OUT:
-        handoff_out(y, mask_m, mask_n, offs_n, pid_n, norm_w_ptr, xw_ptr, stride_xw, ssq_ptr,
-                    stride_sm, BLOCK_M)  # fmt: skip
+    y = residual_out(acc, mask_m, mask_n, offs_n, pid_n, res_ptr, stride_rm, y_ptr, stride_ym,
+                     norm_w_ptr, xw_ptr, stride_xw, ssq_ptr, stride_sm, RESIDUAL, SSQ_OUT,
+                     BLOCK_M)  # fmt: skip
     if ARGMAX:
         # -- over the values as stored (float32 logits: the same), masked columns at -inf --
         vals = tl.where(mask_n[None, :], y.to(tl.float32), float("-inf"))

@@ -64,6 +64,29 @@ def handoff_out(
     tl.store(xw_ptr + offs_m[:, None] * stride_xw + offs_n[None, :], xw, mask=mask)
 
 
+@triton.jit
+def residual_out(
+    acc, mask_m, mask_n, offs_n, pid_n, res_ptr, stride_rm, y_ptr, stride_ym,
+    nw_ptr, xw_ptr, stride_xw, ssq_ptr, stride_sm,
+    RESIDUAL: tl.constexpr, SSQ_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # The projections' epilogue: acc [BLOCK_M, BLOCK_N] float32 (+ residual when RESIDUAL: the
+    # projection rounded to the dtype, then proj + residual in the dtype, as `x + residual`),
+    # stored to y under the masks; with SSQ_OUT the handoff beside it (handoff_out). -> y as
+    # stored, in y's dtype
+    offs_m = tl.arange(0, BLOCK_M)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        acc = acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
+    if SSQ_OUT:
+        handoff_out(y, mask_m, mask_n, offs_n, pid_n, nw_ptr, xw_ptr, stride_xw, ssq_ptr,
+                    stride_sm, BLOCK_M)  # fmt: skip
+    return y
+
+
 def ssq_args(ssq: torch.Tensor | None, m: int, fallback: torch.Tensor) -> tuple:
     """``(tensor, row stride, parts, SSQ_PAD)`` of a consumer's sums of squares ``ssq``
     (``[>= m, parts]`` float32, what ``gemv_residual(..., next_norm=w)`` returned with x), or
@@ -95,4 +118,4 @@ def check_handoff(norm_w, ssq, kernel: str, need_norm: bool = False) -> None:
         raise ConfigError(f"{kernel}: needs norm_w (the RMSNorm weight) or ssq (norm_handoff)")
 
 
-__all__ = ["check_handoff", "handoff_out", "ssq_args", "ssq_inv_rms"]
+__all__ = ["check_handoff", "handoff_out", "residual_out", "ssq_args", "ssq_inv_rms"]
