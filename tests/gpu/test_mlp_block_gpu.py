@@ -11,6 +11,11 @@ only here do its waits and signals meet real concurrency.
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -28,6 +33,21 @@ DEV = "cuda"
 EPS = 1e-5
 H, INTER = 2048, 8192
 BF16 = 2e-2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_hang():
+    """Every launch below, first in a child process under a timeout (``mlp_block_smoke.py``):
+    a wait that no signal meets hangs the GPU; here it fails this module instead of the tier."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    smoke = pathlib.Path(__file__).with_name("mlp_block_smoke.py")
+    try:
+        proc = subprocess.run([sys.executable, str(smoke)], capture_output=True, text=True,
+                              timeout=180, env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mlp_block hung (killed after 180 s); done before: {e.stdout!r}")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 def weights(m, seed):
