@@ -42,6 +42,51 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 
 @triton.jit
+def rope_kv_out(
+    acc1, acc2, mask_m, head, d, mask_n, bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_cos, stride_slot,
+    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # The epilogue of a qkv tile: acc1, acc2 [BLOCK_M, BLOCK_D] float32, the products of head
+    # `head`'s rows d and d + HALF (+ bias), rounded to the dtype; value heads copied into the
+    # cache at each row's slot, query and key heads rotated (rotate-half RoPE at each row's
+    # position) into q_out and the key cache. Rows under mask_m, columns under mask_n.
+    offs_m = tl.arange(0, BLOCK_M)
+    rows1 = head * HEAD_DIM + d
+    if HAS_BIAS:
+        acc1 += tl.load(bias_ptr + rows1, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(bias_ptr + rows1 + HALF, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    dtype = q_out_ptr.dtype.element_ty
+    x1 = acc1.to(dtype)  # the projection as the unfused path stores it
+    x2 = acc2.to(dtype)
+    slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if head >= N_HEADS + N_KV:  # -- value head: copy into the cache --
+        dst = v_cache_ptr + slot[:, None] * stride_slot + (head - N_HEADS - N_KV) * HEAD_DIM
+        tl.store(dst + d[None, :], x1, mask=mask)
+        tl.store(dst + HALF + d[None, :], x2, mask=mask)
+    else:  # -- query or key head: rotate-half RoPE at each row's position --
+        pos = tl.load(positions_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        trig = pos[:, None] * stride_cos + d[None, :]  # [BLOCK_M, BLOCK_D]
+        c1 = tl.load(cos_ptr + trig, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + trig + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + trig, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + trig + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = (x1f * c1 - x2f * s1).to(dtype)  # rotated = cat(-x2, x1)
+        o2 = (x2f * c2 + x1f * s2).to(dtype)
+        if head < N_HEADS:
+            dst = q_out_ptr + offs_m[:, None] * stride_qm + head * HEAD_DIM
+            tl.store(dst + d[None, :], o1, mask=mask)
+            tl.store(dst + HALF + d[None, :], o2, mask=mask)
+        else:
+            dst = k_cache_ptr + slot[:, None] * stride_slot + (head - N_HEADS) * HEAD_DIM
+            tl.store(dst + d[None, :], o1, mask=mask)
+            tl.store(dst + HALF + d[None, :], o2, mask=mask)
+
+
+@triton.jit
 def _qkv_rope_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
     q_out_ptr, k_cache_ptr, v_cache_ptr, ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr,
@@ -84,36 +129,9 @@ def _qkv_rope_kernel(
             acc1, acc2, ws_ptr, ticket_ptr, pid, pid_k, True, SPLIT_K, BLOCK_M, BLOCK_D
         )
         mask_m = mask_m & (offs_m < rows)
-    if HAS_BIAS:
-        acc1 += tl.load(bias_ptr + rows1, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        acc2 += tl.load(bias_ptr + rows1 + HALF, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    dtype = q_out_ptr.dtype.element_ty
-    x1 = acc1.to(dtype)  # the projection as the unfused path stores it
-    x2 = acc2.to(dtype)
-    slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if head >= N_HEADS + N_KV:  # -- value head: copy into the cache --
-        dst = v_cache_ptr + slot[:, None] * stride_slot + (head - N_HEADS - N_KV) * HEAD_DIM
-        tl.store(dst + d[None, :], x1, mask=mask)
-        tl.store(dst + HALF + d[None, :], x2, mask=mask)
-    else:  # -- query or key head: rotate-half RoPE at each row's position --
-        pos = tl.load(positions_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        trig = pos[:, None] * stride_cos + d[None, :]  # [BLOCK_M, BLOCK_D]
-        c1 = tl.load(cos_ptr + trig, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + trig + HALF, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + trig, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + trig + HALF, mask=mask, other=0.0).to(tl.float32)
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        o1 = (x1f * c1 - x2f * s1).to(dtype)  # rotated = cat(-x2, x1)
-        o2 = (x2f * c2 + x1f * s2).to(dtype)
-        if head < N_HEADS:
-            dst = q_out_ptr + offs_m[:, None] * stride_qm + head * HEAD_DIM
-            tl.store(dst + d[None, :], o1, mask=mask)
-            tl.store(dst + HALF + d[None, :], o2, mask=mask)
-        else:
-            dst = k_cache_ptr + slot[:, None] * stride_slot + (head - N_HEADS) * HEAD_DIM
-            tl.store(dst + d[None, :], o1, mask=mask)
-            tl.store(dst + HALF + d[None, :], o2, mask=mask)
+    rope_kv_out(acc1, acc2, mask_m, head, d, mask_n, bias_ptr, positions_ptr, slots_ptr, cos_ptr,
+                sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_cos,
+                stride_slot, N_HEADS, N_KV, HEAD_DIM, HALF, HAS_BIAS, BLOCK_M)  # fmt: skip
 
 
 def qkv_tile(norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2) -> Tile:
