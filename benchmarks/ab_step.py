@@ -62,8 +62,9 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     fused_decode.REFERENCE_ROWS = buckets_env(
         "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT
     )
-    fused_mlp.MLP_BLOCK = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") == "1"  # the rest of its
-    # switches (schedule, prefetch, programs) are read at each launch
+    block = os.environ.get("STEPGRAPH_MLP_BLOCK", "0")  # its other switches (schedule,
+    fused_mlp.MLP_BLOCK = block in ("1", "qkv")  # prefetch, programs): read at each launch
+    fused_mlp.BLOCK_QKV = block == "qkv"
 
 
 def main() -> None:

@@ -125,17 +125,21 @@ def main() -> dict:
             result["errors"][f"step bs {bs}"] = f"{type(e).__name__}: {e}"[:600]
         for p in pages:
             mr.kv_cache.release(p)
-    # the MLP half in one persistent launch (STEPGRAPH_MLP_BLOCK=1): the step at bs 8, and the
-    # block alone at 64 rows on the stride schedule
+    # the MLP half in one persistent launch (STEPGRAPH_MLP_BLOCK=1, =qkv): the step at bs 8
+    # without and with the next layer's qkv in the block, and the block alone at 64 rows on
+    # the stride schedule
     since = len(COMPILED)
     try:
         fused_mlp.MLP_BLOCK = True
-        batch, pages = decode_batch(mr, Point(8, 500))
-        backend.init_forward_metadata(batch)
-        fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions,
-                                       tokens_out=torch.empty(8, dtype=torch.int64))  # fmt: skip
-        for p in pages:
-            mr.kv_cache.release(p)
+        for qkv in (False, True):  # the block, then with the next layer's qkv in it
+            fused_mlp.BLOCK_QKV = qkv
+            batch, pages = decode_batch(mr, Point(8, 500))
+            backend.init_forward_metadata(batch)
+            tokens = torch.empty(8, dtype=torch.int64)
+            fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions,
+                                           tokens_out=tokens)  # fmt: skip
+            for p in pages:
+                mr.kv_cache.release(p)
         os.environ[mlp_block.SCHEDULE_ENV] = "stride"
         layer = mr.model.layers[0]
         w = [layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
@@ -146,7 +150,7 @@ def main() -> dict:
     except Exception as e:  # noqa: BLE001
         result["errors"]["mlp block"] = f"{type(e).__name__}: {e}"[:600]
     finally:
-        fused_mlp.MLP_BLOCK = False
+        fused_mlp.MLP_BLOCK = fused_mlp.BLOCK_QKV = False
         os.environ.pop(mlp_block.SCHEDULE_ENV, None)
     # the attention's two-kernel path and its folded merge (what bs 8 takes on the H200)
     g = torch.Generator().manual_seed(0)

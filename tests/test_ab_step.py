@@ -37,16 +37,18 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS"):  # restored after the test
         monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))
     monkeypatch.setattr(fused_mlp, "MLP_BLOCK", fused_mlp.MLP_BLOCK)
+    monkeypatch.setattr(fused_mlp, "BLOCK_QKV", fused_mlp.BLOCK_QKV)
     saved: dict = {}
     ab.apply({"STEPGRAPH_NO_PDL_BUCKETS": "2-64", "STEPGRAPH_NORM_HANDOFF": "0",
-              "STEPGRAPH_MLP_BLOCK": "1"}, saved)  # fmt: skip
+              "STEPGRAPH_MLP_BLOCK": "qkv"}, saved)  # fmt: skip
     assert fused_decode.NO_PDL_ENV == range(2, 65) and fused_decode.NORM_HANDOFF is False
-    assert fused_mlp.MLP_BLOCK is True
+    assert fused_mlp.MLP_BLOCK is True and fused_mlp.BLOCK_QKV is True
     ab.apply({"STEPGRAPH_REFERENCE_ROWS": "none"}, saved)  # the next variant: the first undone
     assert "STEPGRAPH_NO_PDL_BUCKETS" not in os.environ
     assert os.environ["STEPGRAPH_NORM_HANDOFF"] == "1"
     assert fused_decode.NO_PDL_ENV is None and fused_decode.NORM_HANDOFF is True
     assert fused_decode.REFERENCE_ROWS == range(0) and fused_mlp.MLP_BLOCK is False
+    assert fused_mlp.BLOCK_QKV is False
     ab.apply({}, saved)  # the end of the run: the original environment
     assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ
     assert fused_decode.REFERENCE_ROWS == range(2, 3)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from stepgraph.errors import ConfigError
 from stepgraph.kernels import block_sync
 from stepgraph.kernels import mlp_block as mb
+from stepgraph.kernels import mlp_block_plan as plan
 from stepgraph.kernels.gate_up_silu import gate_up_silu
 from stepgraph.kernels.norm_gemv import gemv_residual
 from stepgraph.kernels.proj_tiles import Tile, splitk_workspace
@@ -138,7 +139,7 @@ def test_block_rows_at_their_limits(m, ok):
 def test_block_tiles_refusals(monkeypatch):
     def table(o, g, d):
         picks = {"gemv_residual": iter([o, d]), "gate_up_silu_normed": iter([g])}
-        monkeypatch.setattr(mb, "tile_for", lambda kernel, *a: next(picks[kernel]))
+        monkeypatch.setattr(plan, "tile_for", lambda kernel, *a: next(picks[kernel]))
 
     table(Tile(32, 64, 4), Tile(32, 32, 8), Tile(64, 32, 4))  # one launch, one warp count
     with pytest.raises(ConfigError, match="one warp count"):
@@ -181,11 +182,13 @@ def test_check_fault_raises_once():
     assert int(sync[block_sync.FAULT]) == 0
 
 
+@pytest.mark.parametrize("with_qkv", [False, True])
 @pytest.mark.parametrize("bs", [3, 17])
-def test_the_step_with_the_block_is_bit_for_bit_the_step_without(bs, monkeypatch):
+def test_the_step_with_the_block_is_bit_for_bit_the_step_without(bs, with_qkv, monkeypatch):
     """The fused step at the tiny preset, the norm handoff at every bucket above one: with
-    ``MLP_BLOCK`` every layer's second half is one ``mlp_block`` launch (a spy counts them), and
-    the logits, tokens and K/V equal those without it."""
+    ``MLP_BLOCK`` every layer's second half is one ``mlp_block`` launch (a spy counts them; with
+    ``BLOCK_QKV`` every one but the last runs the next layer's qkv too), and the logits, tokens
+    and K/V equal those without it."""
     from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
     from stepgraph.model import fused_decode, fused_mlp
 
@@ -194,9 +197,10 @@ def test_the_step_with_the_block_is_bit_for_bit_the_step_without(bs, monkeypatch
     monkeypatch.setattr(fused_decode, "REFERENCE_ROWS", range(0))
     monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
     monkeypatch.setattr(fused_decode, "HANDOFF_MIN_BUCKET", 2)
+    monkeypatch.setattr(fused_mlp, "BLOCK_QKV", with_qkv)
     calls = []
-    monkeypatch.setattr(fused_mlp, "mlp_block", lambda *a, **k: calls.append(1) or
-                        mb.mlp_block(*a, **k))  # fmt: skip
+    monkeypatch.setattr(fused_mlp, "mlp_block", lambda *a, **k: calls.append(k["qkv"] is not None)
+                        or mb.mlp_block(*a, **k))  # fmt: skip
     batch, pages = decode_batch(mr, Point(bs, 40), seed=bs)
     kv = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
     kv0 = [c.clone() for c in kv]
@@ -214,7 +218,8 @@ def test_the_step_with_the_block_is_bit_for_bit_the_step_without(bs, monkeypatch
     finally:
         for p in pages:
             mr.kv_cache.release(p)
-    assert len(calls) == mr.config.num_layers  # the block ran once a layer, only when on
+    layers = mr.config.num_layers  # the block ran once a layer, only when on
+    assert calls == [with_qkv] * (layers - 1) + [False]
     (l0, t0, kv_a), (l1, t1, kv_b) = runs
     assert torch.equal(l0, l1) and torch.equal(t0, t1) and (t0 >= 0).all()
     assert all(torch.equal(a, b) for a, b in zip(kv_a, kv_b))
@@ -227,22 +232,103 @@ def test_the_plan_names_the_block(monkeypatch):
     cfg = PRESETS["llama-3.2-1b"]
     for on in (False, True):
         monkeypatch.setattr(fused_mlp, "MLP_BLOCK", on)
+        monkeypatch.setattr(fused_mlp, "BLOCK_QKV", on)
         paths = {b: p for b, p, _ in kernel_plan.kernel_plan(cfg)}
         named = {b for b, p in paths.items() if "in one launch (STEPGRAPH_MLP_BLOCK)" in p}
         # the handoff's buckets (8 on), where gate-up is fused at every one of them
         assert named == ({b for b in paths if b >= 8} if on else set())
+        # the next qkv where it is fused (qkv takes cuBLAS at 17-64 rows)
+        qkv = {b for b, p in paths.items() if "with the next layer's qkv" in p}
+        assert qkv == ({b for b in paths if 8 <= b <= 16} if on else set())
 
 
 def test_the_grid(monkeypatch):
     cpu = torch.device("cpu")
-    assert mb._programs(cpu, 512, None, False) == 2  # two "SMs" off CUDA
+    assert plan.grid_size(cpu, 512, None, False) == 2  # two "SMs" off CUDA
     monkeypatch.setenv(mb.PER_SM_ENV, "3")
-    assert mb._programs(cpu, 512, None, False) == 6
-    assert mb._programs(cpu, 5, None, False) == 5  # at most one an item
-    assert mb._programs(cpu, 512, 1000, False) == 512
+    assert plan.grid_size(cpu, 512, None, False) == 6
+    assert plan.grid_size(cpu, 5, None, False) == 5  # at most one an item
+    assert plan.grid_size(cpu, 512, 1000, False) == 512
     with pytest.raises(ConfigError, match="programs must be >= 1"):
-        mb._programs(cpu, 512, 0, False)
+        plan.grid_size(cpu, 512, 0, False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # compiled: stride takes one a SM
-    assert mb._programs(cpu, 512, 2, True) == 2
+    assert plan.grid_size(cpu, 512, 2, True) == 2
     with pytest.raises(ConfigError, match="resident"):
-        mb._programs(cpu, 512, 3, True)
+        plan.grid_size(cpu, 512, 3, True)
+
+
+def next_qkv(m, h, dtype, seed, bias: bool):
+    """The next layer's qkv inputs at 4 query and 2 key/value heads of 64 (HALF 32), caches of
+    random contents, distinct slots."""
+    g = torch.Generator().manual_seed(seed)
+    n_heads, n_kv, hd = 4, 2, 64
+    rows = (n_heads + 2 * n_kv) * hd
+    ang = torch.rand(64, hd // 2, generator=g) * 6.0
+    cos, sin = (torch.cat([f(ang)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    caches = [torch.randn(5, 16, n_kv, hd, generator=g).to(dtype) for _ in range(2)]
+    return plan.NextQkv(
+        weight=(torch.randn(rows, h, generator=g) * h**-0.5).to(dtype),
+        bias=torch.randn(rows, generator=g).to(dtype) if bias else None, eps=1e-6,
+        positions=torch.randint(0, 64, (m,), generator=g), cos=cos, sin=sin,
+        k_cache=caches[0], v_cache=caches[1], slots=torch.randperm(80, generator=g)[:m],
+        n_heads=n_heads,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype, m, qkv_tile, bias, tma",
+    [
+        (torch.float32, 3, Tile(16, 32, 4, 3, 2), True, 0),  # two tiles a head's half, split-K
+        (torch.float16, 17, Tile(64, 64, 4, 3, 1), False, 0),  # BLOCK_D above the half: masked
+        (torch.float16, 9, Tile(32, 32, 4, 3, 4, 1), True, 1),  # TMA, x by descriptor
+    ],
+)
+def test_the_next_qkv_in_the_block_is_qkv_rope(dtype, m, qkv_tile, bias, tma):
+    """The block with the next layer's qkv computes what the block and then ``qkv_rope`` on its
+    handoff compute: q, the K/V written into both caches, and r2 with the handoff."""
+    from stepgraph.kernels.qkv_rope import qkv_rope
+
+    w = weights(m, 256, 192, 512, dtype, seed=m)
+    t = replace(tiles(tma), qkv=qkv_tile)
+    nq = next_qkv(m, 256, dtype, seed=m, bias=bias)
+    ref_caches = [c.clone() for c in (nq.k_cache, nq.v_cache)]
+    want = block(w, t)
+    q_want = qkv_rope(want[1], None, nq.weight, nq.bias, nq.eps, nq.positions, nq.cos, nq.sin,
+                      *ref_caches, nq.slots, nq.n_heads, ssq=want[2], blocks=qkv_tile)  # fmt: skip
+    poison_partials()
+    got = block(w, t, qkv=nq, programs=3)
+    assert len(got) == 4
+    for name, a, b in zip(("r2", "xw2", "ssq2", "q"), got, (*want, q_want)):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+    assert torch.equal(nq.k_cache, ref_caches[0]) and torch.equal(nq.v_cache, ref_caches[1])
+    n = block_sync.sync_slots(1 + t.down.split_k + 1)
+    assert int(sync_area()[:n].abs().sum()) == 0
+
+
+def test_the_next_qkv_needs_its_norm_and_its_shape():
+    w = weights(4, 256, 192, 512, torch.float32, seed=0)
+    nq = next_qkv(4, 256, torch.float32, seed=0, bias=False)
+    with pytest.raises(ConfigError, match="qkv needs next_norm"):
+        mb.mlp_block(w["o"], w["r"], w["wo"], w["norm2_w"], w["w_gu"], EPS, w["wd"], qkv=nq)
+    with pytest.raises(ConfigError, match="qkv.weight must be"):
+        block(w, replace(SPLITS, qkv=Tile(16, 32, 4)), qkv=replace(nq, weight=nq.weight[:, :128]))
+    with pytest.raises(ConfigError, match="block_n >= 16"):  # tensor cores: the kernels' check
+        block(w, replace(SPLITS, qkv=Tile(8, 32, 4)), qkv=nq)
+    with pytest.raises(ConfigError, match="BLOCK_D must be a power of two"):
+        plan.block_tiles(4, 256, 256, 512, 2, qkv=(256, 24))  # the rule's 16 does not divide 24
+
+
+def test_maxnreg_switch(monkeypatch):
+    monkeypatch.delenv(plan.MAXNREG_ENV, raising=False)
+    assert plan.launch_extra() == {}
+    monkeypatch.setenv(plan.MAXNREG_ENV, "224")
+    assert plan.launch_extra() == {}  # the interpreter has no registers to cap
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert plan.launch_extra() == {"maxnreg": 224}
+    for bad in ("23", "256", "many"):  # one past each end, and not a number
+        monkeypatch.setenv(plan.MAXNREG_ENV, bad)
+        with pytest.raises(ConfigError, match="register count in 24-255"):
+            plan.launch_extra()
+    for edge in (24, 255):  # at each end
+        monkeypatch.setenv(plan.MAXNREG_ENV, str(edge))
+        assert plan.launch_extra() == {"maxnreg": edge}

@@ -1,8 +1,9 @@
-"""The three kinds of item of ``mlp_block``'s persistent launch, each one tile of a projection
-and its epilogue: o_proj (``o_item``), gate-up (``gate_up_item``), down (``down_item``), and the
-K loop they share. The loops, the split-K reduce and the epilogues are the three kernels' own
-pieces (``gemv_tiles``, ``tma_tiles``, ``norm_handoff``), in the same order, so an item computes
-the bits its kernel's program computes; only the waits and signals are new (``block_sync``).
+"""The kinds of item of ``mlp_block``'s persistent launch, each one tile of a projection and its
+epilogue: o_proj (``o_item``), gate-up (``gate_up_item``), down (``down_item``), the next
+layer's qkv (``qkv_item``), and the K loop they share. The loops, the split-K reduce and the
+epilogues are the kernels' own pieces (``gemv_tiles``, ``tma_tiles``, ``norm_handoff``,
+``qkv_rope.rope_kv_out``), in the same order, so an item computes the bits its kernel's program
+computes; only the waits and signals are new (``block_sync``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import triton.language as tl
 from . import block_sync as bs
 from .gemv_tiles import mul_acc, splitk_reduce, x_tile
 from .norm_handoff import residual_out, ssq_inv_rms
+from .qkv_rope import rope_kv_out
 from .tma_tiles import dot_t, l2_prefetch
 
 
@@ -140,10 +142,11 @@ def down_item(
     tickets, a_done, tiles_c, c_span, M, H, INTER, stride_hm, stride_am, stride_wd, stride_s2,
     BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
     STAGES: tl.constexpr, LINES: tl.constexpr, GATE_BN: tl.constexpr, SSQ_OUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    QKV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     # down's item j (split by split): r2 = r1 + a @ Wd.T (+ the handoff to the next norm), once
-    # the gate-up tiles of its K range are done
+    # the gate-up tiles of its K range are done; with QKV the count of down tiles done (after
+    # the counters of the splits) for the next layer's qkv
     split = j // tiles_c
     tile = j % tiles_c
     n0 = tile * BN
@@ -164,6 +167,46 @@ def down_item(
     residual_out(acc, mask_m, offs_n < H, offs_n, tile, r1_ptr, stride_hm, r2_ptr, stride_hm,
                  nnw_ptr, xw2_ptr, stride_hm, ssq2_ptr, stride_s2, True, SSQ_OUT,
                  BLOCK_M)  # fmt: skip
+    if QKV:
+        bs.signal(a_done + 1 + SPLIT, rows)
 
 
-__all__ = ["down_item", "gate_up_item", "o_item"]
+@triton.jit
+def qkv_item(
+    j, wq_ptr, wq_desc, xw2_desc, xw2_ptr, ssq2_ptr, ws_ptr, tickets, c_done, tiles_c,
+    bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    M, H, eps, stride_hm, stride_wq, stride_s2, stride_qm, stride_cos, stride_slot,
+    BD: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+    STAGES: tl.constexpr, LINES: tl.constexpr, SSQ_PAD: tl.constexpr,
+    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # the next layer's qkv, item j: _qkv_rope_kernel's program (tile j // SPLIT, split j %
+    # SPLIT) on down's handoff (xw2, ssq2), once every down tile is done
+    D_TILES: tl.constexpr = (HALF + BD - 1) // BD
+    tile = j // SPLIT
+    head = tile // D_TILES  # q heads, then k heads, then v heads
+    d = (tile % D_TILES) * BD + tl.arange(0, BD)
+    row1 = head * HEAD_DIM + (tile % D_TILES) * BD
+    N_ROWS: tl.constexpr = (N_HEADS + 2 * N_KV) * HEAD_DIM
+    k_lo, k_hi = _split(H, j % SPLIT, SPLIT, BK)
+    l2_prefetch(wq_ptr, stride_wq, row1, N_ROWS, k_lo, k_hi, BD, LINES)
+    l2_prefetch(wq_ptr, stride_wq, row1 + HALF, N_ROWS, k_lo, k_hi, BD, LINES)
+    bs.wait_count(c_done, tiles_c, c_done - bs.COUNTERS, TMA == 1)
+    acc1, acc2 = _k_loop(wq_desc, row1, row1 + HALF, xw2_desc, wq_ptr, stride_wq,
+                         head * HEAD_DIM + d, d < HALF, xw2_ptr, stride_hm, M, k_lo, k_hi, TMA,
+                         True, STAGES, BLOCK_M, BD, BK)  # fmt: skip
+    scale = ssq_inv_rms(ssq2_ptr, stride_s2, M, tiles_c, H, eps, BLOCK_M, SSQ_PAD)
+    acc1 = acc1 * scale[:, None]
+    acc2 = acc2 * scale[:, None]
+    rows = BLOCK_M
+    if SPLIT > 1:
+        acc1, acc2, rows = splitk_reduce(acc1, acc2, ws_ptr, tickets, tile, j % SPLIT, True,
+                                         SPLIT, BLOCK_M, BD)  # fmt: skip
+    mask_m = (tl.arange(0, BLOCK_M) < M) & (tl.arange(0, BLOCK_M) < rows)
+    rope_kv_out(acc1, acc2, mask_m, head, d, d < HALF, bias_ptr, positions_ptr, slots_ptr,
+                cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_cos,
+                stride_slot, N_HEADS, N_KV, HEAD_DIM, HALF, HAS_BIAS, BLOCK_M)  # fmt: skip
+
+
+__all__ = ["down_item", "gate_up_item", "o_item", "qkv_item"]

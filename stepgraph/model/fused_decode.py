@@ -218,11 +218,14 @@ def fused_decode_step(
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
+    step = (positions, kv.k_caches, kv.v_caches, meta.out_cache_loc, n_heads)  # the block's qkv
+    q = None  # layer i's queries where the block before ran its qkv (fused_mlp.BLOCK_QKV)
     for i, layer in enumerate(model.layers):
-        q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
-                 x0 if i == 0 else None)  # fmt: skip
+        if q is None:
+            q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
+                     x0 if i == 0 else None)  # fmt: skip
         o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
-        r, hand = fused_mlp.mlp_half(model, i, o.reshape(bs, -1), r, ho, use_pdl)
+        r, hand, q = fused_mlp.mlp_half(model, i, o.reshape(bs, -1), r, ho, use_pdl, step)
     if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
         local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
                           torch.float32, use_pdl=use_pdl)  # fmt: skip

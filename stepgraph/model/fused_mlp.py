@@ -7,9 +7,11 @@ persistent launch (``kernels/mlp_block``).
 
 ``MLP_BLOCK`` (``STEPGRAPH_MLP_BLOCK=1``; off by default: not measured on a GPU yet) runs the
 three as ``mlp_block`` wherever the step takes the norm handoff into a fused gate-up (bucket 8
-on, unsharded) and the block can run the three kernels' tiles (``block_tiles``). Both ways
-compute the same bits (tests/test_mlp_block.py), and the choice is a function of the bucket,
-so eager, graph and exact agree.
+on, unsharded) and the block can run the three kernels' tiles (``block_tiles``).
+``BLOCK_QKV`` (``STEPGRAPH_MLP_BLOCK=qkv``) also runs the next layer's ``qkv_rope`` in the same
+launch where that layer would take it fused on the handoff, and hands its q to the step. Both
+ways compute the same bits (tests/test_mlp_block.py), and the choice is a function of the
+bucket, so eager, graph and exact agree.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..kernels.fused_act import silu_mul
 from ..kernels.gate_up_silu import gate_up_silu
-from ..kernels.mlp_block import block_tiles, mlp_block
+from ..kernels.mlp_block import NextQkv, block_tiles, mlp_block
 from ..kernels.norm_gemv import gemv_residual
 from ..kernels.proj_tiles import prefer_cublas, separate_norm
 from .parallel import RowParallelLinear
 
-MLP_BLOCK = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") == "1"
+# STEPGRAPH_MLP_BLOCK=1: the block; =qkv: the block with the next layer's qkv in it too
+MLP_BLOCK = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") in ("1", "qkv")
+BLOCK_QKV = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") == "qkv"
 
 
 def cublas(lin, kernel: str, bs: int) -> bool:
@@ -72,10 +76,33 @@ def use_block(layer, bs: int, ho: bool) -> bool:
     return block_serves(bs, *o_w.shape, d_w.shape[1], o_w.element_size(), ho)
 
 
-def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl):
+def _next_qkv(model, i: int, bs: int, step) -> NextQkv | None:
+    """Layer ``i + 1``'s qkv inputs for the block (``BLOCK_QKV``) where that layer would run
+    ``qkv_rope`` on the handoff and the block can take its tile; else None. ``step``:
+    ``(positions, k_caches, v_caches, slots, n_heads)`` of this step."""
+    if not BLOCK_QKV or step is None or i + 1 >= len(model.layers):
+        return None
+    attn, norm1 = model.layers[i + 1].self_attn, model.layers[i + 1].input_layernorm
+    w = attn.qkv_proj.weight
+    if cublas(attn.qkv_proj, "qkv_rope", bs):
+        return None
+    positions, k_caches, v_caches, slots, n_heads = step
+    half = k_caches[i + 1].shape[3] // 2
+    o_w, d_w = model.layers[i].self_attn.o_proj.weight, model.layers[i].mlp.down_proj.weight
+    try:
+        block_tiles(bs, *o_w.shape, d_w.shape[1], w.element_size(), (w.shape[0], half))
+    except ConfigError:
+        return None
+    return NextQkv(w, attn.qkv_proj.bias, norm1.eps, positions, model.rope_cos, model.rope_sin,
+                   k_caches[i + 1], v_caches[i + 1], slots, n_heads)  # fmt: skip
+
+
+def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl, step=None):
     """Layer ``i``'s o_proj, gate-up and down on the attention's rows ``o`` ``[bs, heads *
-    head_dim]`` and the residual ``r``: ``(r, hand)``, ``hand`` the handoff to the next norm
-    (layer ``i + 1``'s, or the final one) where ``ho`` and its consumer is fused, else None."""
+    head_dim]`` and the residual ``r``: ``(r, hand, q)``, ``hand`` the handoff to the next norm
+    (layer ``i + 1``'s, or the final one) where ``ho`` and its consumer is fused, else None;
+    ``q`` layer ``i + 1``'s rotated queries where the block ran its qkv too (``BLOCK_QKV``,
+    ``step`` given: see ``_next_qkv``), its K/V then in the pages, else None."""
     layer, bs = model.layers[i], r.shape[0]
     attn, mlp, norm2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     if i < len(model.layers) - 1:
@@ -86,9 +113,12 @@ def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl)
     nw_next = nxt[0].weight if ho and not cublas(*nxt[1:], bs) else None
     w_gu = mlp.gate_up_proj.weight
     if use_block(layer, bs, ho):
+        qkv = _next_qkv(model, i, bs, step) if nw_next is not None else None
         out = mlp_block(o, r, attn.o_proj.weight, norm2.weight, w_gu, norm2.eps,
-                        mlp.down_proj.weight, nw_next, use_pdl=use_pdl)  # fmt: skip
-        return (out, None) if nw_next is None else (out[0], out[1:])
+                        mlp.down_proj.weight, nw_next, qkv=qkv, use_pdl=use_pdl)  # fmt: skip
+        if qkv is not None:
+            return out[0], out[1:3], out[3]
+        return (out, None, None) if nw_next is None else (out[0], out[1:], None)
     nw = norm2.weight if ho and not cublas(mlp.gate_up_proj, "gate_up_silu", bs) else None
     r, hand = row(o, attn.o_proj, r, use_pdl, nw)
     if cublas(mlp.gate_up_proj, "gate_up_silu", bs):
@@ -99,7 +129,7 @@ def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl)
         a = gate_up_silu(norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl)
     else:
         a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl)
-    return row(a, mlp.down_proj, r, use_pdl, nw_next)
+    return (*row(a, mlp.down_proj, r, use_pdl, nw_next), None)
 
 
-__all__ = ["MLP_BLOCK", "block_serves", "cublas", "mlp_half", "row", "use_block"]
+__all__ = ["BLOCK_QKV", "MLP_BLOCK", "block_serves", "cublas", "mlp_half", "row", "use_block"]

@@ -19,6 +19,7 @@ from ..kernels.proj_tiles import (
 )
 from ..kernels.qkv_rope import qkv_tile
 from . import fused_decode as _fd
+from . import fused_mlp
 from .config import ModelConfig
 from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
 from .fused_mlp import block_serves
@@ -108,6 +109,9 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
         half, ho = config.head_dim // 2, _fd.NORM_HANDOFF and b >= _fd.HANDOFF_MIN_BUCKET
         if b > 1 and block_serves(b, *shapes["o_proj"], shapes["down"][1], elem_bytes, ho):
             path += ", o_proj + gate-up + down in one launch (STEPGRAPH_MLP_BLOCK)"
+            if fused_mlp.BLOCK_QKV and not prefer_cublas("qkv_rope", b, *shapes["qkv"],
+                                                         elem_bytes):  # fmt: skip
+                path += " with the next layer's qkv"
         out.append((b, path, {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho)
                               for p in PIECES}))  # fmt: skip
     return out
