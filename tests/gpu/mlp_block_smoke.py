@@ -10,6 +10,7 @@ import sys
 import torch
 
 from stepgraph.kernels import mlp_block as mb
+from stepgraph.kernels.mlp_block_plan import NextQkv
 
 H, INTER = 2048, 8192
 
@@ -28,6 +29,16 @@ def main() -> None:
             mb.mlp_block(x, x, *w, 1 + rnd(H))
             torch.cuda.synchronize()
             print(schedule, m, flush=True)
+        for m in (8, 13, 16):  # with the next layer's qkv (as the test module builds it)
+            x = rnd(m, H)
+            caches = [torch.randn(12, 64, 8, 64, generator=g, device="cuda").bfloat16()
+                      for _ in range(2)]  # fmt: skip
+            trig = torch.rand(640, 64, generator=g, device="cuda").bfloat16()
+            nq = NextQkv(rnd(3072, H), None, 1e-5, torch.arange(m, device="cuda"), trig, trig,
+                         *caches, torch.arange(m, device="cuda"), 32)  # fmt: skip
+            mb.mlp_block(x, x, *w, 1 + rnd(H), qkv=nq)
+            torch.cuda.synchronize()
+            print(schedule, "qkv", m, flush=True)
     os.environ[mb.SCHEDULE_ENV] = "queue"
     for programs in (1, 7, 528):
         x = rnd(8, H)

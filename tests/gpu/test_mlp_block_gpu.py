@@ -23,8 +23,10 @@ from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
 from stepgraph.kernels import block_sync
 from stepgraph.kernels import mlp_block as mb
 from stepgraph.kernels.gate_up_silu import gate_up_silu
+from stepgraph.kernels.mlp_block_plan import NextQkv
 from stepgraph.kernels.norm_gemv import gemv_residual
 from stepgraph.kernels.proj_tiles import splitk_workspace
+from stepgraph.kernels.qkv_rope import qkv_rope
 from stepgraph.model import ModelRunner, fused_mlp
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from tests.conftest import rel_err
@@ -74,11 +76,10 @@ def block(w, **kw):
                         w["next_norm"], **kw)  # fmt: skip
 
 
-def sync_clear(m: int) -> bool:
+def sync_clear(m: int, qkv: bool = False) -> bool:
     torch.cuda.synchronize()
-    split = mb.block_tiles(m, H, H, INTER).down.split_k
-    return int(splitk_workspace(torch.device(DEV), 1, 1)[1][: block_sync.sync_slots(1 + split)]
-               .abs().sum()) == 0  # fmt: skip
+    n = block_sync.sync_slots(1 + mb.block_tiles(m, H, H, INTER).down.split_k + qkv)
+    return int(splitk_workspace(torch.device(DEV), 1, 1)[1][:n].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("schedule", ["queue", "stride"])
@@ -98,6 +99,40 @@ def test_block_is_the_three_launches(m, schedule, monkeypatch):
     x = r1 * torch.rsqrt(r1.pow(2).mean(-1, keepdim=True) + EPS) * d["norm2_w"]
     gate, up = (x @ d["w_gu"].T).chunk(2, dim=-1)
     assert rel_err(got[0], r1 + (torch.nn.functional.silu(gate) * up) @ d["wd"].T) < BF16
+
+
+def next_qkv(m, seed):
+    """Llama-3.2-1B's next-layer qkv inputs: 32 query and 8 key/value heads of 64, random RoPE
+    tables and caches, distinct slots."""
+    g = torch.Generator(DEV).manual_seed(seed)
+    ang = torch.rand(640, 32, generator=g, device=DEV) * 6.0
+    cos, sin = (torch.cat([f(ang)] * 2, dim=-1).bfloat16() for f in (torch.cos, torch.sin))
+    caches = [torch.randn(12, 64, 8, 64, generator=g, device=DEV).bfloat16() for _ in range(2)]
+    return NextQkv(
+        weight=(torch.randn(3072, H, generator=g, device=DEV) * H**-0.5).bfloat16(), bias=None,
+        eps=EPS, positions=torch.randint(0, 640, (m,), generator=g, device=DEV), cos=cos,
+        sin=sin, k_cache=caches[0], v_cache=caches[1],
+        slots=torch.randperm(768, generator=g, device=DEV)[:m], n_heads=32,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["queue", "stride"])
+@pytest.mark.parametrize("m", [8, 13, 16])
+def test_the_next_qkv_in_the_block(m, schedule, monkeypatch):
+    """The block with the next layer's qkv (buckets 8-16, where qkv runs fused) against the
+    block and then ``qkv_rope`` on its handoff: q and both caches bit for bit."""
+    monkeypatch.setenv(mb.SCHEDULE_ENV, schedule)
+    w = weights(m, seed=m)
+    nq = next_qkv(m, seed=m)
+    caches = [c.clone() for c in (nq.k_cache, nq.v_cache)]
+    r2, xw2, ssq2 = block(w)
+    q = qkv_rope(xw2, None, nq.weight, None, EPS, nq.positions, nq.cos, nq.sin, *caches,
+                 nq.slots, 32, ssq=ssq2)  # fmt: skip
+    for trial in range(3):
+        got = block(w, qkv=nq)
+        assert torch.equal(got[0], r2) and torch.equal(got[3], q), (m, schedule, trial)
+        assert torch.equal(nq.k_cache, caches[0]) and torch.equal(nq.v_cache, caches[1])
+        assert sync_clear(m, qkv=True)
 
 
 @pytest.mark.parametrize("programs", [1, 7, 528])
@@ -137,10 +172,13 @@ def mr():
     return runner
 
 
-def test_the_step_with_the_block(mr, monkeypatch):
-    """The fused step with the block equals the step without it (logits, tokens, K/V) at
-    buckets 8 to 64 (13: a live size inside bucket 16), the block once a layer (a spy); and
-    the exact-mode graphs, captured with it, replay the eager step bit for bit."""
+@pytest.mark.parametrize("with_qkv", [False, True])
+def test_the_step_with_the_block(mr, with_qkv, monkeypatch):
+    """The fused step with the block (and with the next qkv in it) equals the step without it
+    (logits, tokens, K/V) at buckets 8 to 64 (13: a live size inside bucket 16), the block once
+    a layer (a spy); and the exact-mode graphs, captured with it, replay the eager step bit for
+    bit."""
+    monkeypatch.setattr(fused_mlp, "BLOCK_QKV", with_qkv)
     calls = []
     monkeypatch.setattr(fused_mlp, "mlp_block", lambda *a, **k: calls.append(1) or
                         mb.mlp_block(*a, **k))  # fmt: skip
