@@ -13,6 +13,7 @@ import triton
 from ..errors import ConfigError
 from .gemv_tiles import MAX_M
 from .proj_tiles import Tile, tile_for
+from .tma_tiles import l2_lines
 
 PREFETCH_ENV = "STEPGRAPH_MLP_BLOCK_PREFETCH"  # bytes of L2 prefetch before a wait, per tile
 PREFETCH_BYTES = 32768
@@ -125,9 +126,7 @@ def prefetch_lines(tile: Tile, k: int, elem_bytes: int) -> int:
     smaller of ``$STEPGRAPH_MLP_BLOCK_PREFETCH`` bytes (default 32 KB) and its K range, as a
     power of two of 128-byte lines; 0 turns it off (and the interpreter has no prefetch)."""
     budget = int(os.environ.get(PREFETCH_ENV, PREFETCH_BYTES))
-    span = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
-    lines = min(budget, tile.block_n * span * elem_bytes) // 128
-    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
+    return l2_lines(budget, tile.block_n, k, tile.split_k, tile.block_k, elem_bytes)
 
 
 __all__ = [

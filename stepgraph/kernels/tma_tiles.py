@@ -235,6 +235,12 @@ def prefetch_lines(block_n: int, k: int, split_k: int, block_k: int, elem: int,
     sets when paired) or the program's whole range if smaller, as a power of two of 128-byte
     lines, 0 when ``STEPGRAPH_L2_PREFETCH=0``."""
     budget = int(os.environ.get(PREFETCH_ENV, PREFETCH_BYTES)) // (2 if paired else 1)
+    return l2_lines(budget, block_n, k, split_k, block_k, elem)
+
+
+def l2_lines(budget: int, block_n: int, k: int, split_k: int, block_k: int, elem: int) -> int:
+    """``budget`` bytes, or all of a program's ``block_n`` rows over its split of ``k`` if less,
+    as a power of two of 128-byte lines (0 below one line): ``l2_prefetch``'s ``LINES``."""
     span = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     lines = min(budget, block_n * span * elem) // 128
     return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
@@ -246,6 +252,7 @@ __all__ = [
     "box_fits",
     "descriptor",
     "dot_t",
+    "l2_lines",
     "l2_prefetch",
     "prefetch_lines",
     "proj_loop",
