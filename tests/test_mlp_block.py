@@ -314,6 +314,8 @@ def test_the_next_qkv_needs_its_norm_and_its_shape():
         block(w, replace(SPLITS, qkv=Tile(16, 32, 4)), qkv=replace(nq, weight=nq.weight[:, :128]))
     with pytest.raises(ConfigError, match="block_n >= 16"):  # tensor cores: the kernels' check
         block(w, replace(SPLITS, qkv=Tile(8, 32, 4)), qkv=nq)
+    with pytest.raises(ConfigError, match="the tiles have none for it"):
+        block(w, SPLITS, qkv=nq)
     with pytest.raises(ConfigError, match="BLOCK_D must be a power of two"):
         plan.block_tiles(4, 256, 256, 512, 2, qkv=(256, 24))  # the rule's 16 does not divide 24
 

@@ -13,11 +13,16 @@ o_proj tile (its norm needs whole rows); a down tile waits only for the gate-up 
 own K range. A program that finishes early asks L2 for its next tile's weights and starts it as
 soon as its inputs are there, so one projection's tail overlaps the next one's stream.
 
-The tiles are the three kernels' own (``proj_tiles.tile_for``), and so are the loops, the
-split-K reduce and the epilogues, so the block computes what the three launches compute, the
-same sums in the same order (the CPU tests check bit for bit under the interpreter). It serves
-2 to 64 rows of an unsharded model with the norm handoff into gate-up (``fused_mlp``), behind
-``STEPGRAPH_MLP_BLOCK=1``: not measured on a GPU yet.
+Given the next layer's qkv (``NextQkv``), its tiles follow down's in the same list, each
+waiting on every down tile (its norm, from down's handoff, needs whole rows): that layer's
+``qkv_rope`` launch goes, and a layer is its attention and this launch.
+
+The tiles are the kernels' own (``proj_tiles.tile_for``, ``qkv_rope.qkv_tile``), and so are
+the loops, the split-K reduce and the epilogues, so the block computes what the separate
+launches compute, the same sums in the same order (the CPU tests check bit for bit under the
+interpreter). It serves 2 to 64 rows of an unsharded model with the norm handoff into gate-up
+(``fused_mlp``), behind ``STEPGRAPH_MLP_BLOCK=1`` (``=qkv`` with the next qkv): not measured on
+a GPU yet.
 """
 
 from __future__ import annotations
@@ -158,6 +163,8 @@ def mlp_block(
     qkv_shape = (qkv.weight.shape[0], hd // 2) if qkv is not None else None
     t = tiles if tiles is not None else block_tiles(m, h, ka, inter, o.element_size(), qkv_shape)
     a, g, d, e = t.o, t.gate_up, t.down, t.qkv if qkv is not None else None
+    if qkv is not None and e is None:
+        raise ConfigError(f"mlp_block: qkv given, but the tiles have none for it: {t}")
     for name, s in zip(("gemv_residual", "gate_up_silu", "gemv_residual", "qkv_rope"),
                        (a, g, d, e)):  # fmt: skip
         if s is not None:
