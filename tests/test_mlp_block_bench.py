@@ -1,0 +1,34 @@
+"""``benchmarks/mlp_block.py`` on the CPU: its code end to end at small fp16 shapes under the
+interpreter (no timing), every block variant's outputs equal to the separate launches' bits, and
+its environment switches restored after each variant."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("mlp_block_bench", ROOT / "benchmarks" /
+                                                  "mlp_block.py")  # fmt: skip
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_variant_has_the_separate_launches_bits(tmp_path, monkeypatch):
+    bench = load()
+    for env in bench.VARIANTS.values():
+        for key in env:
+            monkeypatch.delenv(key, raising=False)
+    out = tmp_path / "r.json"
+    rows = bench.main(["--device", "cpu", "--small", "--rows", "5", "--json", str(out)])
+    ways = {(r["qkv"], r["way"]) for r in rows}
+    assert ways == {(q, w) for q in (False, True)
+                    for w in ("separate", "block", "no-prefetch", "2-per-sm")}  # fmt: skip
+    assert all(r["same_bits"] is True for r in rows if r["way"] != "separate")
+    assert out.exists() and all("us" not in r for r in rows)
+    assert not any(key in os.environ for env in bench.VARIANTS.values() for key in env)
