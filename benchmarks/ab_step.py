@@ -65,6 +65,7 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     block = os.environ.get("STEPGRAPH_MLP_BLOCK", "0")  # its other switches (schedule,
     fused_mlp.MLP_BLOCK = block in ("1", "qkv")  # prefetch, programs): read at each launch
     fused_mlp.BLOCK_QKV = block == "qkv"
+    fused_mlp.ONE_ROW = os.environ.get("STEPGRAPH_MLP_BLOCK_ONE_ROW", "0") == "1"
 
 
 def main() -> None:

@@ -7,7 +7,9 @@ Each way runs over 16 layers' weights (more than the H200's 50 MB of L2) in one 
 inside a decode step: µs per layer (CUDA events after warm-up, medians), the time its weight
 bytes take at copy bandwidth, and whether the block's outputs (r2, the handoff, with qkv also q
 and both caches) equal the separate launches' bit for bit. Variants are the block's switches
-(``kernels/mlp_block_plan``); PDL as the step would choose it at that bucket (``--pdl``).
+(``kernels/mlp_block_plan``); PDL as the step would choose it at that bucket (``--pdl``). At
+one row the block runs its own tiles (``one_row_tiles``): its bits are compared with the
+separate launches at those tiles, its time with theirs at their own.
 ``--device cpu --small`` runs the same code at small fp16 shapes under the interpreter,
 checking the bits without timing (the CPU test of this script).
 """
@@ -64,15 +66,20 @@ def layer(s: dict, m: int, dtype, device, g) -> dict:
     )  # fmt: skip
 
 
-def separate(w: dict, s: dict, qkv: bool, pdl):
-    """The launches the step makes without the block: (r2, xw2, ssq2[, q])."""
-    r1, xw1, ssq1 = gemv_residual(w["o"], w["wo"], w["r"], next_norm=w["n2"], use_pdl=pdl)
-    a = gate_up_silu(xw1, None, w["w_gu"], EPS, ssq=ssq1, use_pdl=pdl)
-    out = gemv_residual(a, w["wd"], r1, next_norm=w["nn"], use_pdl=pdl)
+def separate(w: dict, s: dict, qkv: bool, pdl, t=None):
+    """The launches the step makes without the block, with the norm handoff between them (at
+    one row the step's gate-up norms in its prologue instead): (r2, xw2, ssq2[, q]). ``t``: the
+    block's tiles (the bits check), else each kernel's own."""
+    t = t or mb.BlockTiles(None, None, None)
+    r1, xw1, ssq1 = gemv_residual(w["o"], w["wo"], w["r"], next_norm=w["n2"], use_pdl=pdl,
+                                  blocks=t.o)  # fmt: skip
+    a = gate_up_silu(xw1, None, w["w_gu"], EPS, ssq=ssq1, use_pdl=pdl, blocks=t.gate_up)
+    out = gemv_residual(a, w["wd"], r1, next_norm=w["nn"], use_pdl=pdl, blocks=t.down)
     if not qkv:
         return out
     q = qkv_rope(out[1], None, w["wq"], None, EPS, w["pos"], w["cos"], w["sin"], w["kc"],
-                 w["vc"], w["slots"], s["heads"], use_pdl=pdl, ssq=out[2])  # fmt: skip
+                 w["vc"], w["slots"], s["heads"], use_pdl=pdl, ssq=out[2],
+                 blocks=t.qkv)  # fmt: skip
     return (*out, q)
 
 
@@ -86,7 +93,10 @@ def block(w: dict, s: dict, qkv: bool, pdl):
 def same_bits(w: dict, s: dict, qkv: bool, pdl) -> bool:
     """The block's outputs (and caches) against the separate launches' on one layer."""
     caches = [w["kc"].clone(), w["vc"].clone()]
-    want = separate(w, s, qkv, pdl)
+    rows = (s["heads"] + 2 * s["kv"]) * s["hd"]
+    t = mb.block_tiles(w["o"].shape[0], s["h"], s["h"], s["inter"], w["o"].element_size(),
+                       (rows, s["hd"] // 2) if qkv else None)  # fmt: skip
+    want = separate(w, s, qkv, pdl, t)
     kv_want = [w["kc"].clone(), w["vc"].clone()]
     w["kc"].copy_(caches[0])
     w["vc"].copy_(caches[1])
@@ -108,7 +118,7 @@ def with_env(env: dict, fn, *args):
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="8,16,32,64")
+    ap.add_argument("--rows", default="1,8,16,32,64")
     ap.add_argument("--pdl", choices=("step", "on", "off"), default="step")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="small fp16 shapes (the CPU check)")

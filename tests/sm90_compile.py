@@ -140,6 +140,13 @@ def main() -> dict:
                                            tokens_out=tokens)  # fmt: skip
             for p in pages:
                 mr.kv_cache.release(p)
+        fused_mlp.ONE_ROW = True  # and at one row (its own tiles, the GEMV loop), with qkv
+        batch, pages = decode_batch(mr, Point(1, 500))
+        backend.init_forward_metadata(batch)
+        fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions,
+                                       tokens_out=torch.empty(1, dtype=torch.int64))  # fmt: skip
+        for p in pages:
+            mr.kv_cache.release(p)
         os.environ[mlp_block.SCHEDULE_ENV] = "stride"
         layer = mr.model.layers[0]
         w = [layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
@@ -150,7 +157,7 @@ def main() -> dict:
     except Exception as e:  # noqa: BLE001
         result["errors"]["mlp block"] = f"{type(e).__name__}: {e}"[:600]
     finally:
-        fused_mlp.MLP_BLOCK = fused_mlp.BLOCK_QKV = False
+        fused_mlp.MLP_BLOCK = fused_mlp.BLOCK_QKV = fused_mlp.ONE_ROW = False
         os.environ.pop(mlp_block.SCHEDULE_ENV, None)
     # the attention's two-kernel path and its folded merge (what bs 8 takes on the H200)
     g = torch.Generator().manual_seed(0)

@@ -127,13 +127,35 @@ def test_stride_schedule(monkeypatch):
         block(w, SPLITS)
 
 
-@pytest.mark.parametrize("m, ok", [(1, False), (2, True), (64, True), (65, False)])
+@pytest.mark.parametrize("m, ok", [(0, False), (1, True), (2, True), (64, True), (65, False)])
 def test_block_rows_at_their_limits(m, ok):
-    if ok:
-        assert mb.block_tiles(m, 2048, 2048, 8192).gate_up.block_n == 64  # the 1B's table
+    if ok:  # the 1B's table from two rows, the one-row rule at one
+        assert mb.block_tiles(m, 2048, 2048, 8192).gate_up.block_n == (16 if m == 1 else 64)
     else:
-        with pytest.raises(ConfigError, match="2 to 64 rows"):
+        with pytest.raises(ConfigError, match="1 to 64 rows"):
             mb.block_tiles(m, 2048, 2048, 8192)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_row_is_the_separate_launches_at_its_tiles(dtype):
+    """One row (the GEMV loop, down in four splits, the next qkv too): the block against the
+    separate launches at the one-row rule's tiles, bit for bit."""
+    from stepgraph.kernels.qkv_rope import qkv_rope
+
+    w = weights(1, 256, 192, 2048, dtype, seed=11)
+    t = plan.one_row_tiles(2048, qkv=True)
+    assert t.down.split_k == 4
+    nq = next_qkv(1, 256, dtype, seed=11, bias=True)
+    caches = [c.clone() for c in (nq.k_cache, nq.v_cache)]
+    want = three_launches(w, t)
+    q = qkv_rope(want[1], None, nq.weight, nq.bias, nq.eps, nq.positions, nq.cos, nq.sin,
+                 *caches, nq.slots, nq.n_heads, ssq=want[2], blocks=t.qkv)  # fmt: skip
+    poison_partials()
+    got = block(w, t, qkv=nq)
+    for name, a, b in zip(("r2", "xw2", "ssq2", "q"), got, (*want, q)):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+    assert torch.equal(nq.k_cache, caches[0]) and torch.equal(nq.v_cache, caches[1])
+    assert torch.equal(block(w, t, next_norm=False), three_launches(w, t, next_norm=False))
 
 
 def test_block_tiles_refusals(monkeypatch):
@@ -240,6 +262,10 @@ def test_the_plan_names_the_block(monkeypatch):
         # the next qkv where it is fused (qkv takes cuBLAS at 17-64 rows)
         qkv = {b for b, p in paths.items() if "with the next layer's qkv" in p}
         assert qkv == ({b for b in paths if 8 <= b <= 16} if on else set())
+    monkeypatch.setattr(fused_mlp, "ONE_ROW", True)  # and at one row, with the handoff there
+    plans = {b: (p, c) for b, p, c in kernel_plan.kernel_plan(cfg)}
+    assert "in one launch (STEPGRAPH_MLP_BLOCK) with the next layer's qkv" in plans[1][0]
+    assert "the norm from the sums of squares" in plans[1][1]["lm_head"]
 
 
 def test_the_grid(monkeypatch):
@@ -334,3 +360,40 @@ def test_maxnreg_switch(monkeypatch):
     for edge in (24, 255):  # at each end
         monkeypatch.setenv(plan.MAXNREG_ENV, str(edge))
         assert plan.launch_extra() == {"maxnreg": edge}
+
+
+@pytest.mark.parametrize("with_qkv", [False, True])
+def test_the_step_at_one_row_with_the_block(with_qkv, monkeypatch):
+    """``ONE_ROW``: bs 1 runs the block (its one-row tiles, so not the bits of the one-row
+    kernels' tiles) with the norm handoff into and out of it; the logits, tokens and K/V match
+    the reference ops, and the block ran once a layer (with the next qkv in all but the last)."""
+    from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
+    from stepgraph.model import fused_decode, fused_mlp
+
+    mr = build_model_runner("tiny", "cpu", torch.float32, max_bs=4, max_context=64)
+    fill_kv_random(mr)
+    for name, value in (("MLP_BLOCK", True), ("ONE_ROW", True), ("BLOCK_QKV", with_qkv)):
+        monkeypatch.setattr(fused_mlp, name, value)
+    assert fused_decode.handoff(1, mr.model)  # the handoff at one row, for the block
+    calls = []
+    monkeypatch.setattr(fused_mlp, "mlp_block", lambda *a, **k: calls.append(k["qkv"] is not None)
+                        or mb.mlp_block(*a, **k))  # fmt: skip
+    batch, pages = decode_batch(mr, Point(1, 30), seed=4)
+    kv = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
+    try:
+        kv0 = [c.clone() for c in kv]
+        ref = mr.forward(batch)  # the reference ops (the CPU default)
+        kv_ref = [c.clone() for c in kv]
+        for c, c0 in zip(kv, kv0):
+            c.copy_(c0)
+        mr.attn_backend.init_forward_metadata(batch)
+        tokens = torch.full((1,), -1, dtype=torch.int64)
+        logits = fused_decode.fused_decode_step(mr.model, mr.attn_backend, batch.input_ids,
+                                                batch.positions, tokens_out=tokens)  # fmt: skip
+    finally:
+        for p in pages:
+            mr.kv_cache.release(p)
+    assert calls == [with_qkv] * (mr.config.num_layers - 1) + [False]
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-5
+    assert torch.equal(tokens, ref.argmax(-1))
+    assert max((a - b).abs().max().item() for a, b in zip(kv, kv_ref)) < 1e-5

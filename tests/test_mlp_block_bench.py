@@ -25,9 +25,9 @@ def test_every_variant_has_the_separate_launches_bits(tmp_path, monkeypatch):
         for key in env:
             monkeypatch.delenv(key, raising=False)
     out = tmp_path / "r.json"
-    rows = bench.main(["--device", "cpu", "--small", "--rows", "5", "--json", str(out)])
-    ways = {(r["qkv"], r["way"]) for r in rows}
-    assert ways == {(q, w) for q in (False, True)
+    rows = bench.main(["--device", "cpu", "--small", "--rows", "1,5", "--json", str(out)])
+    ways = {(r["rows"], r["qkv"], r["way"]) for r in rows}  # one row: the block's own tiles
+    assert ways == {(m, q, w) for m in (1, 5) for q in (False, True)
                     for w in ("separate", "block", "no-prefetch", "2-per-sm")}  # fmt: skip
     assert all(r["same_bits"] is True for r in rows if r["way"] != "separate")
     assert out.exists() and all("us" not in r for r in rows)

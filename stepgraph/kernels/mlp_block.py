@@ -20,9 +20,10 @@ waiting on every down tile (its norm, from down's handoff, needs whole rows): th
 The tiles are the kernels' own (``proj_tiles.tile_for``, ``qkv_rope.qkv_tile``), and so are
 the loops, the split-K reduce and the epilogues, so the block computes what the separate
 launches compute, the same sums in the same order (the CPU tests check bit for bit under the
-interpreter). It serves 2 to 64 rows of an unsharded model with the norm handoff into gate-up
-(``fused_mlp``), behind ``STEPGRAPH_MLP_BLOCK=1`` (``=qkv`` with the next qkv): not measured on
-a GPU yet.
+interpreter). It serves 1 to 64 rows of an unsharded model with the norm handoff into gate-up
+(``fused_mlp``; one row with its own tiles, ``one_row_tiles``), behind ``STEPGRAPH_MLP_BLOCK=1``
+(``=qkv`` with the next qkv; ``STEPGRAPH_MLP_BLOCK_ONE_ROW=1`` at bs 1): not measured on a GPU
+yet.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def _check(m, ka, h, inter, o, r, wo, w_gu, wd, qkv) -> None:
 
 
 def mlp_block(
-    o: torch.Tensor,  # [M, KA], 2 <= M <= 64: the attention's output rows
+    o: torch.Tensor,  # [M, KA], 1 <= M <= 64: the attention's output rows
     r: torch.Tensor,  # [M, H]: the residual stream
     wo: torch.Tensor,  # [H, KA]
     norm2_w: torch.Tensor,  # [H], the post-attention RMSNorm's weight

@@ -33,14 +33,16 @@ def _k_loop(
     TMA: tl.constexpr, PAIRED: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # tma_tiles.tma_loop (TMA 1, 2) and gemv_tiles.gemv_loop (0, tensor-core rows) on an x
-    # that needs no norm, with this loop's own pipeline depth. -> (acc1, acc2) [BLOCK_M,
+    # tma_tiles.tma_loop (TMA 1, 2) and gemv_tiles.gemv_loop (0: tensor-core rows, or one row)
+    # on an x that needs no norm, with this loop's own pipeline depth. -> (acc1, acc2) [BLOCK_M,
     # BLOCK_N] float32 (acc2 = acc1 unless PAIRED); row2: the second row set (PAIRED)
     offs_k = tl.arange(0, BLOCK_K)
     w1_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     w2_ptrs = w1_ptrs + (row2 - row1).to(tl.int64) * stride_wn
     if TMA == 1:
         a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif BLOCK_M == 1:  # one row: the broadcast-multiply GEMV's products, summed after the loop
+        a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         a1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a2 = a1
@@ -69,9 +71,23 @@ def _k_loop(
     if TMA == 1:
         a1 = tl.trans(a1)
         a2 = tl.trans(a2)
+    if BLOCK_M == 1:
+        a1 = tl.sum(a1, axis=1)[None, :]  # [1, BLOCK_N]
+        a2 = tl.sum(a2, axis=1)[None, :]
     if not PAIRED:
         a2 = a1
     return a1, a2
+
+
+@triton.jit
+def _rows_scaled(acc, scale, BLOCK_M: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] times each row's 1 / RMS (norm_handoff.ssq_inv_rms: a scalar for
+    # one row), as tma_tiles.proj_loop scales the products
+    if BLOCK_M == 1:
+        acc = acc * scale
+    else:
+        acc = acc * scale[:, None]
+    return acc
 
 
 @triton.jit
@@ -118,8 +134,8 @@ def gate_up_item(
                        offs_n < INTER, xw1_ptr, stride_hm, M, k_lo, k_hi, TMA, True, STAGES,
                        BLOCK_M, BN, BK)  # fmt: skip
     scale = ssq_inv_rms(ssq1_ptr, stride_s1, M, tiles_a, H, eps, BLOCK_M, SSQ_PAD)
-    gate = gate * scale[:, None]
-    up = up * scale[:, None]
+    gate = _rows_scaled(gate, scale, BLOCK_M)
+    up = _rows_scaled(up, scale, BLOCK_M)
     rows = BLOCK_M
     if SPLIT > 1:
         gate, up, rows = splitk_reduce(gate, up, ws_ptr, tickets, tile, j % SPLIT, True, SPLIT,
@@ -197,8 +213,8 @@ def qkv_item(
                          head * HEAD_DIM + d, d < HALF, xw2_ptr, stride_hm, M, k_lo, k_hi, TMA,
                          True, STAGES, BLOCK_M, BD, BK)  # fmt: skip
     scale = ssq_inv_rms(ssq2_ptr, stride_s2, M, tiles_c, H, eps, BLOCK_M, SSQ_PAD)
-    acc1 = acc1 * scale[:, None]
-    acc2 = acc2 * scale[:, None]
+    acc1 = _rows_scaled(acc1, scale, BLOCK_M)
+    acc2 = _rows_scaled(acc2, scale, BLOCK_M)
     rows = BLOCK_M
     if SPLIT > 1:
         acc1, acc2, rows = splitk_reduce(acc1, acc2, ws_ptr, tickets, tile, j % SPLIT, True,

@@ -70,22 +70,36 @@ class NextQkv:
     n_heads: int
 
 
+def one_row_tiles(inter: int, qkv: bool) -> BlockTiles:
+    """The block's tiles at one row (a rule, not yet measured): 16 weight rows an item (16
+    pairs for gate-up and qkv) and 8k elements a K chunk, so an item streams 64 KB in chunks
+    (the one-row kernels' 4-row tiles would make 2k items a layer), and down in four splits so
+    that its items start as their quarter of gate-up ends."""
+    split = 4 if inter >= 4 * 512 else 1
+    return BlockTiles(Tile(16, 512, 4), Tile(16, 256, 4), Tile(16, 512, 4, None, split),
+                      Tile(16, 256, 4) if qkv else None)  # fmt: skip
+
+
 def block_tiles(
     m: int, h: int, ka: int, inter: int, elem_bytes: int = 2, qkv: tuple[int, int] | None = None
 ) -> BlockTiles:
     """The kernels' own tiles at ``m`` rows (``proj_tiles.tile_for``; ``qkv``: the next layer's
-    ``(weight rows, head_dim // 2)``, ``qkv_rope.qkv_tile``'s on a handed-off x), or a
-    ConfigError naming why one launch cannot run them: rows outside 2-64, tiles of different
+    ``(weight rows, head_dim // 2)``, ``qkv_rope.qkv_tile``'s on a handed-off x; one row:
+    ``one_row_tiles``), or a ConfigError naming why one launch cannot run them: rows outside
+    1-64, tiles of different
     warp counts (one launch has one), gate-up tiles that straddle a down split (its counters),
     or a qkv tile that does not divide a head's half."""
-    if not 2 <= m <= MAX_M:
-        raise ConfigError(f"mlp_block serves 2 to {MAX_M} rows, got {m}")
-    t = BlockTiles(
-        tile_for("gemv_residual", m, h, ka, elem_bytes),
-        tile_for("gate_up_silu_normed", m, 2 * inter, h, elem_bytes),
-        tile_for("gemv_residual", m, h, inter, elem_bytes),
-        tile_for("qkv_rope_normed", m, qkv[0], h, elem_bytes) if qkv else None,
-    )
+    if not 1 <= m <= MAX_M:
+        raise ConfigError(f"mlp_block serves 1 to {MAX_M} rows, got {m}")
+    if m == 1:
+        t = one_row_tiles(inter, qkv is not None)
+    else:
+        t = BlockTiles(
+            tile_for("gemv_residual", m, h, ka, elem_bytes),
+            tile_for("gate_up_silu_normed", m, 2 * inter, h, elem_bytes),
+            tile_for("gemv_residual", m, h, inter, elem_bytes),
+            tile_for("qkv_rope_normed", m, qkv[0], h, elem_bytes) if qkv else None,
+        )
     if qkv and (t.qkv.block_n & (t.qkv.block_n - 1) or (
             t.qkv.block_n < qkv[1] and qkv[1] % t.qkv.block_n)):  # fmt: skip
         raise ConfigError(f"mlp_block: qkv's BLOCK_D must be a power of two dividing "
@@ -139,6 +153,7 @@ __all__ = [
     "NextQkv",
     "grid_size",
     "launch_extra",
+    "one_row_tiles",
     "prefetch_lines",
     "use_stride",
 ]

@@ -144,10 +144,14 @@ def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
 def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
     """Whether the step at ``bs`` rows takes the norms before qkv (from layer 1), gate-up and
     the LM head from what o_proj and down leave (``kernels/norm_handoff``): from bucket
-    ``HANDOFF_MIN_BUCKET`` on, unsharded, where the consumer is fused (not norm + cuBLAS)."""
+    ``HANDOFF_MIN_BUCKET`` on, and at one row where the MLP block serves it
+    (``fused_mlp.one_row_block``); unsharded, where the consumer is fused (not norm + cuBLAS)."""
     down = model.layers[0].mlp.down_proj
-    sharded = type(down) is RowParallelLinear and down.world_size > 1
-    return NORM_HANDOFF and kernel_class(bs, backend) >= HANDOFF_MIN_BUCKET and not sharded
+    if type(down) is RowParallelLinear and down.world_size > 1:
+        return False
+    bucket = kernel_class(bs, backend)
+    return (NORM_HANDOFF and bucket >= HANDOFF_MIN_BUCKET) or (
+        bucket == 1 and fused_mlp.one_row_block(model))  # fmt: skip
 
 
 def _own_norm(layer, bs: int) -> bool:

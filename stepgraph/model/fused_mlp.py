@@ -8,6 +8,7 @@ persistent launch (``kernels/mlp_block``).
 ``MLP_BLOCK`` (``STEPGRAPH_MLP_BLOCK=1``; off by default: not measured on a GPU yet) runs the
 three as ``mlp_block`` wherever the step takes the norm handoff into a fused gate-up (bucket 8
 on, unsharded) and the block can run the three kernels' tiles (``block_tiles``).
+``ONE_ROW`` (``STEPGRAPH_MLP_BLOCK_ONE_ROW=1``) adds bs 1, with the handoff taken there too.
 ``BLOCK_QKV`` (``STEPGRAPH_MLP_BLOCK=qkv``) also runs the next layer's ``qkv_rope`` in the same
 launch where that layer would take it fused on the handoff, and hands its q to the step. Both
 ways compute the same bits (tests/test_mlp_block.py), and the choice is a function of the
@@ -32,6 +33,9 @@ from .parallel import RowParallelLinear
 # STEPGRAPH_MLP_BLOCK=1: the block; =qkv: the block with the next layer's qkv in it too
 MLP_BLOCK = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") in ("1", "qkv")
 BLOCK_QKV = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") == "qkv"
+# STEPGRAPH_MLP_BLOCK_ONE_ROW=1: the block at bs 1 too (its one-row tiles; the step then takes
+# the norm handoff at bs 1, fused_decode.handoff)
+ONE_ROW = os.environ.get("STEPGRAPH_MLP_BLOCK_ONE_ROW", "0") == "1"
 
 
 def cublas(lin, kernel: str, bs: int) -> bool:
@@ -63,11 +67,20 @@ def block_serves(bs: int, h: int, ka: int, inter: int, elem_bytes: int, ho: bool
     (``ho``), gate-up fused (not norm + cuBLAS), and the block's tiles valid."""
     if not (MLP_BLOCK and ho) or prefer_cublas("gate_up_silu", bs, 2 * inter, h, elem_bytes):
         return False
+    if bs == 1 and not ONE_ROW:
+        return False
     try:
         block_tiles(bs, h, ka, inter, elem_bytes)
     except ConfigError:
         return False
     return True
+
+
+def one_row_block(model) -> bool:
+    """Whether the block serves bs 1 (``ONE_ROW``): the step then takes the norm handoff there
+    too, into the block's gate-up and from its down (``fused_decode.handoff``)."""
+    o_w, d_w = model.layers[0].self_attn.o_proj.weight, model.layers[0].mlp.down_proj.weight
+    return block_serves(1, *o_w.shape, d_w.shape[1], o_w.element_size(), True)
 
 
 def use_block(layer, bs: int, ho: bool) -> bool:
@@ -132,4 +145,14 @@ def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl,
     return (*row(a, mlp.down_proj, r, use_pdl, nw_next), None)
 
 
-__all__ = ["BLOCK_QKV", "MLP_BLOCK", "block_serves", "cublas", "mlp_half", "row", "use_block"]
+__all__ = [
+    "BLOCK_QKV",
+    "MLP_BLOCK",
+    "ONE_ROW",
+    "block_serves",
+    "cublas",
+    "mlp_half",
+    "one_row_block",
+    "row",
+    "use_block",
+]

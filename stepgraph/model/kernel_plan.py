@@ -107,7 +107,9 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
             if _fd.no_pdl(*shapes["qkv"], b, elem_bytes):
                 path += ", no PDL (NO_PDL_BUCKETS)"
         half, ho = config.head_dim // 2, _fd.NORM_HANDOFF and b >= _fd.HANDOFF_MIN_BUCKET
-        if b > 1 and block_serves(b, *shapes["o_proj"], shapes["down"][1], elem_bytes, ho):
+        if b == 1:  # the block at one row takes the handoff there (fused_decode.handoff)
+            ho = block_serves(1, *shapes["o_proj"], shapes["down"][1], elem_bytes, True)
+        if block_serves(b, *shapes["o_proj"], shapes["down"][1], elem_bytes, ho):
             path += ", o_proj + gate-up + down in one launch (STEPGRAPH_MLP_BLOCK)"
             if fused_mlp.BLOCK_QKV and not prefer_cublas("qkv_rope", b, *shapes["qkv"],
                                                          elem_bytes):  # fmt: skip
