@@ -113,7 +113,8 @@ def _mlp_block_kernel(
                       BLOCK_M)  # fmt: skip
         elif QKV:
             qkv_item(item - n_abc, wq_ptr, wq_desc, xw2_desc, xw2_ptr, ssq2_ptr, ws_d,
-                     tickets + tiles_a + tiles_b + tiles_c, a_done + 1 + C_SPLIT, tiles_c,
+                     tickets + tiles_a + tiles_b + tiles_c, sync_ptr, a_done + 1 + C_SPLIT,
+                     tiles_c,
                      bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr,
                      v_cache_ptr, M, H, eps_q, stride_hm, stride_wq, stride_s2, stride_qm,
                      stride_cos, stride_slot, D_BD, D_BK, D_SPLIT, D_TMA, D_STAGES, D_LINES,

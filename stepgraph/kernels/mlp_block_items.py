@@ -189,7 +189,7 @@ def down_item(
 
 @triton.jit
 def qkv_item(
-    j, wq_ptr, wq_desc, xw2_desc, xw2_ptr, ssq2_ptr, ws_ptr, tickets, c_done, tiles_c,
+    j, wq_ptr, wq_desc, xw2_desc, xw2_ptr, ssq2_ptr, ws_ptr, tickets, sync_ptr, c_done, tiles_c,
     bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     M, H, eps, stride_hm, stride_wq, stride_s2, stride_qm, stride_cos, stride_slot,
     BD: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
@@ -208,7 +208,7 @@ def qkv_item(
     k_lo, k_hi = _split(H, j % SPLIT, SPLIT, BK)
     l2_prefetch(wq_ptr, stride_wq, row1, N_ROWS, k_lo, k_hi, BD, LINES)
     l2_prefetch(wq_ptr, stride_wq, row1 + HALF, N_ROWS, k_lo, k_hi, BD, LINES)
-    bs.wait_count(c_done, tiles_c, c_done - bs.COUNTERS, TMA == 1)
+    bs.wait_count(c_done, tiles_c, sync_ptr, TMA == 1)
     acc1, acc2 = _k_loop(wq_desc, row1, row1 + HALF, xw2_desc, wq_ptr, stride_wq,
                          head * HEAD_DIM + d, d < HALF, xw2_ptr, stride_hm, M, k_lo, k_hi, TMA,
                          True, STAGES, BLOCK_M, BD, BK)  # fmt: skip
