@@ -10,6 +10,8 @@ and both caches) equal the separate launches' bit for bit. Variants are the bloc
 (``kernels/mlp_block_plan``); PDL as the step would choose it at that bucket (``--pdl``). At
 one row the block runs its own tiles (``one_row_tiles``): its bits are compared with the
 separate launches at those tiles, its time with theirs at their own.
+``--tile o=32,128,4,4,2,2`` sets a tile of the block (``--same-tiles``: the separate launches
+take the block's tiles too, the fair comparison of the launch structure alone).
 ``--device cpu --small`` runs the same code at small fp16 shapes under the interpreter,
 checking the bits without timing (the CPU test of this script).
 """
@@ -17,6 +19,7 @@ checking the bits without timing (the CPU test of this script).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -27,7 +30,7 @@ from stepgraph.kernels import mlp_block as mb
 from stepgraph.kernels import mlp_block_plan as plan
 from stepgraph.kernels.gate_up_silu import gate_up_silu
 from stepgraph.kernels.norm_gemv import gemv_residual
-from stepgraph.kernels.proj_tiles import prefer_cublas
+from stepgraph.kernels.proj_tiles import Tile, prefer_cublas
 from stepgraph.kernels.qkv_rope import qkv_rope
 
 VARIANTS = {
@@ -83,24 +86,36 @@ def separate(w: dict, s: dict, qkv: bool, pdl, t=None):
     return (*out, q)
 
 
-def block(w: dict, s: dict, qkv: bool, pdl):
+def block(w: dict, s: dict, qkv: bool, pdl, t=None):
     nq = plan.NextQkv(w["wq"], None, EPS, w["pos"], w["cos"], w["sin"], w["kc"], w["vc"],
                       w["slots"], s["heads"]) if qkv else None  # fmt: skip
     return mb.mlp_block(w["o"], w["r"], w["wo"], w["n2"], w["w_gu"], EPS, w["wd"], w["nn"],
-                        qkv=nq, use_pdl=pdl)  # fmt: skip
+                        qkv=nq, use_pdl=pdl, tiles=t)  # fmt: skip
 
 
-def same_bits(w: dict, s: dict, qkv: bool, pdl) -> bool:
-    """The block's outputs (and caches) against the separate launches' on one layer."""
-    caches = [w["kc"].clone(), w["vc"].clone()]
+def block_tiles(w: dict, s: dict, qkv: bool, overrides: dict, always: bool = False):
+    """The block's tiles at these rows with ``--tile`` overrides, or None (its own choice)
+    where there are none and not ``always``."""
+    if not overrides and not always:
+        return None
     rows = (s["heads"] + 2 * s["kv"]) * s["hd"]
     t = mb.block_tiles(w["o"].shape[0], s["h"], s["h"], s["inter"], w["o"].element_size(),
                        (rows, s["hd"] // 2) if qkv else None)  # fmt: skip
+    return dataclasses.replace(t, **overrides)
+
+
+def same_bits(w: dict, s: dict, qkv: bool, pdl, t=None) -> bool:
+    """The block's outputs (and caches) against the separate launches' on one layer, both at
+    the block's tiles (``t``, else its own choice)."""
+    caches = [w["kc"].clone(), w["vc"].clone()]
+    rows = (s["heads"] + 2 * s["kv"]) * s["hd"]
+    t = t or mb.block_tiles(w["o"].shape[0], s["h"], s["h"], s["inter"], w["o"].element_size(),
+                            (rows, s["hd"] // 2) if qkv else None)  # fmt: skip
     want = separate(w, s, qkv, pdl, t)
     kv_want = [w["kc"].clone(), w["vc"].clone()]
     w["kc"].copy_(caches[0])
     w["vc"].copy_(caches[1])
-    got = block(w, s, qkv, pdl)
+    got = block(w, s, qkv, pdl, t)
     same = all(torch.equal(a, b) for a, b in zip(got, want))
     return same and torch.equal(w["kc"], kv_want[0]) and torch.equal(w["vc"], kv_want[1])
 
@@ -122,8 +137,24 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--pdl", choices=("step", "on", "off"), default="step")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="small fp16 shapes (the CPU check)")
+    ap.add_argument(
+        "--tile",
+        action="append",
+        default=[],
+        metavar="KIND=N,K,W,S,SPLIT,TMA",
+        help="the block's tile for o, gate_up, down or qkv (repeatable)",
+    )
+    ap.add_argument(
+        "--same-tiles",
+        action="store_true",
+        help="time the separate launches at the block's tiles too",
+    )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.tile:
+        kind, _, fields = item.partition("=")
+        overrides[kind] = Tile(*(int(f) for f in fields.split(",")))
     s = shapes(args.small)
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float16
@@ -147,16 +178,18 @@ def main(argv=None) -> list[dict]:
             nbytes = 2 * (s["h"] ** 2 + 3 * s["h"] * s["inter"] + qkv * qkv_rows * s["h"])
             floor = nbytes / gbps / 1e3 if gbps else None
             ways = [("separate", {}, separate)] + [(n, e, block) for n, e in VARIANTS.items()]
+            t = block_tiles(layers[0], s, qkv, overrides, always=args.same_tiles)
             for name, env, fn in ways:
                 if not cuda and name == "stride":  # the interpreter runs programs in turn
                     continue
                 row = dict(rows=m, qkv=qkv, way=name, floor_us=floor)
                 row["same_bits"] = None if fn is separate else with_env(
-                    env, same_bits, layers[0], s, qkv, pdl)  # fmt: skip
+                    env, same_bits, layers[0], s, qkv, pdl, t)  # fmt: skip
                 if cuda:
                     from stepgraph.bench.timing import graph_call_us
 
-                    calls = [functools.partial(fn, w, s, qkv, pdl) for w in layers]
+                    tiles = t if fn is block or args.same_tiles else None
+                    calls = [functools.partial(fn, w, s, qkv, pdl, tiles) for w in layers]
                     row["us"] = with_env(env, graph_call_us, calls)
                     row["of_floor"] = floor / row["us"]
                 rows_out.append(row)

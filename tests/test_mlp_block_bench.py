@@ -32,3 +32,13 @@ def test_every_variant_has_the_separate_launches_bits(tmp_path, monkeypatch):
     assert all(r["same_bits"] is True for r in rows if r["way"] != "separate")
     assert out.exists() and all("us" not in r for r in rows)
     assert not any(key in os.environ for env in bench.VARIANTS.values() for key in env)
+
+
+def test_tile_overrides_reach_both_ways():
+    """``--tile`` sets the block's tile, ``--same-tiles`` gives it to the separate launches too:
+    the bits still agree (they would not if only one side took the override)."""
+    bench = load()
+    tiles = ["--tile", "gate_up=32,64,4,3,2,0", "--tile", "down=64,64,4,3,2,0"]
+    rows = bench.main(["--device", "cpu", "--small", "--rows", "3", "--same-tiles", *tiles])
+    blocks = [r for r in rows if r["way"] != "separate"]
+    assert blocks and all(r["same_bits"] is True for r in blocks)

@@ -5,7 +5,8 @@ persistent launch (``kernels/mlp_block``).
     a = gate_up_silu(r)      norm (or the handoff's), gate-up, SiLU * up
     r = r + down(a)          residual add (the handoff to the next norm)
 
-``MLP_BLOCK`` (``STEPGRAPH_MLP_BLOCK=1``; off by default: not measured on a GPU yet) runs the
+``MLP_BLOCK`` (``STEPGRAPH_MLP_BLOCK=1``; off by default: it measured slower on the H200, bs 8
+1.169 against 1.095 ms, docs/results.md H2) runs the
 three as ``mlp_block`` wherever the step takes the norm handoff into a fused gate-up (bucket 8
 on, unsharded) and the block can run the three kernels' tiles (``block_tiles``).
 ``ONE_ROW`` (``STEPGRAPH_MLP_BLOCK_ONE_ROW=1``) adds bs 1, with the handoff taken there too.
