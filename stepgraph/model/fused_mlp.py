@@ -12,8 +12,9 @@ on, unsharded) and the block can run the three kernels' tiles (``block_tiles``).
 ``ONE_ROW`` (``STEPGRAPH_MLP_BLOCK_ONE_ROW=1``) adds bs 1, with the handoff taken there too.
 ``BLOCK_QKV`` (``STEPGRAPH_MLP_BLOCK=qkv``) also runs the next layer's ``qkv_rope`` in the same
 launch where that layer would take it fused on the handoff, and hands its q to the step. Both
-ways compute the same bits (tests/test_mlp_block.py), and the choice is a function of the
-bucket, so eager, graph and exact agree.
+ways compute the same sums in the same order (bit for bit at the 1B's tiles: tests/
+test_mlp_block.py and its GPU tests), and the choice is a function of the bucket, so eager,
+graph and exact agree.
 """
 
 from __future__ import annotations
