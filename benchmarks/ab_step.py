@@ -2,7 +2,8 @@
 round, variant and batch size a graph captured at that bucket alone, its median ms per step
 (CUDA events after warm-up, as ``stepgraph bench`` times it), the fraction of the bandwidth
 floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the step's
-import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK`` among them).
+import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK`` and
+``STEPGRAPH_PROJ_TILES`` among them).
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
         --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
@@ -32,6 +33,7 @@ from stepgraph.bench.workload import (
     kv_bytes,
     weight_bytes,
 )
+from stepgraph.kernels import proj_tiles
 from stepgraph.model import fused_decode, fused_mlp
 from stepgraph.model.kernel_choice import buckets_env
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
@@ -66,6 +68,7 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     fused_mlp.MLP_BLOCK = block in ("1", "qkv")  # prefetch, programs): read at each launch
     fused_mlp.BLOCK_QKV = block == "qkv"
     fused_mlp.ONE_ROW = os.environ.get("STEPGRAPH_MLP_BLOCK_ONE_ROW", "0") == "1"
+    proj_tiles.reload_env_tiles()  # STEPGRAPH_PROJ_TILES: a sweep's tiles, per variant
 
 
 def main() -> None:

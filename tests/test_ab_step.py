@@ -54,3 +54,29 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     ab.apply({}, saved)  # the end of the run: the original environment
     assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ
     assert fused_decode.REFERENCE_ROWS == range(2, 3)
+
+
+def test_apply_switches_the_swept_tiles_per_variant(tmp_path, monkeypatch):
+    """``STEPGRAPH_PROJ_TILES`` per variant: its tiles in the table while the variant runs (a
+    CUBLAS key among them tried as a tile), the table as shipped again after it."""
+    from stepgraph.kernels import proj_tiles
+    from stepgraph.kernels.tile_table import Tile
+
+    ab = load_ab()
+    monkeypatch.delenv(proj_tiles.TILES_ENV, raising=False)
+    for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS"):
+        monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))
+    for name in ("MLP_BLOCK", "BLOCK_QKV", "ONE_ROW"):
+        monkeypatch.setattr(fused_mlp, name, getattr(fused_mlp, name))
+    gu, qkv32 = ("gate_up_silu_normed", 16384, 2048, 16), ("qkv_rope", 3072, 2048, 32)
+    shipped = proj_tiles.TILES[gu]
+    assert qkv32 in proj_tiles.CUBLAS
+    path = tmp_path / "tiles.json"
+    path.write_text('{"gate_up_silu_normed,16384,2048,16": [64, 128, 4, 4, 1, 1], '
+                    '"qkv_rope,3072,2048,32": [16, 128, 4, 3, 4]}')  # fmt: skip
+    saved: dict = {}
+    ab.apply({proj_tiles.TILES_ENV: str(path)}, saved)
+    assert proj_tiles.TILES[gu] == Tile(64, 128, 4, 4, 1, 1) != shipped
+    assert qkv32 not in proj_tiles.CUBLAS and proj_tiles.TILES[qkv32] == Tile(16, 128, 4, 3, 4)
+    ab.apply({}, saved)
+    assert proj_tiles.TILES[gu] == shipped and qkv32 in proj_tiles.CUBLAS

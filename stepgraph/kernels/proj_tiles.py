@@ -64,6 +64,20 @@ SEPARATE_ANY = (
 TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile fields]}: a sweep's
 
 
+_TABLES = (dict(TILES), set(CUBLAS))  # as tile_table holds them, before any switch
+
+
+def reload_env_tiles() -> None:
+    """Put ``TILES`` and ``CUBLAS`` back as ``tile_table`` holds them, then add
+    ``$STEPGRAPH_PROJ_TILES``'s tiles (in place: every reader sees it): a switch that
+    ``benchmarks/ab_step.py`` can flip between the variants of one process."""
+    TILES.clear()
+    TILES.update(_TABLES[0])
+    CUBLAS.clear()
+    CUBLAS.update(_TABLES[1])
+    _env_tiles()
+
+
 def _env_tiles() -> None:
     """Add the tiles of ``$STEPGRAPH_PROJ_TILES`` (``benchmarks/proj_sweep.py --tiles-out``) to
     ``TILES`` (in place of a ``CUBLAS`` choice of the same key): a sweep's choice tried in the
@@ -238,6 +252,7 @@ __all__ = [
     "default_tile",
     "no_pdl_bucket",
     "prefer_cublas",
+    "reload_env_tiles",
     "separate_norm",
     "smem_bytes",
     "splitk_workspace",
