@@ -27,13 +27,15 @@ def test_the_1b_plan_as_committed():
     assert plan[2] == ("reference kernels (REFERENCE_ROWS)", {})
     sums = ", the norm from the sums of squares"
     assert plan[4][1]["qkv"].startswith("norm, then qkv_rope")  # below HANDOFF_MIN_BUCKET
-    assert plan[4][1]["gate_up"] == "norm, then gate_up_silu 64x128 w4 s3 TMA1"
+    assert plan[4][1]["gate_up"] == "norm, then gate_up_silu 64x128 w4 s3 TMA1"  # 2-4 rows
+    assert plan[4][1]["o_proj"] == "gemv_residual 32x512 w4 s1 split4"
     assert plan[4][1]["lm_head"] == "lm_head 256x64 w8 s3 TMA2"
     for b in (8, 16):
         c = plan[b][1]
         assert c["qkv"].startswith("qkv_rope ") and "TMA" not in c["qkv"]
         assert c["qkv"].endswith(f"{sums} (layer 0: norm, then qkv_rope 32x256 w4 s3 split4)")
-        assert c["gate_up"] == "gate_up_silu 64x128 w4 s3 TMA1" + sums  # the _normed tile
+        assert c["gate_up"] == "gate_up_silu 64x128 w4 s4 TMA1" + sums  # the _normed tile
+        assert c["o_proj"] == "gemv_residual 32x128 w4 s4 split2 TMA2"  # 5 rows on (H9-H10)
         assert c["down"] == "gemv_residual 64x128 w4 s5 split4 TMA1"
         assert c["lm_head"] == "lm_head 256x64 w8 s3 TMA2" + sums
     assert plan[32][1]["qkv"] == plan[64][1]["qkv"] == "norm + cuBLAS + RoPE/KV write"

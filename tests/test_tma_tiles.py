@@ -250,3 +250,17 @@ def test_tile_table_is_launchable():
     for kernel, n, k, bm in proj_tiles.SEPARATE_NORM:
         assert (f"{kernel}_normed", n, k, bm) in proj_tiles.TILES
         assert (kernel, n, k, bm) not in proj_tiles.CUBLAS  # CUBLAS is checked first
+
+
+@pytest.mark.parametrize("m, keys", [(1, (1,)), (2, (4, 16)), (4, (4, 16)), (5, (16,)),
+                                     (16, (16,)), (17, (32,))])  # fmt: skip
+def test_table_rows_at_the_small_class_edges(m, keys):
+    """2-4 rows look up the small class (key 4) before 16; 5 rows on, 16 alone; 1 and 17 their
+    own classes."""
+    from stepgraph.kernels.proj_tiles import table_rows, tile_for
+    from stepgraph.kernels.tile_table import TILES
+
+    assert table_rows(m) == keys
+    o = ("gemv_residual", 2048, 2048)
+    if 2 <= m <= 16:  # the 1B's o_proj: its 2-4 row tile, else its 16-row one
+        assert tile_for(o[0], m, *o[1:]) == TILES[(*o, 4 if m <= 4 else 16)]

@@ -130,11 +130,21 @@ def smem_bytes(kernel: str, tile: Tile, m: int, elem_bytes: int) -> int:
     return stages * (block_m(m) + rows) * tile.block_k * elem_bytes
 
 
+def table_rows(m: int) -> tuple[int, ...]:
+    """The ``TILES`` row keys ``m`` rows look up, first match wins: 4 then 16 for 2-4 rows (the
+    default buckets 2 and 4; a custom bucket that straddles 4 and 5 rows would pick two tiles
+    for one graph, as the ``block_m`` classes do at 16 and 17), else ``block_m(m)``."""
+    return (4, 16) if 2 <= m <= 4 else (block_m(m),)
+
+
 def tile_for(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> Tile:
     """The tile ``kernel`` launches for ``m`` rows of an ``[n, k]`` weight of ``elem_bytes``
     bytes an element. ``TILES`` was measured in bf16: other sizes (float32) take the rule, as
     does a table tile whose pipeline would not fit in shared memory."""
-    tile = TILES.get((kernel, n, k, block_m(m))) if elem_bytes == 2 else None
+    tile = None
+    if elem_bytes == 2:
+        tile = next((TILES[key] for key in ((kernel, n, k, c) for c in table_rows(m))
+                     if key in TILES), None)  # fmt: skip
     if tile is None or smem_bytes(kernel, tile, m, elem_bytes) > SMEM_BUDGET:
         tile = default_tile(kernel, m, n, k)
     return tile
@@ -256,6 +266,7 @@ __all__ = [
     "separate_norm",
     "smem_bytes",
     "splitk_workspace",
+    "table_rows",
     "tile_for",
     "tma_descriptors",
 ]

@@ -28,7 +28,12 @@ class Tile:
         return opts
 
 
-# (kernel, n, k, BLOCK_M) -> Tile, at Llama-3.2-1B's shapes (n: weight rows, all of them).
+# (kernel, n, k, BLOCK_M) -> Tile, at Llama-3.2-1B's shapes (n: weight rows, all of them). A key
+# with 4 in place of BLOCK_M serves 2-4 rows before the key with 16 (proj_tiles.table_rows):
+# the step measured o_proj's weight through TMA and gate-up with four stages faster at buckets
+# 8-16 and slower at bucket 4 (benchmarks/ab_step.py, three interleaved rounds, graph, ctx 512,
+# runs H9-H10: bs 8 1.096 ms against 1.100, bs 16 1.145 against 1.152, ctx 4096 1.316 / 1.593
+# against 1.324 / 1.604; bs 3 1.072 against 1.061, bs 4 1.082 against 1.071).
 # Measured on the H200 (benchmarks/proj_sweep.py, bf16, PDL on, 16 calls over 16 weights, µs
 # per call; 2026-12-01, rounds 2-4: round 4 with the TMA tiles, Tile(..., tma), whose figures
 # follow; the sweeps vary by about 3% run to run); see docs/results.md, "decode kernels bs 2-64
@@ -39,7 +44,8 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
     ("qkv_rope", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 9.04 (cuBLAS GEMM alone 6.52)
     ("qkv_rope", *_QKV, 32): Tile(16, 128, 4, 3, 4),  # 14.52 (6.58): CUBLAS below
     ("qkv_rope", *_QKV, 64): Tile(32, 128, 4, 3, 4),  # 21.53 (6.76): CUBLAS below
-    ("gemv_residual", *_O, 16): Tile(32, 512, 4, 1, 4),  # 5.04 (6.17)
+    ("gemv_residual", *_O, 16): Tile(32, 128, 4, 4, 2, 2),  # H9-H10, with gate-up's s4 below
+    ("gemv_residual", *_O, 4): Tile(32, 512, 4, 1, 4),  # 5.04 (6.17); 2-4 rows
     ("gemv_residual", *_O, 32): Tile(32, 128, 4, 4, 2),  # 5.79 (6.19)
     ("gemv_residual", *_O, 64): Tile(32, 128, 4, 4, 2),  # 6.46 (6.32)
     ("gate_up_silu", *_GU, 16): Tile(64, 128, 8, 4, 1),  # 20.67 (18.57)
@@ -56,7 +62,8 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
     ("qkv_rope_normed", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 7.14
     ("qkv_rope_normed", *_QKV, 32): Tile(16, 128, 4, 3, 4, 1),  # 8.04
     ("qkv_rope_normed", *_QKV, 64): Tile(16, 64, 4, 3, 2),  # 10.74
-    ("gate_up_silu_normed", *_GU, 16): Tile(64, 128, 4, 3, 1, 1),  # 17.81
+    ("gate_up_silu_normed", *_GU, 16): Tile(64, 128, 4, 4, 1, 1),  # H9-H10 (see above)
+    ("gate_up_silu_normed", *_GU, 4): Tile(64, 128, 4, 3, 1, 1),  # 17.81; 2-4 rows
     ("gate_up_silu_normed", *_GU, 32): Tile(64, 128, 4, 3, 1, 1),  # 18.32
     ("gate_up_silu_normed", *_GU, 64): Tile(64, 128, 4, 3, 1, 1),  # 19.46
 }
