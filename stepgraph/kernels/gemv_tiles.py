@@ -224,6 +224,13 @@ def gemv_loop(
         a1 = mul_acc(a1, w1, x, BLOCK_M)
         if PAIRED:
             a2 = mul_acc(a2, w2, x, BLOCK_M)
+    return finish_acc(a1, a2, PAIRED, BLOCK_M)
+
+
+@triton.jit
+def finish_acc(a1, a2, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr):
+    # the K loop's accumulators as the epilogues take them: one row's [BLOCK_N, BLOCK_K]
+    # products summed to [1, BLOCK_N]; acc2 = acc1 unless PAIRED
     if BLOCK_M == 1:
         a1 = tl.sum(a1, axis=1)[None, :]  # [1, BLOCK_N]
         a2 = tl.sum(a2, axis=1)[None, :]
@@ -259,6 +266,7 @@ def norm_block(m: int, k: int) -> int:
 
 __all__ = [
     "MAX_M",
+    "finish_acc",
     "first_w_tile",
     "gemv_loop",
     "gpu_fence",

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import block_sync as bs
-from .gemv_tiles import mul_acc, splitk_reduce, x_tile
+from .gemv_tiles import finish_acc, mul_acc, splitk_reduce, x_tile
 from .norm_handoff import residual_out, ssq_inv_rms
 from .qkv_rope import rope_kv_out
 from .tma_tiles import dot_t, l2_prefetch
@@ -71,12 +71,7 @@ def _k_loop(
     if TMA == 1:
         a1 = tl.trans(a1)
         a2 = tl.trans(a2)
-    if BLOCK_M == 1:
-        a1 = tl.sum(a1, axis=1)[None, :]  # [1, BLOCK_N]
-        a2 = tl.sum(a2, axis=1)[None, :]
-    if not PAIRED:
-        a2 = a1
-    return a1, a2
+    return finish_acc(a1, a2, PAIRED, BLOCK_M)
 
 
 @triton.jit
