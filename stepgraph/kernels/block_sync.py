@@ -32,6 +32,7 @@ SLOTS = 3  # before the counters
 QUEUE = tl.constexpr(0)
 EXITS = tl.constexpr(1)
 FAULT = 2  # the interpreter's: set where an item found its inputs not done (see wait_count)
+_FAULT = tl.constexpr(FAULT)  # the same slot, as kernels read it
 COUNTERS = tl.constexpr(SLOTS)
 
 
@@ -77,7 +78,7 @@ def wait_count(counter_ptr, target, sync_ptr, TMA_AFTER: tl.constexpr):
         while seen < target:
             seen = tl.load(counter_ptr, volatile=True)
     else:
-        tl.store(sync_ptr + 2, 1, mask=seen < target)  # FAULT
+        tl.store(sync_ptr + _FAULT, 1, mask=seen < target)
     gpu_fence()
     if TMA_AFTER:
         proxy_fence()
@@ -103,7 +104,7 @@ def exit_and_reset(sync_ptr, N_COUNTERS: tl.constexpr, BLOCK_C: tl.constexpr):
     n = tl.atomic_add(sync_ptr + EXITS, 1, sem="acq_rel", scope="gpu")
     upto = tl.where(n == tl.num_programs(0) - 1, COUNTERS + N_COUNTERS, 0)
     offs = tl.arange(0, BLOCK_C)
-    mask = (offs < upto) & (offs != 2)  # FAULT stays for the launcher to read
+    mask = (offs < upto) & (offs != _FAULT)  # FAULT stays for the launcher to read
     tl.atomic_xchg(sync_ptr + offs, 0, mask=mask, sem="relaxed", scope="gpu")
 
 
