@@ -11,7 +11,7 @@ import torch
 
 from stepgraph.batch import PACKED
 from stepgraph.runner.feed import feed_id
-from stepgraph.runner.graph_inputs import BLOCK_P, captured_inputs
+from stepgraph.runner.graph_inputs import BLOCK_P, COPY_ENV, captured_inputs
 from stepgraph.runner.input_buffers import GraphInputBuffers, pad_row
 from stepgraph.runner.staging import PinnedStaging
 
@@ -44,11 +44,19 @@ def _fields(bufs: GraphInputBuffers, n: int) -> list[torch.Tensor]:
                                     bufs.seq_lens, bufs.block_table)]  # fmt: skip
 
 
-@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("staged", [False, "host", "copy"])
 @pytest.mark.parametrize("fed", [False, True])
 @pytest.mark.parametrize("bucket", [1, 17])
-def test_one_launch_equals_the_torch_ops(staged, fed, bucket):
-    g = torch.Generator().manual_seed(bucket * 4 + 2 * staged + fed)
+def test_one_launch_equals_the_torch_ops(staged, fed, bucket, monkeypatch):
+    """``staged="host"``: the kernel reads the slot from the host rows (the default), and the
+    device copy is poisoned, so reading it would fail; ``"copy"``: STEPGRAPH_STAGING_COPY=1,
+    the slots copied to the device first (the host rows then poisoned after the copy would
+    not matter, so the torch ops' result is the check)."""
+    if staged == "copy":
+        monkeypatch.setenv(COPY_ENV, "1")
+    else:
+        monkeypatch.delenv(COPY_ENV, raising=False)
+    g = torch.Generator().manual_seed(bucket * 4 + 2 * bool(staged) + fed + 8 * (staged == "copy"))
     feed = torch.randint(0, 2**20, (FEED,), generator=g) if fed else None
     (kb, ks), (tb, ts) = _setup(staged), _setup(staged)
     for replay in range(3):  # slots 0, 1, 0 when staged
@@ -59,6 +67,8 @@ def test_one_launch_equals_the_torch_ops(staged, fed, bucket):
             else:
                 bufs.packed[:] = rows[0]
             _poison(bufs)
+        if ks is not None:
+            ks.device_rows.fill_(-9)  # "host": never read; "copy": overwritten by the copy
         captured_inputs(kb, bucket, ks, feed, unpack=True, kernel=True)
         captured_inputs(tb, bucket, ts, feed, unpack=True, kernel=False)
         for got, want in zip(_fields(kb, bucket), _fields(tb, bucket)):

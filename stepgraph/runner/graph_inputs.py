@@ -8,7 +8,10 @@ flip and the copy count, five field copies, five for the feed), about 2 µs each
 and 11 of the 110 launches of a one-row step. ``fill_inputs`` runs it as one Triton launch,
 one program per row:
 
-    slot       staged: ``copies & 1`` (``staging.py``: replay k reads slot k % 2)
+    slot       staged: ``copies & 1`` (``staging.py``: replay k reads slot k % 2), read
+               from the host's pinned slots through their mapped address: no H2D memcpy
+               node (``STEPGRAPH_STAGING_COPY=1``, the A/B switch read at capture: both
+               slots copied to the device first, as before)
     fields     input_ids (feed resolved), positions, out_cache_loc int64; seq_lens int32
     table      block_table int32, in chunks of ``BLOCK_P`` pages
     count      staged: the last program to finish (an atomic ticket) bumps ``copies``, sets
@@ -22,6 +25,8 @@ checks the kernel against them under the Triton interpreter.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,11 +35,12 @@ from ..batch import PACKED
 from .feed import resolve_feed
 
 BLOCK_P = 128  # block-table pages per inner iteration
+COPY_ENV = "STEPGRAPH_STAGING_COPY"  # "1": the slots' H2D memcpy node, then the launch
 
 
 @triton.jit
 def _fill_inputs_kernel(
-    src_ptr,  # int64 rows: [B, W] (packed) or [max_bs, 2, W] (staged slots)
+    src_ptr,  # int64 rows: [B, W] (packed) or [max_bs, 2, W] (staged slots, host or device)
     row_stride,  # elements between two rows
     slot_stride,  # elements between the two staged slots
     copies_ptr,  # int64 [1]: replays that copied (staged)
@@ -83,13 +89,15 @@ def _fill_inputs_kernel(
 
 def captured_inputs(buffers, bucket: int, staging, feed, unpack: bool, kernel: bool) -> None:
     """Captured: the live batch into ``buffers``' static fields. ``kernel`` (CUDA, packed
-    inputs): the slots' copy, then one ``fill_inputs`` launch (which also mirrors the copy
-    count to the host); else the torch ops (the staged slot selected, the packed rows unpacked,
-    the feed resolved)."""
+    inputs): one ``fill_inputs`` launch, which reads the staged slot from pinned host memory
+    and mirrors the copy count to the host (with ``STEPGRAPH_STAGING_COPY=1``: the slots'
+    copy to the device first, read there); else the torch ops (the staged slot selected, the
+    packed rows unpacked, the feed resolved)."""
     if kernel:
-        if staging is not None:
+        copy = staging is not None and os.environ.get(COPY_ENV, "0") == "1"
+        if copy:
             staging.copy_slots(bucket)
-        fill_inputs(buffers, bucket, staging, feed)
+        fill_inputs(buffers, bucket, staging, feed, from_host=not copy)
         return
     if staging is not None:
         staging.upload(bucket, buffers.packed)
@@ -99,12 +107,17 @@ def captured_inputs(buffers, bucket: int, staging, feed, unpack: bool, kernel: b
         resolve_feed(buffers.input_ids[:bucket], feed)
 
 
-def fill_inputs(buffers, bucket: int, staging=None, feed: torch.Tensor | None = None) -> None:
+def fill_inputs(
+    buffers, bucket: int, staging=None, feed: torch.Tensor | None = None, from_host: bool = True
+) -> None:
     """Captured: rows ``[:bucket]`` of the packed inputs (``staging``'s slot of this replay, or
-    ``buffers.packed``) into ``buffers``' fields, ids read from ``feed`` where they ask."""
+    ``buffers.packed``) into ``buffers``' fields, ids read from ``feed`` where they ask.
+    ``from_host``: the slot is read from ``staging.host`` (pinned: device-visible at the same
+    address under unified addressing), else from its device copy ``staging.device_rows``."""
     assert PACKED.fields == ("input_ids", "positions", "out_cache_loc", "seq_lens")
     if staging is not None:
-        src, slot_stride = staging.device_rows, staging.device_rows.stride(1)
+        src = staging.host if from_host else staging.device_rows  # the same [max_bs, 2, W]
+        slot_stride = src.stride(1)
         copies, parity, ticket = staging.copies, staging.parity, staging.ticket
         copied = staging.copied  # pinned: the kernel writes it through its mapped address
     else:
@@ -121,4 +134,4 @@ def fill_inputs(buffers, bucket: int, staging=None, feed: torch.Tensor | None = 
     )  # fmt: skip
 
 
-__all__ = ["BLOCK_P", "captured_inputs", "fill_inputs"]
+__all__ = ["BLOCK_P", "COPY_ENV", "captured_inputs", "fill_inputs"]

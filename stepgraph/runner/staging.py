@@ -5,9 +5,14 @@ time on the H200 VM, where every CUDA call costs 8-17 us). With
 ``RunnerConfig(pinned_staging=True)`` the host path makes no CUDA call but the graph launch: it
 writes the rows into pinned memory (numpy), and each captured step begins by fetching them:
 
-    host   [max_bs, 2, width] int64, pinned     two slots; replay k reads slot k % 2
-    device [max_bs, 2, width] int64             both slots' rows [:B]: one memcpy node (the
-                                                slots interleave, so rows [:B] are contiguous)
+    host   [max_bs, 2, width] int64, pinned     two slots; replay k reads slot k % 2, on
+                                                CUDA straight from here (``graph_inputs``:
+                                                pinned memory is device-visible at its
+                                                address, so no H2D memcpy node)
+    device [max_bs, 2, width] int64             both slots' rows [:B], one memcpy node (the
+                                                slots interleave, so rows [:B] are
+                                                contiguous): the CPU stand-in, and CUDA with
+                                                ``STEPGRAPH_STAGING_COPY=1``
     parity [1] int64, device                    which slot this replay reads; flipped in-graph
     packed [max_bs, width]                      rows [:B] of slot ``parity`` (index_select)
     copied [1] int64, pinned host               replays whose copy has run: on CUDA written by
@@ -17,10 +22,10 @@ writes the rows into pinned memory (numpy), and each captured step begins by fet
 The rule (also in ``docs/design.md``): the host writes slot ``k % 2`` for replay ``k`` only once
 ``copied >= k - 1``, i.e. once replay ``k - 2``, the last one to read that slot, has copied it;
 so it never overwrites rows whose copy has not run. It may write slot ``(k + 1) % 2`` while
-replay ``k`` runs: replay ``k`` copies that slot too (a graph's addresses are fixed) but
-discards it. The counts start at 0 after capture and advance together: every captured graph
-flips the parity and bumps ``copied`` once per replay, and nothing else touches them. A graph
-replayed by hand (``graph.replay()``, as a benchmark of the bare launch does) counts on the
+replay ``k`` runs: replay ``k`` reads only its own slot (where it copies both, a graph's
+addresses being fixed, it discards the other). The counts start at 0 after capture and
+advance together: every captured graph flips the parity and bumps ``copied`` once per
+replay, and nothing else touches them. A graph replayed by hand (``graph.replay()``, as a benchmark of the bare launch does) counts on the
 device only; the next ``stage`` sees ``copied`` ahead of its count, waits for the device and
 counts from there (a hand replay still in flight then goes unseen: replay through the runner).
 Reading ``copied`` is a load from pinned memory, not a CUDA call (an event record plus query
