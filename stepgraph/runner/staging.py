@@ -20,16 +20,16 @@ writes the rows into pinned memory (numpy), and each captured step begins by fet
                                                 node), on the CPU stand-in a copy
 
 The rule (also in ``docs/design.md``): the host writes slot ``k % 2`` for replay ``k`` only once
-``copied >= k - 1``, i.e. once replay ``k - 2``, the last one to read that slot, has copied it;
-so it never overwrites rows whose copy has not run. It may write slot ``(k + 1) % 2`` while
-replay ``k`` runs: replay ``k`` reads only its own slot (where it copies both, a graph's
-addresses being fixed, it discards the other). The counts start at 0 after capture and
-advance together: every captured graph flips the parity and bumps ``copied`` once per
-replay, and nothing else touches them. A graph replayed by hand (``graph.replay()``, as a benchmark of the bare launch does) counts on the
-device only; the next ``stage`` sees ``copied`` ahead of its count, waits for the device and
+``copied >= k - 1``, i.e. once replay ``k - 2``, the last one to read that slot, has copied it; so
+it never overwrites rows whose copy has not run. It may write slot ``(k + 1) % 2`` while replay
+``k`` runs: replay ``k`` reads only its own slot (where it copies both, a graph's addresses being
+fixed, it discards the other). The counts start at 0 after capture and advance together: every
+captured graph flips the parity and bumps ``copied`` once per replay, and nothing else touches
+them. A graph replayed by hand (``graph.replay()``, as a benchmark of the bare launch does) counts
+on the device only; the next ``stage`` sees ``copied`` ahead of its count, waits for the device and
 counts from there (a hand replay still in flight then goes unseen: replay through the runner).
-Reading ``copied`` is a load from pinned memory, not a CUDA call (an event record plus query
-cost 16 us there).
+Reading ``copied`` is a load from pinned memory, not a CUDA call (an event record plus query cost
+16 us there).
 """
 
 from __future__ import annotations
