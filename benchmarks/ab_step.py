@@ -2,8 +2,9 @@
 round, variant and batch size a graph captured at that bucket alone, its median ms per step
 (CUDA events after warm-up, as ``stepgraph bench`` times it), the fraction of the bandwidth
 floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the step's
-import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK`` and
-``STEPGRAPH_PROJ_TILES`` among them).
+import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK``,
+``STEPGRAPH_PROJ_TILES``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM`` and
+``STEPGRAPH_CUBLAS_HANDOFF`` among them).
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
         --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
@@ -68,7 +69,9 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     fused_mlp.MLP_BLOCK = block in ("1", "qkv")  # prefetch, programs): read at each launch
     fused_mlp.BLOCK_QKV = block == "qkv"
     fused_mlp.ONE_ROW = os.environ.get("STEPGRAPH_MLP_BLOCK_ONE_ROW", "0") == "1"
-    proj_tiles.reload_env_tiles()  # STEPGRAPH_PROJ_TILES: a sweep's tiles, per variant
+    fused_mlp.CUBLAS_HANDOFF = os.environ.get("STEPGRAPH_CUBLAS_HANDOFF", "1") != "0"
+    # STEPGRAPH_PROJ_TILES (a sweep's tiles), STEPGRAPH_PROJ_CUBLAS, STEPGRAPH_SEPARATE_NORM
+    proj_tiles.reload_env_tiles()
 
 
 def main() -> None:

@@ -56,6 +56,31 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     assert fused_decode.REFERENCE_ROWS == range(2, 3)
 
 
+def test_apply_rereads_the_cublas_handoff_and_the_table_switches(monkeypatch):
+    from stepgraph.kernels import proj_tiles
+
+    ab = load_ab()
+    for name in ("STEPGRAPH_CUBLAS_HANDOFF", "STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(fused_mlp, "CUBLAS_HANDOFF", fused_mlp.CUBLAS_HANDOFF)
+    saved: dict = {}
+    try:
+        ab.apply({"STEPGRAPH_CUBLAS_HANDOFF": "0", "STEPGRAPH_SEPARATE_NORM": "qkv_rope:32",
+                  "STEPGRAPH_PROJ_CUBLAS": "gate_up_silu:16"}, saved)  # fmt: skip
+        assert fused_mlp.CUBLAS_HANDOFF is False
+        assert proj_tiles.SEPARATE_ANY == {("qkv_rope", 32)}
+        assert proj_tiles.CUBLAS_ANY == {("gate_up_silu", 16)}
+        assert proj_tiles.separate_norm("qkv_rope", 32, 3072, 2048)
+        ab.apply({}, saved)
+        assert fused_mlp.CUBLAS_HANDOFF is True
+        assert proj_tiles.SEPARATE_ANY == set() == proj_tiles.CUBLAS_ANY
+        assert not proj_tiles.separate_norm("qkv_rope", 32, 3072, 2048)
+    finally:
+        for name in ("STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS"):
+            os.environ.pop(name, None)
+        proj_tiles.reload_env_tiles()
+
+
 def test_apply_switches_the_swept_tiles_per_variant(tmp_path, monkeypatch):
     """``STEPGRAPH_PROJ_TILES`` per variant: its tiles in the table while the variant runs (a
     CUBLAS key among them tried as a tile), the table as shipped again after it."""
@@ -68,20 +93,20 @@ def test_apply_switches_the_swept_tiles_per_variant(tmp_path, monkeypatch):
         monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))
     for name in ("MLP_BLOCK", "BLOCK_QKV", "ONE_ROW"):
         monkeypatch.setattr(fused_mlp, name, getattr(fused_mlp, name))
-    gu, qkv32 = ("gate_up_silu_normed", 16384, 2048, 16), ("qkv_rope", 3072, 2048, 32)
+    gu, qkv64 = ("gate_up_silu_normed", 16384, 2048, 16), ("qkv_rope", 3072, 2048, 64)
     shipped = proj_tiles.TILES[gu]
-    assert qkv32 in proj_tiles.CUBLAS
+    assert qkv64 in proj_tiles.CUBLAS
     path = tmp_path / "tiles.json"
     path.write_text('{"gate_up_silu_normed,16384,2048,16": [64, 128, 4, 5, 1, 1], '
-                    '"qkv_rope,3072,2048,32": [16, 128, 4, 3, 4]}')  # fmt: skip
+                    '"qkv_rope,3072,2048,64": [16, 128, 4, 3, 4]}')  # fmt: skip
     saved: dict = {}
     try:
         ab.apply({proj_tiles.TILES_ENV: str(path)}, saved)
         assert proj_tiles.TILES[gu] == Tile(64, 128, 4, 5, 1, 1) != shipped
-        assert qkv32 not in proj_tiles.CUBLAS
-        assert proj_tiles.TILES[qkv32] == Tile(16, 128, 4, 3, 4)
+        assert qkv64 not in proj_tiles.CUBLAS
+        assert proj_tiles.TILES[qkv64] == Tile(16, 128, 4, 3, 4)
         ab.apply({}, saved)
-        assert proj_tiles.TILES[gu] == shipped and qkv32 in proj_tiles.CUBLAS
+        assert proj_tiles.TILES[gu] == shipped and qkv64 in proj_tiles.CUBLAS
     finally:  # the shipped tables for the tests after this one, whatever happened here
         os.environ.pop(proj_tiles.TILES_ENV, None)
         proj_tiles.reload_env_tiles()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stepgraph.errors import ConfigError
 from stepgraph.kernels.fused_act import silu_mul
 from stepgraph.kernels.fused_norm import add_rmsnorm, embed_rmsnorm
 from stepgraph.kernels.gemv import gemv
@@ -104,6 +105,56 @@ def test_rope_kv(nan_empty, dtype):
     untouched[slots] = False
     assert torch.equal(k_flat[untouched], k0.view(-1, n_kv, hd)[untouched])
     assert torch.equal(v_flat[untouched], v0.view(-1, n_kv, hd)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rope_kv_scales_by_the_handoffs_rms_then_adds_the_bias(nan_empty, dtype, bias):
+    """``ssq``: the row of a GEMM of ``r * norm_w`` times r's 1 / RMS (from per-tile sums of
+    squares, 5 parts: a padded reduce), plus the bias, then rotated; float64 reference."""
+    n_heads, n_kv, hd, pages, ps, t, hidden, parts, eps = 4, 2, 16, 5, 8, 3, 40, 5, 1e-5
+    g = torch.Generator().manual_seed(11 + bias)
+    width = (n_heads + 2 * n_kv) * hd
+    raw = torch.randn(t, width, generator=g).to(dtype)  # (r * norm_w) @ W^T, not scaled
+    r = torch.randn(t, hidden, generator=g, dtype=torch.float64) * 3
+    ssq = torch.stack([(c * c).sum(1) for c in r.chunk(parts, 1)], 1).float()  # [t, parts]
+    b = torch.randn(width, generator=g).to(dtype) if bias else None
+    freqs = torch.rand(64, hd // 2, generator=g, dtype=torch.float64) * 6
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos_t, sin_t = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions, slots = torch.tensor([7, 0, 63]), torch.tensor([ps - 1, ps, 4 * ps + 3])
+    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    q = rope_kv(raw, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads,
+                ssq=ssq, hidden=hidden, eps=eps, bias=b)  # fmt: skip
+    inv = (r.pow(2).mean(1, keepdim=True) + eps).rsqrt()
+    row = raw.double() * inv + (b.double() if bias else 0)
+    qd, kd, vd = row.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+    cos, sin = cos_t[positions].double(), sin_t[positions].double()
+    assert rel_err(q, rope64(qd.view(t, n_heads, hd), cos, sin)) < TOL[dtype]
+    k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
+    assert rel_err(k_flat[slots], rope64(kd.view(t, n_kv, hd), cos, sin)) < TOL[dtype]
+    assert rel_err(v_flat[slots], vd.view(t, n_kv, hd)) < TOL[dtype]
+    assert rel_err(v_flat[slots], raw[:, -n_kv * hd :].view(t, n_kv, hd).double()) > 1e-2
+
+
+def test_rope_kv_refuses_a_handoff_without_its_width_and_a_wrong_bias():
+    n_heads, n_kv, hd, t = 2, 1, 8, 2
+    qkv = torch.randn(t, (n_heads + 2 * n_kv) * hd)
+    cache = torch.zeros(2, 4, n_kv, hd)
+    args = (qkv, torch.tensor([0, 1]), torch.ones(4, hd), torch.zeros(4, hd), cache,
+            cache.clone(), torch.tensor([1, 2]), n_heads)  # fmt: skip
+    ssq = torch.ones(t, 3)
+    for hidden in (0, True, 2.0):
+        with pytest.raises(ConfigError, match="hidden"):
+            rope_kv(*args, ssq=ssq, hidden=hidden)
+    with pytest.raises(ConfigError, match="ssq must be"):
+        rope_kv(*args, ssq=torch.ones(t - 1, 3), hidden=16)  # one row short
+    rope_kv(*args, ssq=torch.ones(t, 3), hidden=16)  # exactly t rows: taken
+    with pytest.raises(ConfigError, match="bias must be"):
+        rope_kv(*args, bias=torch.zeros(qkv.shape[1] + 1))
+    with pytest.raises(ConfigError, match="bias must be"):
+        rope_kv(*args, bias=torch.zeros(qkv.shape[1], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -54,6 +54,10 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     assert any(v["pdl"] for v in steps["1"] if v["kernel"] == "_norm_gemv_kernel")
     assert any(v["tma"] for v in steps["32"] + steps["64"])
     assert any(v["kernel"] == "_add_rmsnorm_kernel" for v in steps["8"])  # embedding + norm
+    # qkv: fused at 32 rows; on cuBLAS at 64, its RoPE kernel after the norm's at layer 0 and
+    # on the norm handoff (the 1 / RMS from the sums of squares) at layer 1
+    rope = [[v["kernel"] for v in steps[b]].count("_rope_kv_kernel") for b in ("32", "64")]
+    assert rope == [0, 2]
     # the persistent MLP half: the step's at bs 8 (a layer each, twice: without and with the
     # next qkv; no PDL there, NO_PDL_BUCKETS), then the stride schedule's at 64 rows with PDL
     # then at one row (no TMA: the GEMV loop; PDL), with the next qkv

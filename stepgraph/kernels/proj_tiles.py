@@ -51,16 +51,18 @@ def _env_pairs(name: str) -> set[tuple[str, int]]:
     return {(kernel, int(bm)) for kernel, _, bm in items if kernel}
 
 
+def _separate_env() -> set[tuple[str, int]]:
+    if os.environ.get("STEPGRAPH_SEPARATE_NORM", "").strip() == "all":
+        return {(k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)}
+    return _env_pairs("STEPGRAPH_SEPARATE_NORM")
+
+
 # The A/B switch of a measurement: STEPGRAPH_PROJ_CUBLAS="qkv_rope:16,gate_up_silu:32" also runs
 # those kernels' unfused pieces at that BLOCK_M, for every shape
 CUBLAS_ANY = _env_pairs("STEPGRAPH_PROJ_CUBLAS")
 # The A/B switch of tile_table.SEPARATE_NORM: STEPGRAPH_SEPARATE_NORM="qkv_rope:16,..." or "all"
 # also runs the norm as its own kernel there, for every shape
-SEPARATE_ANY = (
-    {(k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)}
-    if os.environ.get("STEPGRAPH_SEPARATE_NORM", "").strip() == "all"
-    else _env_pairs("STEPGRAPH_SEPARATE_NORM")
-)
+SEPARATE_ANY = _separate_env()
 TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile fields]}: a sweep's
 
 
@@ -69,13 +71,18 @@ _TABLES = (dict(TILES), set(CUBLAS))  # as tile_table holds them, before any swi
 
 def reload_env_tiles() -> None:
     """Put ``TILES`` and ``CUBLAS`` back as ``tile_table`` holds them, then add
-    ``$STEPGRAPH_PROJ_TILES``'s tiles (in place: every reader sees it): a switch that
+    ``$STEPGRAPH_PROJ_TILES``'s tiles, and re-read ``STEPGRAPH_PROJ_CUBLAS`` and
+    ``STEPGRAPH_SEPARATE_NORM`` (in place: every reader sees it): switches that
     ``benchmarks/ab_step.py`` can flip between the variants of one process."""
     TILES.clear()
     TILES.update(_TABLES[0])
     CUBLAS.clear()
     CUBLAS.update(_TABLES[1])
     _env_tiles()
+    for now, env in ((CUBLAS_ANY, _env_pairs("STEPGRAPH_PROJ_CUBLAS")),
+                     (SEPARATE_ANY, _separate_env())):  # fmt: skip
+        now.clear()
+        now.update(env)
 
 
 def _env_tiles() -> None:

@@ -42,7 +42,7 @@ class Tile:
 _QKV, _GU, _O, _DOWN, _LM = (3072, 2048), (16384, 2048), (2048, 2048), (2048, 8192), (128256, 2048)
 TILES: dict[tuple[str, int, int, int], Tile] = {
     ("qkv_rope", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 9.04 (cuBLAS GEMM alone 6.52)
-    ("qkv_rope", *_QKV, 32): Tile(16, 128, 4, 3, 4),  # 14.52 (6.58): CUBLAS below
+    ("qkv_rope", *_QKV, 32): Tile(16, 128, 4, 3, 4),  # 14.52 (6.58): layer 0 (the embedding)
     ("qkv_rope", *_QKV, 64): Tile(32, 128, 4, 3, 4),  # 21.53 (6.76): CUBLAS below
     ("gemv_residual", *_O, 16): Tile(32, 128, 4, 4, 2, 2),  # H9-H10, with gate-up's s4 below
     ("gemv_residual", *_O, 4): Tile(32, 512, 4, 1, 4),  # 5.04 (6.17); 2-4 rows
@@ -55,12 +55,12 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
     ("gemv_residual", *_DOWN, 32): Tile(64, 128, 4, 5, 4, 1),  # 12.30 (13.95)
     ("gemv_residual", *_DOWN, 64): Tile(64, 128, 4, 5, 4, 1),  # 13.91 (14.23)
     ("lm_head", *_LM, 16): Tile(256, 64, 8, 3, 1, 2),  # 141.09 (144.22)
-    ("lm_head", *_LM, 32): Tile(256, 64, 8, 3, 1, 1),  # 158.59 (150.42): CUBLAS below
+    ("lm_head", *_LM, 32): Tile(256, 64, 8, 3, 1, 1),  # 158.59 (150.42); in the step, I2-I3
     ("lm_head", *_LM, 64): Tile(128, 64, 4, 4, 1, 2),  # 211.55 (162.74): CUBLAS below
     # x normed by its own kernel (SEPARATE_NORM below; round 5, 2026-12-01: cuBLAS GEMM alone
     # 6.54 / 6.61 / 6.76 for qkv and 18.54 / 19.00 / 19.50 for gate-up at 16 / 32 / 64 rows)
     ("qkv_rope_normed", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 7.14
-    ("qkv_rope_normed", *_QKV, 32): Tile(16, 128, 4, 3, 4, 1),  # 8.04
+    ("qkv_rope_normed", *_QKV, 32): Tile(16, 128, 4, 5, 4, 1),  # I3, five stages (3: 8.04)
     ("qkv_rope_normed", *_QKV, 64): Tile(16, 64, 4, 3, 2),  # 10.74
     ("gate_up_silu_normed", *_GU, 16): Tile(64, 128, 4, 4, 1, 1),  # H9-H10 (see above)
     ("gate_up_silu_normed", *_GU, 4): Tile(64, 128, 4, 3, 1, 1),  # 17.81; 2-4 rows
@@ -76,11 +76,13 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
 # With the norm handoff (from bucket 8 on) gate-up at 64 rows streams the activation as the
 # _normed variant does, with no norm kernel (19.46 µs against 19.5 + ~3.2), so it runs fused:
 # bench, graph, ctx 512 (run F7), bs 48 1.307 ms against 1.368 on cuBLAS, bs 64 1.405 against
-# 1.467. qkv fused the same way lost in the step: bs 32 1.273 against 1.252 on cuBLAS, bs 64
-# 1.450 against 1.405; so did the LM head at 32 rows (1.257 against 1.252).
-CUBLAS: set[tuple[str, int, int, int]] = {
-    ("qkv_rope", *_QKV, 32), ("qkv_rope", *_QKV, 64), ("lm_head", *_LM, 32), ("lm_head", *_LM, 64),
-}  # fmt: skip
+# 1.467. qkv fused the same way lost in the step at 48-64 rows: bs 64 1.450 against 1.405 (F7);
+# again with 2-8 stages, 2-8 splits and TMA (ab_step.py, interleaved rounds, graph, ctx 512,
+# runs I2-I3): at best bs 48 1.319 against 1.286, bs 64 1.389 against 1.378. At 17-32 rows qkv
+# and the LM head run fused since I2-I3 (the same runs): qkv with five stages and the LM head's
+# tile above, bs 32 1.212-1.213 ms against 1.234-1.235 on cuBLAS, 99 kernels a step against 134
+# (three stages: 1.263; four: 1.219; six or eight: 1.268-1.273; qkv alone fused: 1.235).
+CUBLAS: set[tuple[str, int, int, int]] = {("qkv_rope", *_QKV, 64), ("lm_head", *_LM, 64)}
 
 # Llama-3.1-8B at 8 rows (BLOCK_M 16), round 6 (run F4, 2026-12-01, proj_sweep.py --preset
 # llama-3.1-8b --rows 8; µs, cuBLAS GEMM alone in brackets). In the step (bench --model

@@ -40,6 +40,7 @@ import os
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..buckets import replay_bucket
 from ..kernels import proj_tiles
@@ -145,7 +146,8 @@ def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
     """Whether the step at ``bs`` rows takes the norms before qkv (from layer 1), gate-up and
     the LM head from what o_proj and down leave (``kernels/norm_handoff``): from bucket
     ``HANDOFF_MIN_BUCKET`` on, and at one row where the MLP block serves it
-    (``fused_mlp.one_row_block``); unsharded, where the consumer is fused (not norm + cuBLAS)."""
+    (``fused_mlp.one_row_block``); unsharded, where the consumer is fused, and into qkv's
+    cuBLAS GEMM (its RoPE kernel applies the 1 / RMS: ``fused_mlp.CUBLAS_HANDOFF``)."""
     down = model.layers[0].mlp.down_proj
     if type(down) is RowParallelLinear and down.world_size > 1:
         return False
@@ -175,11 +177,19 @@ def _embed(model, input_ids: torch.Tensor):
 
 def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0) -> torch.Tensor:
     """Layer ``i``'s q ``[bs, n_heads, head_dim]``, rotated; this token's K/V into the pages:
-    norm + cuBLAS + RoPE/KV write where ``tile_table.CUBLAS`` says, else ``qkv_rope`` on what
-    ``hand`` holds (the norm handoff), the norm as its own kernel first (``SEPARATE_NORM``), or
-    the norm in the prologue. ``x0``: the norm already run with the embedding (layer 0)."""
+    cuBLAS + RoPE/KV write where ``tile_table.CUBLAS`` says (on what ``hand`` holds, the 1 /
+    RMS and the bias applied by the RoPE kernel; else after the norm's kernel), else
+    ``qkv_rope`` on what ``hand`` holds (the norm handoff), the norm as its own kernel first
+    (``SEPARATE_NORM``), or the norm in the prologue. ``x0``: the norm already run with the
+    embedding (layer 0)."""
     attn, norm1 = layer.self_attn, layer.input_layernorm
     w_qkv, bs = attn.qkv_proj.weight, r.shape[0]
+    if cublas(attn.qkv_proj, "qkv_rope", bs) and hand is not None:  # GEMM, RoPE with the RMS
+        return rope_kv(
+            F.linear(hand[0], w_qkv), positions, model.rope_cos, model.rope_sin,
+            kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, ssq=hand[1],
+            hidden=r.shape[1], eps=norm1.eps, bias=attn.qkv_proj.bias,
+        )  # fmt: skip
     if cublas(attn.qkv_proj, "qkv_rope", bs):  # norm, GEMM, RoPE
         return rope_kv(
             attn.qkv_proj(norm1(r)[0] if x0 is None else x0), positions, model.rope_cos,

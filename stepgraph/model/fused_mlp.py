@@ -38,6 +38,9 @@ BLOCK_QKV = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") == "qkv"
 # STEPGRAPH_MLP_BLOCK_ONE_ROW=1: the block at bs 1 too (its one-row tiles; the step then takes
 # the norm handoff at bs 1, fused_decode.handoff)
 ONE_ROW = os.environ.get("STEPGRAPH_MLP_BLOCK_ONE_ROW", "0") == "1"
+# STEPGRAPH_CUBLAS_HANDOFF=0: where qkv runs on cuBLAS (tile_table.CUBLAS), the norm as its own
+# kernel before it, not the handoff's x into the GEMM and the 1 / RMS in the RoPE kernel after
+CUBLAS_HANDOFF = os.environ.get("STEPGRAPH_CUBLAS_HANDOFF", "1") != "0"
 
 
 def cublas(lin, kernel: str, bs: int) -> bool:
@@ -125,7 +128,10 @@ def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl,
                "qkv_rope")  # fmt: skip
     else:
         nxt = (model.norm, model.lm_head, "lm_head")
-    nw_next = nxt[0].weight if ho and not cublas(*nxt[1:], bs) else None
+    # the next norm's handoff where its consumer is fused, and into a cuBLAS qkv (the GEMM of
+    # r * norm_w, its rows scaled by 1 / RMS in the RoPE kernel: fused_decode._qkv)
+    takes = not cublas(*nxt[1:], bs) or (CUBLAS_HANDOFF and nxt[2] == "qkv_rope")
+    nw_next = nxt[0].weight if ho and takes else None
     w_gu = mlp.gate_up_proj.weight
     if use_block(layer, bs, ho):
         qkv = _next_qkv(model, i, bs, step) if nw_next is not None else None
@@ -149,6 +155,7 @@ def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl,
 
 __all__ = [
     "BLOCK_QKV",
+    "CUBLAS_HANDOFF",
     "MLP_BLOCK",
     "ONE_ROW",
     "block_serves",

@@ -67,6 +67,9 @@ def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, hal
     (``half``: head_dim / 2, for qkv)."""
     kernel, beside = PIECES[piece]
     if beside and prefer_cublas(kernel, rows, n, k, elem_bytes):
+        if handoff and piece == "qkv" and fused_mlp.CUBLAS_HANDOFF:  # x = r * norm_w
+            return (f"cuBLAS + {beside}, the norm from the sums of squares in the RoPE kernel "
+                    f"(layer 0: norm + cuBLAS + {beside})")  # fmt: skip
         return f"norm + cuBLAS + {beside}"
     if handoff and piece in ("qkv", "gate_up", "lm_head"):  # the norms' consumers
         if piece == "qkv":

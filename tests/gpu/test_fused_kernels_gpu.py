@@ -88,6 +88,36 @@ def test_rope_kv_bf16(nan_empty, t):
     assert torch.equal(vf[keep], v0.view(-1, N_KV, HD)[keep])
 
 
+@pytest.mark.parametrize("t", [33, 64])
+def test_rope_kv_on_the_norm_handoff_bf16(nan_empty, t):
+    """The 1B's qkv at 33-64 rows: cuBLAS on ``r * norm_w``, then this kernel scales each row
+    by r's 1 / RMS from the down projection's 32 per-tile sums of squares and adds a bias;
+    against float64 of the normed GEMM (the cuBLAS output's bf16 rounding within the bound)."""
+    g = torch.Generator(DEV).manual_seed(t)
+    pages, ps, eps, width = 64, 64, 1e-5, (N_HEADS + 2 * N_KV) * HD
+    r, nw = randn(t, HIDDEN, g=g, scale=4.0), 1 + randn(HIDDEN, g=g, scale=0.1)
+    w, b = randn(width, HIDDEN, g=g, scale=HIDDEN**-0.5), randn(width, g=g)
+    ssq = torch.stack([(c.float() ** 2).sum(1) for c in r.chunk(32, 1)], 1)  # [t, 32]
+    raw = torch.nn.functional.linear(r * nw, w)  # the GEMM of the handoff's x
+    emb = torch.rand(1024, HD // 2, generator=g, device=DEV, dtype=torch.float64) * 100
+    emb = torch.cat((emb, emb), dim=-1)
+    cos_t, sin_t = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    positions = torch.randint(0, 1024, (t,), generator=g, device=DEV)
+    slots = torch.randperm(pages * ps, generator=g, device=DEV)[:t]
+    k_cache, v_cache = randn(pages, ps, N_KV, HD, g=g), randn(pages, ps, N_KV, HD, g=g)
+    q = rope_mod.rope_kv(raw, positions, cos_t, sin_t, k_cache, v_cache, slots, N_HEADS,
+                         ssq=ssq, hidden=HIDDEN, eps=eps, bias=b)  # fmt: skip
+    rd = r.double()
+    normed = nw.double() * rd * torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + eps)
+    row = normed @ w.double().T + b.double()
+    qd, kd, vd = row.split([N_HEADS * HD, N_KV * HD, N_KV * HD], dim=-1)
+    cos, sin = cos_t[positions].double(), sin_t[positions].double()
+    assert rel_err(q, rope64(qd.view(t, N_HEADS, HD), cos, sin)) < BF16_TOL
+    kf, vf = k_cache.view(-1, N_KV, HD), v_cache.view(-1, N_KV, HD)
+    assert rel_err(kf[slots], rope64(kd.view(t, N_KV, HD), cos, sin)) < BF16_TOL
+    assert rel_err(vf[slots], vd.view(t, N_KV, HD)) < BF16_TOL
+
+
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (VOCAB, 2048)]
 
 
