@@ -39,8 +39,8 @@ def test_the_1b_plan_as_committed():
         assert c["down"] == "gemv_residual 64x128 w4 s5 split4 TMA1"
         assert c["lm_head"] == "lm_head 256x64 w8 s3 TMA2" + sums
     # 17-32 rows: qkv and the LM head fused (I2-I3); 33-64: qkv's cuBLAS GEMM on the handoff
-    assert plan[32][1]["qkv"] == (f"qkv_rope 16x128 w4 s5 split4 TMA1{sums} (layer 0: qkv_rope "
-                                  "16x128 w4 s3 split4)")  # fmt: skip
+    assert plan[32][1]["qkv"] == (f"qkv_rope 16x128 w4 s5 split4 TMA1{sums} (layer 0: norm, "
+                                  "then qkv_rope 16x128 w4 s5 split4 TMA1)")  # fmt: skip
     assert plan[32][1]["lm_head"] == "lm_head 256x64 w8 s3 TMA1" + sums
     assert plan[48][1]["qkv"] == plan[64][1]["qkv"] == (
         "cuBLAS + RoPE/KV write, the norm from the sums of squares in the RoPE kernel (layer 0: "

@@ -42,7 +42,7 @@ class Tile:
 _QKV, _GU, _O, _DOWN, _LM = (3072, 2048), (16384, 2048), (2048, 2048), (2048, 8192), (128256, 2048)
 TILES: dict[tuple[str, int, int, int], Tile] = {
     ("qkv_rope", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 9.04 (cuBLAS GEMM alone 6.52)
-    ("qkv_rope", *_QKV, 32): Tile(16, 128, 4, 3, 4),  # 14.52 (6.58): layer 0 (the embedding)
+    ("qkv_rope", *_QKV, 32): Tile(16, 128, 4, 3, 4),  # 14.52 (6.58); SEPARATE_NORM below
     ("qkv_rope", *_QKV, 64): Tile(32, 128, 4, 3, 4),  # 21.53 (6.76): CUBLAS below
     ("gemv_residual", *_O, 16): Tile(32, 128, 4, 4, 2, 2),  # H9-H10, with gate-up's s4 below
     ("gemv_residual", *_O, 4): Tile(32, 512, 4, 1, 4),  # 5.04 (6.17); 2-4 rows
@@ -105,8 +105,12 @@ CUBLAS.add(("qkv_rope", *_Q8, 16))
 # bench, graph, ctx 512, 2026-12-01, one call, against the reference kernels): bs 4 1.066 vs
 # 1.076, bs 8 1.105 vs 1.122, bs 16 1.169 vs 1.204, bs 32 1.278 vs 1.309 (qkv there on CUBLAS);
 # with the norm prologue the fused kernels had tied or lost (docs/results.md, E3 and E5).
+# qkv at 32 rows (its layer 0 alone: the handoff serves the others), normed with the embedding
+# (embed_rmsnorm) and then the five-stage _normed tile, against the norm prologue: ab_step,
+# run I4, bs 24 1.152 against 1.162 ms, bs 32 1.194 against 1.201.
 SEPARATE_NORM: set[tuple[str, int, int, int]] = {
-    ("qkv_rope", *_QKV, 16), ("gate_up_silu", *_GU, 16), ("gate_up_silu", *_GU, 32),
+    ("qkv_rope", *_QKV, 16), ("qkv_rope", *_QKV, 32), ("gate_up_silu", *_GU, 16),
+    ("gate_up_silu", *_GU, 32),
     # gate-up at 64 rows with the handoff off: the _normed tile's 19.46 µs against 35.28 with
     # the norm prologue (not timed in the step: the handoff serves bucket 64)
     ("gate_up_silu", *_GU, 64),
