@@ -49,6 +49,7 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
         "_combine_kernel", "_split_kv_fold_kernel", "_argmax_reduce_kernel", "_rope_kv_kernel",
         "_add_rmsnorm_kernel", "_fill_inputs_kernel", "_extend_kernel", "_argmax_part_kernel",
         "_argmax_keys_kernel", "_mlp_block_kernel", "_gemv_kernel", "_silu_mul_kernel",
+        "_head_scale_kernel",
     }  # fmt: skip
     # the GPU's paths were the ones compiled: PDL at one row, TMA tiles from two rows
     assert any(v["pdl"] for v in steps["1"] if v["kernel"] == "_norm_gemv_kernel")
@@ -58,6 +59,10 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     # on the norm handoff (the 1 / RMS from the sums of squares) at layer 1
     rope = [[v["kernel"] for v in steps[b]].count("_rope_kv_kernel") for b in ("32", "64")]
     assert rope == [0, 2]
+    # the LM head: fused at 32 rows; at 64 cuBLAS on the handoff, then head_scale (no argmax_rows)
+    heads = [[v["kernel"] for v in steps[b]] for b in ("32", "64")]
+    assert [h.count("_head_scale_kernel") for h in heads] == [0, 1]
+    assert "_argmax_part_kernel" not in heads[1]
     # the persistent MLP half: the step's at bs 8 (a layer each, twice: without and with the
     # next qkv; no PDL there, NO_PDL_BUCKETS), then the stride schedule's at 64 rows with PDL
     # then at one row (no TMA: the GEMV loop; PDL), with the next qkv

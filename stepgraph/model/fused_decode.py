@@ -46,6 +46,7 @@ from ..buckets import replay_bucket
 from ..kernels import proj_tiles
 from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_norm import embed_rmsnorm
+from ..kernels.head_scale import head_scale
 from ..kernels.lm_head_argmax import lm_head_argmax
 from ..kernels.norm_gemv import norm_gemv
 from ..kernels.proj_tiles import measured, reference_bucket, separate_norm
@@ -248,6 +249,10 @@ def fused_decode_step(
         if tokens_out is not None:
             _greedy(logits, tokens_out)
         return logits
+    if cublas(model.lm_head, "lm_head", bs) and hand is not None:  # GEMM, scale + argmax
+        return head_scale(F.linear(hand[0], model.lm_head.weight), hand[1], r.shape[1],
+                          model.norm.eps, logits_out=logits_out, tokens_out=tokens_out,
+                          use_pdl=use_pdl)  # fmt: skip
     if cublas(model.lm_head, "lm_head", bs):  # norm, GEMM, argmax
         return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out)
     x, nw, ssq = (r, model.norm.weight, None) if hand is None else (hand[0], None, hand[1])

@@ -38,8 +38,9 @@ BLOCK_QKV = os.environ.get("STEPGRAPH_MLP_BLOCK", "0") == "qkv"
 # STEPGRAPH_MLP_BLOCK_ONE_ROW=1: the block at bs 1 too (its one-row tiles; the step then takes
 # the norm handoff at bs 1, fused_decode.handoff)
 ONE_ROW = os.environ.get("STEPGRAPH_MLP_BLOCK_ONE_ROW", "0") == "1"
-# STEPGRAPH_CUBLAS_HANDOFF=0: where qkv runs on cuBLAS (tile_table.CUBLAS), the norm as its own
-# kernel before it, not the handoff's x into the GEMM and the 1 / RMS in the RoPE kernel after
+# STEPGRAPH_CUBLAS_HANDOFF=0: where qkv or the LM head runs on cuBLAS (tile_table.CUBLAS), the
+# norm as its own kernel before it, not the handoff's x into the GEMM and the 1 / RMS applied
+# after it (by the RoPE kernel; by head_scale, with the greedy tokens)
 CUBLAS_HANDOFF = os.environ.get("STEPGRAPH_CUBLAS_HANDOFF", "1") != "0"
 
 
@@ -128,9 +129,10 @@ def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, ho: bool, use_pdl,
                "qkv_rope")  # fmt: skip
     else:
         nxt = (model.norm, model.lm_head, "lm_head")
-    # the next norm's handoff where its consumer is fused, and into a cuBLAS qkv (the GEMM of
-    # r * norm_w, its rows scaled by 1 / RMS in the RoPE kernel: fused_decode._qkv)
-    takes = not cublas(*nxt[1:], bs) or (CUBLAS_HANDOFF and nxt[2] == "qkv_rope")
+    # the next norm's handoff where its consumer is fused, and into a cuBLAS qkv or LM head (the
+    # GEMM of r * norm_w, its rows scaled by 1 / RMS after it: fused_decode)
+    plain = nxt[2] == "qkv_rope" or getattr(nxt[1], "bias", None) is None  # the head's: none
+    takes = not cublas(*nxt[1:], bs) or (CUBLAS_HANDOFF and plain)
     nw_next = nxt[0].weight if ho and takes else None
     w_gu = mlp.gate_up_proj.weight
     if use_block(layer, bs, ho):

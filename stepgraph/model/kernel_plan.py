@@ -70,6 +70,9 @@ def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, hal
         if handoff and piece == "qkv" and fused_mlp.CUBLAS_HANDOFF:  # x = r * norm_w
             return (f"cuBLAS + {beside}, the norm from the sums of squares in the RoPE kernel "
                     f"(layer 0: norm + cuBLAS + {beside})")  # fmt: skip
+        if handoff and piece == "lm_head" and fused_mlp.CUBLAS_HANDOFF:
+            return ("cuBLAS + head_scale, the norm from the sums of squares (its 1 / RMS and the "
+                    "greedy tokens in one launch)")  # fmt: skip
         return f"norm + cuBLAS + {beside}"
     if handoff and piece in ("qkv", "gate_up", "lm_head"):  # the norms' consumers
         if piece == "qkv":

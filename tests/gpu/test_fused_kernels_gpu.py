@@ -118,6 +118,30 @@ def test_rope_kv_on_the_norm_handoff_bf16(nan_empty, t):
     assert rel_err(vf[slots], vd.view(t, N_KV, HD)) < BF16_TOL
 
 
+@pytest.mark.parametrize("m", [33, 64])
+def test_head_scale_on_the_norm_handoff_bf16(m):
+    """The 1B's LM head at 33-64 rows: cuBLAS on ``r * norm_w`` in bf16, then one launch scales
+    the rows by 1 / RMS into float32 logits (poisoned first) and takes the greedy tokens,
+    folded: against float64 and ``torch.argmax``, a tie across programs included."""
+    from stepgraph.kernels.head_scale import head_scale
+
+    g = torch.Generator(DEV).manual_seed(m)
+    r, nw = randn(m, HIDDEN, g=g, scale=4.0), 1 + randn(HIDDEN, g=g, scale=0.1)
+    w = randn(VOCAB, HIDDEN, g=g, scale=HIDDEN**-0.5)
+    ssq = torch.stack([(c.float() ** 2).sum(1) for c in r.chunk(32, 1)], 1)
+    raw = torch.nn.functional.linear(r * nw, w)
+    raw[1, 9000] = raw[1, 100000] = raw[1].abs().max() + 1  # programs 1 and 12 of the row
+    logits = torch.full((m, VOCAB), float("nan"), device=DEV)
+    tokens = torch.full((m,), -3, dtype=torch.int64, device=DEV)
+    head_scale(raw, ssq, HIDDEN, 1e-5, logits_out=logits, tokens_out=tokens)
+    rd = r.double()
+    inv = torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert rel_err(logits, raw.double() * inv) < 1e-6  # the scale in float32 of the bf16 rows
+    normed = (nw.double() * rd * inv) @ w.double().T
+    assert rel_err(logits[2:], normed[2:]) < BF16_TOL  # and the head of the normed rows
+    assert torch.equal(tokens, torch.argmax(logits, -1)) and int(tokens[1]) == 9000
+
+
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (VOCAB, 2048)]
 
 
