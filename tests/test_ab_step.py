@@ -65,16 +65,16 @@ def test_apply_rereads_the_cublas_handoff_and_the_table_switches(monkeypatch):
     monkeypatch.setattr(fused_mlp, "CUBLAS_HANDOFF", fused_mlp.CUBLAS_HANDOFF)
     saved: dict = {}
     try:
-        ab.apply({"STEPGRAPH_CUBLAS_HANDOFF": "0", "STEPGRAPH_SEPARATE_NORM": "qkv_rope:32",
+        ab.apply({"STEPGRAPH_CUBLAS_HANDOFF": "0", "STEPGRAPH_SEPARATE_NORM": "qkv_rope:64",
                   "STEPGRAPH_PROJ_CUBLAS": "gate_up_silu:16"}, saved)  # fmt: skip
         assert fused_mlp.CUBLAS_HANDOFF is False
-        assert proj_tiles.SEPARATE_ANY == {("qkv_rope", 32)}
+        assert proj_tiles.SEPARATE_ANY == {("qkv_rope", 64)}
         assert proj_tiles.CUBLAS_ANY == {("gate_up_silu", 16)}
-        assert proj_tiles.separate_norm("qkv_rope", 32, 3072, 2048)
+        assert proj_tiles.separate_norm("qkv_rope", 64, 3072, 2048)
         ab.apply({}, saved)
         assert fused_mlp.CUBLAS_HANDOFF is True
         assert proj_tiles.SEPARATE_ANY == set() == proj_tiles.CUBLAS_ANY
-        assert not proj_tiles.separate_norm("qkv_rope", 32, 3072, 2048)
+        assert not proj_tiles.separate_norm("qkv_rope", 64, 3072, 2048)
     finally:
         for name in ("STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS"):
             os.environ.pop(name, None)
