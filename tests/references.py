@@ -40,7 +40,7 @@ def check_qkv_rope(q, qkv, positions, cos_t, sin_t, caches, caches0, slots, n_he
     k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
     assert rel_err(k_flat[slots], rope64(kd.view(m, n_kv, hd), cos, sin)) < tol
     assert rel_err(v_flat[slots], vd.view(m, n_kv, hd)) < tol
-    untouched = torch.ones(k_flat.shape[0], dtype=torch.bool)
+    untouched = torch.ones(k_flat.shape[0], dtype=torch.bool, device=k_flat.device)
     untouched[slots] = False
     for flat, c0 in zip((k_flat, v_flat), caches0):
         assert torch.equal(flat[untouched], c0.view(-1, n_kv, hd)[untouched])

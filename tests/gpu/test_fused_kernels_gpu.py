@@ -16,7 +16,7 @@ from stepgraph.kernels import rope_kv as rope_mod
 from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from tests.conftest import rel_err
-from tests.references import rope64
+from tests.references import check_qkv_rope, rms64, rope64
 
 DEV = "cuda"
 BF16_TOL = 1e-2  # relative Frobenius error of bf16 outputs against float64
@@ -63,17 +63,24 @@ def test_silu_mul_bf16(nan_empty, t):
     assert rel_err(out, fused_act.silu_mul_reference(gate_up).double()) < 4e-3  # ulps apart
 
 
-@pytest.mark.parametrize("t", [1, 8, 40])
-def test_rope_kv_bf16(nan_empty, t):
-    g = torch.Generator(DEV).manual_seed(t)
-    pages, ps = 64, 64
-    qkv = randn(t, (N_HEADS + 2 * N_KV) * HD, g=g)
+def rope_inputs(t: int, g: torch.Generator, pages: int = 64, ps: int = 64):
+    """``(cos, sin, positions, slots, k_cache, v_cache)``: 1024 positions' tables at large
+    frequencies, ``t`` random positions and distinct slots, random caches (bf16)."""
     emb = torch.rand(1024, HD // 2, generator=g, device=DEV, dtype=torch.float64) * 100
     emb = torch.cat((emb, emb), dim=-1)
     cos_t, sin_t = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
     positions = torch.randint(0, 1024, (t,), generator=g, device=DEV)
     slots = torch.randperm(pages * ps, generator=g, device=DEV)[:t]
-    k_cache, v_cache = randn(pages, ps, N_KV, HD, g=g), randn(pages, ps, N_KV, HD, g=g)
+    return cos_t, sin_t, positions, slots, randn(pages, ps, N_KV, HD, g=g), randn(
+        pages, ps, N_KV, HD, g=g)  # fmt: skip
+
+
+@pytest.mark.parametrize("t", [1, 8, 40])
+def test_rope_kv_bf16(nan_empty, t):
+    g = torch.Generator(DEV).manual_seed(t)
+    pages, ps = 64, 64
+    qkv = randn(t, (N_HEADS + 2 * N_KV) * HD, g=g)
+    cos_t, sin_t, positions, slots, k_cache, v_cache = rope_inputs(t, g, pages, ps)
     k0, v0 = k_cache.clone(), v_cache.clone()
     q = rope_mod.rope_kv(qkv, positions, cos_t, sin_t, k_cache, v_cache, slots, N_HEADS)
     qd, kd, vd = qkv.double().split([N_HEADS * HD, N_KV * HD, N_KV * HD], dim=-1)
@@ -94,28 +101,18 @@ def test_rope_kv_on_the_norm_handoff_bf16(nan_empty, t):
     by r's 1 / RMS from the down projection's 32 per-tile sums of squares and adds a bias;
     against float64 of the normed GEMM (the cuBLAS output's bf16 rounding within the bound)."""
     g = torch.Generator(DEV).manual_seed(t)
-    pages, ps, eps, width = 64, 64, 1e-5, (N_HEADS + 2 * N_KV) * HD
+    eps, width = 1e-5, (N_HEADS + 2 * N_KV) * HD
     r, nw = randn(t, HIDDEN, g=g, scale=4.0), 1 + randn(HIDDEN, g=g, scale=0.1)
     w, b = randn(width, HIDDEN, g=g, scale=HIDDEN**-0.5), randn(width, g=g)
     ssq = torch.stack([(c.float() ** 2).sum(1) for c in r.chunk(32, 1)], 1)  # [t, 32]
     raw = torch.nn.functional.linear(r * nw, w)  # the GEMM of the handoff's x
-    emb = torch.rand(1024, HD // 2, generator=g, device=DEV, dtype=torch.float64) * 100
-    emb = torch.cat((emb, emb), dim=-1)
-    cos_t, sin_t = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
-    positions = torch.randint(0, 1024, (t,), generator=g, device=DEV)
-    slots = torch.randperm(pages * ps, generator=g, device=DEV)[:t]
-    k_cache, v_cache = randn(pages, ps, N_KV, HD, g=g), randn(pages, ps, N_KV, HD, g=g)
+    cos_t, sin_t, positions, slots, k_cache, v_cache = rope_inputs(t, g)
+    caches0 = (k_cache.clone(), v_cache.clone())
     q = rope_mod.rope_kv(raw, positions, cos_t, sin_t, k_cache, v_cache, slots, N_HEADS,
                          ssq=ssq, hidden=HIDDEN, eps=eps, bias=b)  # fmt: skip
-    rd = r.double()
-    normed = nw.double() * rd * torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + eps)
-    row = normed @ w.double().T + b.double()
-    qd, kd, vd = row.split([N_HEADS * HD, N_KV * HD, N_KV * HD], dim=-1)
-    cos, sin = cos_t[positions].double(), sin_t[positions].double()
-    assert rel_err(q, rope64(qd.view(t, N_HEADS, HD), cos, sin)) < BF16_TOL
-    kf, vf = k_cache.view(-1, N_KV, HD), v_cache.view(-1, N_KV, HD)
-    assert rel_err(kf[slots], rope64(kd.view(t, N_KV, HD), cos, sin)) < BF16_TOL
-    assert rel_err(vf[slots], vd.view(t, N_KV, HD)) < BF16_TOL
+    row = rms64(r, nw, eps) @ w.double().T + b.double()
+    check_qkv_rope(q, row, positions, cos_t, sin_t, (k_cache, v_cache), caches0, slots, N_HEADS,
+                   BF16_TOL)  # fmt: skip
 
 
 @pytest.mark.parametrize("m", [33, 64])
