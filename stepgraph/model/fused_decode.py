@@ -12,16 +12,17 @@
                                STEPGRAPH_MLP_BLOCK=1, ``kernels/mlp_block``)
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 (2 at bs 1)
 
-One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 101 kernels a step for
-Llama-3.2-1B (0.812 ms exact, 73% of the bandwidth floor, H200). Two rows and more (issue 21): the
-same kernels on tensor cores, M padded to 16/32/64, split-K where the output is narrow, tiles
-per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/proj_sweep.py``; some
-through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster (``tile_table.CUBLAS``:
-qkv and the LM head at 17-64 rows) the step runs RMSNorm, cuBLAS and RoPE/KV-write
-(argmax_rows). From bucket 8 on, the norms before the other consumers (qkv from layer 1,
-gate-up, the LM head) come from what o_proj and down leave beside the residual (``handoff``,
-``kernels/norm_handoff.py``): no norm kernel. Below that, and for layer 0, the norm runs as
-its own kernel where ``tile_table.SEPARATE_NORM`` says, else in the prologue.
+One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 100 kernels a step for
+Llama-3.2-1B (0.799 ms exact, 75% of the bandwidth floor, H200, run I6). Two rows and more
+(issue 21): the same kernels on tensor cores, M padded to 16/32/64, split-K where the output is
+narrow, tiles per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/
+proj_sweep.py``; some through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster
+(``tile_table.CUBLAS``: qkv and the LM head at 33-64 rows) the step runs cuBLAS with RoPE/KV-
+write after it (``head_scale`` for the head). From bucket 8 on, the norms before the other
+consumers (qkv from layer 1, gate-up, the LM head) come from what o_proj and down leave beside
+the residual (``handoff``, ``kernels/norm_handoff.py``): no norm kernel, before a cuBLAS GEMM
+too (its rows' 1 / RMS applied after it). Below that, and for layer 0, the norm runs as its own
+kernel where ``tile_table.SEPARATE_NORM`` says (or cuBLAS follows), else in the prologue.
 ``REFERENCE_ROWS`` (bucket 2) runs the reference kernels inside the step. docs/results.md has
 the figures. The kernels are launched with programmatic dependent launch where the GPU has it
 (``kernels/pdl.py``), except where ``tile_table.NO_PDL_BUCKETS`` says and the attention
