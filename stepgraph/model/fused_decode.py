@@ -13,7 +13,7 @@
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 (2 at bs 1)
 
 One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 100 kernels a step for
-Llama-3.2-1B (0.799 ms exact, 75% of the bandwidth floor, H200, run I6). Two rows and more
+Llama-3.2-1B (0.799 ms exact, 75% of the bandwidth floor, H200, run I8). Two rows and more
 (issue 21): the same kernels on tensor cores, M padded to 16/32/64, split-K where the output is
 narrow, tiles per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/
 proj_sweep.py``; some through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster
@@ -148,8 +148,8 @@ def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
     """Whether the step at ``bs`` rows takes the norms before qkv (from layer 1), gate-up and
     the LM head from what o_proj and down leave (``kernels/norm_handoff``): from bucket
     ``HANDOFF_MIN_BUCKET`` on, and at one row where the MLP block serves it
-    (``fused_mlp.one_row_block``); unsharded, where the consumer is fused, and into qkv's
-    cuBLAS GEMM (its RoPE kernel applies the 1 / RMS: ``fused_mlp.CUBLAS_HANDOFF``)."""
+    (``fused_mlp.one_row_block``); unsharded, where the consumer is fused, and into a cuBLAS
+    qkv or LM head (the 1 / RMS applied after the GEMM: ``fused_mlp.CUBLAS_HANDOFF``)."""
     down = model.layers[0].mlp.down_proj
     if type(down) is RowParallelLinear and down.world_size > 1:
         return False
@@ -186,14 +186,14 @@ def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0) ->
     embedding (layer 0)."""
     attn, norm1 = layer.self_attn, layer.input_layernorm
     w_qkv, bs = attn.qkv_proj.weight, r.shape[0]
-    if cublas(attn.qkv_proj, "qkv_rope", bs) and hand is not None:  # GEMM, RoPE with the RMS
-        return rope_kv(
-            F.linear(hand[0], w_qkv), positions, model.rope_cos, model.rope_sin,
-            kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, ssq=hand[1],
-            hidden=r.shape[1], eps=norm1.eps, bias=attn.qkv_proj.bias,
-        )  # fmt: skip
-    if cublas(attn.qkv_proj, "qkv_rope", bs):  # norm, GEMM, RoPE
-        return rope_kv(
+    if cublas(attn.qkv_proj, "qkv_rope", bs):
+        if hand is not None:  # GEMM, then RoPE with the rows' 1 / RMS and the bias
+            return rope_kv(
+                F.linear(hand[0], w_qkv), positions, model.rope_cos, model.rope_sin,
+                kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, ssq=hand[1],
+                hidden=r.shape[1], eps=norm1.eps, bias=attn.qkv_proj.bias,
+            )  # fmt: skip
+        return rope_kv(  # norm, GEMM, RoPE
             attn.qkv_proj(norm1(r)[0] if x0 is None else x0), positions, model.rope_cos,
             model.rope_sin, kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
         )  # fmt: skip
@@ -250,12 +250,12 @@ def fused_decode_step(
         if tokens_out is not None:
             _greedy(logits, tokens_out)
         return logits
-    if cublas(model.lm_head, "lm_head", bs) and hand is not None:  # GEMM, scale + argmax
-        return head_scale(F.linear(hand[0], model.lm_head.weight), hand[1], r.shape[1],
-                          model.norm.eps, logits_out=logits_out, tokens_out=tokens_out,
-                          use_pdl=use_pdl)  # fmt: skip
-    if cublas(model.lm_head, "lm_head", bs):  # norm, GEMM, argmax
-        return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out)
+    if cublas(model.lm_head, "lm_head", bs):
+        if hand is not None:  # GEMM, then the rows' 1 / RMS and the argmax in one launch
+            return head_scale(F.linear(hand[0], model.lm_head.weight), hand[1], r.shape[1],
+                              model.norm.eps, logits_out=logits_out, tokens_out=tokens_out,
+                              use_pdl=use_pdl)  # fmt: skip
+        return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out)  # norm, GEMM, argmax
     x, nw, ssq = (r, model.norm.weight, None) if hand is None else (hand[0], None, hand[1])
     logits, _ = lm_head_argmax(
         x, nw, model.lm_head.weight, model.norm.eps,
