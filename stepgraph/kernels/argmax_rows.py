@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
 
 BLOCK_V = 4096  # columns a program of the first launch reads: 32 programs a row at vocab 128256
 
@@ -36,7 +36,7 @@ def _argmax_part_kernel(
 ):  # fmt: skip
     row = tl.program_id(0)
     part = tl.program_id(1)
-    pdl_wait_then_trigger(USE_PDL)  # the logits are the predecessor's output
+    pdl_wait_then_trigger_short(USE_PDL)  # the logits are the predecessor's output
     cols = part * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
     v = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
@@ -58,7 +58,7 @@ def _argmax_keys_kernel(
     BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    pdl_wait_then_trigger(USE_PDL)
+    pdl_wait_then_trigger_short(USE_PDL)
     offs = tl.arange(0, BLOCK_P)
     best_key = tl.full((BLOCK_P,), -2147483648, dtype=tl.int32)
     best_idx = tl.full((BLOCK_P,), 2147483647, dtype=tl.int32)

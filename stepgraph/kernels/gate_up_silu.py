@@ -26,7 +26,7 @@ from .gemv_tiles import (
 )
 from .norm_gemv import rmsnorm_reference
 from .norm_handoff import check_handoff, ssq_args
-from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
@@ -62,6 +62,7 @@ def _gate_up_silu_kernel(
         x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
         TMA, NORM, True, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK, SSQ_PAD,
     )  # fmt: skip
+    pdl_trigger_late(USE_PDL)
     rows = BLOCK_M
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         gate, up, rows = splitk_reduce(

@@ -25,7 +25,7 @@ import triton.language as tl
 from ..errors import ConfigError
 from .argmax_parts import _NO_INDEX, fold_argmax, fold_block
 from .norm_handoff import ssq_args, ssq_inv_rms
-from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
 from .proj_tiles import splitk_workspace
 
 BLOCK_V = 8192  # columns a program scales: 16 programs a row at vocab 128256
@@ -42,7 +42,7 @@ def _head_scale_kernel(
 ):  # fmt: skip
     row = tl.program_id(0)
     part = tl.program_id(1)
-    pdl_wait_then_trigger(USE_PDL)  # the GEMM's rows and the sums are the predecessors'
+    pdl_wait_then_trigger_short(USE_PDL)  # the GEMM's rows and the sums are the predecessors'
     cols = part * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
     v = tl.load(raw_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .argmax_parts import parts_argmax
 from .norm_gemv import argmax_programs, norm_gemv, norm_gemv_reference
-from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
 
 FOLD_ENV = "STEPGRAPH_ARGMAX_FOLD"
 
@@ -41,7 +41,7 @@ def _argmax_reduce_kernel(
     BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    pdl_wait_then_trigger(USE_PDL)  # the partials are the predecessor's output
+    pdl_wait_then_trigger_short(USE_PDL)  # the partials are the predecessor's output
     parts_argmax(part_val_ptr, part_idx_ptr, stride_pm, row, row + 1, P, out_ptr, 1, BLOCK_P)
 
 

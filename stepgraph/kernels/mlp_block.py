@@ -54,7 +54,7 @@ from .mlp_block_plan import (
     prefetch_lines,
     use_stride,
 )
-from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
 from .proj_tiles import block_m, check_tile, splitk_workspace, tma_descriptors
 
 
@@ -80,7 +80,7 @@ def _mlp_block_kernel(
     SSQ_PAD: tl.constexpr, SSQ_PAD_C: tl.constexpr, SSQ_OUT: tl.constexpr,
     STRIDE: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait_then_trigger(USE_PDL)
+    pdl_wait_then_trigger_short(USE_PDL)
     tiles_a = tl.cdiv(H, A_BN)
     tiles_b = tl.cdiv(INTER, B_BN)
     tiles_c = tl.cdiv(H, C_BN)

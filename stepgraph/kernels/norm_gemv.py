@@ -27,7 +27,7 @@ from .gemv_tiles import (
     splitk_reduce,
 )
 from .norm_handoff import check_handoff, residual_out, ssq_args
-from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
@@ -70,6 +70,7 @@ def _norm_gemv_kernel(
         x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
         TMA, NORM, False, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK, SSQ_PAD,
     )  # fmt: skip
+    pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
         acc, _, rows = splitk_reduce(
             acc, acc, ws_ptr, ticket_ptr, pid_n, pid_k, False, SPLIT_K, BLOCK_M, BLOCK_N

@@ -47,6 +47,12 @@ except ImportError:  # pragma: no cover - older Triton: never called (USE_PDL is
 
 
 PDL_ENV = "STEPGRAPH_PDL"  # "0" turns PDL off everywhere (an escape hatch and the A/B switch)
+# where a kernel lets its dependents launch (read at every launch, so one process can A/B it):
+# "wait" right after its wait (the default), "late" after its main loop (the projections' K loop,
+# the attention's key loop; kernels without one keep "wait"), "exit" never explicitly (the
+# dependents launch as its programs finish)
+PDL_TRIGGER_ENV = "STEPGRAPH_PDL_TRIGGER"
+TRIGGER_MODES = {"wait": 1, "late": 2, "exit": 3}
 
 
 @functools.cache
@@ -67,11 +73,21 @@ def pdl_enabled(device: torch.device | str | None) -> bool:
     return hopper_or_later(device.index if device.index is not None else 0)
 
 
-def resolve_pdl(use_pdl: bool | None, device: torch.device | str) -> bool:
+def trigger_mode() -> int:
+    """The ``USE_PDL`` value of a PDL launch: ``TRIGGER_MODES[$STEPGRAPH_PDL_TRIGGER]`` (1, the
+    trigger right after the wait, unless set). An unknown value is refused by name."""
+    name = os.environ.get(PDL_TRIGGER_ENV, "wait")
+    if name not in TRIGGER_MODES:
+        raise ValueError(f"{PDL_TRIGGER_ENV}={name!r}: expected one of {sorted(TRIGGER_MODES)}")
+    return TRIGGER_MODES[name]
+
+
+def resolve_pdl(use_pdl: bool | None, device: torch.device | str) -> int:
     """``use_pdl`` if given (``True`` is still refused where PDL cannot run), else the default
-    for ``device``."""
+    for ``device``: 0 (False) for no PDL, else the trigger mode (``trigger_mode``; 1 == True)."""
     supported = pdl_enabled(device)
-    return supported if use_pdl is None else (use_pdl and supported)
+    on = supported if use_pdl is None else (use_pdl and supported)
+    return trigger_mode() if on else False
 
 
 def launch_options(use_pdl: bool) -> dict:
@@ -82,10 +98,28 @@ def launch_options(use_pdl: bool) -> dict:
 
 @triton.jit
 def pdl_wait_then_trigger(USE_PDL: tl.constexpr):
-    """Wait for the predecessor, then let the next kernel start its prologue (see above)."""
+    """Wait for the predecessor, then (trigger mode 1) let the next kernel start its prologue
+    (see above)."""
     if USE_PDL:
         gdc_wait()
+        if USE_PDL == 1:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger_late(USE_PDL: tl.constexpr):
+    """Trigger mode 2: let the next kernel start, after this program's main loop."""
+    if USE_PDL == 2:
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait_then_trigger_short(USE_PDL: tl.constexpr):
+    """``pdl_wait_then_trigger`` for a kernel without a main loop: mode 2 triggers at its wait."""
+    if USE_PDL:
+        gdc_wait()
+        if USE_PDL <= 2:
+            gdc_launch_dependents()
 
 
 __all__ = [
@@ -96,6 +130,11 @@ __all__ = [
     "hopper_or_later",
     "launch_options",
     "pdl_enabled",
+    "PDL_TRIGGER_ENV",
+    "TRIGGER_MODES",
+    "pdl_trigger_late",
     "pdl_wait_then_trigger",
+    "pdl_wait_then_trigger_short",
+    "trigger_mode",
     "resolve_pdl",
 ]

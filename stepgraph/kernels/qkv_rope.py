@@ -27,7 +27,7 @@ from .gemv_tiles import (
 )
 from .norm_gemv import rmsnorm_reference
 from .norm_handoff import check_handoff, ssq_args
-from .pdl import launch_options, pdl_wait_then_trigger, resolve_pdl
+from .pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from .proj_tiles import (
     Tile,
     as_tile,
@@ -124,6 +124,7 @@ def _qkv_rope_kernel(
         x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
         TMA, NORM, True, BLOCK_M, BLOCK_D, BLOCK_K, NORM_BLOCK, SSQ_PAD,
     )  # fmt: skip
+    pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         acc1, acc2, rows = splitk_reduce(
             acc1, acc2, ws_ptr, ticket_ptr, pid, pid_k, True, SPLIT_K, BLOCK_M, BLOCK_D

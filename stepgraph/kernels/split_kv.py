@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import pdl_wait_then_trigger
+from .pdl import pdl_trigger_late, pdl_wait_then_trigger, pdl_wait_then_trigger_short
 
 MAIN_KERNEL_NAME = "_split_kv_kernel"
 COMBINE_KERNEL_NAME = "_combine_kernel"
@@ -196,6 +196,7 @@ def _split_kv_kernel(
         GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, PAGE_TILE, K_ROWS, USE_DOT,
         DOT_PRECISION, NUM_STAGES, UPCAST,
     )  # fmt: skip
+    pdl_trigger_late(USE_PDL)
     offs_d = tl.arange(0, HEAD_DIM)
     # -- write partials; an empty split gives o = 0, lse = -inf, never NaN --
     po_ptrs = (
@@ -229,7 +230,7 @@ def _combine_kernel(
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
-    pdl_wait_then_trigger(USE_PDL)  # the partials are the split kernel's output
+    pdl_wait_then_trigger_short(USE_PDL)  # the partials are the split kernel's output
 
     offs_s = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
     offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .gemv_tiles import gpu_fence
-from .pdl import pdl_wait_then_trigger
+from .pdl import pdl_trigger_late, pdl_wait_then_trigger
 from .split_kv import split_partial
 
 FOLD_KERNEL_NAME = "_split_kv_fold_kernel"
@@ -63,6 +63,7 @@ def _split_kv_fold_kernel(
         GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, PAGE_TILE, K_ROWS, USE_DOT,
         DOT_PRECISION, NUM_STAGES, UPCAST,
     )  # fmt: skip
+    pdl_trigger_late(USE_PDL)
     offs_d = tl.arange(0, HEAD_DIM)
     seq_len = tl.load(seq_lens_ptr + cur_batch)
     dtype = out_ptr.dtype.element_ty
