@@ -62,8 +62,8 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
         os.environ[key] = value
     fused_decode.NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
     fused_decode.NO_PDL_ENV = buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
-    attention_pdl = os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1"  # (STEPGRAPH_PDL_TRIGGER:
-    fused_decode.ATTENTION_PDL = None if attention_pdl else False  # read at every launch)
+    # (STEPGRAPH_PDL_TRIGGER: read at every launch)
+    fused_decode.ATTENTION_PDL = os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1"
     fused_decode.REFERENCE_ROWS = buckets_env(
         "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT
     )

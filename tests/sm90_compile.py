@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET"
@@ -96,13 +97,32 @@ def _refused(x_ptr):
     tl.store(x_ptr, tl.load(x_ptr) + PLAIN)
 
 
+def _trigger(ptx: str) -> str:
+    """Where ``launch_dependents`` sits: "none"; "before loops" (before every loop: a backward
+    branch's span); "after mma loops" (after every loop holding a tensor-core op); "other"."""
+    lines = ptx.splitlines()
+    at = [i for i, s in enumerate(lines) if "griddepcontrol.launch_dependents" in s]
+    if not at:
+        return "none"
+    labels = {m[1]: i for i, s in enumerate(lines) if (m := re.match(r"\s*(\$L__\w+):", s))}
+    loops = []
+    for i, s in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", s)
+        if m and labels.get(m[1], i + 1) <= i:
+            loops.append((labels[m[1]], i))
+    mma = [(a, b) for a, b in loops if any("mma" in lines[j] for j in range(a, b))]
+    if not loops or at[0] < min(a for a, _ in loops):
+        return "before loops"
+    return "after mma loops" if mma and at[0] > max(b for _, b in mma) else "other"
+
+
 def _variants(since: int) -> list[dict]:
     out = []
     for name, k in COMPILED[since:]:
         ptx = k.asm.get("ptx", "")
         tma = "cp.async.bulk.tensor" in ptx
         out.append(dict(kernel=name, pdl="griddepcontrol.wait" in ptx, tma=tma,
-                        cubin=bool(k.asm.get("cubin"))))  # fmt: skip
+                        trigger=_trigger(ptx), cubin=bool(k.asm.get("cubin"))))  # fmt: skip
     return out
 
 
@@ -169,7 +189,8 @@ def main() -> dict:
         since = len(COMPILED)
         try:
             ws = DecodeWorkspace.allocate(8, 32, 64, 8, q.device)
-            flash_decode(q, kc, vc, table, lens, num_splits=8, workspace=ws, fold_combine=fold)
+            flash_decode(q, kc, vc, table, lens, num_splits=8, workspace=ws, fold_combine=fold,
+                         use_pdl=pdl.TRIGGER_MODES["late"])  # fmt: skip
             result["steps"][f"attention fold={fold}"] = _variants(since)
         except Exception as e:  # noqa: BLE001
             result["errors"][f"attention fold={fold}"] = f"{type(e).__name__}: {e}"[:600]

@@ -9,6 +9,7 @@ import torch
 
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.errors import ConfigError
+from stepgraph.kernels.pdl import TRIGGER_MODES
 from stepgraph.model import fused_decode, fused_mlp
 from stepgraph.model.fused_decode import fused_decode_step, reference_rows, unfusable_reason
 
@@ -171,14 +172,14 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
         assert len(set(seen)) == 1 and len(seen) == 2 * len(mr.model.layers)
         got[(bs, use_pdl)] = seen[0]
     off = {None: (5, 9), "none": (), "2-4": (3,)}[switch]  # buckets 4, 8, 16, 32
-    want = {(bs, None): False if bs in off else None for bs in (3, 5, 9, 17)}
+    late = TRIGGER_MODES["late"]  # from two rows the trigger after the main loop (run J1)
+    want = {(bs, None): False if bs in off else late for bs in (3, 5, 9, 17)}
     assert got == {**want, (5, True): True}
 
 
 def test_no_pdl_table_keys():
     from stepgraph.kernels.proj_tiles import no_pdl_bucket
 
-    assert no_pdl_bucket(3072, 2048, 8) and no_pdl_bucket(3072, 2048, 16)  # Llama-3.2-1B
-    assert not no_pdl_bucket(3072, 2048, 4) and not no_pdl_bucket(3072, 2048, 32)
-    assert not no_pdl_bucket(3072, 2048, 8, elem_bytes=4)  # measured in bf16
+    # Llama-3.2-1B: PDL at every bucket since the late trigger (run J1; 8 and 16 were off)
+    assert not any(no_pdl_bucket(3072, 2048, b) for b in (4, 8, 16, 32, 64))
     assert not no_pdl_bucket(6144, 4096, 8)  # Llama-3.1-8B: faster with PDL

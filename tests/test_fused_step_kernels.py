@@ -132,3 +132,27 @@ def test_pdl_falls_back_off_hopper():
     assert not pdl_enabled("cpu") and not pdl_enabled(None)
     assert resolve_pdl(True, "cpu") is False and resolve_pdl(None, "cpu") is False
     assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+
+
+def test_trigger_modes(monkeypatch):
+    """``resolve_pdl``: off -> False; None and True -> mode 1 (the trigger at the wait); a mode
+    as given; ``STEPGRAPH_PDL_TRIGGER`` overrides the mode of every PDL launch, never turns PDL
+    on, and an unknown value or mode is refused by name."""
+    from stepgraph.kernels import pdl
+
+    monkeypatch.delenv(pdl.PDL_TRIGGER_ENV, raising=False)
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    got = [pdl.resolve_pdl(u, "cuda") for u in (None, True, 1, 2, 3, False, 0)]
+    assert got == [1, 1, 1, 2, 3, False, False] and got[-1] is False and got[1] is not True
+    for name, mode in (("wait", 1), ("late", 2), ("exit", 3)):
+        monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, name)
+        assert [pdl.resolve_pdl(u, "cuda") for u in (None, True, 2, False)] == [mode] * 3 + [0]
+    monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, "early")
+    with pytest.raises(ValueError, match="STEPGRAPH_PDL_TRIGGER='early': expected one of"):
+        pdl.resolve_pdl(None, "cuda")
+    assert pdl.resolve_pdl(False, "cuda") is False  # off needs no mode
+    with pytest.raises(ValueError, match="use_pdl=4"):
+        pdl.resolve_pdl(4, "cuda")
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)
+    monkeypatch.delenv(pdl.PDL_TRIGGER_ENV)
+    assert pdl.resolve_pdl(2, "cpu") is False and pdl.resolve_pdl(3, "cpu") is False

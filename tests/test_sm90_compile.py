@@ -63,13 +63,28 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     heads = [[v["kernel"] for v in steps[b]] for b in ("32", "64")]
     assert [h.count("_head_scale_kernel") for h in heads] == [0, 1]
     assert "_argmax_part_kernel" not in heads[1]
+
+    # PDL's trigger: at one row right after the wait (before every loop); from two rows after
+    # the tensor-core K loop (mode "late"); the attention's key loop likewise, its combine and
+    # the short kernels at the wait
+    def places(step, kernel):
+        return {v["trigger"] for v in steps[step] if v["kernel"] == kernel and v["pdl"]}
+
+    proj = ("_norm_gemv_kernel", "_qkv_rope_kernel", "_gate_up_silu_kernel")
+    assert all(places("1", k) == {"before loops"} for k in proj)
+    assert all(places(b, k) == {"after mma loops"} for b in ("8", "32") for k in proj)
+    assert places("64", "_gate_up_silu_kernel") == {"after mma loops"}
+    assert places("64", "_head_scale_kernel") == {"before loops"}
+    assert places("attention fold=False", "_split_kv_kernel") == {"after mma loops"}
+    assert places("attention fold=False", "_combine_kernel") == {"before loops"}
+    assert places("attention fold=True", "_split_kv_fold_kernel") == {"after mma loops"}
     # the persistent MLP half: the step's at bs 8 (a layer each, twice: without and with the
-    # next qkv; no PDL there, NO_PDL_BUCKETS), then the stride schedule's at 64 rows with PDL
-    # then at one row (no TMA: the GEMV loop; PDL), with the next qkv
+    # next qkv), then the stride schedule's at 64 rows, then at one row (no TMA: the GEMV loop),
+    # with the next qkv; PDL at every one
     block = [v for v in steps["mlp block"] if v["kernel"] == "_mlp_block_kernel"]
     assert len(block) == 7
     assert [v["tma"] for v in block] == [True] * 4 + [False] * 2 + [True]
-    assert [v["pdl"] for v in block] == [False] * 4 + [True] * 3
+    assert [v["pdl"] for v in block] == [True] * 7
     # with the next qkv, layer 1's own qkv_rope launch is gone (layer 0 keeps its own)
     qkv_launches = [v["kernel"] for v in steps["mlp block"]].count("_qkv_rope_kernel")
     assert qkv_launches == 2 + 1 + 1

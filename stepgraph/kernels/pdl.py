@@ -47,10 +47,12 @@ except ImportError:  # pragma: no cover - older Triton: never called (USE_PDL is
 
 
 PDL_ENV = "STEPGRAPH_PDL"  # "0" turns PDL off everywhere (an escape hatch and the A/B switch)
-# where a kernel lets its dependents launch (read at every launch, so one process can A/B it):
-# "wait" right after its wait (the default), "late" after its main loop (the projections' K loop,
-# the attention's key loop; kernels without one keep "wait"), "exit" never explicitly (the
-# dependents launch as its programs finish)
+# Where a kernel lets its dependents launch, the ``USE_PDL`` value of a PDL launch: 1 "wait",
+# right after its wait; 2 "late", after its main loop (the projections' K loop, the attention's
+# key loop; a kernel without one triggers at its wait); 3 "exit", never explicitly (the
+# dependents launch as its programs finish). The callers pick it (the fused step: "late" from
+# two rows, docs/results.md run J1); STEPGRAPH_PDL_TRIGGER=wait|late|exit, when set, overrides
+# every launch's (read at each launch, so one process can A/B it).
 PDL_TRIGGER_ENV = "STEPGRAPH_PDL_TRIGGER"
 TRIGGER_MODES = {"wait": 1, "late": 2, "exit": 3}
 
@@ -73,21 +75,26 @@ def pdl_enabled(device: torch.device | str | None) -> bool:
     return hopper_or_later(device.index if device.index is not None else 0)
 
 
-def trigger_mode() -> int:
-    """The ``USE_PDL`` value of a PDL launch: ``TRIGGER_MODES[$STEPGRAPH_PDL_TRIGGER]`` (1, the
-    trigger right after the wait, unless set). An unknown value is refused by name."""
-    name = os.environ.get(PDL_TRIGGER_ENV, "wait")
+def trigger_mode(default: int = 1) -> int:
+    """The trigger mode of a PDL launch: ``$STEPGRAPH_PDL_TRIGGER``'s if set (an unknown value
+    is refused by name), else ``default``."""
+    name = os.environ.get(PDL_TRIGGER_ENV)
+    if name is None:
+        return default
     if name not in TRIGGER_MODES:
         raise ValueError(f"{PDL_TRIGGER_ENV}={name!r}: expected one of {sorted(TRIGGER_MODES)}")
     return TRIGGER_MODES[name]
 
 
-def resolve_pdl(use_pdl: bool | None, device: torch.device | str) -> int:
-    """``use_pdl`` if given (``True`` is still refused where PDL cannot run), else the default
-    for ``device``: 0 (False) for no PDL, else the trigger mode (``trigger_mode``; 1 == True)."""
+def resolve_pdl(use_pdl: bool | int | None, device: torch.device | str) -> int:
+    """``USE_PDL`` for a launch on ``device``: False (0) where PDL is off or cannot run, else a
+    trigger mode (1 == True). ``use_pdl``: None (the device's default, mode 1), False, True
+    (mode 1) or a mode of ``TRIGGER_MODES``; ``STEPGRAPH_PDL_TRIGGER`` overrides the mode."""
+    if use_pdl not in (None, False, True, *TRIGGER_MODES.values()):
+        raise ValueError(f"use_pdl={use_pdl!r}: expected None, a bool or a trigger mode 1-3")
     supported = pdl_enabled(device)
-    on = supported if use_pdl is None else (use_pdl and supported)
-    return trigger_mode() if on else False
+    on = supported if use_pdl is None else (bool(use_pdl) and supported)
+    return trigger_mode(1 if use_pdl is None else int(use_pdl)) if on else False
 
 
 def launch_options(use_pdl: bool) -> dict:
@@ -125,16 +132,16 @@ def pdl_wait_then_trigger_short(USE_PDL: tl.constexpr):
 __all__ = [
     "HAS_GDC",
     "PDL_ENV",
+    "PDL_TRIGGER_ENV",
+    "TRIGGER_MODES",
     "gdc_launch_dependents",
     "gdc_wait",
     "hopper_or_later",
     "launch_options",
     "pdl_enabled",
-    "PDL_TRIGGER_ENV",
-    "TRIGGER_MODES",
     "pdl_trigger_late",
     "pdl_wait_then_trigger",
     "pdl_wait_then_trigger_short",
-    "trigger_mode",
     "resolve_pdl",
+    "trigger_mode",
 ]

@@ -126,11 +126,12 @@ SEPARATE_NORM.add(("gate_up_silu", *_GU8, 16))
 # graph, ctx 4096, one call: 5.018 ms on the reference kernels against 5.073 on its tiles; at
 # bs 16 the tiles won, 6.509 against 6.610; docs/results.md, run F6)
 REFERENCE_BUCKETS: set[tuple[int, int, int]] = {(*_Q8, 4)}
-# Buckets where the step measured faster without PDL on its projections (same key): Llama-3.2-1B
-# at 8 and 16 (benchmarks/ab_step.py, graph, ctx 512, two interleaved rounds, run G7: bs 8 1.102
-# ms against 1.117 with it, bs 16 1.152 against 1.164; with it faster at 1, 4, 32 and 64).
-# Llama-3.1-8B at bs 8 ran faster with it (bench, ctx 4096, run G8: 5.493 against 5.538).
-NO_PDL_BUCKETS: set[tuple[int, int, int]] = {(*_QKV, 8), (*_QKV, 16)}
+# Buckets where the step measured faster without PDL on its projections (same key): none since
+# the trigger after the main loop (kernels/pdl.py, mode "late"). Llama-3.2-1B at 8 and 16 were
+# (run G7: bs 8 1.102 ms against 1.117 with PDL, trigger at the wait); with the late trigger PDL
+# wins there (benchmarks/ab_step.py, graph, ctx 512, run J1: bs 8 1.008 against 1.079 without,
+# bs 16 1.059 against 1.130). Llama-3.1-8B at bs 8 ran faster with it (run G8).
+NO_PDL_BUCKETS: set[tuple[int, int, int]] = set()
 
 
 __all__ = ["CUBLAS", "NO_PDL_BUCKETS", "REFERENCE_BUCKETS", "SEPARATE_NORM", "TILES", "Tile"]

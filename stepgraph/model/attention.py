@@ -221,15 +221,16 @@ class PagedAttentionBackend:
             )
         return self.meta
 
-    def _attend(self, m, q, k_cache, v_cache) -> torch.Tensor:  # [T, n_heads, head_dim]
-        """Attention of ``q`` once this step's K/V are in the pages."""
+    def _attend(self, m, q, k_cache, v_cache, use_pdl=None) -> torch.Tensor:  # [T, heads, dim]
+        """Attention of ``q`` once this step's K/V are in the pages (``use_pdl``: the decode
+        kernels', ``kernels/pdl.resolve_pdl``)."""
         if isinstance(m, ExtendBatch):
             return extend_attention(q, k_cache, v_cache, m, self.sm_scale)
         if self.use_kernel:
             return flash_decode(
                 q, k_cache, v_cache, m.block_table, m.seq_lens,
                 num_splits=m.num_splits, workspace=m.workspace,
-                sm_scale=self.sm_scale, num_sms=self.num_sms,
+                sm_scale=self.sm_scale, num_sms=self.num_sms, use_pdl=use_pdl,
             )  # fmt: skip
         return paged_decode_reference(
             q, k_cache, v_cache, m.block_table, m.seq_lens, sm_scale=self.sm_scale
@@ -239,6 +240,7 @@ class PagedAttentionBackend:
         self,
         layer_id: int,
         q: torch.Tensor,  # [bs, n_heads, head_dim], rotated
+        use_pdl: bool | int | None = None,  # kernels/pdl.resolve_pdl's (the fused step's mode)
     ) -> torch.Tensor:  # [bs, n_heads, head_dim]
         """Decode attention of layer ``layer_id`` once this step's K/V are already in its pages
         (the fused decode step's qkv kernel writes them): the kernels ``rope_attention`` runs
@@ -249,7 +251,7 @@ class PagedAttentionBackend:
                 "decode_attention needs decode metadata; a prefill goes through rope_attention."
             )
         kv = self.kv_cache
-        return self._attend(m, q, kv.k_caches[layer_id], kv.v_caches[layer_id])
+        return self._attend(m, q, kv.k_caches[layer_id], kv.v_caches[layer_id], use_pdl)
 
 
 __all__ = ["DecodeMetadata", "PagedAttentionBackend", "SEQ_LEN_FILL_VALUE"]

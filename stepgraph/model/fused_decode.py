@@ -50,6 +50,7 @@ from ..kernels.fused_norm import embed_rmsnorm
 from ..kernels.head_scale import head_scale
 from ..kernels.lm_head_argmax import lm_head_argmax
 from ..kernels.norm_gemv import norm_gemv
+from ..kernels.pdl import TRIGGER_MODES
 from ..kernels.proj_tiles import measured, reference_bucket, separate_norm
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
@@ -74,13 +75,16 @@ REFERENCE_ROWS = kernel_choice.buckets_env("STEPGRAPH_REFERENCE_ROWS", REFERENCE
 # 1.078 (run F3); 8 1.103 / 1.098, 16 1.169 / 1.169, 32 1.257 / 1.276 (F5); STEPGRAPH_NORM_HANDOFF=0
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
 HANDOFF_MIN_BUCKET = 8
-# PDL on the projection kernels at two rows and more (None: wherever the GPU has it), but not at
-# a model's buckets of tile_table.NO_PDL_BUCKETS (STEPGRAPH_NO_PDL_BUCKETS=LO-HI or none: those
-# for every model, the A/B switch); one row always takes the default (on)
-ROWS_PDL: bool | None = None
+# PDL on the projection kernels at two rows and more, with the trigger after each kernel's main
+# loop (kernels/pdl.py, mode "late"; graph ms at ctx 512, run J1, "wait" -> "late": bs 8 1.036
+# -> 1.008, 16 1.081 -> 1.059, 32 1.193 -> 1.187, 64 a tie; one row, which keeps the default
+# "wait": 0.795 -> 0.832), but not at a model's buckets of tile_table.NO_PDL_BUCKETS
+# (STEPGRAPH_NO_PDL_BUCKETS=LO-HI or none: those for every model, the A/B switch)
+ROWS_PDL: int = TRIGGER_MODES["late"]
 NO_PDL_ENV = kernel_choice.buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
-# PDL on the fused step's attention kernel: off unless STEPGRAPH_ATTENTION_PDL=1 (an A/B switch)
-ATTENTION_PDL: bool | None = None if os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1" else False
+# PDL on the fused step's attention kernels (the projections' trigger mode): off unless
+# STEPGRAPH_ATTENTION_PDL=1 (an A/B switch)
+ATTENTION_PDL = os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1"
 
 
 def kernel_class(bs: int, backend=None) -> int:
@@ -128,19 +132,20 @@ def no_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int) -> bool:
     return proj_tiles.no_pdl_bucket(qkv_n, k, bucket, elem_bytes)
 
 
-def _attention(backend, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+def _attention(backend, layer_id: int, q: torch.Tensor, use_pdl=None) -> torch.Tensor:
     """Split-KV decode over the pages. Where the ladder gives every row one split at any
     context for this batch size's class (``bucket_splits(kernel_class(bs, backend)) == 1``: the
     same in eager, graph and exact mode), one launch: the split kernel writes the output
     (``kernels/split_kv_fold.py``). Elsewhere the backend's split + combine (the folded merge
-    measured slower there)."""
+    measured slower there). ``use_pdl``: the projections' (``ATTENTION_PDL``)."""
+    pdl = (use_pdl or None) if ATTENTION_PDL else False
     if not backend.use_kernel or backend.bucket_splits(kernel_class(q.shape[0], backend)) > 1:
-        return backend.decode_attention(layer_id, q)
+        return backend.decode_attention(layer_id, q, pdl)
     m, kv = backend.meta, backend.kv_cache
     return flash_decode(
         q, kv.k_caches[layer_id], kv.v_caches[layer_id], m.block_table, m.seq_lens,
         num_splits=m.num_splits, workspace=m.workspace, sm_scale=backend.sm_scale,
-        num_sms=backend.num_sms, use_pdl=ATTENTION_PDL, fold_combine=True,
+        num_sms=backend.num_sms, use_pdl=pdl, fold_combine=True,
     )  # fmt: skip
 
 
@@ -240,7 +245,7 @@ def fused_decode_step(
         if q is None:
             q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
                      x0 if i == 0 else None)  # fmt: skip
-        o = _attention(backend, i, q)  # [bs, n_heads, head_dim]
+        o = _attention(backend, i, q, use_pdl)  # [bs, n_heads, head_dim]
         r, hand, q = fused_mlp.mlp_half(model, i, o.reshape(bs, -1), r, ho, use_pdl, step)
     if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
         local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
