@@ -74,7 +74,7 @@ REFERENCE_ROWS = kernel_choice.buckets_env("STEPGRAPH_REFERENCE_ROWS", REFERENCE
 # The norm handoff (``handoff``) from bucket 8 on: graph, ctx 512, ms on / off: bs 4 1.095 /
 # 1.078 (run F3); 8 1.103 / 1.098, 16 1.169 / 1.169, 32 1.257 / 1.276 (F5); STEPGRAPH_NORM_HANDOFF=0
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
-HANDOFF_MIN_BUCKET = 8
+HANDOFF_MIN_BUCKET = int(os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", 8))  # (an A/B switch)
 # PDL on the projection kernels at two rows and more, with the trigger after each kernel's main
 # loop (kernels/pdl.py, mode "late"; graph ms at ctx 512, run J1, "wait" -> "late": bs 8 1.036
 # -> 1.008, 16 1.081 -> 1.059, 32 1.193 -> 1.187, 64 a tie; one row, which keeps the default
