@@ -34,26 +34,33 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     monkeypatch.delenv("STEPGRAPH_NO_PDL_BUCKETS", raising=False)
     monkeypatch.setenv("STEPGRAPH_NORM_HANDOFF", "1")
     monkeypatch.delenv("STEPGRAPH_MLP_BLOCK", raising=False)
-    for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS"):  # restored after the test
+    monkeypatch.delenv("STEPGRAPH_HANDOFF_MIN_BUCKET", raising=False)
+    monkeypatch.delenv("STEPGRAPH_ATTENTION_PDL", raising=False)
+    for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS", "HANDOFF_MIN_BUCKET",
+                 "ATTENTION_PDL"):  # restored after the test  # fmt: skip
         monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))
     monkeypatch.setattr(fused_mlp, "MLP_BLOCK", fused_mlp.MLP_BLOCK)
     monkeypatch.setattr(fused_mlp, "BLOCK_QKV", fused_mlp.BLOCK_QKV)
     monkeypatch.setattr(fused_mlp, "ONE_ROW", fused_mlp.ONE_ROW)
     monkeypatch.delenv("STEPGRAPH_MLP_BLOCK_ONE_ROW", raising=False)
     saved: dict = {}
-    ab.apply({"STEPGRAPH_NO_PDL_BUCKETS": "2-64", "STEPGRAPH_NORM_HANDOFF": "0",
-              "STEPGRAPH_MLP_BLOCK": "qkv", "STEPGRAPH_MLP_BLOCK_ONE_ROW": "1"}, saved)  # fmt: skip
+    first = {"STEPGRAPH_NO_PDL_BUCKETS": "2-64", "STEPGRAPH_NORM_HANDOFF": "0",
+             "STEPGRAPH_MLP_BLOCK": "qkv", "STEPGRAPH_MLP_BLOCK_ONE_ROW": "1",
+             "STEPGRAPH_HANDOFF_MIN_BUCKET": "8", "STEPGRAPH_ATTENTION_PDL": "1"}  # fmt: skip
+    ab.apply(first, saved)
     assert fused_decode.NO_PDL_ENV == range(2, 65) and fused_decode.NORM_HANDOFF is False
+    assert fused_decode.HANDOFF_MIN_BUCKET == 8 and fused_decode.ATTENTION_PDL is True
     assert fused_mlp.MLP_BLOCK is True and fused_mlp.BLOCK_QKV is True and fused_mlp.ONE_ROW
-    ab.apply({"STEPGRAPH_REFERENCE_ROWS": "none"}, saved)  # the next variant: the first undone
+    ab.apply({"STEPGRAPH_REFERENCE_ROWS": "2-4"}, saved)  # the next variant: the first undone
     assert "STEPGRAPH_NO_PDL_BUCKETS" not in os.environ
     assert os.environ["STEPGRAPH_NORM_HANDOFF"] == "1"
     assert fused_decode.NO_PDL_ENV is None and fused_decode.NORM_HANDOFF is True
-    assert fused_decode.REFERENCE_ROWS == range(0) and fused_mlp.MLP_BLOCK is False
+    assert fused_decode.REFERENCE_ROWS == range(2, 5) and fused_mlp.MLP_BLOCK is False
+    assert fused_decode.HANDOFF_MIN_BUCKET == 2 and fused_decode.ATTENTION_PDL is False
     assert fused_mlp.BLOCK_QKV is False and fused_mlp.ONE_ROW is False
     ab.apply({}, saved)  # the end of the run: the original environment
     assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ
-    assert fused_decode.REFERENCE_ROWS == range(2, 3)
+    assert fused_decode.REFERENCE_ROWS == range(0)
 
 
 def test_apply_rereads_the_cublas_handoff_and_the_table_switches(monkeypatch):

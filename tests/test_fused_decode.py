@@ -101,19 +101,20 @@ def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr, monkeypatch):
     """The 1B preset's bf16 shapes have tiles at every tile class; the tiny preset's do not,
     and float32 never does: the step runs the reference kernels there (``proj_tiles.measured``),
     as the rule's tiles ran the 8B preset at half cuBLAS's speed."""
+    from stepgraph.kernels import proj_tiles
     from stepgraph.model import ModelRunner
 
     big = ModelRunner.from_preset("llama-3.2-1b", "cpu", torch.bfloat16, num_layers=1,
                                   max_bs=64, max_context_len=64)  # fmt: skip
-    assert all(fused_decode._measured(big.model, rows) for rows in (16, 32, 48, 64))
-    assert [reference_rows(bs, big.attn_backend, big.model) for bs in (1, 2, 3, 32, 64)] == [
-        False, True, False, False, False,
+    assert all(fused_decode._measured(big.model, rows) for rows in (2, 16, 32, 48, 64))
+    assert not any(reference_rows(bs, big.attn_backend, big.model) for bs in (1, 2, 3, 32, 64))
+    eight = (6144, 4096)  # the 8B's qkv: its buckets 2 and 4 measured on the reference kernels
+    assert [proj_tiles.reference_bucket(*eight, b) for b in (1, 2, 3, 4, 8)] == [
+        False, True, False, True, False,
     ]  # fmt: skip
     assert not fused_decode._measured(mr.model, 64)
     assert reference_rows(40, mr.attn_backend, mr.model) and not reference_rows(1, None, mr.model)
     # a bucket in REFERENCE_BUCKETS for the model's qkv shape runs the reference kernels too
-    from stepgraph.kernels import proj_tiles
-
     monkeypatch.setattr(proj_tiles, "REFERENCE_BUCKETS", {(3072, 2048, 32)})
     assert proj_tiles.reference_bucket(3072, 2048, 32) and not proj_tiles.reference_bucket(
         3072, 2048, 32, elem_bytes=4)  # fmt: skip

@@ -24,13 +24,10 @@ def test_the_1b_plan_as_committed():
     assert sorted(plan) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert plan[1][0] == "fused, one row (GEMV)"
     assert plan[1][1]["qkv"] == "qkv_rope 4x1024 w4"  # the launcher's one-row halving
-    assert plan[2] == ("reference kernels (REFERENCE_ROWS)", {})
     sums = ", the norm from the sums of squares"
-    assert plan[4][1]["qkv"].startswith("norm, then qkv_rope")  # below HANDOFF_MIN_BUCKET
-    assert plan[4][1]["gate_up"] == "norm, then gate_up_silu 64x128 w4 s3 TMA1"  # 2-4 rows
-    assert plan[4][1]["o_proj"] == "gemv_residual 32x512 w4 s1 split4"
-    assert plan[4][1]["lm_head"] == "lm_head 256x64 w8 s3 TMA2"
-    for b in (8, 16):
+    # 2-16 rows: one plan, the handoff and the 16-row tiles from bucket 2 (run J3)
+    assert plan[2] == plan[4] == plan[8] == plan[16]
+    for b in (2, 8):
         c = plan[b][1]
         assert c["qkv"].startswith("qkv_rope ") and "TMA" not in c["qkv"]
         assert c["qkv"].endswith(f"{sums} (layer 0: norm, then qkv_rope 32x256 w4 s3 split4)")
@@ -74,7 +71,7 @@ def test_info_prints_the_plan(capsys):
     assert main(["info", "--model", "llama-3.2-1b"]) == 0
     out = capsys.readouterr().out
     assert "decode kernels of llama-3.2-1b (bfloat16" in out
-    assert "  bs bucket 2: reference kernels (REFERENCE_ROWS)" in out
+    assert "  bs bucket 2: fused, tensor cores (M padded to 16)\n" in out  # run J3
     assert "  bs bucket 8: fused, tensor cores (M padded to 16)\n" in out  # PDL there (run J1)
     assert "  bs bucket 32: fused, tensor cores (M padded to 32)\n" in out  # PDL there
     assert "above 64 rows: reference kernels" in out
@@ -152,8 +149,8 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
     spy("embed_rmsnorm", fused_decode.embed_rmsnorm, lambda a, k: "embed with the norm")
     plan = by_bucket(cfg)
     owns = []
-    for bs in (1, 3, 5, 17):  # buckets 1 (one row), 4 and 8 (M padded to 16, below and at the
-        # handoff's), 32 (qkv and the LM head on cuBLAS in this test's table)
+    for bs in (1, 3, 5, 17):  # buckets 1 (one row), 4 and 8 (M padded to 16, the handoff's from
+        # 2 rows), 32 (qkv and the LM head on cuBLAS in this test's table)
         ran.clear()
         batch, pages = decode_batch(mr, Point(bs, 20), seed=bs)
         try:
@@ -168,7 +165,7 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
             c = choices[piece]
             seen = {r for r in ran if r.startswith(piece)}
             assert seen == expected(piece, c), (bs, piece, c, seen)
-            ho = handoff and bs > 4 and ("cuBLAS" not in c or piece != "gate_up")
+            ho = handoff and bs > 1 and ("cuBLAS" not in c or piece != "gate_up")
             assert ("sums of squares" in c) == ho
         # layer 0's norm as its own kernel (cuBLAS qkv, SEPARATE_NORM): run with the embedding
         first = choices["qkv"].split(" (layer 0: ")[-1]

@@ -29,11 +29,11 @@ class Tile:
 
 
 # (kernel, n, k, BLOCK_M) -> Tile, at Llama-3.2-1B's shapes (n: weight rows, all of them). A key
-# with 4 in place of BLOCK_M serves 2-4 rows before the key with 16 (proj_tiles.table_rows):
-# the step measured o_proj's weight through TMA and gate-up with four stages faster at buckets
-# 8-16 and slower at bucket 4 (benchmarks/ab_step.py, three interleaved rounds, graph, ctx 512,
-# runs H9-H10: bs 8 1.096 ms against 1.100, bs 16 1.145 against 1.152, ctx 4096 1.316 / 1.593
-# against 1.324 / 1.604; bs 3 1.072 against 1.061, bs 4 1.082 against 1.071).
+# with 4 in place of BLOCK_M would serve 2-4 rows before the key with 16 (proj_tiles.table_rows).
+# The 1B had two (o_proj Tile(32, 512, 4, 1, 4), gate-up _normed three stages: faster at bucket 4
+# in runs H9-H10); with the late PDL trigger and the handoff from bucket 2 the 16-row tiles won
+# there (benchmarks/ab_step.py, three interleaved rounds, graph, ctx 512, run J3: bs 3 0.966 ms
+# against 1.014 with them, bs 4 0.973 against 1.021).
 # Measured on the H200 (benchmarks/proj_sweep.py, bf16, PDL on, 16 calls over 16 weights, µs
 # per call; 2026-12-01, rounds 2-4: round 4 with the TMA tiles, Tile(..., tma), whose figures
 # follow; the sweeps vary by about 3% run to run); see docs/results.md, "decode kernels bs 2-64
@@ -45,7 +45,6 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
     ("qkv_rope", *_QKV, 32): Tile(16, 128, 4, 3, 4),  # 14.52 (6.58); SEPARATE_NORM below
     ("qkv_rope", *_QKV, 64): Tile(32, 128, 4, 3, 4),  # 21.53 (6.76): CUBLAS below
     ("gemv_residual", *_O, 16): Tile(32, 128, 4, 4, 2, 2),  # H9-H10, with gate-up's s4 below
-    ("gemv_residual", *_O, 4): Tile(32, 512, 4, 1, 4),  # 5.04 (6.17); 2-4 rows
     # 17-64 rows: the weight through TMA as at 16 (run I7, ab_step, three interleaved rounds:
     # bs 32 1.190 against 1.197 ms, bs 64 1.327 against 1.337; same logits bits). The sweep's
     # pointer tile Tile(32, 128, 4, 4, 2): 5.79 / 6.46 µs a call (cuBLAS 6.19 / 6.32)
@@ -66,7 +65,6 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
     ("qkv_rope_normed", *_QKV, 32): Tile(16, 128, 4, 5, 4, 1),  # I3, five stages (3: 8.04)
     ("qkv_rope_normed", *_QKV, 64): Tile(16, 64, 4, 3, 2),  # 10.74
     ("gate_up_silu_normed", *_GU, 16): Tile(64, 128, 4, 4, 1, 1),  # H9-H10 (see above)
-    ("gate_up_silu_normed", *_GU, 4): Tile(64, 128, 4, 3, 1, 1),  # 17.81; 2-4 rows
     ("gate_up_silu_normed", *_GU, 32): Tile(64, 128, 4, 3, 1, 1),  # 18.32
     ("gate_up_silu_normed", *_GU, 64): Tile(64, 128, 4, 3, 1, 1),  # 19.46
 }
@@ -125,7 +123,9 @@ SEPARATE_NORM.add(("gate_up_silu", *_GU8, 16))
 # tiles cover the rows (keyed by its fused qkv weight's shape): Llama-3.1-8B at bs 4 (bench,
 # graph, ctx 4096, one call: 5.018 ms on the reference kernels against 5.073 on its tiles; at
 # bs 16 the tiles won, 6.509 against 6.610; docs/results.md, run F6)
-REFERENCE_BUCKETS: set[tuple[int, int, int]] = {(*_Q8, 4)}
+# Its bucket 2 stays there too: the reference kernels served every model's bs 2 before run J3
+# moved the 1B's onto its tiles (REFERENCE_ROWS), and the 8B's was not measured since.
+REFERENCE_BUCKETS: set[tuple[int, int, int]] = {(*_Q8, 2), (*_Q8, 4)}
 # Buckets where the step measured faster without PDL on its projections (same key): none since
 # the trigger after the main loop (kernels/pdl.py, mode "late"). Llama-3.2-1B at 8 and 16 were
 # (run G7: bs 8 1.102 ms against 1.117 with PDL, trigger at the wait); with the late trigger PDL

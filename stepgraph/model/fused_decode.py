@@ -65,16 +65,20 @@ from .step_heads import greedy_tokens as _greedy
 # Rows the fused step serves (``gemv_tiles.MAX_M``: one launch takes up to 64 rows).
 FUSED_MAX_BS = 64
 # Batch sizes the fused step serves with the reference kernels (greedy tokens still taken in
-# the step), by measurement (docs/results.md, run E5: bs 2 1.059 ms on them against 1.100 on
-# tensor cores; bs 4 to 64 faster on tensor cores). Chosen on the batch size's bucket
-# (``kernel_class``): a live batch replays its bucket's graph, and eager must pick the same.
+# the step), by measurement: none since run J3 (benchmarks/ab_step.py, graph, ctx 512, three
+# interleaved rounds: bs 2 0.958 ms on tensor cores, the handoff from bucket 2 and the late PDL
+# trigger, against 1.037 on the reference kernels; bucket 2 had stayed there since run E5, 1.059
+# against 1.100). Chosen on the batch size's bucket (``kernel_class``): a live batch replays its
+# bucket's graph, and eager must pick the same. A model's own buckets: REFERENCE_BUCKETS.
 # STEPGRAPH_REFERENCE_ROWS=LO-HI or none is the A/B switch of that measurement.
-REFERENCE_ROWS_DEFAULT = range(2, 3)
+REFERENCE_ROWS_DEFAULT = range(0)
 REFERENCE_ROWS = kernel_choice.buckets_env("STEPGRAPH_REFERENCE_ROWS", REFERENCE_ROWS_DEFAULT)
-# The norm handoff (``handoff``) from bucket 8 on: graph, ctx 512, ms on / off: bs 4 1.095 /
-# 1.078 (run F3); 8 1.103 / 1.098, 16 1.169 / 1.169, 32 1.257 / 1.276 (F5); STEPGRAPH_NORM_HANDOFF=0
+# The norm handoff (``handoff``) from bucket 2 on: graph, ctx 512, ms on / off: bs 8 1.103 /
+# 1.098, 16 1.169 / 1.169, 32 1.257 / 1.276 (F5); at bs 4 it lost in F3 (1.095 / 1.078) and won
+# with the late PDL trigger (run J3, with the 16-row tiles: bs 3 0.966 / 1.052, bs 4 0.973 /
+# 1.057). STEPGRAPH_NORM_HANDOFF=0 and STEPGRAPH_HANDOFF_MIN_BUCKET=N are the A/B switches.
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
-HANDOFF_MIN_BUCKET = int(os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", 8))  # (an A/B switch)
+HANDOFF_MIN_BUCKET = int(os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", 2))
 # PDL on the projection kernels at two rows and more, with the trigger after each kernel's main
 # loop (kernels/pdl.py, mode "late"; graph ms at ctx 512, run J1, "wait" -> "late": bs 8 1.036
 # -> 1.008, 16 1.081 -> 1.059, 32 1.193 -> 1.187, 64 a tie; one row, which keeps the default
