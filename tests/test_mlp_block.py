@@ -257,11 +257,11 @@ def test_the_plan_names_the_block(monkeypatch):
         monkeypatch.setattr(fused_mlp, "BLOCK_QKV", on)
         paths = {b: p for b, p, _ in kernel_plan.kernel_plan(cfg)}
         named = {b for b, p in paths.items() if "in one launch (STEPGRAPH_MLP_BLOCK)" in p}
-        # the handoff's buckets (8 on), where gate-up is fused at every one of them
-        assert named == ({b for b in paths if b >= 8} if on else set())
+        # the handoff's buckets (2 on), where gate-up is fused at every one of them
+        assert named == ({b for b in paths if b >= 2} if on else set())
         # the next qkv where it is fused (qkv takes cuBLAS at 33-64 rows)
         qkv = {b for b, p in paths.items() if "with the next layer's qkv" in p}
-        assert qkv == ({b for b in paths if 8 <= b <= 32} if on else set())
+        assert qkv == ({b for b in paths if 2 <= b <= 32} if on else set())
     monkeypatch.setattr(fused_mlp, "ONE_ROW", True)  # and at one row, with the handoff there
     plans = {b: (p, c) for b, p, c in kernel_plan.kernel_plan(cfg)}
     assert "in one launch (STEPGRAPH_MLP_BLOCK) with the next layer's qkv" in plans[1][0]

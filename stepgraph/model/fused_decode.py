@@ -13,20 +13,21 @@
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 (2 at bs 1)
 
 One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 100 kernels a step for
-Llama-3.2-1B (0.799 ms exact, 75% of the bandwidth floor, H200, run I8). Two rows and more
+Llama-3.2-1B (0.800 ms exact, 75% of the bandwidth floor, H200, run J5). Two rows and more
 (issue 21): the same kernels on tensor cores, M padded to 16/32/64, split-K where the output is
 narrow, tiles per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/
 proj_sweep.py``; some through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster
 (``tile_table.CUBLAS``: qkv and the LM head at 33-64 rows) the step runs cuBLAS with RoPE/KV-
-write after it (``head_scale`` for the head). From bucket 8 on, the norms before the other
+write after it (``head_scale`` for the head). From bucket 2 on, the norms before the other
 consumers (qkv from layer 1, gate-up, the LM head) come from what o_proj and down leave beside
 the residual (``handoff``, ``kernels/norm_handoff.py``): no norm kernel, before a cuBLAS GEMM
-too (its rows' 1 / RMS applied after it). Below that, and for layer 0, the norm runs as its own
-kernel where ``tile_table.SEPARATE_NORM`` says (or cuBLAS follows), else in the prologue.
-``REFERENCE_ROWS`` (bucket 2) runs the reference kernels inside the step. docs/results.md has
-the figures. The kernels are launched with programmatic dependent launch where the GPU has it
-(``kernels/pdl.py``), except where ``tile_table.NO_PDL_BUCKETS`` says and the attention
-kernels (each measured faster without it, see ``flash_decode``).
+too (its rows' 1 / RMS applied after it). For layer 0 (and with the handoff off) the norm runs
+as its own kernel where ``tile_table.SEPARATE_NORM`` says (or cuBLAS follows), else in the
+prologue. ``REFERENCE_ROWS`` (none by default) and a model's ``tile_table.REFERENCE_BUCKETS``
+run the reference kernels inside the step. docs/results.md has the figures. The projections
+are launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``; from
+two rows each lets the next launch after its main loop, ``ROWS_PDL``), except where
+``tile_table.NO_PDL_BUCKETS`` says; the attention kernels without it (measured faster).
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused step serves batches of up to
