@@ -163,7 +163,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true",
                     help="skip the shape sweep and the GEMV policies: cuBLAS (the reference "
                     "kernels) against the fused step only")  # fmt: skip
+    ap.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
+                    help="the steps' batch sizes (up to 32; default %(default)s)")  # fmt: skip
     args = ap.parse_args(argv)
+    global BATCH_SIZES
+    BATCH_SIZES = tuple(int(b) for b in args.batch_sizes.split(","))
     t_start = time.perf_counter()
     torch.manual_seed(0)
     gbps = copy_bandwidth_gbps()
