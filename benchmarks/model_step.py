@@ -158,6 +158,7 @@ def time_policy(mr, name: str, policy, floor_ms: dict, kernels: str = "reference
 
 
 def main(argv: list[str] | None = None) -> dict:
+    global BATCH_SIZES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the full results here")
     ap.add_argument("--quick", action="store_true",
@@ -166,7 +167,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
                     help="the steps' batch sizes (up to 32; default %(default)s)")  # fmt: skip
     args = ap.parse_args(argv)
-    global BATCH_SIZES
     BATCH_SIZES = tuple(int(b) for b in args.batch_sizes.split(","))
     t_start = time.perf_counter()
     torch.manual_seed(0)
