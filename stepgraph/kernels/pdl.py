@@ -12,7 +12,7 @@ The rules every kernel here keeps (tests/gpu/test_fused_step_kernels_gpu.py chec
   cache) and before writing anything; only weights (never written during a step) load before it;
 - the wait comes before any loop, since the software pipeliner may hoist a loop's loads;
 - ``gdc_launch_dependents()`` after the wait, never before it (that would let a whole chain of
-  waiting kernels occupy the SMs). Where is the trigger mode, ``USE_PDL``'s value (below):
+  waiting kernels occupy the SMs). Where after it is the trigger mode, ``USE_PDL``'s value:
   1 right after the wait, so the next kernel prefetches its weights while this one streams, one
   kernel ahead (the one-row GEMVs: 0.795 ms a step against 0.832 with mode 2); 2 after the main
   loop (the tensor-core tiles from two rows: bs 8 1.007 against 1.080 for mode 1, or without
@@ -125,7 +125,8 @@ def pdl_trigger_late(USE_PDL: tl.constexpr):
 
 @triton.jit
 def pdl_wait_then_trigger_short(USE_PDL: tl.constexpr):
-    """``pdl_wait_then_trigger`` for a kernel without a main loop: mode 2 triggers at its wait."""
+    """``pdl_wait_then_trigger`` for a kernel without a main loop (and the persistent MLP block,
+    whose loop is all of it): mode 2 triggers at its wait too."""
     if USE_PDL:
         gdc_wait()
         if USE_PDL <= 2:
