@@ -3,8 +3,9 @@ round, variant and batch size a graph captured at that bucket alone, its median 
 (CUDA events after warm-up, as ``stepgraph bench`` times it), the fraction of the bandwidth
 floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the step's
 import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK``,
-``STEPGRAPH_PROJ_TILES``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM`` and
-``STEPGRAPH_CUBLAS_HANDOFF`` among them).
+``STEPGRAPH_PROJ_TILES``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
+``STEPGRAPH_REFERENCE_BUCKETS``, ``STEPGRAPH_CUBLAS_HANDOFF``, ``STEPGRAPH_HANDOFF_MIN_BUCKET``
+and ``STEPGRAPH_ATTENTION_PDL`` among them; ``STEPGRAPH_PDL_TRIGGER`` is read at each launch).
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
         --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"

@@ -67,23 +67,28 @@ def test_apply_rereads_the_cublas_handoff_and_the_table_switches(monkeypatch):
     from stepgraph.kernels import proj_tiles
 
     ab = load_ab()
-    for name in ("STEPGRAPH_CUBLAS_HANDOFF", "STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS"):
+    for name in ("STEPGRAPH_CUBLAS_HANDOFF", "STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS",
+                 "STEPGRAPH_REFERENCE_BUCKETS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
+    eight = (6144, 4096, 4)  # the 8B's bucket 4: on the reference kernels as shipped
     monkeypatch.setattr(fused_mlp, "CUBLAS_HANDOFF", fused_mlp.CUBLAS_HANDOFF)
     saved: dict = {}
     try:
         ab.apply({"STEPGRAPH_CUBLAS_HANDOFF": "0", "STEPGRAPH_SEPARATE_NORM": "qkv_rope:64",
-                  "STEPGRAPH_PROJ_CUBLAS": "gate_up_silu:16"}, saved)  # fmt: skip
+                  "STEPGRAPH_PROJ_CUBLAS": "gate_up_silu:16",
+                  "STEPGRAPH_REFERENCE_BUCKETS": "none"}, saved)  # fmt: skip
         assert fused_mlp.CUBLAS_HANDOFF is False
+        assert not proj_tiles.reference_bucket(*eight)
         assert proj_tiles.SEPARATE_ANY == {("qkv_rope", 64)}
         assert proj_tiles.CUBLAS_ANY == {("gate_up_silu", 16)}
         assert proj_tiles.separate_norm("qkv_rope", 64, 3072, 2048)
         ab.apply({}, saved)
-        assert fused_mlp.CUBLAS_HANDOFF is True
+        assert fused_mlp.CUBLAS_HANDOFF is True and proj_tiles.reference_bucket(*eight)
         assert proj_tiles.SEPARATE_ANY == set() == proj_tiles.CUBLAS_ANY
         assert not proj_tiles.separate_norm("qkv_rope", 64, 3072, 2048)
     finally:
-        for name in ("STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS"):
+        for name in ("STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS",
+                     "STEPGRAPH_REFERENCE_BUCKETS"):  # fmt: skip
             os.environ.pop(name, None)
         proj_tiles.reload_env_tiles()
 

@@ -66,18 +66,27 @@ SEPARATE_ANY = _separate_env()
 TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile fields]}: a sweep's
 
 
-_TABLES = (dict(TILES), set(CUBLAS))  # as tile_table holds them, before any switch
+_TABLES = (dict(TILES), set(CUBLAS), set(REFERENCE_BUCKETS))  # as tile_table holds them
+REFERENCE_BUCKETS_ENV = "STEPGRAPH_REFERENCE_BUCKETS"  # "none": no model's (the A/B switch)
+
+
+def _reference_env() -> None:
+    if os.environ.get(REFERENCE_BUCKETS_ENV) == "none":
+        REFERENCE_BUCKETS.clear()
+
+
+_reference_env()
 
 
 def reload_env_tiles() -> None:
     """Put ``TILES`` and ``CUBLAS`` back as ``tile_table`` holds them, then add
-    ``$STEPGRAPH_PROJ_TILES``'s tiles, and re-read ``STEPGRAPH_PROJ_CUBLAS`` and
-    ``STEPGRAPH_SEPARATE_NORM`` (in place: every reader sees it): switches that
-    ``benchmarks/ab_step.py`` can flip between the variants of one process."""
-    TILES.clear()
-    TILES.update(_TABLES[0])
-    CUBLAS.clear()
-    CUBLAS.update(_TABLES[1])
+    ``$STEPGRAPH_PROJ_TILES``'s tiles, and re-read ``STEPGRAPH_PROJ_CUBLAS``,
+    ``STEPGRAPH_SEPARATE_NORM`` and ``STEPGRAPH_REFERENCE_BUCKETS`` (in place: every reader sees
+    it): switches that ``benchmarks/ab_step.py`` can flip between the variants of one process."""
+    for table, shipped in zip((TILES, CUBLAS, REFERENCE_BUCKETS), _TABLES):
+        table.clear()
+        table.update(shipped)
+    _reference_env()
     _env_tiles()
     for now, env in ((CUBLAS_ANY, _env_pairs("STEPGRAPH_PROJ_CUBLAS")),
                      (SEPARATE_ANY, _separate_env())):  # fmt: skip
