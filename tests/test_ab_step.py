@@ -70,7 +70,9 @@ def test_apply_rereads_the_cublas_handoff_and_the_table_switches(monkeypatch):
     for name in ("STEPGRAPH_CUBLAS_HANDOFF", "STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS",
                  "STEPGRAPH_REFERENCE_BUCKETS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
-    eight = (6144, 4096, 4)  # the 8B's bucket 4: on the reference kernels as shipped
+    eight = (6144, 4096, 4)  # a shipped reference bucket (the table has none since run J9)
+    shipped = proj_tiles._TABLES
+    monkeypatch.setattr(proj_tiles, "_TABLES", (*shipped[:2], {eight}))
     monkeypatch.setattr(fused_mlp, "CUBLAS_HANDOFF", fused_mlp.CUBLAS_HANDOFF)
     saved: dict = {}
     try:
@@ -90,6 +92,7 @@ def test_apply_rereads_the_cublas_handoff_and_the_table_switches(monkeypatch):
         for name in ("STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS",
                      "STEPGRAPH_REFERENCE_BUCKETS"):  # fmt: skip
             os.environ.pop(name, None)
+        proj_tiles._TABLES = shipped
         proj_tiles.reload_env_tiles()
 
 

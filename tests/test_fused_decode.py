@@ -108,10 +108,8 @@ def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr, monkeypatch):
                                   max_bs=64, max_context_len=64)  # fmt: skip
     assert all(fused_decode._measured(big.model, rows) for rows in (2, 16, 32, 48, 64))
     assert not any(reference_rows(bs, big.attn_backend, big.model) for bs in (1, 2, 3, 32, 64))
-    eight = (6144, 4096)  # the 8B's qkv: its buckets 2 and 4 measured on the reference kernels
-    assert [proj_tiles.reference_bucket(*eight, b) for b in (1, 2, 3, 4, 8)] == [
-        False, True, False, True, False,
-    ]  # fmt: skip
+    eight = (6144, 4096)  # the 8B's qkv: its buckets 2 and 4 on its tiles too since run J9
+    assert not any(proj_tiles.reference_bucket(*eight, b) for b in (1, 2, 3, 4, 8))
     assert not fused_decode._measured(mr.model, 64)
     assert reference_rows(40, mr.attn_backend, mr.model) and not reference_rows(1, None, mr.model)
     # a bucket in REFERENCE_BUCKETS for the model's qkv shape runs the reference kernels too

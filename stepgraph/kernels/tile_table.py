@@ -120,12 +120,12 @@ SEPARATE_NORM: set[tuple[str, int, int, int]] = {
 # before against 65.48 with the norm prologue (round 6; not timed in the step at those sizes)
 SEPARATE_NORM.add(("gate_up_silu", *_GU8, 16))
 # Buckets where a model measured faster on the reference kernels inside the step, though its
-# tiles cover the rows (keyed by its fused qkv weight's shape): Llama-3.1-8B at bs 4 (bench,
-# graph, ctx 4096, one call: 5.018 ms on the reference kernels against 5.073 on its tiles; at
-# bs 16 the tiles won, 6.509 against 6.610; docs/results.md, run F6)
-# Its bucket 2 stays there too: the reference kernels served every model's bs 2 before run J3
-# moved the 1B's onto its tiles (REFERENCE_ROWS), and the 8B's was not measured since.
-REFERENCE_BUCKETS: set[tuple[int, int, int]] = {(*_Q8, 2), (*_Q8, 4)}
+# tiles cover the rows (keyed by its fused qkv weight's shape): none since the late PDL trigger
+# and the norm handoff from bucket 2. Llama-3.1-8B's bucket 4 was (run F6: 5.018 ms on the
+# reference kernels against 5.073 on its tiles), and its bucket 2 ran them too (REFERENCE_ROWS);
+# on its tiles now (benchmarks/ab_step.py, graph, ctx 4096, two interleaved rounds, run J9): bs 2
+# 4.678 against 4.838 on the reference kernels, bs 4 4.929 against 5.085 (227 kernels, not 392).
+REFERENCE_BUCKETS: set[tuple[int, int, int]] = set()
 # Buckets where the step measured faster without PDL on its projections (same key): none since
 # the trigger after the main loop (kernels/pdl.py, mode "late"). Llama-3.2-1B at 8 and 16 were
 # (run G7: bs 8 1.102 ms against 1.117 with PDL, trigger at the wait); with the late trigger PDL
