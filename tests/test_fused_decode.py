@@ -22,8 +22,8 @@ def mr():
 
 
 def tensor_cores(monkeypatch) -> None:
-    """The tensor-core kernels at every bs above one (as shipped, bs 2-32 and shapes without a
-    measured tile, the tiny preset's among them, run the reference kernels inside the step)."""
+    """The tensor-core kernels at every bs above one (as shipped, shapes without a measured
+    tile, the tiny preset's among them, run the reference kernels inside the step)."""
     monkeypatch.setattr(fused_decode, "REFERENCE_ROWS", range(0))
     monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
 
@@ -174,6 +174,34 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
     late = TRIGGER_MODES["late"]  # from two rows the trigger after the main loop (run J1)
     want = {(bs, None): False if bs in off else late for bs in (3, 5, 9, 17)}
     assert got == {**want, (5, True): True}
+
+
+@pytest.mark.parametrize("attention_pdl", [False, True])
+def test_the_attention_takes_pdl_only_behind_its_switch(mr, monkeypatch, attention_pdl):
+    """The step's attention kernels launch without PDL (run J2: slower with it at every bs)
+    unless ``ATTENTION_PDL``; with it, in the projections' mode: the late trigger from two rows,
+    the device's default at one."""
+    tensor_cores(monkeypatch)
+    monkeypatch.setattr(fused_decode, "ATTENTION_PDL", attention_pdl)
+    backend, seen = mr.attn_backend, []
+    real = backend.decode_attention
+
+    def spy(layer_id, q, use_pdl=None):
+        seen.append(use_pdl)
+        return real(layer_id, q, use_pdl)
+
+    monkeypatch.setattr(backend, "decode_attention", spy)
+    for bs in (1, 5):
+        seen.clear()
+        batch, pages = decode_batch(mr, Point(bs, 9), seed=bs)
+        try:
+            backend.init_forward_metadata(batch)
+            fused_decode_step(mr.model, backend, batch.input_ids, batch.positions)
+        finally:
+            for p in pages:
+                mr.kv_cache.release(p)
+        want = (TRIGGER_MODES["late"] if bs > 1 else None) if attention_pdl else False
+        assert seen == [want] * len(mr.model.layers) and (want is not False or seen[0] is False)
 
 
 def test_no_pdl_table_keys():
