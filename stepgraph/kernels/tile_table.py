@@ -116,8 +116,9 @@ SEPARATE_NORM: set[tuple[str, int, int, int]] = {
     # the norm prologue (not timed in the step: the handoff serves bucket 64)
     ("gate_up_silu", *_GU, 64),
 }  # fmt: skip
-# Llama-3.1-8B's gate-up below the norm handoff's buckets (bs 3-4): 59.08 µs a call on x normed
-# before against 65.48 with the norm prologue (round 6; not timed in the step at those sizes)
+# Llama-3.1-8B's gate-up with the norm handoff off (the handoff serves it from bucket 2): 59.08
+# µs a call on x normed before against 65.48 with the norm prologue (round 6; not timed in the
+# step)
 SEPARATE_NORM.add(("gate_up_silu", *_GU8, 16))
 # Buckets where a model measured faster on the reference kernels inside the step, though its
 # tiles cover the rows (keyed by its fused qkv weight's shape): none since the late PDL trigger
