@@ -13,6 +13,10 @@ and ``STEPGRAPH_ATTENTION_PDL`` among them; ``STEPGRAPH_PDL_TRIGGER`` is read at
 The last column compares each variant's logits with the first variant's on the same batch
 (bit for bit where the variant changes no arithmetic: PDL, schedules, the MLP block).
 
+Each bs is captured as a bucket of its own, so the kernel choices keyed by a default bucket
+(``tile_table``'s, ``REFERENCE_ROWS``) apply to it only where it is one (1, 2, 4, 8, 16, 32,
+48, 64): bs 3 here is bucket 3, where serving replays it in bucket 4 (run J9's bs 3 row).
+
 Rounds interleave the variants, so a drift of the GPU over the run shows as a spread between
 rounds rather than as a difference between variants (bs 8 varies about 2% between calls).
 """
