@@ -19,9 +19,10 @@ def test_there_are_scripts():
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_script_compiles(path):
     try:
-        compile(path.read_text(), str(path), "exec")
+        code = compile(path.read_text(), str(path), "exec")
     except SyntaxError as e:
         pytest.fail(f"{path.name} does not compile: {e}")
+    assert code.co_filename == str(path) and code.co_consts  # a module's code, not an empty one
 
 
 def test_a_global_after_its_use_is_refused():
