@@ -66,7 +66,9 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
         saved.setdefault(key, os.environ.get(key))
         os.environ[key] = value
     fused_decode.NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
-    fused_decode.HANDOFF_MIN_BUCKET = int(os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", 2))
+    fused_decode.HANDOFF_MIN_BUCKET = int(
+        os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", fused_decode.HANDOFF_MIN_BUCKET_DEFAULT)
+    )
     fused_decode.NO_PDL_ENV = buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
     # (STEPGRAPH_PDL_TRIGGER: read at every launch)
     fused_decode.ATTENTION_PDL = os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1"

@@ -79,7 +79,8 @@ _reference_env()
 
 
 def reload_env_tiles() -> None:
-    """Put ``TILES`` and ``CUBLAS`` back as ``tile_table`` holds them, then add
+    """Put ``TILES``, ``CUBLAS`` and ``REFERENCE_BUCKETS`` back as ``tile_table`` holds them,
+    then add
     ``$STEPGRAPH_PROJ_TILES``'s tiles, and re-read ``STEPGRAPH_PROJ_CUBLAS``,
     ``STEPGRAPH_SEPARATE_NORM`` and ``STEPGRAPH_REFERENCE_BUCKETS`` (in place: every reader sees
     it): switches that ``benchmarks/ab_step.py`` can flip between the variants of one process."""

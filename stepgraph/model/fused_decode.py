@@ -79,7 +79,8 @@ REFERENCE_ROWS = kernel_choice.buckets_env("STEPGRAPH_REFERENCE_ROWS", REFERENCE
 # with the late PDL trigger (run J3, with the 16-row tiles: bs 3 0.966 / 1.052, bs 4 0.973 /
 # 1.057). STEPGRAPH_NORM_HANDOFF=0 and STEPGRAPH_HANDOFF_MIN_BUCKET=N are the A/B switches.
 NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
-HANDOFF_MIN_BUCKET = int(os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", 2))
+HANDOFF_MIN_BUCKET_DEFAULT = 2
+HANDOFF_MIN_BUCKET = int(os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", HANDOFF_MIN_BUCKET_DEFAULT))
 # PDL on the projection kernels at two rows and more, with the trigger after each kernel's main
 # loop (kernels/pdl.py, mode "late"; graph ms at ctx 512, run J1, "wait" -> "late": bs 8 1.036
 # -> 1.008, 16 1.081 -> 1.059, 32 1.193 -> 1.187, 64 a tie; one row, which keeps the default
