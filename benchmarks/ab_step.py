@@ -4,8 +4,9 @@ round, variant and batch size a graph captured at that bucket alone, its median 
 floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the step's
 import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK``,
 ``STEPGRAPH_PROJ_TILES``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
-``STEPGRAPH_REFERENCE_BUCKETS``, ``STEPGRAPH_CUBLAS_HANDOFF``, ``STEPGRAPH_HANDOFF_MIN_BUCKET``
-and ``STEPGRAPH_ATTENTION_PDL`` among them; ``STEPGRAPH_PDL_TRIGGER`` is read at each launch).
+``STEPGRAPH_REFERENCE_BUCKETS``, ``STEPGRAPH_CUBLAS_HANDOFF``, ``STEPGRAPH_HANDOFF_MIN_BUCKET``,
+``STEPGRAPH_ATTENTION_PDL`` and ``STEPGRAPH_MIN_SPLIT_KEYS`` among them; ``STEPGRAPH_PDL_TRIGGER``
+and ``STEPGRAPH_ATTN_VARIANT`` are read at each launch).
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
         --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
@@ -39,9 +40,9 @@ from stepgraph.bench.workload import (
     kv_bytes,
     weight_bytes,
 )
-from stepgraph.kernels import proj_tiles
+from stepgraph.kernels import proj_tiles, splits
 from stepgraph.model import fused_decode, fused_mlp
-from stepgraph.model.kernel_choice import buckets_env
+from stepgraph.model.kernel_choice import attention_pdl_env, buckets_env
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 
@@ -71,7 +72,9 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     )
     fused_decode.NO_PDL_ENV = buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
     # (STEPGRAPH_PDL_TRIGGER: read at every launch)
-    fused_decode.ATTENTION_PDL = os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1"
+    fused_decode.ATTENTION_PDL = attention_pdl_env()
+    splits.MIN_SPLIT_KEYS = int(os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", splits.BLOCK_N))
+    # (STEPGRAPH_ATTN_VARIANT: read at every launch)
     fused_decode.REFERENCE_ROWS = buckets_env(
         "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT
     )

@@ -49,14 +49,15 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
              "STEPGRAPH_HANDOFF_MIN_BUCKET": "8", "STEPGRAPH_ATTENTION_PDL": "1"}  # fmt: skip
     ab.apply(first, saved)
     assert fused_decode.NO_PDL_ENV == range(2, 65) and fused_decode.NORM_HANDOFF is False
-    assert fused_decode.HANDOFF_MIN_BUCKET == 8 and fused_decode.ATTENTION_PDL is True
+    assert fused_decode.HANDOFF_MIN_BUCKET == 8
+    assert fused_decode.ATTENTION_PDL == (True, True, None)
     assert fused_mlp.MLP_BLOCK is True and fused_mlp.BLOCK_QKV is True and fused_mlp.ONE_ROW
     ab.apply({"STEPGRAPH_REFERENCE_ROWS": "2-4"}, saved)  # the next variant: the first undone
     assert "STEPGRAPH_NO_PDL_BUCKETS" not in os.environ
     assert os.environ["STEPGRAPH_NORM_HANDOFF"] == "1"
     assert fused_decode.NO_PDL_ENV is None and fused_decode.NORM_HANDOFF is True
     assert fused_decode.REFERENCE_ROWS == range(2, 5) and fused_mlp.MLP_BLOCK is False
-    assert fused_decode.HANDOFF_MIN_BUCKET == 2 and fused_decode.ATTENTION_PDL is False
+    assert fused_decode.HANDOFF_MIN_BUCKET == 2 and fused_decode.ATTENTION_PDL is None
     assert fused_mlp.BLOCK_QKV is False and fused_mlp.ONE_ROW is False
     ab.apply({}, saved)  # the end of the run: the original environment
     assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ

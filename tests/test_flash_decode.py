@@ -145,6 +145,34 @@ def test_kernel_config_default_table_and_names():
             fd.KernelVariant(**bad)
 
 
+def test_variant_names_round_trip_and_the_env_override(monkeypatch):
+    names = ["n64w4s3", "n128w8s2-kt", "n32w2s1-pk-fma", "n16w1s4-kt-pk-fma"]
+    for name in names:
+        assert fd.KernelVariant.from_name(name).name == name
+    assert fd.KernelVariant.from_name("n64w4s2") == fd.KernelVariant()
+    for bad in ("n64w4", "n48w4s3", "n64w4s3-xx", "N64w4s3", " n64w4s3"):
+        with pytest.raises(ConfigError, match="KernelVariant"):
+            fd.KernelVariant.from_name(bad)
+    monkeypatch.setenv(fd.VARIANT_ENV, "n32w2s3-kt")  # every shape, the table's included
+    assert fd.default_variant(64, 64, torch.bfloat16).name == "n32w2s3-kt"
+    assert fd.default_variant(48, 3, torch.float32).name == "n32w2s3-kt"
+    monkeypatch.setenv(fd.VARIANT_ENV, "")  # empty: the table
+    key = (64, 64, torch.bfloat16)
+    assert fd.default_variant(*key) is fd.DEFAULT_VARIANTS[key]
+
+
+def test_pdl_pair_picks_each_kernel(monkeypatch):
+    """``use_pdl=(split, combine)`` resolves each kernel's own (here on the interpreter, where
+    both are off: the pair must still be accepted and give the two-kernel result)."""
+    c = make_case(11, [70, 33], n_heads=4, n_kv=2, ps=16)
+    seen = []
+    real = fd.resolve_pdl
+    monkeypatch.setattr(fd, "resolve_pdl", lambda v, d: seen.append(v) or real(v, d))
+    got, _ = run(c, num_splits=2, use_pdl=(2, False))
+    ref = paged_decode_reference(c.q, c.k, c.v, c.bt, c.lens, compute_dtype=torch.float64)
+    assert seen == [2, False] and rel_err(got, ref) < TOL[torch.float32]
+
+
 def test_empty_splits_write_minus_inf_and_zero():
     c = make_case(7, [5, 70], n_heads=4, n_kv=2, ps=16)
     _, ws = run(c, num_splits=8)

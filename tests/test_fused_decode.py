@@ -182,7 +182,8 @@ def test_the_attention_takes_pdl_only_behind_its_switch(mr, monkeypatch, attenti
     unless ``ATTENTION_PDL``; with it, in the projections' mode: the late trigger from two rows,
     the device's default at one."""
     tensor_cores(monkeypatch)
-    monkeypatch.setattr(fused_decode, "ATTENTION_PDL", attention_pdl)
+    spec = (True, True, None) if attention_pdl else None
+    monkeypatch.setattr(fused_decode, "ATTENTION_PDL", spec)
     backend, seen = mr.attn_backend, []
     real = backend.decode_attention
 
@@ -200,7 +201,8 @@ def test_the_attention_takes_pdl_only_behind_its_switch(mr, monkeypatch, attenti
         finally:
             for p in pages:
                 mr.kv_cache.release(p)
-        want = (TRIGGER_MODES["late"] if bs > 1 else None) if attention_pdl else False
+        mode = TRIGGER_MODES["late"] if bs > 1 else None
+        want = (mode, mode) if attention_pdl else False
         assert seen == [want] * len(mr.model.layers) and (want is not False or seen[0] is False)
 
 
@@ -210,3 +212,23 @@ def test_no_pdl_table_keys():
     # Llama-3.2-1B: PDL at every bucket since the late trigger (run J1; 8 and 16 were off)
     assert not any(no_pdl_bucket(3072, 2048, b) for b in (4, 8, 16, 32, 64))
     assert not no_pdl_bucket(6144, 4096, 8)  # Llama-3.1-8B: faster with PDL
+
+
+def test_attention_pdl_env_parts_and_modes(monkeypatch):
+    from stepgraph.errors import ConfigError
+    from stepgraph.model.kernel_choice import attention_pdl_env
+
+    name = "STEPGRAPH_ATTENTION_PDL"
+    monkeypatch.delenv(name, raising=False)
+    assert attention_pdl_env() is None
+    want = {"0": None, "1": (True, True, None), "both": (True, True, None),
+            "split": (True, False, None), "combine": (False, True, None),
+            "split:exit": (True, False, 3), "both:wait": (True, True, 1),
+            "combine:late": (False, True, 2)}  # fmt: skip
+    for text, spec in want.items():
+        monkeypatch.setenv(name, text)
+        assert attention_pdl_env() == spec, text
+    for bad in ("2", "true", "split:", "split:soon", ":late", "Split", "both:late:x"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ConfigError, match=name):
+            attention_pdl_env()

@@ -3,6 +3,7 @@ variant (``KernelVariant``), and the attribute-only checks of its inputs (no dev
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,19 @@ class KernelVariant:
                 f"KernelVariant: block_n must be a power of two >= 16, num_warps one of "
                 f"1, 2, 4, 8, 16 and num_stages >= 1; got {self}"
             )
+
+    @classmethod
+    def from_name(cls, name: str) -> KernelVariant:
+        """The variant ``name`` spells (``n64w4s3``, flags ``-kt``, ``-pk``, ``-fma``)."""
+        m = re.fullmatch(r"n(\d+)w(\d+)s(\d+)((?:-kt|-pk|-fma)*)", name)
+        if m is None:
+            raise ConfigError(
+                f"KernelVariant name {name!r}: expected n<block_n>w<warps>s<stages> and flags "
+                "-kt, -pk, -fma, e.g. n64w4s3 or n128w4s2-kt"
+            )
+        flags = m.group(4)
+        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), page_tile="-pk" not in flags,
+                   k_rows="-kt" not in flags, use_dot="-fma" not in flags)  # fmt: skip
 
     @property
     def name(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -48,8 +49,16 @@ DEFAULT_VARIANTS: dict[tuple[int, int, torch.dtype], KernelVariant] = {
 }
 
 
+# STEPGRAPH_ATTN_VARIANT=<name> (``KernelVariant.from_name``) replaces the table's for every shape;
+# read at each call, so one process can A/B it (benchmarks/ab_step.py)
+VARIANT_ENV = "STEPGRAPH_ATTN_VARIANT"
+
+
 def default_variant(head_dim: int, page_size: int, dtype: torch.dtype) -> KernelVariant:
     """The kernel variant ``flash_decode`` launches when no ``variant`` is given."""
+    name = os.environ.get(VARIANT_ENV)
+    if name:
+        return KernelVariant.from_name(name)
     return DEFAULT_VARIANTS.get((head_dim, page_size, dtype), FALLBACK_VARIANT)
 
 
@@ -95,7 +104,8 @@ def flash_decode(
     ``default_variant(head_dim, page_size, dtype)``). Returns ``out`` (allocated when None).
 
     ``use_pdl``: launch both kernels with programmatic dependent launch (``kernels/pdl.py``;
-    None: wherever the GPU has it). Off by default: in the fused bs=1 step on the H200
+    None: wherever the GPU has it; a pair: the split kernel's and the combine's). Off by
+    default: in the fused bs=1 step on the H200
     (2026-11-30, ``stepgraph bench``, ctx 512) it made the step slower, 0.824 vs 0.802 ms in
     mode exact, although all the fused kernels around it use PDL; the parameters that mode
     exact edits are the same either way, and the tests pass with it on.
@@ -151,7 +161,9 @@ def flash_decode(
     upcast = upcast or not cfg.use_dot  # the FMA path computes in fp32
     # PDL: a constexpr and a launch option only; the driver-level parameters (what graph_update
     # edits in mode "exact") are unchanged
-    pdl = resolve_pdl(use_pdl, q.device)
+    split_pdl, combine_pdl = use_pdl if isinstance(use_pdl, tuple) else (use_pdl, use_pdl)
+    pdl = resolve_pdl(split_pdl, q.device)
+    cpdl = resolve_pdl(combine_pdl, q.device)
     if fold_combine:
         if workspace.tickets is None or workspace.tickets.numel() < bs * n_kv_heads:
             raise ConfigError(
@@ -183,8 +195,8 @@ def flash_decode(
         po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(workspace.max_splits), USE_PDL=pdl,
-        num_warps=4, **launch_options(pdl),
+        HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(workspace.max_splits), USE_PDL=cpdl,
+        num_warps=4, **launch_options(cpdl),
     )  # fmt: skip
     return out
 

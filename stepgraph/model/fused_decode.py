@@ -88,9 +88,10 @@ HANDOFF_MIN_BUCKET = int(os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", HANDOFF_
 # (STEPGRAPH_NO_PDL_BUCKETS=LO-HI or none: those for every model, the A/B switch)
 ROWS_PDL: int = TRIGGER_MODES["late"]
 NO_PDL_ENV = kernel_choice.buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
-# PDL on the fused step's attention kernels (the projections' trigger mode): off unless
-# STEPGRAPH_ATTENTION_PDL=1 (an A/B switch)
-ATTENTION_PDL = os.environ.get("STEPGRAPH_ATTENTION_PDL") == "1"
+# PDL on the fused step's attention kernels: off unless STEPGRAPH_ATTENTION_PDL=1 (both, in
+# the projections' trigger mode), split, combine, or one of those :wait|late|exit (A/B switches;
+# kernel_choice.attention_pdl_env)
+ATTENTION_PDL = kernel_choice.attention_pdl_env()
 
 
 def kernel_class(bs: int, backend=None) -> int:
@@ -144,7 +145,11 @@ def _attention(backend, layer_id: int, q: torch.Tensor, use_pdl=None) -> torch.T
     same in eager, graph and exact mode), one launch: the split kernel writes the output
     (``kernels/split_kv_fold.py``). Elsewhere the backend's split + combine (the folded merge
     measured slower there). ``use_pdl``: the projections' (``ATTENTION_PDL``)."""
-    pdl = (use_pdl or None) if ATTENTION_PDL else False
+    pdl = False
+    if ATTENTION_PDL is not None:
+        split, combine, mode = ATTENTION_PDL
+        mode = mode or use_pdl or None
+        pdl = (mode if split else False, mode if combine else False)
     if not backend.use_kernel or backend.bucket_splits(kernel_class(q.shape[0], backend)) > 1:
         return backend.decode_attention(layer_id, q, pdl)
     m, kv = backend.meta, backend.kv_cache

@@ -29,6 +29,30 @@ def buckets_env(name: str, default: range | None) -> range | None:
         raise ConfigError(f"{name}={raw!r}: give LO-HI (e.g. 2-32) or none") from None
 
 
+ATTENTION_PARTS = {"1": (True, True), "both": (True, True), "split": (True, False),
+                   "combine": (False, True)}  # fmt: skip
+
+
+def attention_pdl_env(
+    name: str = "STEPGRAPH_ATTENTION_PDL",
+) -> tuple[bool, bool, int | None] | None:
+    """``$name`` as (PDL on the split kernel, on the combine, trigger mode or None for the
+    step's): unset or ``0`` is None (off); else ``PARTS[:MODE]``, PARTS one of 1, both, split,
+    combine and MODE one of ``pdl.TRIGGER_MODES`` (``split:exit``). A bad value is refused."""
+    from ..kernels.pdl import TRIGGER_MODES
+
+    text = os.environ.get(name, "0")
+    if text == "0":
+        return None
+    parts, sep, mode = text.partition(":")
+    if parts not in ATTENTION_PARTS or (sep and mode not in TRIGGER_MODES):
+        raise ConfigError(
+            f"{name}={text!r}: expected 0 or PARTS[:MODE], PARTS one of "
+            f"{sorted(ATTENTION_PARTS)} and MODE one of {sorted(TRIGGER_MODES)}"
+        )
+    return (*ATTENTION_PARTS[parts], TRIGGER_MODES[mode] if mode else None)
+
+
 def default_kernels(device: torch.device | str) -> str:
     """ "fused" on CUDA, "reference" elsewhere (the CPU runs the torch reference ops)."""
     return "fused" if torch.device(device).type == "cuda" else "reference"
