@@ -5,8 +5,8 @@ floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the
 import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK``,
 ``STEPGRAPH_PROJ_TILES``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
 ``STEPGRAPH_REFERENCE_BUCKETS``, ``STEPGRAPH_CUBLAS_HANDOFF``, ``STEPGRAPH_HANDOFF_MIN_BUCKET``,
-``STEPGRAPH_ATTENTION_PDL`` and ``STEPGRAPH_MIN_SPLIT_KEYS`` among them; ``STEPGRAPH_PDL_TRIGGER``
-and ``STEPGRAPH_ATTN_VARIANT`` are read at each launch).
+``STEPGRAPH_ATTENTION_PDL``, ``STEPGRAPH_FOLD_MERGE`` and ``STEPGRAPH_MIN_SPLIT_KEYS`` among
+them; ``STEPGRAPH_PDL_TRIGGER`` and ``STEPGRAPH_ATTN_VARIANT`` are read at each launch).
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
         --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
@@ -41,7 +41,7 @@ from stepgraph.bench.workload import (
     weight_bytes,
 )
 from stepgraph.kernels import proj_tiles, splits
-from stepgraph.model import fused_decode, fused_mlp
+from stepgraph.model import fused_decode, fused_mlp, step_attention
 from stepgraph.model.kernel_choice import attention_pdl_env, buckets_env
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
@@ -72,7 +72,8 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     )
     fused_decode.NO_PDL_ENV = buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
     # (STEPGRAPH_PDL_TRIGGER: read at every launch)
-    fused_decode.ATTENTION_PDL = attention_pdl_env()
+    step_attention.ATTENTION_PDL = attention_pdl_env()
+    step_attention.FOLD_MERGE = buckets_env("STEPGRAPH_FOLD_MERGE", range(0))
     splits.MIN_SPLIT_KEYS = int(os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", splits.BLOCK_N))
     # (STEPGRAPH_ATTN_VARIANT: read at every launch)
     fused_decode.REFERENCE_ROWS = buckets_env(

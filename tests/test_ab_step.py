@@ -8,7 +8,8 @@ import importlib.util
 import os
 import pathlib
 
-from stepgraph.model import fused_decode, fused_mlp
+from stepgraph.kernels import splits
+from stepgraph.model import fused_decode, fused_mlp, step_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -36,9 +37,13 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     monkeypatch.delenv("STEPGRAPH_MLP_BLOCK", raising=False)
     monkeypatch.delenv("STEPGRAPH_HANDOFF_MIN_BUCKET", raising=False)
     monkeypatch.delenv("STEPGRAPH_ATTENTION_PDL", raising=False)
-    for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS", "HANDOFF_MIN_BUCKET",
-                 "ATTENTION_PDL"):  # restored after the test  # fmt: skip
-        monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))
+    for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS", "HANDOFF_MIN_BUCKET"):
+        monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))  # restored after
+    for name in ("ATTENTION_PDL", "FOLD_MERGE"):
+        monkeypatch.setattr(step_attention, name, getattr(step_attention, name))
+    monkeypatch.setattr(splits, "MIN_SPLIT_KEYS", splits.MIN_SPLIT_KEYS)
+    monkeypatch.delenv("STEPGRAPH_FOLD_MERGE", raising=False)
+    monkeypatch.delenv("STEPGRAPH_MIN_SPLIT_KEYS", raising=False)
     monkeypatch.setattr(fused_mlp, "MLP_BLOCK", fused_mlp.MLP_BLOCK)
     monkeypatch.setattr(fused_mlp, "BLOCK_QKV", fused_mlp.BLOCK_QKV)
     monkeypatch.setattr(fused_mlp, "ONE_ROW", fused_mlp.ONE_ROW)
@@ -46,18 +51,21 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     saved: dict = {}
     first = {"STEPGRAPH_NO_PDL_BUCKETS": "2-64", "STEPGRAPH_NORM_HANDOFF": "0",
              "STEPGRAPH_MLP_BLOCK": "qkv", "STEPGRAPH_MLP_BLOCK_ONE_ROW": "1",
-             "STEPGRAPH_HANDOFF_MIN_BUCKET": "8", "STEPGRAPH_ATTENTION_PDL": "1"}  # fmt: skip
+             "STEPGRAPH_HANDOFF_MIN_BUCKET": "8", "STEPGRAPH_ATTENTION_PDL": "1",
+             "STEPGRAPH_FOLD_MERGE": "8-32", "STEPGRAPH_MIN_SPLIT_KEYS": "128"}  # fmt: skip
     ab.apply(first, saved)
     assert fused_decode.NO_PDL_ENV == range(2, 65) and fused_decode.NORM_HANDOFF is False
     assert fused_decode.HANDOFF_MIN_BUCKET == 8
-    assert fused_decode.ATTENTION_PDL == (True, True, None)
+    assert step_attention.ATTENTION_PDL == (True, True, None)
+    assert step_attention.FOLD_MERGE == range(8, 33) and splits.MIN_SPLIT_KEYS == 128
     assert fused_mlp.MLP_BLOCK is True and fused_mlp.BLOCK_QKV is True and fused_mlp.ONE_ROW
     ab.apply({"STEPGRAPH_REFERENCE_ROWS": "2-4"}, saved)  # the next variant: the first undone
     assert "STEPGRAPH_NO_PDL_BUCKETS" not in os.environ
     assert os.environ["STEPGRAPH_NORM_HANDOFF"] == "1"
     assert fused_decode.NO_PDL_ENV is None and fused_decode.NORM_HANDOFF is True
     assert fused_decode.REFERENCE_ROWS == range(2, 5) and fused_mlp.MLP_BLOCK is False
-    assert fused_decode.HANDOFF_MIN_BUCKET == 2 and fused_decode.ATTENTION_PDL is None
+    assert fused_decode.HANDOFF_MIN_BUCKET == 2 and step_attention.ATTENTION_PDL is None
+    assert step_attention.FOLD_MERGE == range(0) and splits.MIN_SPLIT_KEYS == splits.BLOCK_N
     assert fused_mlp.BLOCK_QKV is False and fused_mlp.ONE_ROW is False
     ab.apply({}, saved)  # the end of the run: the original environment
     assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ

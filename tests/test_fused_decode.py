@@ -10,7 +10,7 @@ import torch
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.errors import ConfigError
 from stepgraph.kernels.pdl import TRIGGER_MODES
-from stepgraph.model import fused_decode, fused_mlp
+from stepgraph.model import fused_decode, fused_mlp, step_attention
 from stepgraph.model.fused_decode import fused_decode_step, reference_rows, unfusable_reason
 
 
@@ -183,7 +183,7 @@ def test_the_attention_takes_pdl_only_behind_its_switch(mr, monkeypatch, attenti
     the device's default at one."""
     tensor_cores(monkeypatch)
     spec = (True, True, None) if attention_pdl else None
-    monkeypatch.setattr(fused_decode, "ATTENTION_PDL", spec)
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", spec)
     backend, seen = mr.attn_backend, []
     real = backend.decode_attention
 

@@ -36,6 +36,23 @@ def test_fold_matches_reference_and_two_kernels(dtype, lens, num_splits):
     assert torch.equal(again, got)  # merged in split order: deterministic
 
 
+@pytest.mark.parametrize("merge", [3, 4, 8])
+def test_merge_block_of_the_class(merge):
+    """``merge_splits``: the merge reduces over next_pow2(merge) splits whatever the live count,
+    so a count below the class's largest gives the reference's values; below the live count,
+    or above the workspace, it is refused."""
+    from stepgraph.errors import ConfigError
+
+    lens = [(53 * i) % 300 + 130 for i in range(5)]
+    c = make_case(97 + merge, lens, n_heads=6, n_kv=2, hd=32)  # a group of 3: one padded head
+    ref = paged_decode_reference(c.q.double(), c.k.double(), c.v.double(), c.bt, c.lens)
+    got, ws = run(c, num_splits=3, fold_combine=True, merge_splits=merge)
+    assert rel_err(got, ref) < TOL[torch.float32] and int(ws.tickets.abs().sum()) == 0
+    for bad in (2, 9):  # one below the live count; one past the workspace's 8
+        with pytest.raises(ConfigError, match="merge_splits"):
+            run(c, num_splits=3, fold_combine=True, merge_splits=bad)
+
+
 def test_fold_spec_is_registered_without_combine():
     assert FLASH_DECODE_FOLD_SPEC.main == FOLD_KERNEL_NAME
     assert FLASH_DECODE_FOLD_SPEC.combine is None

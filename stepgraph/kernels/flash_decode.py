@@ -94,6 +94,7 @@ def flash_decode(
     variant: KernelVariant | None = None,
     use_pdl: bool | None = False,
     fold_combine: bool = False,
+    merge_splits: int | None = None,
 ) -> torch.Tensor:  # [bs, n_heads, head_dim], q.dtype
     """Decode attention of one new token per request over its paged keys and values.
 
@@ -112,7 +113,9 @@ def flash_decode(
 
     ``fold_combine``: one launch, ``split_kv_fold._split_kv_fold_kernel`` (the last split of a
     row merges the partials; a row that fits in one split is written by split 0). The fused
-    decode step uses it; the reference path keeps the two kernels.
+    decode step uses it; the reference path keeps the two kernels. ``merge_splits``: the most
+    splits any launch of this batch's class takes (the merge reduces over a block of its next
+    power of two, so every count up to it gives the same bits); default ``max_splits``.
     """
     bs, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     if max_splits is None:
@@ -170,9 +173,15 @@ def flash_decode(
                 "flash_decode(fold_combine=True) needs a workspace with tickets (at least "
                 f"bs * n_kv_heads = {bs * n_kv_heads} int32 zeros): DecodeWorkspace.allocate"
             )
+        merge = workspace.max_splits if merge_splits is None else merge_splits
+        if not num_splits <= merge <= workspace.max_splits:
+            raise ConfigError(
+                f"flash_decode: merge_splits={merge} must lie in [num_splits={num_splits}, "
+                f"workspace.max_splits={workspace.max_splits}]: pass the class's largest count"
+            )
         return launch_fold(
             q, k_cache, v_cache, block_table, seq_lens, workspace, out, num_splits, sm_scale,
-            cfg, group, group_pad, precision, upcast, _next_pow2(workspace.max_splits), pdl,
+            cfg, group, group_pad, precision, upcast, _next_pow2(merge), pdl,
             launch_options(pdl),
         )  # fmt: skip
 

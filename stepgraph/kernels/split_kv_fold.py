@@ -47,7 +47,8 @@ def _split_kv_fold_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr,
     K_ROWS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next_pow2(max_splits)
+    SPLITS_PAD: tl.constexpr,  # next_pow2 of the class's largest split count (merge_splits)
+    MERGE_G: tl.constexpr,  # next_pow2(GROUP): the merge's block of query heads
     MERGE: tl.constexpr,  # False: one split (grid z == 1), the merge is compiled out
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
@@ -88,26 +89,32 @@ def _split_kv_fold_kernel(
         tl.debug_barrier()
         gpu_fence()
         if ticket == num_splits - 1:  # -- the last split merges the group's partials --
+            # every query head of the group at once: [MERGE_G, SPLITS_PAD(, HEAD_DIM)]
             offs_s = tl.arange(0, SPLITS_PAD)
-            mask_s = offs_s < num_splits
-            for g in tl.static_range(GROUP):
-                head = cur_kv_head * GROUP + g
-                ls = tl.load(
-                    partial_lse_ptr + cur_batch * stride_lb + head * stride_lh + offs_s,
-                    mask=mask_s, other=float("-inf"), cache_modifier=".cg",
-                )  # fmt: skip
-                m = tl.max(ls, 0)  # finite: split 0 holds keys
-                live = ls > float("-inf")
-                w = tl.where(live, tl.exp2((ls - m) * 1.4426950408889634), 0.0)
-                po = tl.load(
-                    partial_o_ptr + cur_batch * stride_pob + head * stride_poh
-                    + offs_s[:, None] * stride_pos + offs_d[None, :],
-                    mask=mask_s[:, None], other=0.0, cache_modifier=".cg",
-                )  # fmt: skip
-                po = tl.where(live[:, None], po, 0.0)
-                merged = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)  # [HEAD_DIM]
-                dst = out_ptr + cur_batch * stride_ob + head * stride_oh + offs_d
-                tl.store(dst, merged.to(dtype))
+            offs_h = tl.arange(0, MERGE_G)
+            heads = cur_kv_head * GROUP + offs_h
+            mask_hs = (offs_h < GROUP)[:, None] & (offs_s < num_splits)[None, :]
+            ls = tl.load(
+                partial_lse_ptr + cur_batch * stride_lb + heads[:, None] * stride_lh
+                + offs_s[None, :],
+                mask=mask_hs, other=float("-inf"), cache_modifier=".cg",
+            )  # fmt: skip
+            m = tl.max(ls, 1)  # finite on live heads: split 0 holds keys
+            m = tl.where(m == float("-inf"), 0.0, m)  # the padded heads
+            live = ls > float("-inf")
+            w = tl.where(live, tl.exp2((ls - m[:, None]) * 1.4426950408889634), 0.0)
+            po = tl.load(
+                partial_o_ptr + cur_batch * stride_pob + heads[:, None, None] * stride_poh
+                + offs_s[None, :, None] * stride_pos + offs_d[None, None, :],
+                mask=mask_hs[:, :, None], other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            po = tl.where(live[:, :, None], po, 0.0)
+            denom = tl.sum(w, 1)
+            merged = tl.sum(po * w[:, :, None], 1) / tl.where(denom > 0.0, denom, 1.0)[:, None]
+            dst = (
+                out_ptr + cur_batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            )  # fmt: skip
+            tl.store(dst, merged.to(dtype), mask=(offs_h < GROUP)[:, None])
             tl.atomic_xchg(tk, 0, sem="relaxed", scope="gpu")
 
 
@@ -131,7 +138,8 @@ def launch_fold(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=q.shape[2], PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
         K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
-        NUM_STAGES=cfg.num_stages, SPLITS_PAD=splits_pad, MERGE=num_splits > 1, USE_PDL=pdl,
+        NUM_STAGES=cfg.num_stages, SPLITS_PAD=splits_pad, MERGE_G=triton.next_power_of_2(group),
+        MERGE=num_splits > 1, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
     )  # fmt: skip
     return out

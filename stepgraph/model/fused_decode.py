@@ -27,7 +27,7 @@ prologue. ``REFERENCE_ROWS`` (none by default) and a model's ``tile_table.REFERE
 run the reference kernels inside the step. docs/results.md has the figures. The projections
 are launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``; from
 two rows each lets the next launch after its main loop, ``ROWS_PDL``), except where
-``tile_table.NO_PDL_BUCKETS`` says; the attention kernels without it (measured faster).
+``tile_table.NO_PDL_BUCKETS`` says; the attention (``step_attention``) without it.
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused step serves batches of up to
@@ -46,7 +46,6 @@ from torch.nn import functional as F
 
 from ..buckets import replay_bucket
 from ..kernels import proj_tiles
-from ..kernels.flash_decode import flash_decode
 from ..kernels.fused_norm import embed_rmsnorm
 from ..kernels.head_scale import head_scale
 from ..kernels.lm_head_argmax import lm_head_argmax
@@ -55,7 +54,7 @@ from ..kernels.pdl import TRIGGER_MODES
 from ..kernels.proj_tiles import measured, reference_bucket, separate_norm
 from ..kernels.qkv_rope import qkv_rope
 from ..kernels.rope_kv import rope_kv
-from . import fused_mlp, kernel_choice
+from . import fused_mlp, kernel_choice, step_attention
 from .fused_mlp import cublas
 from .kernel_choice import KERNEL_CHOICES, check_kernels, default_kernels, unfusable_reason
 from .llama import LlamaModel
@@ -88,10 +87,6 @@ HANDOFF_MIN_BUCKET = int(os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", HANDOFF_
 # (STEPGRAPH_NO_PDL_BUCKETS=LO-HI or none: those for every model, the A/B switch)
 ROWS_PDL: int = TRIGGER_MODES["late"]
 NO_PDL_ENV = kernel_choice.buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
-# PDL on the fused step's attention kernels: off unless STEPGRAPH_ATTENTION_PDL=1 (both, in
-# the projections' trigger mode), split, combine, or one of those :wait|late|exit (A/B switches;
-# kernel_choice.attention_pdl_env)
-ATTENTION_PDL = kernel_choice.attention_pdl_env()
 
 
 def kernel_class(bs: int, backend=None) -> int:
@@ -137,27 +132,6 @@ def no_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int) -> bool:
     if NO_PDL_ENV is not None:
         return bucket in NO_PDL_ENV
     return proj_tiles.no_pdl_bucket(qkv_n, k, bucket, elem_bytes)
-
-
-def _attention(backend, layer_id: int, q: torch.Tensor, use_pdl=None) -> torch.Tensor:
-    """Split-KV decode over the pages. Where the ladder gives every row one split at any
-    context for this batch size's class (``bucket_splits(kernel_class(bs, backend)) == 1``: the
-    same in eager, graph and exact mode), one launch: the split kernel writes the output
-    (``kernels/split_kv_fold.py``). Elsewhere the backend's split + combine (the folded merge
-    measured slower there). ``use_pdl``: the projections' (``ATTENTION_PDL``)."""
-    pdl = False
-    if ATTENTION_PDL is not None:
-        split, combine, mode = ATTENTION_PDL
-        mode = mode or use_pdl or None
-        pdl = (mode if split else False, mode if combine else False)
-    if not backend.use_kernel or backend.bucket_splits(kernel_class(q.shape[0], backend)) > 1:
-        return backend.decode_attention(layer_id, q, pdl)
-    m, kv = backend.meta, backend.kv_cache
-    return flash_decode(
-        q, kv.k_caches[layer_id], kv.v_caches[layer_id], m.block_table, m.seq_lens,
-        num_splits=m.num_splits, workspace=m.workspace, sm_scale=backend.sm_scale,
-        num_sms=backend.num_sms, use_pdl=pdl, fold_combine=True,
-    )  # fmt: skip
 
 
 def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
@@ -243,9 +217,10 @@ def fused_decode_step(
     bs = input_ids.shape[0]
     if reference_rows(bs, backend, model):  # the reference kernels, greedy tokens taken here
         return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out)
+    bucket = kernel_class(bs, backend)
     if use_pdl is None and bs > 1:
         w = model.layers[0].self_attn.qkv_proj.weight
-        off = no_pdl(*w.shape, kernel_class(bs, backend), w.element_size())
+        off = no_pdl(*w.shape, bucket, w.element_size())
         use_pdl = False if off else ROWS_PDL
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
@@ -256,7 +231,7 @@ def fused_decode_step(
         if q is None:
             q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
                      x0 if i == 0 else None)  # fmt: skip
-        o = _attention(backend, i, q, use_pdl)  # [bs, n_heads, head_dim]
+        o = step_attention.attention(backend, i, q, bucket, use_pdl)  # [bs, heads, dim]
         r, hand, q = fused_mlp.mlp_half(model, i, o.reshape(bs, -1), r, ho, use_pdl, step)
     if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
         local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,

@@ -1,0 +1,56 @@
+"""The fused decode step's attention: which split-KV launch serves a batch, and with what PDL.
+
+- **One launch** (``kernels/split_kv_fold``) where the ladder gives every row one split at any
+  context for the batch size's class (``backend.bucket_splits(bucket) == 1``: from bs 34 for
+  Llama-3.2-1B), and at the classes of ``FOLD_MERGE``, where the last split of each (row, KV
+  head) to finish merges the group's partials (``STEPGRAPH_FOLD_MERGE=LO-HI|none``).
+- **Split + combine** (``backend.decode_attention``) everywhere else.
+- **PDL** off unless ``ATTENTION_PDL`` (``STEPGRAPH_ATTENTION_PDL``, parsed by
+  ``kernel_choice.attention_pdl_env``): run D1 (``benchmarks/ab_step.py``, graph, ctx 512, bs
+  8 / 16 / 32, ms): none 1.018 / 1.070 / 1.196; both kernels in the step's mode 1.111 / 1.153
+  / 1.257; the combine alone 1.105 / 1.150 / 1.256; the split alone 1.027 / 1.072 / 1.200;
+  both with the trigger at the wait 1.049 / 1.105 / 1.250, at the exit 1.022 / 1.070 / 1.195.
+
+Every choice is a function of the batch size's class (``bucket``, ``fused_decode.kernel_class``),
+so eager, graph and exact mode run the same kernels; the merge's block of splits is the class's
+largest split count, so a live count below it (eager, or exact mode retuning grid z) reduces
+over the same block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.flash_decode import flash_decode
+from . import kernel_choice
+
+ATTENTION_PDL = kernel_choice.attention_pdl_env()
+FOLD_MERGE = kernel_choice.buckets_env("STEPGRAPH_FOLD_MERGE", range(0))
+
+
+def attention_pdl(use_pdl) -> bool | tuple:
+    """``flash_decode``'s ``use_pdl`` for the step's attention: False, or (split, combine) in
+    ``ATTENTION_PDL``'s mode, else the projections' ``use_pdl``."""
+    if ATTENTION_PDL is None:
+        return False
+    split, combine, mode = ATTENTION_PDL
+    mode = mode or use_pdl or None
+    return (mode if split else False, mode if combine else False)
+
+
+def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None) -> torch.Tensor:
+    """Split-KV decode of ``q [bs, n_heads, head_dim]`` over layer ``layer_id``'s pages (its
+    K/V already written), for a batch of class ``bucket``."""
+    pdl = attention_pdl(use_pdl)
+    splits = backend.bucket_splits(bucket) if backend.use_kernel else 1
+    if not backend.use_kernel or (splits > 1 and bucket not in FOLD_MERGE):
+        return backend.decode_attention(layer_id, q, pdl)
+    m, kv = backend.meta, backend.kv_cache
+    return flash_decode(
+        q, kv.k_caches[layer_id], kv.v_caches[layer_id], m.block_table, m.seq_lens,
+        num_splits=m.num_splits, workspace=m.workspace, sm_scale=backend.sm_scale,
+        num_sms=backend.num_sms, use_pdl=pdl, fold_combine=True, merge_splits=splits,
+    )  # fmt: skip
+
+
+__all__ = ["ATTENTION_PDL", "FOLD_MERGE", "attention", "attention_pdl"]
