@@ -65,7 +65,8 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     assert fused_decode.NO_PDL_ENV is None and fused_decode.NORM_HANDOFF is True
     assert fused_decode.REFERENCE_ROWS == range(2, 5) and fused_mlp.MLP_BLOCK is False
     assert fused_decode.HANDOFF_MIN_BUCKET == 2 and step_attention.ATTENTION_PDL is None
-    assert step_attention.FOLD_MERGE == range(0) and splits.MIN_SPLIT_KEYS == splits.BLOCK_N
+    assert step_attention.FOLD_MERGE is None
+    assert splits.MIN_SPLIT_KEYS == splits.MIN_SPLIT_KEYS_DEFAULT
     assert fused_mlp.BLOCK_QKV is False and fused_mlp.ONE_ROW is False
     ab.apply({}, saved)  # the end of the run: the original environment
     assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ

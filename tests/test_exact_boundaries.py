@@ -28,25 +28,25 @@ from .test_flash_decode import fd, make_case, poisoned_workspace, rel_err
 
 SMS = H200_NUM_SMS  # 132
 # (n_kv_heads, bs, max_splits) -> the ladder's steps [(first t_kv, ns), ...], worked out by hand:
-#   cap = min(64, pow2_floor(4 * 132 // (bs * n_kv))); ns = min(cap, pow2_floor(t // 64)),
-#   then clamped to max_splits.
+#   cap = min(64, pow2_floor(4 * 132 // (bs * n_kv))); ns = min(cap, pow2_floor(t // 128)),
+#   then clamped to max_splits (128: splits.MIN_SPLIT_KEYS).
 LADDERS = {
-    (8, 1, 64): [(1, 1), (128, 2), (256, 4), (512, 8), (1024, 16), (2048, 32), (4096, 64)],
-    (8, 8, 64): [(1, 1), (128, 2), (256, 4), (512, 8)],  # cap 528 // 64 = 8
-    (8, 32, 64): [(1, 1), (128, 2)],  # cap pow2_floor(528 // 256 = 2)
-    (1, 1, 48): [(1, 1), (128, 2), (256, 4), (512, 8), (1024, 16), (2048, 32), (4096, 48)],
-    (2, 4, 16): [(1, 1), (128, 2), (256, 4), (512, 8), (1024, 16)],  # cap 64, clamped at 16
+    (8, 1, 64): [(1, 1), (256, 2), (512, 4), (1024, 8), (2048, 16), (4096, 32), (8192, 64)],
+    (8, 8, 64): [(1, 1), (256, 2), (512, 4), (1024, 8)],  # cap 528 // 64 = 8
+    (8, 32, 64): [(1, 1), (256, 2)],  # cap pow2_floor(528 // 256 = 2)
+    (1, 1, 48): [(1, 1), (256, 2), (512, 4), (1024, 8), (2048, 16), (4096, 32), (8192, 48)],
+    (2, 4, 16): [(1, 1), (256, 2), (512, 4), (1024, 8), (2048, 16)],  # cap 64, clamped at 16
     (8, 64, 64): [(1, 1)],  # 512 (request, head) pairs: cap pow2_floor(max(1, 1)) = 1
 }
 CAPS = {(8, 1): 64, (8, 8): 8, (8, 32): 2, (1, 1): 64, (2, 4): 64, (8, 64): 1, (4, 3): 32}
-# (t_kv, n_kv, bs) -> keys per split, by hand: max(64, ceil(t / ns))
+# (t_kv, n_kv, bs) -> keys per split, by hand: max(128, ceil(t / ns))
 KEYS = {
-    (0, 8, 1): 64,
-    (1, 8, 1): 64,
-    (127, 8, 1): 127,  # ns 1: one split holds it all
-    (128, 8, 1): 64,
-    (129, 8, 1): 65,  # ns 2, ceil(129 / 2)
-    (1000, 8, 1): 125,  # ns pow2_floor(15) = 8
+    (0, 8, 1): 128,
+    (1, 8, 1): 128,
+    (255, 8, 1): 255,  # ns 1: one split holds it all
+    (256, 8, 1): 128,
+    (257, 8, 1): 129,  # ns 2, ceil(257 / 2)
+    (1000, 8, 1): 250,  # ns pow2_floor(7) = 4
     (100_000, 8, 1): 1563,  # ns 64, ceil(100000 / 64)
     (100_000, 8, 8): 12_500,  # ns 8
     (5000, 8, 32): 2500,  # ns 2

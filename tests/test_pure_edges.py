@@ -52,7 +52,7 @@ def test_the_ladder_on_a_one_sm_gpu():
     # 4 programs on one SM: 1 request x 1 KV head -> cap 4 splits
     assert ladder_cap(1, 1, 1) == 4
     assert fa_split_keys(1000, 1, 1, 1) == 250 and num_splits_for(1000, 1, 1, 1, 64) == 4
-    assert fa_split_keys(0, 1, 1, 1) == 64
+    assert fa_split_keys(0, 1, 1, 1) == 128  # MIN_SPLIT_KEYS
 
 
 def test_monotone_steps_first_value_and_single_step_functions():

@@ -28,8 +28,12 @@ GRIDS = [  # (n_kv_heads, bs, num_sms, max_splits)
 ]
 
 
-def test_min_split_keys_is_one_tile():
-    assert MIN_SPLIT_KEYS == BLOCK_N == 64
+def test_min_split_keys_is_the_tuned_tile():
+    # two fallback tiles; one tile of the tuned variant (Llama-3.2-1B's attention)
+    from stepgraph.kernels.flash_decode import DEFAULT_VARIANTS
+
+    assert MIN_SPLIT_KEYS == 2 * BLOCK_N == 128
+    assert {v.block_n for v in DEFAULT_VARIANTS.values()} == {MIN_SPLIT_KEYS}
 
 
 @pytest.mark.parametrize("n_kv, bs, sms, max_splits", GRIDS)
@@ -66,7 +70,7 @@ def test_llama_1b_step_counts_on_h200():
     counts = {bs: len(ladder_steps(8, bs, H200_NUM_SMS, 64)) - 1 for bs in (1, 8, 32)}
     assert PROGRAMS_PER_SM == 4
     assert counts == {1: 6, 8: 3, 32: 1}
-    assert ladder_steps(8, 1, H200_NUM_SMS, 64)[-1] == (4096, 64)
+    assert ladder_steps(8, 1, H200_NUM_SMS, 64)[-1] == (8192, 64)  # 128 keys a split
     # the first ladder (2 per SM) is still one argument away
     counts = {
         bs: len(ladder_steps(8, bs, H200_NUM_SMS, 64, programs_per_sm=2)) - 1 for bs in (1, 8, 32)

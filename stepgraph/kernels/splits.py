@@ -8,13 +8,16 @@ The ladder: the main kernel runs ``bs * n_kv_heads * ns`` programs, and we want 
 ``programs_per_sm`` of them per multiprocessor (default ``PROGRAMS_PER_SM``). The split count is
 a power of two,
 
-    ns(t_kv) = min(cap, pow2_floor(t_kv // BLOCK_N))        (1 when t_kv < 2 * BLOCK_N)
+    ns(t_kv) = min(cap, pow2_floor(t_kv // MIN_SPLIT_KEYS))  (1 when t_kv < 2 * MIN_SPLIT_KEYS)
     cap      = min(LADDER_MAX_SPLITS, pow2_floor(programs_per_sm * num_sms // (bs * n_kv)))
 
-and ``fa_split_keys`` returns ``ceil(t_kv / ns)`` keys per split (at least ``BLOCK_N``), which
+and ``fa_split_keys`` returns ``ceil(t_kv / ns)`` keys per split (at least ``MIN_SPLIT_KEYS``),
+which
 gives back exactly ``ns = ceil(t_kv / split_keys)``. Hence:
 
-- no split is given fewer than ``MIN_SPLIT_KEYS`` (= one ``BLOCK_N`` tile) keys;
+- no split is given fewer than ``MIN_SPLIT_KEYS`` keys (two ``BLOCK_N`` tiles; one tile of the
+  tuned variant, ``flash_decode.DEFAULT_VARIANTS``, whose 128-key tile would round a 64-key
+  split up and leave half the splits empty);
 - ``ns`` is non-decreasing in ``t_kv`` and changes at most ``log2(cap)`` <= 6 times from 1 to
   128k keys (each change is a graph-node edit in exact mode, so rare steps are the point);
 - for long contexts the grid holds ``bs * n_kv * cap`` programs: between ``programs_per_sm / 2``
@@ -36,10 +39,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-BLOCK_N = 64  # keys per tile of the main kernel; chunk sizes are rounded up to it
-# the ladder never gives a split fewer keys than this (one tile; STEPGRAPH_MIN_SPLIT_KEYS, a
-# multiple of BLOCK_N, is the A/B switch of a measurement)
-MIN_SPLIT_KEYS = int(os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", BLOCK_N))
+BLOCK_N = 64  # keys per tile of the fallback variant; the ladder's keys are multiples of it
+# The ladder never gives a split fewer keys than this: 128, the tile of the tuned variant (runs
+# D2-D3, benchmarks/ab_step.py, graph: 1B bs 1 ctx 4096 0.841 ms against 0.851 with 64, where
+# the 64-key splits left half of the 64 empty; bs 8 ctx 512 1.007 against 1.015). The
+# STEPGRAPH_MIN_SPLIT_KEYS (a multiple of BLOCK_N) is the A/B switch.
+MIN_SPLIT_KEYS_DEFAULT = 2 * BLOCK_N
+MIN_SPLIT_KEYS = int(os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS_DEFAULT))
 # occupancy target of the main kernel's grid (the sweep tries 2, 4, 8; STEPGRAPH_PROGRAMS_PER_SM)
 PROGRAMS_PER_SM = int(os.environ.get("STEPGRAPH_PROGRAMS_PER_SM", 4))
 if MIN_SPLIT_KEYS < BLOCK_N or MIN_SPLIT_KEYS % BLOCK_N or PROGRAMS_PER_SM < 1:
@@ -148,6 +154,7 @@ __all__ = [
     "H200_NUM_SMS",
     "LADDER_MAX_SPLITS",
     "MIN_SPLIT_KEYS",
+    "MIN_SPLIT_KEYS_DEFAULT",
     "PROGRAMS_PER_SM",
     "fa_split_keys",
     "ladder_cap",

@@ -2,8 +2,9 @@
 
 - **One launch** (``kernels/split_kv_fold``) where the ladder gives every row one split at any
   context for the batch size's class (``backend.bucket_splits(bucket) == 1``: from bs 34 for
-  Llama-3.2-1B), and at the classes of ``FOLD_MERGE``, where the last split of each (row, KV
-  head) to finish merges the group's partials (``STEPGRAPH_FOLD_MERGE=LO-HI|none``).
+  Llama-3.2-1B), and at the classes ``fold_merge`` names (``FOLD_MERGE_TABLE`` per attention
+  shape, or ``STEPGRAPH_FOLD_MERGE=LO-HI|none``), where the last split of each (row, KV head) to
+  finish merges the group's partials.
 - **Split + combine** (``backend.decode_attention``) everywhere else.
 - **PDL** off unless ``ATTENTION_PDL`` (``STEPGRAPH_ATTENTION_PDL``, parsed by
   ``kernel_choice.attention_pdl_env``): run D1 (``benchmarks/ab_step.py``, graph, ctx 512, bs
@@ -25,7 +26,15 @@ from ..kernels.flash_decode import flash_decode
 from . import kernel_choice
 
 ATTENTION_PDL = kernel_choice.attention_pdl_env()
-FOLD_MERGE = kernel_choice.buckets_env("STEPGRAPH_FOLD_MERGE", range(0))
+# (n_heads, n_kv_heads, head_dim) -> the classes that take the fold with its merge where they
+# have more than one split. Llama-3.2-1B: 16-32 (run D2, benchmarks/ab_step.py, graph, two
+# interleaved rounds, ms, split + combine against the fold: ctx 512 bs 16 1.068 / 1.061, bs 32
+# 1.194 / 1.170; ctx 4096 bs 16 1.511 / 1.505, bs 32 2.070 / 2.041; same logits bits); bs 8
+# tied (1.015 / 1.017, 1.236 / 1.236) and bs 1 lost (0.796 / 0.801, 0.851 / 0.868). Llama-3.1-8B
+# (head_dim 128) lost at bs 16 (run D3, ctx 4096: 6.805 against 6.356): none.
+FOLD_MERGE_TABLE: dict[tuple[int, int, int], range] = {(32, 8, 64): range(16, 33)}
+# STEPGRAPH_FOLD_MERGE=LO-HI|none: those classes for every shape (None: the table)
+FOLD_MERGE = kernel_choice.buckets_env("STEPGRAPH_FOLD_MERGE", None)
 
 
 def attention_pdl(use_pdl) -> bool | tuple:
@@ -38,12 +47,21 @@ def attention_pdl(use_pdl) -> bool | tuple:
     return (mode if split else False, mode if combine else False)
 
 
+def fold_merge(backend, bucket: int) -> bool:
+    """Whether a batch of class ``bucket`` takes the fold with its merge (``FOLD_MERGE`` if set,
+    else ``FOLD_MERGE_TABLE`` at the backend's attention shape)."""
+    if FOLD_MERGE is not None:
+        return bucket in FOLD_MERGE
+    shape = (backend.num_heads, backend.num_kv_heads, backend.head_dim)
+    return bucket in FOLD_MERGE_TABLE.get(shape, ())
+
+
 def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None) -> torch.Tensor:
     """Split-KV decode of ``q [bs, n_heads, head_dim]`` over layer ``layer_id``'s pages (its
     K/V already written), for a batch of class ``bucket``."""
     pdl = attention_pdl(use_pdl)
     splits = backend.bucket_splits(bucket) if backend.use_kernel else 1
-    if not backend.use_kernel or (splits > 1 and bucket not in FOLD_MERGE):
+    if not backend.use_kernel or (splits > 1 and not fold_merge(backend, bucket)):
         return backend.decode_attention(layer_id, q, pdl)
     m, kv = backend.meta, backend.kv_cache
     return flash_decode(
@@ -53,4 +71,5 @@ def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None
     )  # fmt: skip
 
 
-__all__ = ["ATTENTION_PDL", "FOLD_MERGE", "attention", "attention_pdl"]
+__all__ = ["ATTENTION_PDL", "FOLD_MERGE", "FOLD_MERGE_TABLE", "attention", "attention_pdl",
+           "fold_merge"]  # fmt: skip

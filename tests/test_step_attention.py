@@ -1,0 +1,86 @@
+"""The fused step's attention choice (``model/step_attention``): the folded launch with its
+merge at the table's classes per attention shape, one split folded everywhere, split + combine
+elsewhere; the switch's override; PDL passed through. Pure logic: a stand-in backend, and
+``flash_decode`` recorded (the kernels' numbers are tests/test_split_kv_fold.py's)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from stepgraph.model import step_attention
+
+
+class Backend:
+    def __init__(self, shape=(32, 8, 64), splits=None, use_kernel=True):
+        self.num_heads, self.num_kv_heads, self.head_dim = shape
+        self.use_kernel, self.splits = use_kernel, splits or {}
+        self.meta = SimpleNamespace(block_table="bt", seq_lens="lens", num_splits=3, workspace="ws")
+        self.kv_cache = SimpleNamespace(k_caches=["k0", "k1"], v_caches=["v0", "v1"])
+        self.sm_scale, self.num_sms, self.calls = 0.125, 132, []
+
+    def bucket_splits(self, bucket):
+        return self.splits[bucket]
+
+    def decode_attention(self, layer_id, q, use_pdl):
+        self.calls.append(("two kernels", layer_id, use_pdl))
+        return "two"
+
+
+@pytest.fixture
+def fold(monkeypatch):
+    seen = []
+
+    def fake(q, k, v, bt, lens, **kw):
+        seen.append((k, v, kw))
+        return "fold"
+
+    monkeypatch.setattr(step_attention, "flash_decode", fake)
+    monkeypatch.setattr(step_attention, "FOLD_MERGE", None)
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", None)
+    return seen
+
+
+def test_the_table_picks_the_merge_at_its_classes_only(fold):
+    splits = {8: 8, 15: 4, 16: 4, 32: 2, 33: 2, 64: 1}
+    b = Backend(splits=splits)
+    assert step_attention.FOLD_MERGE_TABLE[(32, 8, 64)] == range(16, 33)  # Llama-3.2-1B
+    got = {bucket: step_attention.attention(b, 1, "q", bucket) for bucket in splits}
+    assert got == {8: "two", 15: "two", 16: "fold", 32: "fold", 33: "two", 64: "fold"}
+    assert [kw["merge_splits"] for *_, kw in fold] == [4, 2, 1]  # the class's largest count
+    assert all(kw["fold_combine"] and kw["num_splits"] == 3 for *_, kw in fold)
+    assert all(k == "k1" and v == "v1" for k, v, _ in fold)  # the layer's pages
+    assert [c[0] for c in b.calls] == ["two kernels"] * 3
+
+
+def test_other_shapes_fold_only_one_split(fold):
+    b = Backend(shape=(32, 8, 128), splits={16: 4, 64: 1})  # Llama-3.1-8B: lost in run D3
+    assert step_attention.attention(b, 0, "q", 16) == "two"
+    assert step_attention.attention(b, 0, "q", 64) == "fold"
+
+
+def test_the_switch_overrides_every_shape(fold, monkeypatch):
+    b = Backend(shape=(32, 8, 128), splits={8: 8, 16: 4, 32: 2})
+    monkeypatch.setattr(step_attention, "FOLD_MERGE", range(8, 9))
+    assert [step_attention.attention(b, 0, "q", k) for k in (8, 16, 32)] == ["fold", "two", "two"]
+    monkeypatch.setattr(step_attention, "FOLD_MERGE", range(0))  # none: split + combine
+    b = Backend(splits={16: 4, 64: 1})
+    assert [step_attention.attention(b, 0, "q", k) for k in (16, 64)] == ["two", "fold"]
+
+
+def test_reference_attention_never_folds(fold):
+    b = Backend(splits={}, use_kernel=False)  # bucket_splits is not even asked
+    assert step_attention.attention(b, 0, "q", 16) == "two" and not fold
+
+
+def test_pdl_pair(fold, monkeypatch):
+    assert step_attention.attention_pdl(2) is False  # off: whatever the projections run
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, False, None))
+    assert step_attention.attention_pdl(2) == (2, False)
+    assert step_attention.attention_pdl(None) == (None, False)  # the device's default
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (False, True, 3))
+    assert step_attention.attention_pdl(2) == (False, 3)
+    b = Backend(splits={16: 4})
+    step_attention.attention(b, 0, "q", 16, use_pdl=2)
+    assert fold[-1][2]["use_pdl"] == (False, 3)
