@@ -111,6 +111,28 @@ def test_every_sweep_variant_matches_the_reference(cfg, ps):
         check(sum(map(ord, cfg.name)) + ps, lens, 32, 8, 64, ps, ns, variant=cfg)
 
 
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("num_splits, merge", [(2, 2), (2, 4), (4, 4), (3, 8), (8, 8)])
+def test_folded_merge_bf16(hd, num_splits, merge):
+    """The one-launch attention with its merge (the fused step's at Llama-3.2-1B's classes
+    16-32), bf16: against float64 and the two-kernel path, rows of one split and of many in one
+    batch (short ones final after split 0), the tickets back at zero, the same bits on a
+    repeat, and ``merge_splits`` above the live count (exact mode below the captured one)."""
+    lens = [1, 127, 128, 129, 300, 640, 1000, 4097] * 3
+    q, k, v, bt, sl = make_case(hd + 10 * num_splits + merge, lens, 32, 8, hd, 64)
+    ws, out = poisoned(len(lens), 32, hd, 64, torch.bfloat16)
+    kw = dict(num_splits=num_splits, workspace=ws, fold_combine=True, merge_splits=merge)
+    got = fd.flash_decode(q, k, v, bt, sl, out=out, **kw).clone()
+    ref = paged_decode_reference(q, k, v, bt, sl, compute_dtype=torch.float64)
+    assert not got.isnan().any() and rel_err(got, ref) < REL_TOL[torch.bfloat16]
+    assert int(ws.tickets.abs().sum()) == 0
+    ws2, out2 = poisoned(len(lens), 32, hd, 64, torch.bfloat16)
+    two = fd.flash_decode(q, k, v, bt, sl, num_splits=num_splits, workspace=ws2, out=out2)
+    assert (got.float() - two.float()).abs().max().item() <= 2**-6 * two.abs().max().item()
+    out.fill_(float("nan"))
+    assert torch.equal(fd.flash_decode(q, k, v, bt, sl, out=out, **kw), got)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_dtypes(dtype):
     check(3, [1, 65, 3000], 32, 8, 128, 16, None, dtype=dtype)
