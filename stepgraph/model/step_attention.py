@@ -11,6 +11,8 @@
   8 / 16 / 32, ms): none 1.018 / 1.070 / 1.196; both kernels in the step's mode 1.111 / 1.153
   / 1.257; the combine alone 1.105 / 1.150 / 1.256; the split alone 1.027 / 1.072 / 1.200;
   both with the trigger at the wait 1.049 / 1.105 / 1.250, at the exit 1.022 / 1.070 / 1.195.
+  On the one launch at bs 16 / 32 (run D7, ctx 512): none 1.069 / 1.171, late 1.099 / 1.209,
+  exit 1.075 / 1.173.
 
 Every choice is a function of the batch size's class (``bucket``, ``fused_decode.kernel_class``),
 so eager, graph and exact mode run the same kernels; the merge's block of splits is the class's
