@@ -25,8 +25,18 @@ def test_the_1b_plan_as_committed():
     assert plan[1][0] == "fused, one row (GEMV)"
     assert plan[1][1]["qkv"] == "qkv_rope 4x1024 w4"  # the launcher's one-row halving
     sums = ", the norm from the sums of squares"
-    # 2-16 rows: one plan, the handoff and the 16-row tiles from bucket 2 (run J3)
-    assert plan[2] == plan[4] == plan[8] == plan[16]
+    # 2-16 rows: one plan of projections, the handoff and the 16-row tiles from bucket 2 (J3)
+    proj = {b: {p: c for p, c in plan[b][1].items() if p != "attention"} for b in plan}
+    assert proj[2] == proj[4] == proj[8] == proj[16] and plan[2][0] == plan[16][0]
+    # the attention: split + combine to bucket 8, one launch with the merge at 16-32 (run D2),
+    # one split from 48 (the ladder's cap); keys in the step's order
+    attn = {b: plan[b][1]["attention"] for b in plan}
+    assert attn[1] == "split_kv + combine (up to 64 splits)"
+    assert attn[8] == "split_kv + combine (up to 8 splits)"
+    assert attn[16].startswith("split_kv_fold, one launch (up to 4 splits; the last of each row")
+    assert attn[32].startswith("split_kv_fold, one launch (up to 2 splits")
+    assert attn[48] == attn[64] == "split_kv_fold, one launch (one split at every context)"
+    assert list(plan[8][1]) == ["qkv", "attention", "o_proj", "gate_up", "down", "lm_head"]
     for b in (2, 8):
         c = plan[b][1]
         assert c["qkv"].startswith("qkv_rope ") and "TMA" not in c["qkv"]
@@ -64,7 +74,10 @@ def test_unmeasured_shapes_and_float32_run_the_reference_kernels():
     assert eight[8][1]["qkv"].startswith("cuBLAS + RoPE/KV write, the norm from the sums")
     assert eight[8][1]["gate_up"].endswith("the norm from the sums of squares")
     assert eight[16][1]["gate_up"].endswith("the norm from the sums of squares")
-    assert eight[2] == eight[4] == eight[8]  # one plan for 2-16 rows (run J9)
+    proj = {b: {p: c for p, c in eight[b][1].items() if p != "attention"} for b in (2, 4, 8)}
+    assert proj[2] == proj[4] == proj[8]  # one plan for 2-16 rows (run J9)
+    # the merge lost at the 8B's head_dim 128 (run D3): split + combine at 16
+    assert eight[16][1]["attention"] == "split_kv + combine (up to 4 splits)"
     assert eight[32][0].startswith("reference kernels (")
 
 
@@ -75,6 +88,7 @@ def test_info_prints_the_plan(capsys):
     assert "  bs bucket 2: fused, tensor cores (M padded to 16)\n" in out  # run J3
     assert "  bs bucket 8: fused, tensor cores (M padded to 16)\n" in out  # PDL there (run J1)
     assert "  bs bucket 32: fused, tensor cores (M padded to 32)\n" in out  # PDL there
+    assert "    attention split_kv_fold, one launch (up to 2 splits;" in out  # run D2
     assert "above 64 rows: reference kernels" in out
     assert main(["info", "--model", "no-such-model"]) == 2  # one line, naming the flag
     assert "argument --model: 'no-such-model' is neither a preset" in capsys.readouterr().err

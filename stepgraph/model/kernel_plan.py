@@ -2,8 +2,8 @@
 the choices ``fused_decode_step`` makes, in its order, with the table entry behind each
 (``stepgraph info --model NAME``). A user sees what runs at their batch size, and which switch
 (``STEPGRAPH_REFERENCE_ROWS``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_NORM_HANDOFF``,
-``STEPGRAPH_SEPARATE_NORM``, ``STEPGRAPH_TMA``, ``STEPGRAPH_MLP_BLOCK``) would change it,
-without a GPU or the weights."""
+``STEPGRAPH_SEPARATE_NORM``, ``STEPGRAPH_TMA``, ``STEPGRAPH_MLP_BLOCK``,
+``STEPGRAPH_FOLD_MERGE``) would change it, without a GPU or the weights."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from . import fused_mlp
 from .config import ModelConfig
 from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
 from .fused_mlp import block_serves
+from .step_attention import attention_text
 
 # the step's projections: table kernel and what the unfused pieces add beside cuBLAS
 PIECES = {
@@ -93,8 +94,9 @@ def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, hal
 
 
 def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
-    """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``
-    (choices empty where the reference kernels run)."""
+    """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``, the
+    pieces in the step's order, the attention's after qkv (choices empty where the reference
+    kernels run)."""
     shapes = piece_shapes(config)
     out = []
     for b in buckets or default_capture_sizes(FUSED_MAX_BS):
@@ -120,8 +122,10 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
             if fused_mlp.BLOCK_QKV and not prefer_cublas("qkv_rope", b, *shapes["qkv"],
                                                          elem_bytes):  # fmt: skip
                 path += " with the next layer's qkv"
-        out.append((b, path, {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho)
-                              for p in PIECES}))  # fmt: skip
+        choices = {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho) for p in PIECES}
+        attn = (config.num_heads, config.num_kv_heads, config.head_dim)
+        choices = {"qkv": choices.pop("qkv"), "attention": attention_text(attn, b), **choices}
+        out.append((b, path, choices))
     return out
 
 
@@ -131,7 +135,7 @@ def format_plan(name: str, dtype: str, config: ModelConfig, elem_bytes: int) -> 
              " runs the reference kernels everywhere):"]  # fmt: skip
     for b, path, choices in kernel_plan(config, elem_bytes):
         lines.append(f"  bs bucket {b}: {path}")
-        lines += [f"    {p:<8} {c}" for p, c in choices.items()]
+        lines += [f"    {p:<9} {c}" for p, c in choices.items()]
     lines.append(f"  above {FUSED_MAX_BS} rows: reference kernels (the fused kernels take 64 rows)")
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.flash_decode import flash_decode
+from ..kernels.splits import H200_NUM_SMS, ladder_cap
 from . import kernel_choice
 
 ATTENTION_PDL = kernel_choice.attention_pdl_env()
@@ -49,13 +50,29 @@ def attention_pdl(use_pdl) -> bool | tuple:
     return (mode if split else False, mode if combine else False)
 
 
-def fold_merge(backend, bucket: int) -> bool:
-    """Whether a batch of class ``bucket`` takes the fold with its merge (``FOLD_MERGE`` if set,
-    else ``FOLD_MERGE_TABLE`` at the backend's attention shape)."""
+def merges(shape: tuple[int, int, int], bucket: int) -> bool:
+    """Whether class ``bucket`` of attention ``shape`` (n_heads, n_kv_heads, head_dim) takes the
+    fold with its merge: ``FOLD_MERGE`` if set, else ``FOLD_MERGE_TABLE``."""
     if FOLD_MERGE is not None:
         return bucket in FOLD_MERGE
-    shape = (backend.num_heads, backend.num_kv_heads, backend.head_dim)
     return bucket in FOLD_MERGE_TABLE.get(shape, ())
+
+
+def fold_merge(backend, bucket: int) -> bool:
+    """``merges`` at the backend's attention shape."""
+    return merges((backend.num_heads, backend.num_kv_heads, backend.head_dim), bucket)
+
+
+def attention_text(shape: tuple[int, int, int], bucket: int, num_sms: int = H200_NUM_SMS) -> str:
+    """What ``attention`` launches for class ``bucket`` (``stepgraph info``; the ladder's
+    largest split count on ``num_sms`` multiprocessors, the H200's by default)."""
+    cap = ladder_cap(shape[1], bucket, num_sms)
+    if cap == 1:
+        return "split_kv_fold, one launch (one split at every context)"
+    if merges(shape, bucket):
+        return (f"split_kv_fold, one launch (up to {cap} splits; the last of each row merges "
+                "them: FOLD_MERGE_TABLE)")  # fmt: skip
+    return f"split_kv + combine (up to {cap} splits)"
 
 
 def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None) -> torch.Tensor:
@@ -74,4 +91,4 @@ def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None
 
 
 __all__ = ["ATTENTION_PDL", "FOLD_MERGE", "FOLD_MERGE_TABLE", "attention", "attention_pdl",
-           "fold_merge"]  # fmt: skip
+           "attention_text", "fold_merge", "merges"]  # fmt: skip
