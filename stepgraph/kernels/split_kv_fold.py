@@ -12,10 +12,13 @@ and the same body (``split_kv.split_partial``); then, per (request, KV head):
   the last one merges the partials of the group's query heads with a stable log-sum-exp (the
   ``_combine_kernel``'s arithmetic, splits in index order) and resets the ticket.
 
-So no combine launch, at any split count. Measured on the H200 (2026-12-01, bs 8, ctx 512,
-8 splits): 214 us a step against 151 for split + combine, the merge being one program's serial
-tail; so the fused step folds only where every row has one split (``MERGE=False``: the ladder
-gives one split at every context for the batch size, bs >= 34 for Llama-3.2-1B). The split
+So no combine launch, at any split count. The merge takes every query head of the group at
+once over ``SPLITS_PAD`` splits, the class's largest count (``flash_decode(merge_splits=)``),
+so a live count below it reduces over the same block. Merged head by head over 64 splits it
+lost at bs 8 (2026-12-01: 214 µs a step against 151 for split + combine); as now it wins at
+Llama-3.2-1B's classes 16-32 and ties at 8 (run D2), and the fused step takes it where
+``model/step_attention`` says; also where every row has one split (``MERGE=False``: the
+ladder gives one split at every context for the batch size, bs >= 34 for the 1B). The split
 count is still ``tl.num_programs(2)``: mode ``exact`` retunes grid z alone
 (``graph_update.registry.FLASH_DECODE_FOLD_SPEC``, a spec with no combine kernel).
 Driver-level parameter 0 is ``partial_o`` (8 bytes), as for the two-kernel main.
