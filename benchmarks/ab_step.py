@@ -74,9 +74,7 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     # (STEPGRAPH_PDL_TRIGGER: read at every launch)
     step_attention.ATTENTION_PDL = attention_pdl_env()
     step_attention.FOLD_MERGE = buckets_env("STEPGRAPH_FOLD_MERGE", None)
-    splits.MIN_SPLIT_KEYS = int(
-        os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", splits.MIN_SPLIT_KEYS_DEFAULT)
-    )
+    splits.MIN_SPLIT_KEYS = splits.min_split_keys_env()
     # (STEPGRAPH_ATTN_VARIANT: read at every launch)
     fused_decode.REFERENCE_ROWS = buckets_env(
         "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT

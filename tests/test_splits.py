@@ -126,3 +126,16 @@ def test_bad_programs_per_sm():
 def test_bad_max_splits():
     with pytest.raises(ValueError, match="max_splits"):
         num_splits_for(10, 8, 1, 132, 0)
+
+
+def test_min_split_keys_env_default_switch_and_refusals(monkeypatch):
+    from stepgraph.kernels.splits import MIN_SPLIT_KEYS_DEFAULT, min_split_keys_env
+
+    monkeypatch.delenv("STEPGRAPH_MIN_SPLIT_KEYS", raising=False)
+    assert min_split_keys_env() == MIN_SPLIT_KEYS_DEFAULT == 128
+    monkeypatch.setenv("STEPGRAPH_MIN_SPLIT_KEYS", "64")  # one fallback tile: the A/B switch
+    assert min_split_keys_env() == 64
+    for bad in ("0", "32", "96", "-64"):  # below one tile, or not a multiple of it
+        monkeypatch.setenv("STEPGRAPH_MIN_SPLIT_KEYS", bad)
+        with pytest.raises(ValueError, match="STEPGRAPH_MIN_SPLIT_KEYS"):
+            min_split_keys_env()

@@ -45,14 +45,24 @@ BLOCK_N = 64  # keys per tile of the fallback variant; the ladder's keys are mul
 # the 64-key splits left half of the 64 empty; bs 8 ctx 512 1.007 against 1.015). The
 # STEPGRAPH_MIN_SPLIT_KEYS (a multiple of BLOCK_N) is the A/B switch.
 MIN_SPLIT_KEYS_DEFAULT = 2 * BLOCK_N
-MIN_SPLIT_KEYS = int(os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS_DEFAULT))
+
+
+def min_split_keys_env() -> int:
+    """``$STEPGRAPH_MIN_SPLIT_KEYS`` (default ``MIN_SPLIT_KEYS_DEFAULT``), refused unless a
+    positive multiple of ``BLOCK_N``; ``benchmarks/ab_step.py`` re-reads it per variant."""
+    keys = int(os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS_DEFAULT))
+    if keys < BLOCK_N or keys % BLOCK_N:
+        raise ValueError(
+            f"STEPGRAPH_MIN_SPLIT_KEYS={keys} must be a positive multiple of {BLOCK_N}"
+        )
+    return keys
+
+
+MIN_SPLIT_KEYS = min_split_keys_env()
 # occupancy target of the main kernel's grid (the sweep tries 2, 4, 8; STEPGRAPH_PROGRAMS_PER_SM)
 PROGRAMS_PER_SM = int(os.environ.get("STEPGRAPH_PROGRAMS_PER_SM", 4))
-if MIN_SPLIT_KEYS < BLOCK_N or MIN_SPLIT_KEYS % BLOCK_N or PROGRAMS_PER_SM < 1:
-    raise ValueError(
-        f"STEPGRAPH_MIN_SPLIT_KEYS={MIN_SPLIT_KEYS} must be a positive multiple of {BLOCK_N} "
-        f"and STEPGRAPH_PROGRAMS_PER_SM={PROGRAMS_PER_SM} at least 1"
-    )
+if PROGRAMS_PER_SM < 1:
+    raise ValueError(f"STEPGRAPH_PROGRAMS_PER_SM={PROGRAMS_PER_SM} must be at least 1")
 LADDER_MAX_SPLITS = 64  # ladder cap; with ns <= 64 <= keys per split, ceil(t / ceil(t / ns)) == ns
 H200_NUM_SMS = 132
 
@@ -158,6 +168,7 @@ __all__ = [
     "PROGRAMS_PER_SM",
     "fa_split_keys",
     "ladder_cap",
+    "min_split_keys_env",
     "ladder_steps",
     "monotone_steps",
     "num_splits_for",
