@@ -174,3 +174,40 @@ def test_float32_greedy_tokens_equal_reference(bs, monkeypatch):
     got, _ = step(runner, batch, "fused")
     assert rel(got, ref) < 1e-4
     assert torch.equal(runner.fused_tokens(bs), ref.argmax(-1))
+
+
+def test_attention_prefetch_under_pdl_equals_eager_without(mr, monkeypatch):
+    """The attention launched with PDL reads its first tile before the wait, all but the newest
+    key, which the qkv kernel just before it writes. Replayed in exact mode (the early launch is
+    real there), with the newest slot of every layer poisoned with NaN before each replay: a key
+    taken before the qkv kernel wrote it shows as NaN or as a difference from the eager step
+    without PDL on the attention. bs 1 and 8 take split + combine, 17 the fold with its merge,
+    40 the fold with one split; contexts 1 (the newest key alone), 64 (the newest key the last
+    of a tile) and 300."""
+    from stepgraph.model import step_attention
+
+    cfg = RunnerConfig(max_bs=48, mode="exact", show_progress=False)
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, False, 3))  # split:exit
+    runner = CudaGraphRunner(mr, cfg)  # captured with the attention's PDL and prefetch
+    caches = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
+    try:
+        for bs, context in [(1, 1), (1, 300), (8, 64), (8, 300), (17, 300), (40, 64)]:
+            batch, pages = decode_batch(mr, Point(bs, context), seed=bs + context)
+            try:
+                monkeypatch.setattr(step_attention, "ATTENTION_PDL", None)
+                eager, kv_eager = step(mr, batch, "fused")
+                monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, False, 3))
+                before = [c.clone() for c in caches]
+                for _ in range(3):  # the race, more than once
+                    for c in caches:  # the newest slot: NaN until the qkv kernel writes it
+                        c.view(-1, *c.shape[2:])[batch.out_cache_loc] = float("nan")
+                    logits = runner.replay(batch)
+                    assert torch.equal(logits, eager), (bs, context)
+                assert all(torch.equal(a[1:], b[1:]) for a, b in zip(caches, kv_eager))
+                for c, c0 in zip(caches, before):
+                    c.copy_(c0)
+            finally:
+                for p in pages:
+                    mr.kv_cache.release(p)
+    finally:
+        runner.shutdown()
