@@ -116,20 +116,13 @@ def _trigger(ptx: str) -> str:
     return "after mma loops" if mma and at[0] > max(b for _, b in mma) else "other"
 
 
-def _loads_before_wait(ptx: str) -> int:
-    """Global loads in the PTX before the first ``griddepcontrol.wait`` (0 without one)."""
-    head, wait, _ = ptx.partition("griddepcontrol.wait")
-    return len(re.findall(r"\bld\.global", head)) if wait else 0
-
-
 def _variants(since: int) -> list[dict]:
     out = []
     for name, k in COMPILED[since:]:
         ptx = k.asm.get("ptx", "")
         tma = "cp.async.bulk.tensor" in ptx
         out.append(dict(kernel=name, pdl="griddepcontrol.wait" in ptx, tma=tma,
-                        trigger=_trigger(ptx), early_loads=_loads_before_wait(ptx),
-                        cubin=bool(k.asm.get("cubin"))))  # fmt: skip
+                        trigger=_trigger(ptx), cubin=bool(k.asm.get("cubin"))))  # fmt: skip
     return out
 
 

@@ -173,65 +173,6 @@ def test_pdl_pair_picks_each_kernel(monkeypatch):
     assert seen == [2, False] and rel_err(got, ref) < TOL[torch.float32]
 
 
-# the prefetch path (``prefetch_kv``): the first tile's earlier keys before the PDL wait, the
-# newest after. With the fallback variant's 64-key tiles: lens 0 and 1 (no earlier key), 64 (the
-# newest the last of tile 0), 65 (alone in split 1 at 2 splits, or tile 1 of split 0), 129,
-# 200 at one split (the newest in tile 3, loaded by the loop), and empty splits at 8.
-PREFETCH_CASES = {  # id: (lens, num_splits, variant)
-    "edges_2_splits": ([0, 1, 64, 65, 129], 2, None),
-    "edges_1_split": ([1, 64, 65, 200], 1, None),
-    "empty_splits": ([70, 5, 300], 8, None),
-    "kt_per_key": ([64, 65, 130], 2, fd.KernelVariant(block_n=64, k_rows=False, page_tile=False)),
-    "n16_page_tile": ([16, 17, 33], 2, fd.KernelVariant(block_n=16)),
-    "fma": ([65, 2, 100], 3, fd.KernelVariant(use_dot=False)),
-}
-
-
-@pytest.mark.parametrize("fold", [False, True])
-@pytest.mark.parametrize("case_id", list(PREFETCH_CASES))
-def test_prefetch_path_gives_the_same_bits(case_id, fold):
-    """``prefetch_kv=True`` peels the first tile off the key loop (its loads around the wait):
-    the same tiles in the same order, so the same bits as the loop alone, and the reference's
-    values (the NaN slots past each length show a key read twice or past the end)."""
-    lens, ns, variant = PREFETCH_CASES[case_id]
-    c = make_case(sum(map(ord, case_id)), lens, n_heads=8, n_kv=2, hd=32, ps=16)
-    ref = paged_decode_reference(c.q, c.k, c.v, c.bt, c.lens, compute_dtype=torch.float64)
-    kw = dict(num_splits=ns, variant=variant, fold_combine=fold)
-    plain, ws_plain = run(c, prefetch_kv=False, **kw)
-    got, ws = run(c, prefetch_kv=True, **kw)
-    assert not got.isnan().any() and rel_err(got, ref) < TOL[torch.float32]
-    assert torch.equal(got, plain)
-    if not fold:  # every partial, empty splits included
-        assert torch.equal(ws.partial_lse[:, :, :ns], ws_plain.partial_lse[:, :, :ns])
-        assert torch.equal(ws.partial_o[:, :, :ns], ws_plain.partial_o[:, :, :ns])
-
-
-def test_prefetch_defaults_to_the_split_kernels_pdl(monkeypatch):
-    """``prefetch_kv=None``: on where the split kernel gets PDL (resolved, so never on the
-    interpreter), off with ``STEPGRAPH_ATTENTION_PREFETCH=0``; an explicit value wins."""
-    seen = []
-    real = fd._split_kv_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                seen.append(kw["PREFETCH"])
-                return real[grid](*a, **{**kw, "USE_PDL": False})  # no device calls here
-
-            return launch
-
-    monkeypatch.setattr(fd, "_split_kv_kernel", Spy())
-    c = make_case(3, [70, 33], n_heads=4, n_kv=2, ps=16)
-    run(c, num_splits=2, use_pdl=True)  # the interpreter resolves PDL off
-    monkeypatch.setattr(fd, "resolve_pdl", lambda v, d: 2 if v else False)
-    monkeypatch.setattr(fd, "launch_options", lambda pdl: {})  # the interpreter knows no PDL
-    run(c, num_splits=2, use_pdl=(True, False))
-    monkeypatch.setenv(fd.PREFETCH_ENV, "0")
-    run(c, num_splits=2, use_pdl=(True, False))
-    run(c, num_splits=2, use_pdl=False, prefetch_kv=True)
-    assert seen == [False, True, False, True]
-
-
 def test_empty_splits_write_minus_inf_and_zero():
     c = make_case(7, [5, 70], n_heads=4, n_kv=2, ps=16)
     _, ws = run(c, num_splits=8)

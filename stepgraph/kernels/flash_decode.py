@@ -52,9 +52,6 @@ DEFAULT_VARIANTS: dict[tuple[int, int, torch.dtype], KernelVariant] = {
 # STEPGRAPH_ATTN_VARIANT=<name> (``KernelVariant.from_name``) replaces the table's for every shape;
 # read at each call, so one process can A/B it (benchmarks/ab_step.py)
 VARIANT_ENV = "STEPGRAPH_ATTN_VARIANT"
-# STEPGRAPH_ATTENTION_PREFETCH=0: no K/V read before the PDL wait (``prefetch_kv=None``'s A/B
-# switch, read at each call)
-PREFETCH_ENV = "STEPGRAPH_ATTENTION_PREFETCH"
 
 
 def default_variant(head_dim: int, page_size: int, dtype: torch.dtype) -> KernelVariant:
@@ -98,7 +95,6 @@ def flash_decode(
     use_pdl: bool | None = False,
     fold_combine: bool = False,
     merge_splits: int | None = None,
-    prefetch_kv: bool | None = None,
 ) -> torch.Tensor:  # [bs, n_heads, head_dim], q.dtype
     """Decode attention of one new token per request over its paged keys and values.
 
@@ -120,13 +116,6 @@ def flash_decode(
     decode step uses it; the reference path keeps the two kernels. ``merge_splits``: the most
     splits any launch of this batch's class takes (the merge reduces over a block of its next
     power of two, so every count up to it gives the same bits); default ``max_splits``.
-
-    ``prefetch_kv``: the split kernel launched with PDL reads the first tile of its keys before
-    its wait, all but the newest (``seq_len - 1``), which it reads after. So the kernel just
-    before it in the stream must write no key below ``seq_len - 1`` (a decode step's K/V write
-    writes exactly that one); pass False where it may. None: with the split kernel's PDL,
-    unless ``STEPGRAPH_ATTENTION_PREFETCH=0``; True: the same code path without PDL too (the
-    CPU tests). The results are the same bits either way.
     """
     bs, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     if max_splits is None:
@@ -178,8 +167,6 @@ def flash_decode(
     split_pdl, combine_pdl = use_pdl if isinstance(use_pdl, tuple) else (use_pdl, use_pdl)
     pdl = resolve_pdl(split_pdl, q.device)
     cpdl = resolve_pdl(combine_pdl, q.device)
-    if prefetch_kv is None:
-        prefetch_kv = bool(pdl) and os.environ.get(PREFETCH_ENV, "1") != "0"
     if fold_combine:
         if workspace.tickets is None or workspace.tickets.numel() < bs * n_kv_heads:
             raise ConfigError(
@@ -194,7 +181,7 @@ def flash_decode(
             )
         return launch_fold(
             q, k_cache, v_cache, block_table, seq_lens, workspace, out, num_splits, sm_scale,
-            cfg, group, group_pad, precision, upcast, _next_pow2(merge), pdl, prefetch_kv,
+            cfg, group, group_pad, precision, upcast, _next_pow2(merge), pdl,
             launch_options(pdl),
         )  # fmt: skip
 
@@ -209,7 +196,7 @@ def flash_decode(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
         K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
-        NUM_STAGES=cfg.num_stages, USE_PDL=pdl, PREFETCH=prefetch_kv,
+        NUM_STAGES=cfg.num_stages, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )  # fmt: skip
     _combine_kernel[(bs, n_heads)](

@@ -39,14 +39,111 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import pdl_trigger_late, pdl_wait_then_trigger_short
-from .split_kv_partial import split_partial
+from .pdl import pdl_trigger_late, pdl_wait_then_trigger, pdl_wait_then_trigger_short
 
 MAIN_KERNEL_NAME = "_split_kv_kernel"
 COMBINE_KERNEL_NAME = "_combine_kernel"
 MAIN_PARTIAL_O_ARG = 0  # driver-level index, 8-byte pointer
 COMBINE_PARTIAL_O_ARG = 0  # driver-level index, 8-byte pointer
 COMBINE_N_SPLITS_ARG = 1  # driver-level index, 4-byte int32
+
+
+@triton.jit
+def split_partial(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, sm_scale,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, cur_batch, cur_kv_head, split_id,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr,
+    K_ROWS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    # One split of one (request, KV head): -> (o [GROUP_PAD, HEAD_DIM] normalised, lse
+    # [GROUP_PAD] natural log, query head ids, their mask, the split's chunk of keys). An empty
+    # split gives o = 0, lse = -inf, never NaN. (The body of both split kernels.)
+    num_splits = tl.num_programs(2)
+
+    # -- this split's key range; chunk is a multiple of BLOCK_N, so every tile starts on one --
+    seq_len = tl.load(seq_lens_ptr + cur_batch)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split_id * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD] query head within the group
+    offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    mask_g = offs_g < GROUP
+    cur_heads = cur_kv_head * GROUP + offs_g  # [GROUP_PAD] query head ids
+
+    # q tile: [GROUP_PAD, HEAD_DIM], padded rows are zero
+    q_ptrs = q_ptr + cur_batch * stride_qb + cur_heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # fold log2(e) in: softmax runs on exp2
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_table_ptr + cur_batch * stride_bt
+    k_head = k_cache_ptr + cur_kv_head * stride_kh
+    v_head = v_cache_ptr + cur_kv_head * stride_vh
+
+    # pipelined NUM_STAGES deep (Triton 3.9 for sm_90 pipelines only the page lookup this way)
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        k_idx = start_n + offs_n  # [BLOCK_N] key positions
+        mask_n = k_idx < end
+        # -- page lookup: logical key -> (page, slot) --
+        if PAGE_TILE:  # one block-table load per tile; the slots are contiguous
+            page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)  # scalar
+            slot = start_n % PAGE_SIZE + offs_n  # [BLOCK_N]
+        else:  # one lookup per key
+            page = tl.load(bt_row + k_idx // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            slot = k_idx % PAGE_SIZE
+        k_off = page * stride_kp + slot * stride_ks  # [BLOCK_N]
+        v_off = page * stride_vp + slot * stride_vs  # [BLOCK_N]
+        # V tile [BLOCK_N, HEAD_DIM]; K tile [BLOCK_N, HEAD_DIM] (K_ROWS) or [HEAD_DIM, BLOCK_N]
+        if K_ROWS:
+            k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        # -- scores: [GROUP_PAD, BLOCK_N] in log2 units --
+        if USE_DOT:
+            if K_ROWS:
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            else:
+                qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+        elif K_ROWS:
+            qk = tl.sum(q[:, None, :] * k[None, :, :], 2)
+        else:
+            qk = tl.sum(q[:, :, None] * k[None, :, :], 1)
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+
+        # -- update m_i and l_i --
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile holds a live key
+        alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+        p = tl.exp2(qk - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        # -- update acc: [GROUP_PAD, HEAD_DIM] --
+        acc = acc * alpha[:, None]
+        if USE_DOT:
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc += tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+
+    live = l_i > 0.0
+    o = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(
+        live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453, -float("inf")
+    )
+    return o, lse, cur_heads, mask_g, chunk
 
 
 @triton.jit
@@ -85,19 +182,19 @@ def _split_kv_kernel(
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of the key loop (also a launch option)
     UPCAST: tl.constexpr,  # q, K, V in fp32: the FMA path, or the interpreter's bf16 dot (wrong)
     USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py); adds no parameter
-    PREFETCH: tl.constexpr = False,  # the first tile's earlier keys before the PDL wait
 ):
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
-    # the PDL wait is in split_partial: before everything (q, the KV just written and seq_lens
-    # are the predecessors'), or after the first tile's earlier keys (PREFETCH)
+    # everything below reads the predecessors' output (q, the KV just written, seq_lens):
+    # wait first, before the pipelined key loop
+    pdl_wait_then_trigger(USE_PDL)
     o, lse, cur_heads, mask_g, _ = split_partial(
         q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, sm_scale,
         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_bt, cur_batch, cur_kv_head, split_id,
         GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, PAGE_TILE, K_ROWS, USE_DOT,
-        DOT_PRECISION, NUM_STAGES, UPCAST, USE_PDL, PREFETCH,
+        DOT_PRECISION, NUM_STAGES, UPCAST,
     )  # fmt: skip
     pdl_trigger_late(USE_PDL)
     offs_d = tl.arange(0, HEAD_DIM)

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .gemv_tiles import gpu_fence
-from .pdl import pdl_trigger_late
-from .split_kv_partial import split_partial
+from .pdl import pdl_trigger_late, pdl_wait_then_trigger
+from .split_kv import split_partial
 
 FOLD_KERNEL_NAME = "_split_kv_fold_kernel"
 FOLD_PARTIAL_O_ARG = 0  # driver-level index, 8-byte pointer
@@ -54,19 +54,18 @@ def _split_kv_fold_kernel(
     MERGE_G: tl.constexpr,  # next_pow2(GROUP): the merge's block of query heads
     MERGE: tl.constexpr,  # False: one split (grid z == 1), the merge is compiled out
     USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,  # the first tile's earlier keys before the PDL wait
 ):  # fmt: skip
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    # the PDL wait is in split_partial (everything after it writes)
+    pdl_wait_then_trigger(USE_PDL)  # q, the KV just written and seq_lens are predecessors'
     o, lse, cur_heads, mask_g, chunk = split_partial(
         q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, sm_scale,
         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_bt, cur_batch, cur_kv_head, split_id,
         GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, PAGE_TILE, K_ROWS, USE_DOT,
-        DOT_PRECISION, NUM_STAGES, UPCAST, USE_PDL, PREFETCH,
+        DOT_PRECISION, NUM_STAGES, UPCAST,
     )  # fmt: skip
     pdl_trigger_late(USE_PDL)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -124,7 +123,7 @@ def _split_kv_fold_kernel(
 
 def launch_fold(
     q, k_cache, v_cache, block_table, seq_lens, workspace, out, num_splits,
-    sm_scale, cfg, group, group_pad, precision, upcast, splits_pad, pdl, prefetch, options,
+    sm_scale, cfg, group, group_pad, precision, upcast, splits_pad, pdl, options,
 ):  # fmt: skip
     """``flash_decode(..., fold_combine=True)``'s launch (its checks done there)."""
     bs, n_kv = q.shape[0], k_cache.shape[2]
@@ -143,7 +142,7 @@ def launch_fold(
         BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
         K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
         NUM_STAGES=cfg.num_stages, SPLITS_PAD=splits_pad, MERGE_G=triton.next_power_of_2(group),
-        MERGE=num_splits > 1, USE_PDL=pdl, PREFETCH=prefetch,
+        MERGE=num_splits > 1, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
     )  # fmt: skip
     return out
