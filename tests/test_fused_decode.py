@@ -177,9 +177,10 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
 
 
 @pytest.mark.parametrize("attention_pdl", [False, True])
-def test_the_attention_takes_pdl_only_behind_its_switch(mr, monkeypatch, attention_pdl):
-    """The step's attention kernels launch without PDL (run J2: slower with it at every bs)
-    unless ``ATTENTION_PDL``; with it, in the projections' mode: the late trigger from two rows,
+def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention_pdl):
+    """By default the step's combine launches with PDL, its trigger at the wait at one row and at
+    its exit from two (run E5), and the split kernel without it (slower with it, runs D1, E4);
+    ``ATTENTION_PDL`` overrides both, in the projections' mode: the late trigger from two rows,
     the device's default at one."""
     tensor_cores(monkeypatch)
     spec = (True, True, None) if attention_pdl else None
@@ -202,8 +203,9 @@ def test_the_attention_takes_pdl_only_behind_its_switch(mr, monkeypatch, attenti
             for p in pages:
                 mr.kv_cache.release(p)
         mode = TRIGGER_MODES["late"] if bs > 1 else None
-        want = (mode, mode) if attention_pdl else False
-        assert seen == [want] * len(mr.model.layers) and (want is not False or seen[0] is False)
+        combine = TRIGGER_MODES["exit"] if bs > 1 else TRIGGER_MODES["wait"]
+        want = (mode, mode) if attention_pdl else (False, combine)
+        assert seen == [want] * len(mr.model.layers)
 
 
 def test_no_pdl_table_keys():
@@ -220,8 +222,8 @@ def test_attention_pdl_env_parts_and_modes(monkeypatch):
 
     name = "STEPGRAPH_ATTENTION_PDL"
     monkeypatch.delenv(name, raising=False)
-    assert attention_pdl_env() is None
-    want = {"0": None, "1": (True, True, None), "both": (True, True, None),
+    assert attention_pdl_env() is None  # step_attention's defaults
+    want = {"0": (False, False, None), "1": (True, True, None), "both": (True, True, None),
             "split": (True, False, None), "combine": (False, True, None),
             "split:exit": (True, False, 3), "both:wait": (True, True, 1),
             "combine:late": (False, True, 2)}  # fmt: skip

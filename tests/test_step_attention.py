@@ -75,12 +75,20 @@ def test_reference_attention_never_folds(fold):
 
 
 def test_pdl_pair(fold, monkeypatch):
-    assert step_attention.attention_pdl(2) is False  # off: whatever the projections run
+    # the defaults: the combine alone, its trigger at the wait at one row, at its exit from two
+    # rows, whatever mode the projections run; none where they run without PDL
+    assert step_attention.attention_pdl(None, 1) == (False, 1)
+    assert step_attention.attention_pdl(2, 2) == (False, 3)
+    assert step_attention.attention_pdl(2, 8) == (False, 3)
+    assert step_attention.attention_pdl(False, 1) is False
+    assert step_attention.attention_pdl(False, 8) is False
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (False, False, None))  # "0": none
+    assert step_attention.attention_pdl(None, 1) == (False, False)
     monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, False, None))
-    assert step_attention.attention_pdl(2) == (2, False)
-    assert step_attention.attention_pdl(None) == (None, False)  # the device's default
+    assert step_attention.attention_pdl(2, 8) == (2, False)
+    assert step_attention.attention_pdl(None, 1) == (None, False)  # the device's default
     monkeypatch.setattr(step_attention, "ATTENTION_PDL", (False, True, 3))
-    assert step_attention.attention_pdl(2) == (False, 3)
+    assert step_attention.attention_pdl(2, 8) == (False, 3)
     b = Backend(splits={16: 4})
     step_attention.attention(b, 0, "q", 16, use_pdl=2)
     assert fold[-1][2]["use_pdl"] == (False, 3)

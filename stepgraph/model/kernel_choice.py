@@ -37,13 +37,16 @@ def attention_pdl_env(
     name: str = "STEPGRAPH_ATTENTION_PDL",
 ) -> tuple[bool, bool, int | None] | None:
     """``$name`` as (PDL on the split kernel, on the combine, trigger mode or None for the
-    step's): unset or ``0`` is None (off); else ``PARTS[:MODE]``, PARTS one of 1, both, split,
-    combine and MODE one of ``pdl.TRIGGER_MODES`` (``split:exit``). A bad value is refused."""
+    step's): unset is None (``step_attention``'s defaults); ``0`` is off, (False, False, None);
+    else ``PARTS[:MODE]``, PARTS one of 1, both, split, combine and MODE one of
+    ``pdl.TRIGGER_MODES`` (``split:exit``). A bad value is refused."""
     from ..kernels.pdl import TRIGGER_MODES
 
-    text = os.environ.get(name, "0")
-    if text == "0":
+    text = os.environ.get(name)
+    if text is None:
         return None
+    if text == "0":
+        return (False, False, None)
     parts, sep, mode = text.partition(":")
     if parts not in ATTENTION_PARTS or (sep and mode not in TRIGGER_MODES):
         raise ConfigError(

@@ -6,13 +6,23 @@
   shape, or ``STEPGRAPH_FOLD_MERGE=LO-HI|none``), where the last split of each (row, KV head) to
   finish merges the group's partials.
 - **Split + combine** (``backend.decode_attention``) everywhere else.
-- **PDL** off unless ``ATTENTION_PDL`` (``STEPGRAPH_ATTENTION_PDL``, parsed by
-  ``kernel_choice.attention_pdl_env``): run D1 (``benchmarks/ab_step.py``, graph, ctx 512, bs
-  8 / 16 / 32, ms): none 1.018 / 1.070 / 1.196; both kernels in the step's mode 1.111 / 1.153
-  / 1.257; the combine alone 1.105 / 1.150 / 1.256; the split alone 1.027 / 1.072 / 1.200;
-  both with the trigger at the wait 1.049 / 1.105 / 1.250, at the exit 1.022 / 1.070 / 1.195.
-  On the one launch at bs 16 / 32 (run D7, ctx 512): none 1.069 / 1.171, late 1.099 / 1.209,
-  exit 1.075 / 1.173.
+- **PDL** on the combine alone (``COMBINE_PDL``): at one row it lets o_proj launch at its wait,
+  so the GEMV streams its weights while the combine merges (run E5, ``benchmarks/
+  ab_step.py``, graph, three rounds, ms, bs 1 at ctx 512 / 4096: 0.777 / 0.834 against 0.798 /
+  0.841 without; ``benchmarks/step_timeline.py``: o_proj advances the step 2.5 µs a layer
+  instead of 4.8, the combine 3.1 instead of 2.2); from two rows with no explicit trigger
+  ("exit": it launches as the split's programs end; bs 2 / 4 / 8 0.960 / 0.977 / 1.004 against
+  0.965 / 0.979 / 1.006 at ctx 512, 1.032 / 1.103 / 1.234 against 1.034 / 1.106 / 1.236 at
+  4096), since o_proj's tensor-core tiles launched early lose (run E5, trigger at the wait: bs
+  8 1.093). The split kernel takes none: launched early it waits on the qkv kernel and ends
+  later than a plain launch would (run E4, ``step_timeline.py``, bs 1: it advances the step 5.8
+  µs a layer against 3.9), also with its first tile loaded before the wait (runs E1-E2: bs 1
+  0.807 against 0.796, the one launch at bs 16-64 slower still; reverted). Earlier runs: D1
+  (ctx 512, bs 8 / 16 / 32, ms): none 1.018 / 1.070 / 1.196; both kernels in the step's mode
+  1.111 / 1.153 / 1.257; the split alone 1.027 / 1.072 / 1.200; D7, the one launch at bs 16 /
+  32: none 1.069 / 1.171, late 1.099 / 1.209, exit 1.075 / 1.173. ``ATTENTION_PDL``
+  (``STEPGRAPH_ATTENTION_PDL``, parsed by ``kernel_choice.attention_pdl_env``; ``0``: none)
+  overrides the defaults for every class.
 
 Every choice is a function of the batch size's class (``bucket``, ``fused_decode.kernel_class``),
 so eager, graph and exact mode run the same kernels; the merge's block of splits is the class's
@@ -25,10 +35,14 @@ from __future__ import annotations
 import torch
 
 from ..kernels.flash_decode import flash_decode
+from ..kernels.pdl import TRIGGER_MODES
 from ..kernels.splits import H200_NUM_SMS, ladder_cap
 from . import kernel_choice
 
 ATTENTION_PDL = kernel_choice.attention_pdl_env()
+# the combine's PDL trigger mode by class: one row "wait", from two rows "exit" (run E5, above)
+COMBINE_PDL = {1: TRIGGER_MODES["wait"]}
+COMBINE_PDL_ROWS = TRIGGER_MODES["exit"]
 # (n_heads, n_kv_heads, head_dim) -> the classes that take the fold with its merge where they
 # have more than one split. Llama-3.2-1B: 16-32 (run D2, benchmarks/ab_step.py, graph, two
 # interleaved rounds, ms, split + combine against the fold: ctx 512 bs 16 1.068 / 1.061, bs 32
@@ -40,11 +54,13 @@ FOLD_MERGE_TABLE: dict[tuple[int, int, int], range] = {(32, 8, 64): range(16, 33
 FOLD_MERGE = kernel_choice.buckets_env("STEPGRAPH_FOLD_MERGE", None)
 
 
-def attention_pdl(use_pdl) -> bool | tuple:
-    """``flash_decode``'s ``use_pdl`` for the step's attention: False, or (split, combine) in
-    ``ATTENTION_PDL``'s mode, else the projections' ``use_pdl``."""
+def attention_pdl(use_pdl, bucket: int) -> bool | tuple:
+    """``flash_decode``'s ``use_pdl`` (split, combine) for the step's attention at class
+    ``bucket``, where the projections run ``use_pdl``: none where they run without PDL, else
+    the combine's in ``COMBINE_PDL``'s mode; ``ATTENTION_PDL``, when set, in its mode or else
+    the projections'."""
     if ATTENTION_PDL is None:
-        return False
+        return False if use_pdl is False else (False, COMBINE_PDL.get(bucket, COMBINE_PDL_ROWS))
     split, combine, mode = ATTENTION_PDL
     mode = mode or use_pdl or None
     return (mode if split else False, mode if combine else False)
@@ -78,7 +94,7 @@ def attention_text(shape: tuple[int, int, int], bucket: int, num_sms: int = H200
 def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None) -> torch.Tensor:
     """Split-KV decode of ``q [bs, n_heads, head_dim]`` over layer ``layer_id``'s pages (its
     K/V already written), for a batch of class ``bucket``."""
-    pdl = attention_pdl(use_pdl)
+    pdl = attention_pdl(use_pdl, bucket)
     splits = backend.bucket_splits(bucket) if backend.use_kernel else 1
     if not backend.use_kernel or (splits > 1 and not fold_merge(backend, bucket)):
         return backend.decode_attention(layer_id, q, pdl)
@@ -90,5 +106,5 @@ def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None
     )  # fmt: skip
 
 
-__all__ = ["ATTENTION_PDL", "FOLD_MERGE", "FOLD_MERGE_TABLE", "attention", "attention_pdl",
-           "attention_text", "fold_merge", "merges"]  # fmt: skip
+__all__ = ["ATTENTION_PDL", "COMBINE_PDL", "COMBINE_PDL_ROWS", "FOLD_MERGE", "FOLD_MERGE_TABLE",
+           "attention", "attention_pdl", "attention_text", "fold_merge", "merges"]  # fmt: skip
