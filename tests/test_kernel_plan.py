@@ -42,7 +42,7 @@ def test_the_1b_plan_as_committed():
         assert c["qkv"].startswith("qkv_rope ") and "TMA" not in c["qkv"]
         assert c["qkv"].endswith(f"{sums} (layer 0: norm, then qkv_rope 32x256 w4 s3 split4)")
         assert c["gate_up"] == "gate_up_silu 64x128 w4 s4 TMA1" + sums  # the _normed tile
-        assert c["o_proj"] == "gemv_residual 32x128 w4 s4 split2 TMA2"  # 5 rows on (H9-H10)
+        assert c["o_proj"] == "gemv_residual 32x128 w4 s4 split4 TMA2"  # four splits (E9)
         assert c["down"] == "gemv_residual 64x128 w4 s5 split4 TMA1"
         assert c["lm_head"] == "lm_head 256x64 w8 s3 TMA2" + sums
     # 17-32 rows: qkv and the LM head fused (I2-I3); 33-64: qkv's cuBLAS GEMM on the handoff
