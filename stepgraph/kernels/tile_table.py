@@ -44,9 +44,10 @@ TILES: dict[tuple[str, int, int, int], Tile] = {
     ("qkv_rope", *_QKV, 16): Tile(32, 256, 4, 3, 4),  # 9.04 (cuBLAS GEMM alone 6.52)
     ("qkv_rope", *_QKV, 32): Tile(16, 128, 4, 3, 4),  # 14.52 (6.58); SEPARATE_NORM below
     ("qkv_rope", *_QKV, 64): Tile(32, 128, 4, 3, 4),  # 21.53 (6.76): CUBLAS below
-    # 5-16 rows: four splits of K, 256 programs (run E9, ab_step, two interleaved rounds, graph
+    # 2-16 rows: four splits of K, 256 programs (run E9, ab_step, two interleaved rounds, graph
     # ms against two splits: ctx 512 bs 5 0.972 / 0.980, bs 8 0.987 / 0.995, bs 16 1.042 /
-    # 1.047; ctx 4096 bs 8 1.215 / 1.219, bs 16 1.482 / 1.488); two splits since H9-H10
+    # 1.047; ctx 4096 bs 8 1.215 / 1.219, bs 16 1.482 / 1.488; 2-4 rows not measured with
+    # it); two splits since H9-H10
     ("gemv_residual", *_O, 16): Tile(32, 128, 4, 4, 4, 2),
     # 17-64 rows: the weight through TMA as at 16 (run I7, ab_step, three interleaved rounds:
     # bs 32 1.190 against 1.197 ms, bs 64 1.327 against 1.337; same logits bits). The sweep's
