@@ -82,6 +82,8 @@ def test_pdl_pair(fold, monkeypatch):
     assert step_attention.attention_pdl(2, 8) == (False, 3)
     assert step_attention.attention_pdl(False, 1) is False
     assert step_attention.attention_pdl(False, 8) is False
+    assert step_attention.attention_pdl(0, 8) is False  # 0 is False too (bool is an int)
+    assert step_attention.attention_pdl(3, 8) == (False, 3)  # any trigger mode: PDL on
     monkeypatch.setattr(step_attention, "ATTENTION_PDL", (False, False, None))  # "0": none
     assert step_attention.attention_pdl(None, 1) == (False, False)
     monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, False, None))

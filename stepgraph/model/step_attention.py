@@ -6,7 +6,7 @@
   shape, or ``STEPGRAPH_FOLD_MERGE=LO-HI|none``), where the last split of each (row, KV head) to
   finish merges the group's partials.
 - **Split + combine** (``backend.decode_attention``) everywhere else.
-- **PDL** on the combine alone (``COMBINE_PDL``): at one row it lets o_proj launch at its wait,
+- **PDL** on the combine alone (``combine_pdl``): at one row it lets o_proj launch at its wait,
   so the GEMV streams its weights while the combine merges (run E5, ``benchmarks/
   ab_step.py``, graph, three rounds, ms, bs 1 at ctx 512 / 4096: 0.777 / 0.834 against 0.798 /
   0.841 without; ``benchmarks/step_timeline.py``: o_proj advances the step 2.5 µs a layer
@@ -40,9 +40,6 @@ from ..kernels.splits import H200_NUM_SMS, ladder_cap
 from . import kernel_choice
 
 ATTENTION_PDL = kernel_choice.attention_pdl_env()
-# the combine's PDL trigger mode by class: one row "wait", from two rows "exit" (run E5, above)
-COMBINE_PDL = {1: TRIGGER_MODES["wait"]}
-COMBINE_PDL_ROWS = TRIGGER_MODES["exit"]
 # (n_heads, n_kv_heads, head_dim) -> the classes that take the fold with its merge where they
 # have more than one split. Llama-3.2-1B: 16-32 (run D2, benchmarks/ab_step.py, graph, two
 # interleaved rounds, ms, split + combine against the fold: ctx 512 bs 16 1.068 / 1.061, bs 32
@@ -54,13 +51,20 @@ FOLD_MERGE_TABLE: dict[tuple[int, int, int], range] = {(32, 8, 64): range(16, 33
 FOLD_MERGE = kernel_choice.buckets_env("STEPGRAPH_FOLD_MERGE", None)
 
 
+def combine_pdl(bucket: int) -> int:
+    """The combine's PDL trigger mode at class ``bucket``: at its wait at one row, at its exit
+    from two rows (run E5, above)."""
+    return TRIGGER_MODES["wait"] if bucket == 1 else TRIGGER_MODES["exit"]
+
+
 def attention_pdl(use_pdl, bucket: int) -> bool | tuple:
     """``flash_decode``'s ``use_pdl`` (split, combine) for the step's attention at class
     ``bucket``, where the projections run ``use_pdl``: none where they run without PDL, else
-    the combine's in ``COMBINE_PDL``'s mode; ``ATTENTION_PDL``, when set, in its mode or else
-    the projections'."""
+    the combine alone in ``combine_pdl``'s mode; ``ATTENTION_PDL``, when set, in its mode or
+    else the projections'."""
     if ATTENTION_PDL is None:
-        return False if use_pdl is False else (False, COMBINE_PDL.get(bucket, COMBINE_PDL_ROWS))
+        off = use_pdl is not None and not use_pdl  # False (or 0): the step runs without PDL
+        return False if off else (False, combine_pdl(bucket))
     split, combine, mode = ATTENTION_PDL
     mode = mode or use_pdl or None
     return (mode if split else False, mode if combine else False)
@@ -106,5 +110,5 @@ def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None
     )  # fmt: skip
 
 
-__all__ = ["ATTENTION_PDL", "COMBINE_PDL", "COMBINE_PDL_ROWS", "FOLD_MERGE", "FOLD_MERGE_TABLE",
-           "attention", "attention_pdl", "attention_text", "fold_merge", "merges"]  # fmt: skip
+__all__ = ["ATTENTION_PDL", "FOLD_MERGE", "FOLD_MERGE_TABLE", "attention", "attention_pdl",
+           "attention_text", "combine_pdl", "fold_merge", "merges"]  # fmt: skip
