@@ -31,8 +31,10 @@ def test_the_1b_plan_as_committed():
     # the attention: split + combine to bucket 8, one launch with the merge at 16-32 (run D2),
     # one split from 48 (the ladder's cap); keys in the step's order
     attn = {b: plan[b][1]["attention"] for b in plan}
-    assert attn[1] == "split_kv + combine (up to 64 splits)"
-    assert attn[8] == "split_kv + combine (up to 8 splits)"
+    # with the combine's PDL: its trigger at the wait at one row, at its exit from two (E5)
+    pdl = "; the combine with PDL, trigger at its"
+    assert attn[1] == f"split_kv + combine (up to 64 splits{pdl} wait)"
+    assert attn[8] == f"split_kv + combine (up to 8 splits{pdl} exit)"
     assert attn[16].startswith("split_kv_fold, one launch (up to 4 splits; the last of each row")
     assert attn[32].startswith("split_kv_fold, one launch (up to 2 splits")
     assert attn[48] == attn[64] == "split_kv_fold, one launch (one split at every context)"
@@ -77,7 +79,7 @@ def test_unmeasured_shapes_and_float32_run_the_reference_kernels():
     proj = {b: {p: c for p, c in eight[b][1].items() if p != "attention"} for b in (2, 4, 8)}
     assert proj[2] == proj[4] == proj[8]  # one plan for 2-16 rows (run J9)
     # the merge lost at the 8B's head_dim 128 (run D3): split + combine at 16
-    assert eight[16][1]["attention"] == "split_kv + combine (up to 4 splits)"
+    assert eight[16][1]["attention"].startswith("split_kv + combine (up to 4 splits; the combine")
     assert eight[32][0].startswith("reference kernels (")
 
 

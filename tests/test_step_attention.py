@@ -94,3 +94,21 @@ def test_pdl_pair(fold, monkeypatch):
     b = Backend(splits={16: 4})
     step_attention.attention(b, 0, "q", 16, use_pdl=2)
     assert fold[-1][2]["use_pdl"] == (False, 3)
+
+
+def test_attention_text_names_the_launches_with_pdl(monkeypatch):
+    """``stepgraph info``'s line says which attention launch takes PDL, and its trigger: the
+    defaults, none where the projections run without it, and the switch's choice."""
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", None)
+    monkeypatch.setattr(step_attention, "FOLD_MERGE", None)
+    shape = (32, 8, 64)  # Llama-3.2-1B: split + combine to 8, the merge at 16-32, one split at 64
+    text = step_attention.attention_text
+    assert text(shape, 1).endswith("splits; the combine with PDL, trigger at its wait)")
+    assert text(shape, 8, use_pdl=2).endswith("splits; the combine with PDL, trigger at its exit)")
+    assert text(shape, 8, use_pdl=False) == "split_kv + combine (up to 8 splits)"
+    assert "PDL" not in text(shape, 16, use_pdl=2) + text(shape, 64, use_pdl=2)
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, False, 3))  # split:exit
+    assert text(shape, 8, use_pdl=2).endswith("splits; the split with PDL, trigger at its exit)")
+    assert text(shape, 64, use_pdl=2) == (
+        "split_kv_fold, one launch (one split at every context; with PDL, trigger at its exit)"
+    )

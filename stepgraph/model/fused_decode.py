@@ -134,6 +134,14 @@ def no_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int) -> bool:
     return proj_tiles.no_pdl_bucket(qkv_n, k, bucket, elem_bytes)
 
 
+def step_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int) -> int | bool | None:
+    """The projections' ``use_pdl`` at ``bucket``: None at one row (the device's default, the
+    trigger at the wait), else False where ``no_pdl`` says, else ``ROWS_PDL``."""
+    if bucket == 1:
+        return None
+    return False if no_pdl(qkv_n, k, bucket, elem_bytes) else ROWS_PDL
+
+
 def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
     """Whether the step at ``bs`` rows takes the norms before qkv (from layer 1), gate-up and
     the LM head from what o_proj and down leave (``kernels/norm_handoff``): from bucket
@@ -218,10 +226,9 @@ def fused_decode_step(
     if reference_rows(bs, backend, model):  # the reference kernels, greedy tokens taken here
         return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out)
     bucket = kernel_class(bs, backend)
-    if use_pdl is None and bs > 1:
+    if use_pdl is None:
         w = model.layers[0].self_attn.qkv_proj.weight
-        off = no_pdl(*w.shape, bucket, w.element_size())
-        use_pdl = False if off else ROWS_PDL
+        use_pdl = step_pdl(*w.shape, bucket, w.element_size())
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
@@ -265,5 +272,6 @@ __all__ = [
     "kernel_class",
     "no_pdl",
     "reference_rows",
+    "step_pdl",
     "unfusable_reason",
 ]

@@ -83,16 +83,29 @@ def fold_merge(backend, bucket: int) -> bool:
     return merges((backend.num_heads, backend.num_kv_heads, backend.head_dim), bucket)
 
 
-def attention_text(shape: tuple[int, int, int], bucket: int, num_sms: int = H200_NUM_SMS) -> str:
-    """What ``attention`` launches for class ``bucket`` (``stepgraph info``; the ladder's
-    largest split count on ``num_sms`` multiprocessors, the H200's by default)."""
+TRIGGER_TEXT = {1: "at its wait", 2: "after its key loop", 3: "at its exit"}
+
+
+def attention_text(
+    shape: tuple[int, int, int], bucket: int, num_sms: int = H200_NUM_SMS, use_pdl=None
+) -> str:
+    """What ``attention`` launches for class ``bucket`` where the projections run ``use_pdl``
+    (``stepgraph info``; the ladder's largest split count on ``num_sms`` multiprocessors, the
+    H200's by default), and which of its launches take PDL."""
     cap = ladder_cap(shape[1], bucket, num_sms)
+    split, combine = attention_pdl(use_pdl, bucket) or (False, False)
+
+    def pdl(kernel: str, mode) -> str:  # mode None or True: the device's default, 1
+        trigger = "" if mode is False else TRIGGER_TEXT[int(mode or 1)]
+        return trigger and f"; {kernel}with PDL, trigger {trigger}"
+
     if cap == 1:
-        return "split_kv_fold, one launch (one split at every context)"
+        return f"split_kv_fold, one launch (one split at every context{pdl('', split)})"
     if merges(shape, bucket):
         return (f"split_kv_fold, one launch (up to {cap} splits; the last of each row merges "
-                "them: FOLD_MERGE_TABLE)")  # fmt: skip
-    return f"split_kv + combine (up to {cap} splits)"
+                f"them: FOLD_MERGE_TABLE{pdl('', split)})")  # fmt: skip
+    both = pdl("the split ", split) + pdl("the combine ", combine)
+    return f"split_kv + combine (up to {cap} splits{both})"
 
 
 def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None) -> torch.Tensor:
