@@ -234,3 +234,16 @@ def test_attention_pdl_env_parts_and_modes(monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ConfigError, match=name):
             attention_pdl_env()
+
+
+def test_step_pdl_by_rows_and_bucket(monkeypatch):
+    """The projections' ``use_pdl``: one row keeps the device's default (its GEMVs trigger at the
+    wait) even in a bucket of more rows; from two rows the late trigger, or none at a
+    ``NO_PDL_ENV`` bucket."""
+    monkeypatch.setattr(fused_decode, "NO_PDL_ENV", range(8, 9))
+    late = TRIGGER_MODES["late"]
+    assert fused_decode.step_pdl(3072, 2048, 1, 1, 2) is None
+    assert fused_decode.step_pdl(3072, 2048, 1, 2, 2) is None  # custom buckets without 1
+    assert fused_decode.step_pdl(3072, 2048, 2, 2, 2) == late
+    assert fused_decode.step_pdl(3072, 2048, 5, 8, 2) is False
+    assert fused_decode.step_pdl(3072, 2048, 9, 16, 2) == late

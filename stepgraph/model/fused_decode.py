@@ -134,10 +134,11 @@ def no_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int) -> bool:
     return proj_tiles.no_pdl_bucket(qkv_n, k, bucket, elem_bytes)
 
 
-def step_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int) -> int | bool | None:
-    """The projections' ``use_pdl`` at ``bucket``: None at one row (the device's default, the
-    trigger at the wait), else False where ``no_pdl`` says, else ``ROWS_PDL``."""
-    if bucket == 1:
+def step_pdl(qkv_n: int, k: int, bs: int, bucket: int, elem_bytes: int) -> int | bool | None:
+    """The projections' ``use_pdl`` for ``bs`` rows in class ``bucket``: None at one row (the
+    GEMVs, whatever the bucket: the device's default, the trigger at the wait), else False
+    where ``no_pdl`` says, else ``ROWS_PDL``."""
+    if bs == 1:
         return None
     return False if no_pdl(qkv_n, k, bucket, elem_bytes) else ROWS_PDL
 
@@ -228,7 +229,7 @@ def fused_decode_step(
     bucket = kernel_class(bs, backend)
     if use_pdl is None:
         w = model.layers[0].self_attn.qkv_proj.weight
-        use_pdl = step_pdl(*w.shape, bucket, w.element_size())
+        use_pdl = step_pdl(*w.shape, bs, bucket, w.element_size())
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them

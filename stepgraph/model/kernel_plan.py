@@ -124,7 +124,7 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
                 path += " with the next layer's qkv"
         choices = {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho) for p in PIECES}
         attn = (config.num_heads, config.num_kv_heads, config.head_dim)
-        use_pdl = _fd.step_pdl(*shapes["qkv"], b, elem_bytes)
+        use_pdl = _fd.step_pdl(*shapes["qkv"], b, b, elem_bytes)
         choices = {"qkv": choices.pop("qkv"), "attention": attention_text(attn, b, use_pdl=use_pdl),
                    **choices}  # fmt: skip
         out.append((b, path, choices))
