@@ -117,9 +117,10 @@ def main() -> None:
             print(f"  {r['kernel'][:40]:<40}{r['own']:8.2f}{r['gap']:8.2f}{r['advance']:9.2f}")
         out.append(dict(bs=bs, context=args.context, step_us=ms * 1e3, traced_us=span,
                         kernels=len(runs[0]), layer_us=per_layer, rows=rows))  # fmt: skip
-    if args.json:
+    if args.json:  # "summary": what scripts/gpu-check's closing table prints
+        summary = {f"layer_us_bs{p['bs']}": round(p["layer_us"], 2) for p in out}
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(dict(summary=summary, points=out), f, indent=1)
 
 
 if __name__ == "__main__":
