@@ -121,7 +121,9 @@ def _variants(since: int) -> list[dict]:
     for name, k in COMPILED[since:]:
         ptx = k.asm.get("ptx", "")
         tma = "cp.async.bulk.tensor" in ptx
-        out.append(dict(kernel=name, pdl="griddepcontrol.wait" in ptx, tma=tma,
+        wait, go = (ptx.find(f"griddepcontrol.{op}") for op in ("wait", "launch_dependents"))
+        first = "trigger" if go >= 0 and not 0 <= wait < go else "wait" if wait >= 0 else ""
+        out.append(dict(kernel=name, pdl="griddepcontrol.wait" in ptx, tma=tma, first=first,
                         trigger=_trigger(ptx), cubin=bool(k.asm.get("cubin"))))  # fmt: skip
     return out
 
@@ -185,15 +187,18 @@ def main() -> dict:
     kc, vc = (torch.randn(20, 64, 8, 64, generator=g).bfloat16() for _ in range(2))
     table = torch.arange(16, dtype=torch.int32).reshape(8, 2)
     lens = torch.full((8,), 100, dtype=torch.int32)
-    for fold in (False, True):
+    modes = pdl.TRIGGER_MODES
+    for name, fold, mode in (("fold=False", False, modes["late"]), ("fold=True", True,
+                             modes["late"]), ("detached", False, (modes["detached"],
+                             modes["early"]))):  # fmt: skip
         since = len(COMPILED)
         try:
             ws = DecodeWorkspace.allocate(8, 32, 64, 8, q.device)
             flash_decode(q, kc, vc, table, lens, num_splits=8, workspace=ws, fold_combine=fold,
-                         use_pdl=pdl.TRIGGER_MODES["late"])  # fmt: skip
-            result["steps"][f"attention fold={fold}"] = _variants(since)
+                         use_pdl=mode)  # fmt: skip
+            result["steps"][f"attention {name}"] = _variants(since)
         except Exception as e:  # noqa: BLE001
-            result["errors"][f"attention fold={fold}"] = f"{type(e).__name__}: {e}"[:600]
+            result["errors"][f"attention {name}"] = f"{type(e).__name__}: {e}"[:600]
     since = len(COMPILED)
     try:  # the greedy tokens after a cuBLAS head (bs 32 and 64 on the H200)
         argmax_rows(torch.randn(32, 128256, generator=g), torch.empty(32, dtype=torch.int64))

@@ -178,8 +178,9 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
 
 @pytest.mark.parametrize("attention_pdl", [False, True])
 def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention_pdl):
-    """By default the step's combine launches with PDL, its trigger at the wait at one row and at
-    its exit from two (run E5), and the split kernel without it (slower with it, runs D1, E4);
+    """By default at one row the split kernel is detached (launched plainly, its trigger at its
+    start) and the combine's trigger comes before its wait (run G1); from two rows the combine
+    alone launches with PDL, its trigger at its exit (run E5; the split with it: D1, E4);
     ``ATTENTION_PDL`` overrides both, in the projections' mode: the late trigger from two rows,
     the device's default at one."""
     tensor_cores(monkeypatch)
@@ -203,8 +204,8 @@ def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention
             for p in pages:
                 mr.kv_cache.release(p)
         mode = TRIGGER_MODES["late"] if bs > 1 else None
-        combine = TRIGGER_MODES["exit"] if bs > 1 else TRIGGER_MODES["wait"]
-        want = (mode, mode) if attention_pdl else (False, combine)
+        default = (False, TRIGGER_MODES["exit"]) if bs > 1 else (5, TRIGGER_MODES["early"])
+        want = (mode, mode) if attention_pdl else default
         assert seen == [want] * len(mr.model.layers)
 
 
@@ -226,11 +227,25 @@ def test_attention_pdl_env_parts_and_modes(monkeypatch):
     want = {"0": (False, False, None), "1": (True, True, None), "both": (True, True, None),
             "split": (True, False, None), "combine": (False, True, None),
             "split:exit": (True, False, 3), "both:wait": (True, True, 1),
-            "combine:late": (False, True, 2)}  # fmt: skip
+            "combine:late": (False, True, 2), "detached,early": (5, 4, None),
+            "0,exit": (False, 3, None), "wait,0": (1, False, None)}  # fmt: skip
     for text, spec in want.items():
         monkeypatch.setenv(name, text)
         assert attention_pdl_env() == spec, text
-    for bad in ("2", "true", "split:", "split:soon", ":late", "Split", "both:late:x"):
+    for bad in (
+        "2",
+        "true",
+        "split:",
+        "split:soon",
+        ":late",
+        "Split",
+        "both:late:x",
+        "detached",
+        "detached,",
+        ",early",
+        "1,early",
+        "early,early,early",
+    ):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ConfigError, match=name):
             attention_pdl_env()

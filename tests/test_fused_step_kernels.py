@@ -132,6 +132,9 @@ def test_pdl_falls_back_off_hopper():
     assert not pdl_enabled("cpu") and not pdl_enabled(None)
     assert resolve_pdl(True, "cpu") is False and resolve_pdl(None, "cpu") is False
     assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+    # "detached" (5): compiled with its trigger, launched without the attribute; "early" (4)
+    # is a PDL launch
+    assert launch_options(5) == {} and launch_options(4) == {"launch_pdl": True}
 
 
 def test_trigger_modes(monkeypatch):
@@ -142,17 +145,17 @@ def test_trigger_modes(monkeypatch):
 
     monkeypatch.delenv(pdl.PDL_TRIGGER_ENV, raising=False)
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
-    got = [pdl.resolve_pdl(u, "cuda") for u in (None, True, 1, 2, 3, False, 0)]
-    assert got == [1, 1, 1, 2, 3, False, False] and got[-1] is False and got[1] is not True
+    got = [pdl.resolve_pdl(u, "cuda") for u in (None, True, 1, 2, 3, 4, 5, False, 0)]
+    assert got == [1, 1, 1, 2, 3, 4, 5, False, False] and got[-1] is False and got[1] is not True
     for name, mode in (("wait", 1), ("late", 2), ("exit", 3)):
         monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, name)
         assert [pdl.resolve_pdl(u, "cuda") for u in (None, True, 2, False)] == [mode] * 3 + [0]
-    monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, "early")
-    with pytest.raises(ValueError, match="STEPGRAPH_PDL_TRIGGER='early': expected one of"):
+    monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, "soon")
+    with pytest.raises(ValueError, match="STEPGRAPH_PDL_TRIGGER='soon': expected one of"):
         pdl.resolve_pdl(None, "cuda")
     assert pdl.resolve_pdl(False, "cuda") is False  # off needs no mode
-    with pytest.raises(ValueError, match="use_pdl=4"):
-        pdl.resolve_pdl(4, "cuda")
+    with pytest.raises(ValueError, match="use_pdl=6"):
+        pdl.resolve_pdl(6, "cuda")
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)
     monkeypatch.delenv(pdl.PDL_TRIGGER_ENV)
     assert pdl.resolve_pdl(2, "cpu") is False and pdl.resolve_pdl(3, "cpu") is False

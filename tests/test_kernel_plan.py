@@ -31,9 +31,13 @@ def test_the_1b_plan_as_committed():
     # the attention: split + combine to bucket 8, one launch with the merge at 16-32 (run D2),
     # one split from 48 (the ladder's cap); keys in the step's order
     attn = {b: plan[b][1]["attention"] for b in plan}
-    # with the combine's PDL: its trigger at the wait at one row, at its exit from two (E5)
+    # one row: the split detached, the combine's trigger before its wait (G1); from two rows
+    # the combine's at its exit (E5)
     pdl = "; the combine with PDL, trigger at its"
-    assert attn[1] == f"split_kv + combine (up to 64 splits{pdl} wait)"
+    assert attn[1] == (
+        "split_kv + combine (up to 64 splits; the split launched plainly, "
+        "trigger at its start; the combine with PDL, trigger before its wait)"
+    )
     assert attn[8] == f"split_kv + combine (up to 8 splits{pdl} exit)"
     assert attn[16].startswith("split_kv_fold, one launch (up to 4 splits; the last of each row")
     assert attn[32].startswith("split_kv_fold, one launch (up to 2 splits")

@@ -39,8 +39,8 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     assert result["errors"] == {}
     steps = result["steps"]
     assert set(steps) == {"1", "8", "32", "64", "attention fold=False", "attention fold=True",
-                          "greedy tokens", "prefill attention", "inputs", "mlp block",
-                          "reference kernels"}  # fmt: skip
+                          "attention detached", "greedy tokens", "prefill attention", "inputs",
+                          "mlp block", "reference kernels"}  # fmt: skip
     variants = [v for vs in steps.values() for v in vs]
     assert variants and all(v["cubin"] for v in variants)
     names = {v["kernel"] for v in variants}
@@ -78,6 +78,15 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     assert places("attention fold=False", "_split_kv_kernel") == {"after mma loops"}
     assert places("attention fold=False", "_combine_kernel") == {"before loops"}
     assert places("attention fold=True", "_split_kv_fold_kernel") == {"after mma loops"}
+    assert all(v["first"] == "wait" for vs in steps.values() for v in vs
+               if v["pdl"] and v not in steps["attention detached"])  # fmt: skip
+    # the detached split kernel: its trigger at its start and no wait; the early combine's
+    # trigger before its wait
+    split, combine = steps["attention detached"]
+    assert (split["kernel"], split["pdl"], split["first"]) == ("_split_kv_kernel", False, "trigger")
+    assert split["trigger"] == "before loops"
+    assert (combine["kernel"], combine["pdl"], combine["first"]) == ("_combine_kernel", True,
+                                                                     "trigger")  # fmt: skip
     # the persistent MLP half: the step's at bs 8 (a layer each, twice: without and with the
     # next qkv), then the stride schedule's at 64 rows, then at one row (no TMA: the GEMV loop),
     # with the next qkv; PDL at every one

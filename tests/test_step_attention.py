@@ -75,9 +75,11 @@ def test_reference_attention_never_folds(fold):
 
 
 def test_pdl_pair(fold, monkeypatch):
-    # the defaults: the combine alone, its trigger at the wait at one row, at its exit from two
-    # rows, whatever mode the projections run; none where they run without PDL
-    assert step_attention.attention_pdl(None, 1) == (False, 1)
+    # the defaults: at one row the split detached and the combine's trigger before its wait
+    # (G1); from two rows the combine alone, its trigger at its exit, whatever mode the
+    # projections run; none where they run without PDL
+    assert step_attention.attention_pdl(None, 1) == (5, 4)
+    assert step_attention.step_pdl(1) == (5, 4) and step_attention.step_pdl(2) == (False, 3)
     assert step_attention.attention_pdl(2, 2) == (False, 3)
     assert step_attention.attention_pdl(2, 8) == (False, 3)
     assert step_attention.attention_pdl(False, 1) is False
@@ -94,6 +96,11 @@ def test_pdl_pair(fold, monkeypatch):
     b = Backend(splits={16: 4})
     step_attention.attention(b, 0, "q", 16, use_pdl=2)
     assert fold[-1][2]["use_pdl"] == (False, 3)
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (5, 3, None))  # "detached,exit"
+    assert step_attention.attention_pdl(2, 8) == (5, 3)
+    assert step_attention.attention_pdl(None, 1) == (5, 3)
+    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, 1, None))  # a bool is the mode
+    assert step_attention.attention_pdl(2, 8) == (2, 1)
 
 
 def test_attention_text_names_the_launches_with_pdl(monkeypatch):
@@ -103,7 +110,8 @@ def test_attention_text_names_the_launches_with_pdl(monkeypatch):
     monkeypatch.setattr(step_attention, "FOLD_MERGE", None)
     shape = (32, 8, 64)  # Llama-3.2-1B: split + combine to 8, the merge at 16-32, one split at 64
     text = step_attention.attention_text
-    assert text(shape, 1).endswith("splits; the combine with PDL, trigger at its wait)")
+    assert text(shape, 1).endswith("splits; the split launched plainly, trigger at its start; "
+                                   "the combine with PDL, trigger before its wait)")  # fmt: skip
     assert text(shape, 8, use_pdl=2).endswith("splits; the combine with PDL, trigger at its exit)")
     assert text(shape, 8, use_pdl=False) == "split_kv + combine (up to 8 splits)"
     assert "PDL" not in text(shape, 16, use_pdl=2) + text(shape, 64, use_pdl=2)

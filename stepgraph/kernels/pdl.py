@@ -11,12 +11,14 @@ The rules every kernel here keeps (tests/gpu/test_fused_step_kernels_gpu.py chec
 - ``gdc_wait()`` before reading anything a predecessor wrote (activations, positions, the KV
   cache) and before writing anything; only weights (never written during a step) load before it;
 - the wait comes before any loop, since the software pipeliner may hoist a loop's loads;
-- ``gdc_launch_dependents()`` after the wait, never before it (that would let a whole chain of
-  waiting kernels occupy the SMs). Where after it is the trigger mode, ``USE_PDL``'s value:
-  1 right after the wait, so the next kernel prefetches its weights while this one streams, one
-  kernel ahead (the one-row GEMVs: 0.795 ms a step against 0.832 with mode 2); 2 after the main
-  loop (the tensor-core tiles from two rows: bs 8 1.007 against 1.080 for mode 1, or without
-  PDL; run J1-J2). The trigger only schedules; the wait still sees every write.
+- ``gdc_launch_dependents()`` after the wait (before it, a whole chain of waiting kernels could
+  occupy the SMs), except in modes 4 and 5 below, for a kernel whose dependent triggers after
+  its own wait, so that one kernel at most waits ahead. Where after it is the trigger mode,
+  ``USE_PDL``'s value: 1 right after the wait, so the next kernel prefetches its weights while
+  this one streams, one kernel ahead (the one-row GEMVs: 0.795 ms a step against 0.832 with
+  mode 2); 2 after the main loop (the tensor-core tiles from two rows: bs 8 1.007 against 1.080
+  for mode 1, or without PDL; run J1-J2). The trigger only schedules; the wait still sees every
+  write.
 The wait is transitive: a kernel finishes only after its own wait returned, so waiting on the
 predecessor also orders it after every earlier kernel.
 
@@ -57,7 +59,14 @@ PDL_ENV = "STEPGRAPH_PDL"  # "0" turns PDL off everywhere (an escape hatch and t
 # two rows, docs/results.md run J1); STEPGRAPH_PDL_TRIGGER=wait|late|exit, when set, overrides
 # every launch's (read at each launch, so one process can A/B it).
 PDL_TRIGGER_ENV = "STEPGRAPH_PDL_TRIGGER"
-TRIGGER_MODES = {"wait": 1, "late": 2, "exit": 3}
+# Two more, for the attention at one row (``step_attention``): 4 "early", the trigger before
+# the wait (the combine: o_proj then launches while the split kernel runs; safe as long as the
+# dependent triggers after its own wait, so at most one more kernel waits on the SMs); 5
+# "detached", compiled with the trigger at its start and launched *without* the PDL attribute
+# (the split kernel: it starts only once its predecessor has finished, as a plain launch, yet
+# lets its PDL dependent launch at once; no wait is compiled, there being nothing to wait on).
+TRIGGER_MODES = {"wait": 1, "late": 2, "exit": 3, "early": 4, "detached": 5}
+DETACHED = TRIGGER_MODES["detached"]
 
 
 @functools.cache
@@ -94,16 +103,16 @@ def resolve_pdl(use_pdl: bool | int | None, device: torch.device | str) -> int:
     trigger mode (1 == True). ``use_pdl``: None (the device's default, mode 1), False, True
     (mode 1) or a mode of ``TRIGGER_MODES``; ``STEPGRAPH_PDL_TRIGGER`` overrides the mode."""
     if use_pdl not in (None, False, True, *TRIGGER_MODES.values()):
-        raise ValueError(f"use_pdl={use_pdl!r}: expected None, a bool or a trigger mode 1-3")
+        raise ValueError(f"use_pdl={use_pdl!r}: expected None, a bool or a trigger mode 1-5")
     supported = pdl_enabled(device)
     on = supported if use_pdl is None else (bool(use_pdl) and supported)
     return trigger_mode(1 if use_pdl is None else int(use_pdl)) if on else False
 
 
-def launch_options(use_pdl: bool) -> dict:
+def launch_options(use_pdl: bool | int) -> dict:
     """Extra keyword arguments of a kernel launch: ``{"launch_pdl": True}`` or nothing (the
-    interpreter and old Triton do not know the option)."""
-    return {"launch_pdl": True} if use_pdl else {}
+    interpreter and old Triton do not know the option; a "detached" kernel has none)."""
+    return {"launch_pdl": True} if use_pdl and use_pdl != DETACHED else {}
 
 
 @triton.jit
@@ -111,7 +120,10 @@ def pdl_wait_then_trigger(USE_PDL: tl.constexpr):
     """Wait for the predecessor, then (trigger mode 1) let the next kernel start its prologue
     (see above)."""
     if USE_PDL:
-        gdc_wait()
+        if USE_PDL >= 4:  # early, detached: the trigger first
+            gdc_launch_dependents()
+        if USE_PDL != 5:  # detached: launched plainly, nothing to wait on
+            gdc_wait()
         if USE_PDL == 1:
             gdc_launch_dependents()
 
@@ -128,7 +140,10 @@ def pdl_wait_then_trigger_short(USE_PDL: tl.constexpr):
     """``pdl_wait_then_trigger`` for a kernel without a main loop (and the persistent MLP block,
     whose loop is all of it): mode 2 triggers at its wait too."""
     if USE_PDL:
-        gdc_wait()
+        if USE_PDL >= 4:  # early, detached: the trigger first
+            gdc_launch_dependents()
+        if USE_PDL != 5:
+            gdc_wait()
         if USE_PDL <= 2:
             gdc_launch_dependents()
 
@@ -137,6 +152,7 @@ __all__ = [
     "HAS_GDC",
     "PDL_ENV",
     "PDL_TRIGGER_ENV",
+    "DETACHED",
     "TRIGGER_MODES",
     "gdc_launch_dependents",
     "gdc_wait",

@@ -35,11 +35,12 @@ ATTENTION_PARTS = {"1": (True, True), "both": (True, True), "split": (True, Fals
 
 def attention_pdl_env(
     name: str = "STEPGRAPH_ATTENTION_PDL",
-) -> tuple[bool, bool, int | None] | None:
+) -> tuple[bool | int, bool | int, int | None] | None:
     """``$name`` as (PDL on the split kernel, on the combine, trigger mode or None for the
     step's): unset is None (``step_attention``'s defaults); ``0`` is off, (False, False, None);
-    else ``PARTS[:MODE]``, PARTS one of 1, both, split, combine and MODE one of
-    ``pdl.TRIGGER_MODES`` (``split:exit``). A bad value is refused."""
+    ``PARTS[:MODE]``, PARTS one of 1, both, split, combine and MODE one of
+    ``pdl.TRIGGER_MODES`` (``split:exit``); or ``SPLIT,COMBINE``, each a mode or 0, which gives
+    the two modes themselves (``detached,early``). A bad value is refused."""
     from ..kernels.pdl import TRIGGER_MODES
 
     text = os.environ.get(name)
@@ -47,13 +48,19 @@ def attention_pdl_env(
         return None
     if text == "0":
         return (False, False, None)
-    parts, sep, mode = text.partition(":")
-    if parts not in ATTENTION_PARTS or (sep and mode not in TRIGGER_MODES):
-        raise ConfigError(
-            f"{name}={text!r}: expected 0 or PARTS[:MODE], PARTS one of "
-            f"{sorted(ATTENTION_PARTS)} and MODE one of {sorted(TRIGGER_MODES)}"
-        )
-    return (*ATTENTION_PARTS[parts], TRIGGER_MODES[mode] if mode else None)
+    modes = {"0": False, **TRIGGER_MODES}
+    if "," in text:
+        split, _, combine = text.partition(",")
+        if split in modes and combine in modes:
+            return (modes[split], modes[combine], None)
+    else:
+        parts, sep, mode = text.partition(":")
+        if parts in ATTENTION_PARTS and (not sep or mode in TRIGGER_MODES):
+            return (*ATTENTION_PARTS[parts], TRIGGER_MODES[mode] if mode else None)
+    raise ConfigError(
+        f"{name}={text!r}: expected 0, PARTS[:MODE] (PARTS one of {sorted(ATTENTION_PARTS)}) "
+        f"or SPLIT,COMBINE, a MODE one of {sorted(TRIGGER_MODES)} (or 0 in SPLIT,COMBINE)"
+    )
 
 
 def default_kernels(device: torch.device | str) -> str:

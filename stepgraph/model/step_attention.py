@@ -6,23 +6,28 @@
   shape, or ``STEPGRAPH_FOLD_MERGE=LO-HI|none``), where the last split of each (row, KV head) to
   finish merges the group's partials.
 - **Split + combine** (``backend.decode_attention``) everywhere else.
-- **PDL** on the combine alone (``combine_pdl``): at one row it lets o_proj launch at its wait,
-  so the GEMV streams its weights while the combine merges (run E5, ``benchmarks/
-  ab_step.py``, graph, three rounds, ms, bs 1 at ctx 512 / 4096: 0.777 / 0.834 against 0.798 /
-  0.841 without; ``benchmarks/step_timeline.py``: o_proj advances the step 2.5 µs a layer
-  instead of 4.8, the combine 3.1 instead of 2.2); from two rows with no explicit trigger
-  ("exit": it launches as the split's programs end; bs 2 / 4 / 8 0.960 / 0.977 / 1.004 against
-  0.965 / 0.979 / 1.006 at ctx 512, 1.032 / 1.103 / 1.234 against 1.034 / 1.106 / 1.236 at
-  4096), since o_proj's tensor-core tiles launched early lose (run E5, trigger at the wait: bs
-  8 1.093). The split kernel takes none: launched early it waits on the qkv kernel and ends
-  later than a plain launch would (run E4, ``step_timeline.py``, bs 1: it advances the step 5.8
-  µs a layer against 3.9), also with its first tile loaded before the wait (runs E1-E2: bs 1
-  0.807 against 0.796, the one launch at bs 16-64 slower still; reverted). Earlier runs: D1
-  (ctx 512, bs 8 / 16 / 32, ms): none 1.018 / 1.070 / 1.196; both kernels in the step's mode
-  1.111 / 1.153 / 1.257; the split alone 1.027 / 1.072 / 1.200; D7, the one launch at bs 16 /
-  32: none 1.069 / 1.171, late 1.099 / 1.209, exit 1.075 / 1.173. ``ATTENTION_PDL``
-  (``STEPGRAPH_ATTENTION_PDL``, parsed by ``kernel_choice.attention_pdl_env``; ``0``: none)
-  overrides the defaults for every class.
+- **PDL** (``step_pdl``): at one row the split kernel is launched plainly (it starts once the
+  qkv kernel has finished) but triggers at its start ("detached"), and the combine, a PDL
+  launch, triggers before its wait ("early"): the combine is resident when the split ends,
+  and o_proj's GEMV launches and streams its weights while the split runs (run G1,
+  ``benchmarks/ab_step.py``, graph, three rounds, ms, ctx 512 / 4096: 0.765 / 0.815 against
+  0.773 / 0.828 for the combine alone triggering at its wait; ``step_timeline.py``: a layer
+  39.8 µs). That keeps the rule of ``kernels/pdl.py`` that no more than one kernel waits
+  ahead: o_proj triggers after its own wait. From two rows the combine alone, with no explicit
+  trigger ("exit": it launches as the split's programs end; E5: bs 2 / 4 / 8 0.960 / 0.977 /
+  1.004 against 0.965 / 0.979 / 1.006 with none at ctx 512), since o_proj's tensor-core tiles
+  launched early lose (E5, the combine triggering at its wait: bs 8 1.093; G1, detached and
+  early: bs 2 / 4 / 8 0.985 / 1.000 / 1.027 against 0.950 / 0.961 / 0.988; detached and exit
+  tied, 0.946 / 0.958 / 0.987, and 1.219 against 1.216 at bs 8 ctx 4096). The split kernel
+  takes no PDL launch: launched early it waits on the qkv kernel and ends later than a plain
+  launch would (run E4, ``step_timeline.py``, bs 1: it advances the step 5.8 µs a layer against
+  3.9), also with its first tile loaded before the wait (runs E1-E2: bs 1 0.807 against 0.796,
+  the one launch at bs 16-64 slower still; reverted). Earlier runs: D1 (ctx 512, bs 8 / 16 /
+  32, ms): none 1.018 / 1.070 / 1.196; both kernels in the step's mode 1.111 / 1.153 / 1.257;
+  the split alone 1.027 / 1.072 / 1.200; D7, the one launch at bs 16 / 32: none 1.069 / 1.171,
+  late 1.099 / 1.209, exit 1.075 / 1.173. ``ATTENTION_PDL`` (``STEPGRAPH_ATTENTION_PDL``,
+  parsed by ``kernel_choice.attention_pdl_env``; ``0``: none) overrides the defaults for every
+  class.
 
 Every choice is a function of the batch size's class (``bucket``, ``fused_decode.kernel_class``),
 so eager, graph and exact mode run the same kernels; the merge's block of splits is the class's
@@ -51,23 +56,28 @@ FOLD_MERGE_TABLE: dict[tuple[int, int, int], range] = {(32, 8, 64): range(16, 33
 FOLD_MERGE = kernel_choice.buckets_env("STEPGRAPH_FOLD_MERGE", None)
 
 
-def combine_pdl(bucket: int) -> int:
-    """The combine's PDL trigger mode at class ``bucket``: at its wait at one row, at its exit
-    from two rows (run E5, above)."""
-    return TRIGGER_MODES["wait"] if bucket == 1 else TRIGGER_MODES["exit"]
+def step_pdl(bucket: int) -> tuple[int | bool, int]:
+    """The (split, combine) PDL modes at class ``bucket``: detached and early at one row, none
+    and exit from two (run G1, above)."""
+    if bucket == 1:
+        return TRIGGER_MODES["detached"], TRIGGER_MODES["early"]
+    return False, TRIGGER_MODES["exit"]
 
 
 def attention_pdl(use_pdl, bucket: int) -> bool | tuple:
     """``flash_decode``'s ``use_pdl`` (split, combine) for the step's attention at class
     ``bucket``, where the projections run ``use_pdl``: none where they run without PDL, else
-    the combine alone in ``combine_pdl``'s mode; ``ATTENTION_PDL``, when set, in its mode or
-    else the projections'."""
+    ``step_pdl``'s; ``ATTENTION_PDL``, when set, in its modes or else the projections'."""
     if ATTENTION_PDL is None:
         off = use_pdl is not None and not use_pdl  # False (or 0): the step runs without PDL
-        return False if off else (False, combine_pdl(bucket))
+        return False if off else step_pdl(bucket)
     split, combine, mode = ATTENTION_PDL
     mode = mode or use_pdl or None
-    return (mode if split else False, mode if combine else False)
+
+    def one(part):  # True: the mode; a mode itself (SPLIT,COMBINE) as given
+        return part if not isinstance(part, bool) else (mode if part else False)
+
+    return (one(split), one(combine))
 
 
 def merges(shape: tuple[int, int, int], bucket: int) -> bool:
@@ -83,7 +93,8 @@ def fold_merge(backend, bucket: int) -> bool:
     return merges((backend.num_heads, backend.num_kv_heads, backend.head_dim), bucket)
 
 
-TRIGGER_TEXT = {1: "at its wait", 2: "after its key loop", 3: "at its exit"}
+TRIGGER_TEXT = {1: "at its wait", 2: "after its key loop", 3: "at its exit",
+                4: "before its wait", 5: "at its start"}  # fmt: skip
 
 
 def attention_text(
@@ -97,7 +108,8 @@ def attention_text(
 
     def pdl(kernel: str, mode) -> str:  # mode None or True: the device's default, 1
         trigger = "" if mode is False else TRIGGER_TEXT[int(mode or 1)]
-        return trigger and f"; {kernel}with PDL, trigger {trigger}"
+        how = "launched plainly" if mode == TRIGGER_MODES["detached"] else "with PDL"
+        return trigger and f"; {kernel}{how}, trigger {trigger}"
 
     if cap == 1:
         return f"split_kv_fold, one launch (one split at every context{pdl('', split)})"
@@ -124,4 +136,4 @@ def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None
 
 
 __all__ = ["ATTENTION_PDL", "FOLD_MERGE", "FOLD_MERGE_TABLE", "attention", "attention_pdl",
-           "attention_text", "combine_pdl", "fold_merge", "merges"]  # fmt: skip
+           "attention_text", "fold_merge", "merges", "step_pdl"]  # fmt: skip

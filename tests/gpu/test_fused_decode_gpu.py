@@ -174,3 +174,37 @@ def test_float32_greedy_tokens_equal_reference(bs, monkeypatch):
     got, _ = step(runner, batch, "fused")
     assert rel(got, ref) < 1e-4
     assert torch.equal(runner.fused_tokens(bs), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("spec", [(5, 4, None), (5, 1, None), (5, 3, None)])
+def test_attention_detached_split_same_bits(mr, monkeypatch, spec):
+    """The split kernel launched plainly with its trigger at its start ("detached") and the
+    combine's trigger before its wait ("early") or at it: the same logits bits as the default
+    launches, in eager and in exact mode (eight replays, each against eager), at bs 1, 4 and 8."""
+    from stepgraph.model import step_attention
+
+    runner = None
+    try:
+        for bs in (1, 4, 8):
+            batch, pages = decode_batch(mr, Point(bs, 300 + bs), seed=bs)
+            try:
+                monkeypatch.setattr(step_attention, "ATTENTION_PDL", None)
+                base, _ = step(mr, batch, "fused")
+                monkeypatch.setattr(step_attention, "ATTENTION_PDL", spec)
+                got, _ = step(mr, batch, "fused")
+                assert torch.equal(got, base), (bs, spec)
+                if runner is None:
+                    cfg = RunnerConfig(max_bs=8, mode="exact", show_progress=False)
+                    runner = CudaGraphRunner(mr, cfg)
+                caches = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
+                before = [c.clone() for c in caches]
+                for _ in range(8):
+                    assert torch.equal(runner.replay(batch), base), (bs, spec)
+                    for c, c0 in zip(caches, before):
+                        c.copy_(c0)
+            finally:
+                for p in pages:
+                    mr.kv_cache.release(p)
+    finally:
+        if runner is not None:
+            runner.shutdown()
