@@ -179,7 +179,7 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
 @pytest.mark.parametrize("attention_pdl", [False, True])
 def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention_pdl):
     """By default at one row the split kernel is detached (launched plainly, its trigger at its
-    start) and the combine's trigger comes before its wait (run G1); from two rows the combine
+    start) and the combine's trigger comes before its wait (run K1); from two rows the combine
     alone launches with PDL, its trigger at its exit (run E5; the split with it: D1, E4);
     ``ATTENTION_PDL`` overrides both, in the projections' mode: the late trigger from two rows,
     the device's default at one."""

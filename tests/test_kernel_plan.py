@@ -31,7 +31,7 @@ def test_the_1b_plan_as_committed():
     # the attention: split + combine to bucket 8, one launch with the merge at 16-32 (run D2),
     # one split from 48 (the ladder's cap); keys in the step's order
     attn = {b: plan[b][1]["attention"] for b in plan}
-    # one row: the split detached, the combine's trigger before its wait (G1); from two rows
+    # one row: the split detached, the combine's trigger before its wait (K1); from two rows
     # the combine's at its exit (E5)
     pdl = "; the combine with PDL, trigger at its"
     assert attn[1] == (

@@ -76,7 +76,7 @@ def test_reference_attention_never_folds(fold):
 
 def test_pdl_pair(fold, monkeypatch):
     # the defaults: at one row the split detached and the combine's trigger before its wait
-    # (G1); from two rows the combine alone, its trigger at its exit, whatever mode the
+    # (K1); from two rows the combine alone, its trigger at its exit, whatever mode the
     # projections run; none where they run without PDL
     assert step_attention.attention_pdl(None, 1) == (5, 4)
     assert step_attention.step_pdl(1) == (5, 4) and step_attention.step_pdl(2) == (False, 3)

@@ -97,10 +97,16 @@ _Q8, _GU8, _O8, _D8, _LM8 = (6144, 4096), (28672, 4096), (4096, 4096), (4096, 14
 TILES.update({
     ("qkv_rope", *_Q8, 16): Tile(32, 128, 4, 3, 4, 1),  # 23.23 (15.78): CUBLAS below
     ("qkv_rope_normed", *_Q8, 16): Tile(32, 256, 4, 3, 4),  # 19.74 (15.65)
-    ("gemv_residual", *_O8, 16): Tile(32, 128, 4, 4, 2),  # 11.99 (12.38)
+    # o_proj and gate-up on the handoff: run K6 (ab_step.py --model llama-3.1-8b, ctx 4096, two
+    # interleaved rounds, graph ms, against the sweep's Tile(32, 128, 4, 4, 2) and Tile(32,
+    # 128, 4, 5, 1, 1)): bs 2 4.541 / 4.676, bs 4 4.792 / 4.929, bs 8 5.298 / 5.420, bs 16
+    # 6.326 / 6.447 (o_proj's alone 4.632 / 4.880 / 5.374 / 6.399; gate-up with three or five
+    # stages 5.323 / 5.310 at bs 8, eight warps 5.347; run K5 at bs 8, another machine: 5.229
+    # against 5.355). Before, each ran about 5 µs a layer over its bytes (K3's timeline, bs 8).
+    ("gemv_residual", *_O8, 16): Tile(64, 128, 4, 4, 4, 1),  # the sweep's pointer tile 11.99
     ("gemv_residual", *_D8, 16): Tile(64, 128, 4, 5, 4, 1),  # 32.06 (32.42)
     ("gate_up_silu", *_GU8, 16): Tile(64, 128, 4, 3, 1, 2),  # 65.48 (57.26)
-    ("gate_up_silu_normed", *_GU8, 16): Tile(32, 128, 4, 5, 1, 1),  # 59.08 (57.12)
+    ("gate_up_silu_normed", *_GU8, 16): Tile(64, 128, 4, 4, 1, 1),  # the sweep's 32-row 59.08
     ("lm_head", *_LM8, 16): Tile(128, 128, 4, 4),  # 272.19 (284.38)
 })  # fmt: skip
 CUBLAS.add(("qkv_rope", *_Q8, 16))

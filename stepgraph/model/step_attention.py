@@ -9,14 +9,14 @@
 - **PDL** (``step_pdl``): at one row the split kernel is launched plainly (it starts once the
   qkv kernel has finished) but triggers at its start ("detached"), and the combine, a PDL
   launch, triggers before its wait ("early"): the combine is resident when the split ends,
-  and o_proj's GEMV launches and streams its weights while the split runs (run G1,
+  and o_proj's GEMV launches and streams its weights while the split runs (run K1,
   ``benchmarks/ab_step.py``, graph, three rounds, ms, ctx 512 / 4096: 0.765 / 0.815 against
   0.773 / 0.828 for the combine alone triggering at its wait; ``step_timeline.py``: a layer
   39.8 µs). That keeps the rule of ``kernels/pdl.py`` that no more than one kernel waits
   ahead: o_proj triggers after its own wait. From two rows the combine alone, with no explicit
   trigger ("exit": it launches as the split's programs end; E5: bs 2 / 4 / 8 0.960 / 0.977 /
   1.004 against 0.965 / 0.979 / 1.006 with none at ctx 512), since o_proj's tensor-core tiles
-  launched early lose (E5, the combine triggering at its wait: bs 8 1.093; G1, detached and
+  launched early lose (E5, the combine triggering at its wait: bs 8 1.093; K1, detached and
   early: bs 2 / 4 / 8 0.985 / 1.000 / 1.027 against 0.950 / 0.961 / 0.988; detached and exit
   tied, 0.946 / 0.958 / 0.987, and 1.219 against 1.216 at bs 8 ctx 4096). The split kernel
   takes no PDL launch: launched early it waits on the qkv kernel and ends later than a plain
@@ -58,7 +58,7 @@ FOLD_MERGE = kernel_choice.buckets_env("STEPGRAPH_FOLD_MERGE", None)
 
 def step_pdl(bucket: int) -> tuple[int | bool, int]:
     """The (split, combine) PDL modes at class ``bucket``: detached and early at one row, none
-    and exit from two (run G1, above)."""
+    and exit from two (run K1, above)."""
     if bucket == 1:
         return TRIGGER_MODES["detached"], TRIGGER_MODES["early"]
     return False, TRIGGER_MODES["exit"]
