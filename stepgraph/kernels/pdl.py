@@ -116,16 +116,23 @@ def launch_options(use_pdl: bool | int) -> dict:
 
 
 @triton.jit
-def pdl_wait_then_trigger(USE_PDL: tl.constexpr):
-    """Wait for the predecessor, then (trigger mode 1) let the next kernel start its prologue
-    (see above)."""
+def _wait_and_trigger(USE_PDL: tl.constexpr, TRIGGER_AT_WAIT: tl.constexpr):
+    # the trigger first in modes 4-5, the wait unless detached (5), then the trigger in modes
+    # up to TRIGGER_AT_WAIT
     if USE_PDL:
-        if USE_PDL >= 4:  # early, detached: the trigger first
+        if USE_PDL >= 4:
             gdc_launch_dependents()
         if USE_PDL != 5:  # detached: launched plainly, nothing to wait on
             gdc_wait()
-        if USE_PDL == 1:
+        if USE_PDL <= TRIGGER_AT_WAIT:
             gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait_then_trigger(USE_PDL: tl.constexpr):
+    """Wait for the predecessor, then (trigger mode 1) let the next kernel start its prologue;
+    modes 4 and 5 trigger first (see above)."""
+    _wait_and_trigger(USE_PDL, 1)
 
 
 @triton.jit
@@ -139,13 +146,7 @@ def pdl_trigger_late(USE_PDL: tl.constexpr):
 def pdl_wait_then_trigger_short(USE_PDL: tl.constexpr):
     """``pdl_wait_then_trigger`` for a kernel without a main loop (and the persistent MLP block,
     whose loop is all of it): mode 2 triggers at its wait too."""
-    if USE_PDL:
-        if USE_PDL >= 4:  # early, detached: the trigger first
-            gdc_launch_dependents()
-        if USE_PDL != 5:
-            gdc_wait()
-        if USE_PDL <= 2:
-            gdc_launch_dependents()
+    _wait_and_trigger(USE_PDL, 2)
 
 
 __all__ = [
