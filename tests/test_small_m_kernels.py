@@ -141,3 +141,27 @@ def test_tile_rule():
         proj_tiles.check_tile("lm_head", Tile(8, 32), 2)
     with pytest.raises(ConfigError, match="split_k must be >= 1"):
         proj_tiles.check_tile("lm_head", Tile(16, 32, split_k=0), 2)
+
+
+def test_every_table_tile_fits_and_one_that_does_not_is_named(monkeypatch):
+    """Each shipped tile fits ``SMEM_BUDGET`` at every row count its key serves (else the step
+    would run the rule's tile in silence: run K5's 8B gate-up tiles of 128 pairs or 256 of K did);
+    a tile that does not fit warns once, naming it, and the rule's tile runs."""
+    for (kernel, n, k, key), tile in proj_tiles.TILES.items():
+        rows = range(2, 5) if key == 4 else range(key // 2 + 1, key + 1) if key > 16 else [key]
+        for m in rows:
+            assert tile_for(kernel, m, n, k) == tile, (kernel, n, k, m)
+    budget = proj_tiles.SMEM_BUDGET
+    # gate-up's pairs: stages x (16 + 2 * 32 rows) x 256 of K x 2 bytes: 5 stages are the
+    # budget exactly, 6 one stage past it
+    fits, big = Tile(32, 256, 4, 5), Tile(32, 256, 4, 6)
+    assert proj_tiles.smem_bytes("gate_up_silu", fits, 8, 2) == budget
+    assert proj_tiles.smem_bytes("gate_up_silu", big, 8, 2) > budget
+    key = ("gate_up_silu", 1024, 512, 16)
+    monkeypatch.setitem(proj_tiles.TILES, key, fits)
+    assert tile_for("gate_up_silu", 8, 1024, 512) == fits
+    monkeypatch.setitem(proj_tiles.TILES, key, big)
+    named = r"gate_up_silu: the table's Tile\(block_n=32.*240 KB.* 16 rows"
+    with pytest.warns(UserWarning, match=named):
+        got = tile_for("gate_up_silu", 8, 1024, 512)
+    assert got == default_tile("gate_up_silu", 8, 1024, 512) != big

@@ -16,8 +16,10 @@ arguments), so they run the same kernels and round alike.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import warnings
 
 import torch
 import triton
@@ -162,9 +164,18 @@ def tile_for(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> Tile:
     if elem_bytes == 2:
         tile = next((TILES[key] for key in ((kernel, n, k, c) for c in table_rows(m))
                      if key in TILES), None)  # fmt: skip
-    if tile is None or smem_bytes(kernel, tile, m, elem_bytes) > SMEM_BUDGET:
-        tile = default_tile(kernel, m, n, k)
-    return tile
+    if tile is not None and (smem := smem_bytes(kernel, tile, m, elem_bytes)) > SMEM_BUDGET:
+        _over_budget(kernel, tile, block_m(m), smem)
+        tile = None
+    return tile or default_tile(kernel, m, n, k)
+
+
+@functools.cache  # once per tile and row class
+def _over_budget(kernel: str, tile: Tile, rows: int, smem: int) -> None:
+    warnings.warn(
+        f"{kernel}: the table's {tile} needs about {smem >> 10} KB of shared memory at {rows} "
+        f"rows, over SMEM_BUDGET ({SMEM_BUDGET >> 10} KB), so the rule's tile runs instead; "
+        "fewer stages or a smaller block_n or block_k would fit", stacklevel=3)  # fmt: skip
 
 
 def prefer_cublas(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
