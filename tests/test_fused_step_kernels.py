@@ -150,9 +150,11 @@ def test_trigger_modes(monkeypatch):
     for name, mode in (("wait", 1), ("late", 2), ("exit", 3)):
         monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, name)
         assert [pdl.resolve_pdl(u, "cuda") for u in (None, True, 2, False)] == [mode] * 3 + [0]
-    monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, "soon")
-    with pytest.raises(ValueError, match="STEPGRAPH_PDL_TRIGGER='soon': expected one of"):
-        pdl.resolve_pdl(None, "cuda")
+        assert [pdl.resolve_pdl(u, "cuda") for u in (4, 5)] == [4, 5]  # the attention's own
+    for name in ("soon", "early", "detached"):  # the two per-kernel modes are no global choice
+        monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, name)
+        with pytest.raises(ValueError, match=f"STEPGRAPH_PDL_TRIGGER='{name}': expected one of"):
+            pdl.resolve_pdl(None, "cuda")
     assert pdl.resolve_pdl(False, "cuda") is False  # off needs no mode
     with pytest.raises(ValueError, match="use_pdl=6"):
         pdl.resolve_pdl(6, "cuda")

@@ -88,13 +88,14 @@ def pdl_enabled(device: torch.device | str | None) -> bool:
 
 
 def trigger_mode(default: int = 1) -> int:
-    """The trigger mode of a PDL launch: ``$STEPGRAPH_PDL_TRIGGER``'s if set (an unknown value
-    is refused by name), else ``default``."""
+    """The trigger mode of a PDL launch: ``$STEPGRAPH_PDL_TRIGGER``'s if set (wait, late or exit;
+    anything else is refused by name), else ``default``; the attention's early and detached
+    launches keep theirs."""
     name = os.environ.get(PDL_TRIGGER_ENV)
-    if name is None:
+    if name is None or default >= TRIGGER_MODES["early"]:
         return default
-    if name not in TRIGGER_MODES:
-        raise ValueError(f"{PDL_TRIGGER_ENV}={name!r}: expected one of {sorted(TRIGGER_MODES)}")
+    if name not in ("wait", "late", "exit"):
+        raise ValueError(f"{PDL_TRIGGER_ENV}={name!r}: expected one of exit, late, wait")
     return TRIGGER_MODES[name]
 
 
