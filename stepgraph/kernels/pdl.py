@@ -57,7 +57,8 @@ PDL_ENV = "STEPGRAPH_PDL"  # "0" turns PDL off everywhere (an escape hatch and t
 # key loop; a kernel without one triggers at its wait); 3 "exit", never explicitly (the
 # dependents launch as its programs finish). The callers pick it (the fused step: "late" from
 # two rows, docs/results.md run J1); STEPGRAPH_PDL_TRIGGER=wait|late|exit, when set, overrides
-# every launch's (read at each launch, so one process can A/B it).
+# the mode of every launch in one of these three (read at each launch, so one process can A/B
+# it).
 PDL_TRIGGER_ENV = "STEPGRAPH_PDL_TRIGGER"
 # Two more, for the attention at one row (``step_attention``): 4 "early", the trigger before
 # the wait (the combine: o_proj then launches while the split kernel runs; safe as long as the
