@@ -79,7 +79,7 @@ def test_pdl_pair(fold, monkeypatch):
     # (K1); from two rows the combine alone, its trigger at its exit, whatever mode the
     # projections run; none where they run without PDL
     assert step_attention.attention_pdl(None, 1) == (5, 4)
-    assert step_attention.step_pdl(1) == (5, 4) and step_attention.step_pdl(2) == (False, 3)
+    assert step_attention.default_pdl(1) == (5, 4) and step_attention.default_pdl(2) == (False, 3)
     assert step_attention.attention_pdl(2, 2) == (False, 3)
     assert step_attention.attention_pdl(2, 8) == (False, 3)
     assert step_attention.attention_pdl(False, 1) is False

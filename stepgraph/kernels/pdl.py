@@ -152,10 +152,10 @@ def pdl_wait_then_trigger_short(USE_PDL: tl.constexpr):
 
 
 __all__ = [
+    "DETACHED",
     "HAS_GDC",
     "PDL_ENV",
     "PDL_TRIGGER_ENV",
-    "DETACHED",
     "TRIGGER_MODES",
     "gdc_launch_dependents",
     "gdc_wait",

@@ -27,7 +27,8 @@ prologue. ``REFERENCE_ROWS`` (none by default) and a model's ``tile_table.REFERE
 run the reference kernels inside the step. docs/results.md has the figures. The projections
 are launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``; from
 two rows each lets the next launch after its main loop, ``ROWS_PDL``), except where
-``tile_table.NO_PDL_BUCKETS`` says; of the attention (``step_attention``), the combine alone.
+``tile_table.NO_PDL_BUCKETS`` says; of the attention, the combine, and at one row the split
+kernel's trigger too (``step_attention.default_pdl``).
 
 ``ModelRunner.kernels`` chooses: "fused" (the default on CUDA) or "reference" (the unfused
 kernels, the numerical reference and the CPU path). The fused step serves batches of up to

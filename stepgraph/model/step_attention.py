@@ -6,7 +6,7 @@
   shape, or ``STEPGRAPH_FOLD_MERGE=LO-HI|none``), where the last split of each (row, KV head) to
   finish merges the group's partials.
 - **Split + combine** (``backend.decode_attention``) everywhere else.
-- **PDL** (``step_pdl``): at one row the split kernel is launched plainly (it starts once the
+- **PDL** (``default_pdl``): at one row the split kernel is launched plainly (it starts once the
   qkv kernel has finished) but triggers at its start ("detached"), and the combine, a PDL
   launch, triggers before its wait ("early"): the combine is resident when the split ends,
   and o_proj's GEMV launches and streams its weights while the split runs (run K1,
@@ -56,7 +56,7 @@ FOLD_MERGE_TABLE: dict[tuple[int, int, int], range] = {(32, 8, 64): range(16, 33
 FOLD_MERGE = kernel_choice.buckets_env("STEPGRAPH_FOLD_MERGE", None)
 
 
-def step_pdl(bucket: int) -> tuple[int | bool, int]:
+def default_pdl(bucket: int) -> tuple[int | bool, int]:
     """The (split, combine) PDL modes at class ``bucket``: detached and early at one row, none
     and exit from two (run K1, above)."""
     if bucket == 1:
@@ -67,10 +67,10 @@ def step_pdl(bucket: int) -> tuple[int | bool, int]:
 def attention_pdl(use_pdl, bucket: int) -> bool | tuple:
     """``flash_decode``'s ``use_pdl`` (split, combine) for the step's attention at class
     ``bucket``, where the projections run ``use_pdl``: none where they run without PDL, else
-    ``step_pdl``'s; ``ATTENTION_PDL``, when set, in its modes or else the projections'."""
+    ``default_pdl``'s; ``ATTENTION_PDL``, when set, in its modes or else the projections'."""
     if ATTENTION_PDL is None:
         off = use_pdl is not None and not use_pdl  # False (or 0): the step runs without PDL
-        return False if off else step_pdl(bucket)
+        return False if off else default_pdl(bucket)
     split, combine, mode = ATTENTION_PDL
     mode = mode or use_pdl or None
 
@@ -136,4 +136,4 @@ def attention(backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None
 
 
 __all__ = ["ATTENTION_PDL", "FOLD_MERGE", "FOLD_MERGE_TABLE", "attention", "attention_pdl",
-           "attention_text", "fold_merge", "merges", "step_pdl"]  # fmt: skip
+           "attention_text", "default_pdl", "fold_merge", "merges"]  # fmt: skip

@@ -9,6 +9,8 @@ Nothing touches CUDA at import time: without a GPU the module imports and every 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,18 +37,27 @@ def mr(request):
     return runner
 
 
-def step(mr, batch, kernels: str):
-    """(logits, K/V of every layer after the step) with the caches restored afterwards."""
+@contextlib.contextmanager
+def kv_restored(mr):
+    """Every layer's K/V caches, put back as they were on leaving the block."""
     caches = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
     before = [c.clone() for c in caches]
-    mr.set_kernels(kernels)
     try:
-        logits = mr.forward(batch).clone()
-        after = [c.clone() for c in caches]
+        yield caches
     finally:
-        mr.set_kernels("fused")
         for c, c0 in zip(caches, before):
             c.copy_(c0)
+
+
+def step(mr, batch, kernels: str):
+    """(logits, K/V of every layer after the step) with the caches restored afterwards."""
+    with kv_restored(mr) as caches:
+        mr.set_kernels(kernels)
+        try:
+            logits = mr.forward(batch).clone()
+            after = [c.clone() for c in caches]
+        finally:
+            mr.set_kernels("fused")
     return logits, after
 
 
@@ -97,14 +108,11 @@ def test_pdl_off_is_bit_identical_and_graph_tokens(mr, monkeypatch):
         # exact mode replays what eager computed, bit for bit, greedy tokens included
         runner = CudaGraphRunner(mr, RunnerConfig(max_bs=1, mode="exact", show_progress=False))
         try:
-            caches = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
-            before = [c.clone() for c in caches]
-            mr.greedy_tokens.fill_(-1)
-            logits = runner.replay(batch)
-            assert torch.equal(logits, with_pdl)
-            assert torch.equal(mr.fused_tokens(1), with_pdl.argmax(-1))
-            for c, c0 in zip(caches, before):
-                c.copy_(c0)
+            with kv_restored(mr):
+                mr.greedy_tokens.fill_(-1)
+                logits = runner.replay(batch)
+                assert torch.equal(logits, with_pdl)
+                assert torch.equal(mr.fused_tokens(1), with_pdl.argmax(-1))
         finally:
             runner.shutdown()
     finally:
@@ -144,16 +152,13 @@ def test_exact_equals_eager_bit_for_bit_every_bucket(mr):
             try:
                 eager, kv_eager = step(mr, batch, "fused")
                 tokens = mr.fused_tokens(bs).clone()
-                caches = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
-                before = [c.clone() for c in caches]
-                mr.greedy_tokens.fill_(-1)
-                logits = runner.replay(batch)
-                assert torch.equal(logits, eager), bs
-                assert torch.equal(mr.fused_tokens(bs), tokens), bs
-                # every page but scratch page 0, where the graph's padded rows write their K/V
-                assert all(torch.equal(a[1:], b[1:]) for a, b in zip(caches, kv_eager)), bs
-                for c, c0 in zip(caches, before):
-                    c.copy_(c0)
+                with kv_restored(mr) as caches:
+                    mr.greedy_tokens.fill_(-1)
+                    logits = runner.replay(batch)
+                    assert torch.equal(logits, eager), bs
+                    assert torch.equal(mr.fused_tokens(bs), tokens), bs
+                    # every page but scratch page 0, where the graph's padded rows write K/V
+                    assert all(torch.equal(a[1:], b[1:]) for a, b in zip(caches, kv_eager)), bs
             finally:
                 for p in pages:
                     mr.kv_cache.release(p)
@@ -196,12 +201,9 @@ def test_attention_detached_split_same_bits(mr, monkeypatch, spec):
                 if runner is None:
                     cfg = RunnerConfig(max_bs=8, mode="exact", show_progress=False)
                     runner = CudaGraphRunner(mr, cfg)
-                caches = (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)
-                before = [c.clone() for c in caches]
                 for _ in range(8):
-                    assert torch.equal(runner.replay(batch), base), (bs, spec)
-                    for c, c0 in zip(caches, before):
-                        c.copy_(c0)
+                    with kv_restored(mr):
+                        assert torch.equal(runner.replay(batch), base), (bs, spec)
             finally:
                 for p in pages:
                     mr.kv_cache.release(p)
