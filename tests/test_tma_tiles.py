@@ -146,7 +146,13 @@ def test_tma_limits():
 
 
 def test_prefetch_lines(monkeypatch):
-    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 0  # off unless asked
+    monkeypatch.delenv(tma_tiles.PREFETCH_ENV, raising=False)
+    assert tma_tiles.PREFETCH_BYTES == 16384  # the default (runs M1-M2): 128 lines a program
+    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 128
+    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, True) == 64  # shared by two row sets
+    assert tma_tiles.prefetch_lines(8, 64, 4, 16, 2, False) == 2  # a 256-byte range: all of it
+    monkeypatch.setenv(tma_tiles.PREFETCH_ENV, "0")
+    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 0  # off
     monkeypatch.setenv(tma_tiles.PREFETCH_ENV, "65536")
     # 64 KB of one row set (128-byte lines, a power of two), or the program's whole range
     assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 512  # 64 rows x 512 x 2 B

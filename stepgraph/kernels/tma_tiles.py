@@ -45,9 +45,13 @@ except ImportError:  # pragma: no cover - older Triton: tma_ready() is False
 TMA_ENV = "STEPGRAPH_TMA"
 MAX_BOX = 256  # elements per dimension of one TMA box
 PREFETCH_ENV = "STEPGRAPH_L2_PREFETCH"  # bytes a program asks L2 for before the PDL wait
-# Off by default: 64 KB a program ran the tensor-core step slower on the H200 (bs 8: 1.206 ms
-# against 1.129 without, same tiles, one device run, 2026-12-01); the switch stays for A/B.
-PREFETCH_BYTES = 0
+# 16 KB a program (of both row sets when paired; 0 turns it off). Behind the late trigger the
+# next kernel launches during its predecessor's split-K reduce and epilogue, and its programs'
+# first lines then come from L2 (runs M1-M2, ab_step graph ms, ctx 512: bs 2 / 8 / 32 / 64
+# 0.951 / 0.991 / 1.160 / 1.331 against 0.956 / 0.997 / 1.172 / 1.344 without; 8 KB gains
+# less, 32 KB ties, 64 KB loses: bs 32 1.197 against 1.162). Before the trigger moved, 64 KB
+# had lost (bs 8: 1.206 ms against 1.129, 2026-12-01).
+PREFETCH_BYTES = 16384
 
 
 def tma_ready(*tensors: torch.Tensor) -> bool:

@@ -60,8 +60,9 @@ def test_tma_tiles_match_float64_and_pointers(spy, monkeypatch, tma, m):
         assert len(spy) == 3 - tma, "the TMA path did not run"
         assert rel_err(out, ref()) < BF16
         assert rel_err(out, call(tile)) < BF16
-        monkeypatch.setenv(tma_tiles.PREFETCH_ENV, "65536")  # the prefetch moves no value
-        assert torch.equal(call(tma_tile), out)
+        for budget in ("0", "65536"):  # the prefetch (default 16 KB) moves no value
+            monkeypatch.setenv(tma_tiles.PREFETCH_ENV, budget)
+            assert torch.equal(call(tma_tile), out)
         monkeypatch.delenv(tma_tiles.PREFETCH_ENV)
         graph = torch.cuda.CUDAGraph()
         static = call(tma_tile)
