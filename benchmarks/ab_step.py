@@ -75,6 +75,7 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     step_attention.ATTENTION_PDL = attention_pdl_env()
     step_attention.FOLD_MERGE = buckets_env("STEPGRAPH_FOLD_MERGE", None)
     splits.MIN_SPLIT_KEYS = splits.min_split_keys_env()
+    splits.CAP2_MIN_SPLIT_KEYS = splits.cap2_min_split_keys_env()
     # (STEPGRAPH_ATTN_VARIANT: read at every launch)
     fused_decode.REFERENCE_ROWS = buckets_env(
         "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT

@@ -42,6 +42,8 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     for name in ("ATTENTION_PDL", "FOLD_MERGE"):
         monkeypatch.setattr(step_attention, name, getattr(step_attention, name))
     monkeypatch.setattr(splits, "MIN_SPLIT_KEYS", splits.MIN_SPLIT_KEYS)
+    monkeypatch.setattr(splits, "CAP2_MIN_SPLIT_KEYS", splits.CAP2_MIN_SPLIT_KEYS)
+    monkeypatch.delenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", raising=False)
     monkeypatch.delenv("STEPGRAPH_FOLD_MERGE", raising=False)
     monkeypatch.delenv("STEPGRAPH_MIN_SPLIT_KEYS", raising=False)
     monkeypatch.setattr(fused_mlp, "MLP_BLOCK", fused_mlp.MLP_BLOCK)
@@ -52,12 +54,14 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     first = {"STEPGRAPH_NO_PDL_BUCKETS": "2-64", "STEPGRAPH_NORM_HANDOFF": "0",
              "STEPGRAPH_MLP_BLOCK": "qkv", "STEPGRAPH_MLP_BLOCK_ONE_ROW": "1",
              "STEPGRAPH_HANDOFF_MIN_BUCKET": "8", "STEPGRAPH_ATTENTION_PDL": "1",
-             "STEPGRAPH_FOLD_MERGE": "8-32", "STEPGRAPH_MIN_SPLIT_KEYS": "128"}  # fmt: skip
+             "STEPGRAPH_FOLD_MERGE": "8-32", "STEPGRAPH_MIN_SPLIT_KEYS": "128",
+             "STEPGRAPH_CAP2_MIN_SPLIT_KEYS": "512"}  # fmt: skip
     ab.apply(first, saved)
     assert fused_decode.NO_PDL_ENV == range(2, 65) and fused_decode.NORM_HANDOFF is False
     assert fused_decode.HANDOFF_MIN_BUCKET == 8
     assert step_attention.ATTENTION_PDL == (True, True, None)
     assert step_attention.FOLD_MERGE == range(8, 33) and splits.MIN_SPLIT_KEYS == 128
+    assert splits.CAP2_MIN_SPLIT_KEYS == 512
     assert fused_mlp.MLP_BLOCK is True and fused_mlp.BLOCK_QKV is True and fused_mlp.ONE_ROW
     ab.apply({"STEPGRAPH_REFERENCE_ROWS": "2-4"}, saved)  # the next variant: the first undone
     assert "STEPGRAPH_NO_PDL_BUCKETS" not in os.environ
@@ -67,6 +71,7 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     assert fused_decode.HANDOFF_MIN_BUCKET == 2 and step_attention.ATTENTION_PDL is None
     assert step_attention.FOLD_MERGE is None
     assert splits.MIN_SPLIT_KEYS == splits.MIN_SPLIT_KEYS_DEFAULT
+    assert splits.CAP2_MIN_SPLIT_KEYS == splits.CAP2_MIN_SPLIT_KEYS_DEFAULT
     assert fused_mlp.BLOCK_QKV is False and fused_mlp.ONE_ROW is False
     ab.apply({}, saved)  # the end of the run: the original environment
     assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ

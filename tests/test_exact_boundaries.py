@@ -29,11 +29,14 @@ from .test_flash_decode import fd, make_case, poisoned_workspace, rel_err
 SMS = H200_NUM_SMS  # 132
 # (n_kv_heads, bs, max_splits) -> the ladder's steps [(first t_kv, ns), ...], worked out by hand:
 #   cap = min(64, pow2_floor(4 * 132 // (bs * n_kv))); ns = min(cap, pow2_floor(t // 128)),
-#   then clamped to max_splits (128: splits.MIN_SPLIT_KEYS).
+#   then clamped to max_splits (128: splits.MIN_SPLIT_KEYS; where cap == 2, 384 in place of
+#   128: splits.CAP2_MIN_SPLIT_KEYS).
 LADDERS = {
     (8, 1, 64): [(1, 1), (256, 2), (512, 4), (1024, 8), (2048, 16), (4096, 32), (8192, 64)],
     (8, 8, 64): [(1, 1), (256, 2), (512, 4), (1024, 8)],  # cap 528 // 64 = 8
-    (8, 32, 64): [(1, 1), (256, 2)],  # cap pow2_floor(528 // 256 = 2)
+    (8, 32, 64): [(1, 1), (768, 2)],  # cap pow2_floor(528 // 256 = 2): 384 keys the least
+    (8, 17, 64): [(1, 1), (768, 2)],  # 136 pairs: cap 2, the class's first bs
+    (8, 16, 64): [(1, 1), (256, 2), (512, 4)],  # 128 pairs: cap 4, 128 keys the least
     (1, 1, 48): [(1, 1), (256, 2), (512, 4), (1024, 8), (2048, 16), (4096, 32), (8192, 48)],
     (2, 4, 16): [(1, 1), (256, 2), (512, 4), (1024, 8), (2048, 16)],  # cap 64, clamped at 16
     (8, 64, 64): [(1, 1)],  # 512 (request, head) pairs: cap pow2_floor(max(1, 1)) = 1
@@ -50,6 +53,10 @@ KEYS = {
     (100_000, 8, 1): 1563,  # ns 64, ceil(100000 / 64)
     (100_000, 8, 8): 12_500,  # ns 8
     (5000, 8, 32): 2500,  # ns 2
+    (767, 8, 32): 767,  # cap 2: ns 1 below 2 * 384 keys
+    (768, 8, 32): 384,
+    (769, 8, 32): 385,
+    (300, 8, 32): 384,  # ns 1, and never fewer than the cap-2 least
     (5000, 8, 64): 5000,  # ns 1
 }
 

@@ -139,3 +139,35 @@ def test_min_split_keys_env_default_switch_and_refusals(monkeypatch):
         monkeypatch.setenv("STEPGRAPH_MIN_SPLIT_KEYS", bad)
         with pytest.raises(ValueError, match="STEPGRAPH_MIN_SPLIT_KEYS"):
             min_split_keys_env()
+
+
+def test_cap2_min_split_keys_env(monkeypatch):
+    from stepgraph.kernels import splits
+
+    monkeypatch.delenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", raising=False)
+    assert splits.cap2_min_split_keys_env() == splits.CAP2_MIN_SPLIT_KEYS_DEFAULT == 384
+    monkeypatch.setenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", "64")
+    assert splits.cap2_min_split_keys_env() == 64
+    for bad in ("0", "-64", "100"):
+        monkeypatch.setenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", bad)
+        with pytest.raises(ValueError, match="STEPGRAPH_CAP2_MIN_SPLIT_KEYS"):
+            splits.cap2_min_split_keys_env()
+
+
+def test_cap2_least_applies_at_cap_two_only(monkeypatch):
+    from stepgraph.kernels import splits
+
+    monkeypatch.setattr(splits, "CAP2_MIN_SPLIT_KEYS", 384)
+    # bs 16 (cap 4), 17 and 33 (cap 2), 34 (cap 1) with 8 KV heads on 132 SMs
+    assert [splits.ladder_cap(8, bs, 132) for bs in (16, 17, 33, 34)] == [4, 2, 2, 1]
+    assert splits.num_splits_for(767, 8, 16, 132, 64) == 4  # 128 keys the least: 4 x 192
+    assert splits.num_splits_for(767, 8, 17, 132, 64) == 1  # one split below 768
+    assert splits.num_splits_for(768, 8, 33, 132, 64) == 2
+    assert splits.num_splits_for(100_000, 8, 34, 132, 64) == 1
+    # a global least above 384 still wins (the larger of the two)
+    monkeypatch.setattr(splits, "MIN_SPLIT_KEYS", 512)
+    assert splits.num_splits_for(1023, 8, 32, 132, 64) == 1
+    assert splits.num_splits_for(1024, 8, 32, 132, 64) == 2
+    monkeypatch.setattr(splits, "CAP2_MIN_SPLIT_KEYS", 128)  # the switch back to one rule
+    monkeypatch.setattr(splits, "MIN_SPLIT_KEYS", 128)
+    assert splits.num_splits_for(256, 8, 32, 132, 64) == 2

@@ -8,11 +8,11 @@ The ladder: the main kernel runs ``bs * n_kv_heads * ns`` programs, and we want 
 ``programs_per_sm`` of them per multiprocessor (default ``PROGRAMS_PER_SM``). The split count is
 a power of two,
 
-    ns(t_kv) = min(cap, pow2_floor(t_kv // MIN_SPLIT_KEYS))  (1 when t_kv < 2 * MIN_SPLIT_KEYS)
+    ns(t_kv) = min(cap, pow2_floor(t_kv // least))  (1 when t_kv < 2 * least)
     cap      = min(LADDER_MAX_SPLITS, pow2_floor(programs_per_sm * num_sms // (bs * n_kv)))
+    least    = CAP2_MIN_SPLIT_KEYS (384) where cap == 2, else MIN_SPLIT_KEYS (128)
 
-and ``fa_split_keys`` returns ``ceil(t_kv / ns)`` keys per split (at least ``MIN_SPLIT_KEYS``),
-which
+and ``fa_split_keys`` returns ``ceil(t_kv / ns)`` keys per split (at least ``least``), which
 gives back exactly ``ns = ceil(t_kv / split_keys)``. Hence:
 
 - no split is given fewer than ``MIN_SPLIT_KEYS`` keys (two ``BLOCK_N`` tiles; one tile of the
@@ -59,6 +59,26 @@ def min_split_keys_env() -> int:
 
 
 MIN_SPLIT_KEYS = min_split_keys_env()
+# Where the grid holds two splits at most (cap 2: the 1B preset's bucket 32), a split takes at
+# least this many keys: one split below 768 keys, so no merge, two from 768 (runs M1-M2,
+# ab_step graph ms at bs 32: ctx 512 1.151 against 1.172, 640 1.193 against 1.206, 768 to 4096
+# within 0.1%; bs 20 at 512 1.119 against 1.128; one split of 768 had lost, run K9).
+# STEPGRAPH_CAP2_MIN_SPLIT_KEYS (a multiple of BLOCK_N) is the A/B switch; ab_step re-reads it.
+CAP2_MIN_SPLIT_KEYS_DEFAULT = 6 * BLOCK_N
+
+
+def cap2_min_split_keys_env() -> int:
+    """``$STEPGRAPH_CAP2_MIN_SPLIT_KEYS`` (default ``CAP2_MIN_SPLIT_KEYS_DEFAULT``), refused
+    unless a positive multiple of ``BLOCK_N``."""
+    keys = int(os.environ.get("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", CAP2_MIN_SPLIT_KEYS_DEFAULT))
+    if keys < BLOCK_N or keys % BLOCK_N:
+        raise ValueError(
+            f"STEPGRAPH_CAP2_MIN_SPLIT_KEYS={keys} must be a positive multiple of {BLOCK_N}"
+        )
+    return keys
+
+
+CAP2_MIN_SPLIT_KEYS = cap2_min_split_keys_env()
 # occupancy target of the main kernel's grid (the sweep tries 2, 4, 8; STEPGRAPH_PROGRAMS_PER_SM)
 PROGRAMS_PER_SM = int(os.environ.get("STEPGRAPH_PROGRAMS_PER_SM", 4))
 if PROGRAMS_PER_SM < 1:
@@ -94,11 +114,13 @@ def ladder_cap(
 def fa_split_keys(
     t_kv: int, n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM
 ) -> int:
-    """Keys per split for a live maximum length ``t_kv`` (always >= ``MIN_SPLIT_KEYS``)."""
+    """Keys per split for a live maximum length ``t_kv`` (always >= ``MIN_SPLIT_KEYS``, and
+    >= ``CAP2_MIN_SPLIT_KEYS`` where the cap is 2)."""
     _check(t_kv, n_kv_heads, bs, num_sms)
     cap = ladder_cap(n_kv_heads, bs, num_sms, programs_per_sm)
-    ns = min(cap, _pow2_floor(t_kv // MIN_SPLIT_KEYS))
-    return max(MIN_SPLIT_KEYS, -(-t_kv // ns))
+    least = max(MIN_SPLIT_KEYS, CAP2_MIN_SPLIT_KEYS) if cap == 2 else MIN_SPLIT_KEYS
+    ns = min(cap, _pow2_floor(t_kv // least))
+    return max(least, -(-t_kv // ns))
 
 
 def splits_from_keys(t_kv: int, split_keys: int, max_splits: int) -> int:
@@ -161,11 +183,13 @@ def ladder_steps(
 
 __all__ = [
     "BLOCK_N",
+    "CAP2_MIN_SPLIT_KEYS",
     "H200_NUM_SMS",
     "LADDER_MAX_SPLITS",
     "MIN_SPLIT_KEYS",
     "MIN_SPLIT_KEYS_DEFAULT",
     "PROGRAMS_PER_SM",
+    "cap2_min_split_keys_env",
     "fa_split_keys",
     "ladder_cap",
     "min_split_keys_env",
