@@ -47,22 +47,26 @@ BLOCK_N = 64  # keys per tile of the fallback variant; the ladder's keys are mul
 MIN_SPLIT_KEYS_DEFAULT = 2 * BLOCK_N
 
 
+def _keys_env(name: str, default: int) -> int:
+    """``$name`` (default ``default``), refused unless a positive multiple of ``BLOCK_N``."""
+    keys = int(os.environ.get(name, default))
+    if keys < BLOCK_N or keys % BLOCK_N:
+        raise ValueError(f"{name}={keys} must be a positive multiple of {BLOCK_N}")
+    return keys
+
+
 def min_split_keys_env() -> int:
     """``$STEPGRAPH_MIN_SPLIT_KEYS`` (default ``MIN_SPLIT_KEYS_DEFAULT``), refused unless a
     positive multiple of ``BLOCK_N``; ``benchmarks/ab_step.py`` re-reads it per variant."""
-    keys = int(os.environ.get("STEPGRAPH_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS_DEFAULT))
-    if keys < BLOCK_N or keys % BLOCK_N:
-        raise ValueError(
-            f"STEPGRAPH_MIN_SPLIT_KEYS={keys} must be a positive multiple of {BLOCK_N}"
-        )
-    return keys
+    return _keys_env("STEPGRAPH_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS_DEFAULT)
 
 
 MIN_SPLIT_KEYS = min_split_keys_env()
 # Where the grid holds two splits at most (cap 2: the 1B preset's bucket 32), a split takes at
 # least this many keys: one split below 768 keys, so no merge, two from 768 (runs M1-M2,
 # ab_step graph ms at bs 32: ctx 512 1.151 against 1.172, 640 1.193 against 1.206, 768 to 4096
-# within 0.1%; bs 20 at 512 1.119 against 1.128; one split of 768 had lost, run K9).
+# within 0.1%; bs 20 at 512 1.119 against 1.128; one split of 768 had lost in the twelfth
+# session, 1.230 against 1.224).
 # STEPGRAPH_CAP2_MIN_SPLIT_KEYS (a multiple of BLOCK_N) is the A/B switch; ab_step re-reads it.
 CAP2_MIN_SPLIT_KEYS_DEFAULT = 6 * BLOCK_N
 
@@ -70,12 +74,7 @@ CAP2_MIN_SPLIT_KEYS_DEFAULT = 6 * BLOCK_N
 def cap2_min_split_keys_env() -> int:
     """``$STEPGRAPH_CAP2_MIN_SPLIT_KEYS`` (default ``CAP2_MIN_SPLIT_KEYS_DEFAULT``), refused
     unless a positive multiple of ``BLOCK_N``."""
-    keys = int(os.environ.get("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", CAP2_MIN_SPLIT_KEYS_DEFAULT))
-    if keys < BLOCK_N or keys % BLOCK_N:
-        raise ValueError(
-            f"STEPGRAPH_CAP2_MIN_SPLIT_KEYS={keys} must be a positive multiple of {BLOCK_N}"
-        )
-    return keys
+    return _keys_env("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", CAP2_MIN_SPLIT_KEYS_DEFAULT)
 
 
 CAP2_MIN_SPLIT_KEYS = cap2_min_split_keys_env()
