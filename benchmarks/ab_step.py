@@ -5,8 +5,9 @@ floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the
 import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK``,
 ``STEPGRAPH_PROJ_TILES``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
 ``STEPGRAPH_REFERENCE_BUCKETS``, ``STEPGRAPH_CUBLAS_HANDOFF``, ``STEPGRAPH_HANDOFF_MIN_BUCKET``,
-``STEPGRAPH_ATTENTION_PDL``, ``STEPGRAPH_FOLD_MERGE`` and ``STEPGRAPH_MIN_SPLIT_KEYS`` among
-them; ``STEPGRAPH_PDL_TRIGGER`` and ``STEPGRAPH_ATTN_VARIANT`` are read at each launch).
+``STEPGRAPH_ATTENTION_PDL``, ``STEPGRAPH_FOLD_MERGE``, ``STEPGRAPH_MIN_SPLIT_KEYS``,
+``STEPGRAPH_WIDE_MIN_SPLIT_KEYS`` and ``STEPGRAPH_PROGRAMS_PER_SM`` among them;
+``STEPGRAPH_PDL_TRIGGER`` and ``STEPGRAPH_ATTN_VARIANT`` are read at each launch).
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
         --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
@@ -76,6 +77,8 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     step_attention.FOLD_MERGE = buckets_env("STEPGRAPH_FOLD_MERGE", None)
     splits.MIN_SPLIT_KEYS = splits.min_split_keys_env()
     splits.CAP2_MIN_SPLIT_KEYS = splits.cap2_min_split_keys_env()
+    splits.PROGRAMS_PER_SM = splits.programs_per_sm_env()
+    splits.WIDE_MIN_SPLIT_KEYS = splits.wide_min_split_keys_env()
     # (STEPGRAPH_ATTN_VARIANT: read at every launch)
     fused_decode.REFERENCE_ROWS = buckets_env(
         "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT

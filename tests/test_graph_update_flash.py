@@ -462,3 +462,49 @@ def test_seed_two_argument_ladder_retunes_like_its_four_argument_form():
             assert exec_splits(fd, ex, lay) == (want, want), (t, lay)
     with pytest.raises(TypeError):
         fa_apply(plan, ex, 5, split_keys=lambda t: 64)  # neither signature
+
+
+def test_the_wide_head_ladder_retunes_as_the_backend_splits():
+    """Exact mode over a model with heads wider than 64 retunes with the backend's ladder
+    (``default_exec_updater`` takes ``attn_backend.split_keys``): the same counts as
+    ``PagedAttentionBackend.splits_for``, which the default ladder would not give (200 keys at
+    one row: 2 splits against 1)."""
+    from types import SimpleNamespace
+
+    from stepgraph.graph_update.exec_updater import default_exec_updater
+    from stepgraph.kernels.splits import fa_split_keys, ladder_for, num_splits_for
+    from stepgraph.model.attention import PagedAttentionBackend
+
+    backend = PagedAttentionBackend(
+        None, num_heads=32, num_kv_heads=8, head_dim=128, device="cpu", max_context_len=8192,
+        use_kernel=True,
+    )  # fmt: skip
+    backend.num_sms = SMS
+    assert backend.split_keys is ladder_for(128) is not fa_split_keys
+    runner = SimpleNamespace(device="cpu", max_context_len=8192, attn_backend=backend)
+    updater = default_exec_updater(runner)
+    assert updater.split_keys is backend.split_keys
+    plain = SimpleNamespace(device="cpu", max_context_len=64)  # no attn_backend: the default
+    assert default_exec_updater(plain).split_keys is None
+    narrow = PagedAttentionBackend(
+        None, num_heads=32, num_kv_heads=8, head_dim=64, device="cpu", max_context_len=64,
+        use_kernel=True,
+    )  # fmt: skip
+    assert narrow.split_keys is fa_split_keys
+
+    rng = random.Random(23)
+    fd, g, layers = build(rng, 5)
+    plan = fa_plan(kernel_nodes(g, driver=fd), max_t_kv=8192, num_sms=SMS)
+    ex = fd.cuda.instantiate(g)
+    differs = False
+    for t in [1, 127, 128, 129, 200, 255, 256, 8192, *rng.sample(range(1, 8193), 100)]:
+        fa_apply(plan, ex, t, split_keys=updater.split_keys)
+        for lay in layers:
+            want = min(lay.bucket, backend.splits_for(t, lay.bs)) if lay.n_kv == 8 else None
+            got = exec_splits(fd, ex, lay)
+            assert got[0] == got[1] == num_splits_for(t, lay.n_kv, lay.bs, SMS, lay.bucket,
+                                                      head_dim=128)  # fmt: skip
+            if want is not None:
+                assert got[0] == want
+            differs |= got[0] != num_splits_for(t, lay.n_kv, lay.bs, SMS, lay.bucket)
+    assert differs  # the wide ladder took other counts than the default somewhere

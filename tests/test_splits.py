@@ -171,3 +171,66 @@ def test_cap2_least_applies_at_cap_two_only(monkeypatch):
     monkeypatch.setattr(splits, "CAP2_MIN_SPLIT_KEYS", 128)  # the switch back to one rule
     monkeypatch.setattr(splits, "MIN_SPLIT_KEYS", 128)
     assert splits.num_splits_for(256, 8, 32, 132, 64) == 2
+
+
+def test_wide_heads_take_64_keys_a_split_at_the_limit_and_one_past():
+    from stepgraph.kernels import splits
+
+    assert splits.WIDE_MIN_SPLIT_KEYS == splits.WIDE_MIN_SPLIT_KEYS_DEFAULT == BLOCK_N == 64
+    ns = lambda t, hd, bs=1: num_splits_for(t, 8, bs, H200_NUM_SMS, 64, head_dim=hd)  # noqa: E731
+    # head_dim 128 (cap 64 at one row): 1 split below 128 keys, 2 from 128, 4 from 256
+    assert [ns(t, 128) for t in (127, 128, 129, 255, 256, 257)] == [1, 2, 2, 2, 4, 4]
+    assert [ns(t, 64) for t in (127, 128, 255, 256, 257)] == [1, 1, 1, 2, 2]  # unchanged
+    assert [ns(t, None) for t in (255, 256)] == [1, 2]  # no head_dim: the 64 ladder
+    assert ns(4096, 128) == 64 and ns(4096, 64) == 32 and ns(8192, 64) == 64
+    assert ns(100, 65) == 1 and ns(128, 65) == 2  # any head wider than 64
+    # cap 2 (17-33 rows) keeps its own least for every head_dim
+    assert [ns(t, 128, 32) for t in (767, 768)] == [1, 2]
+    for t in (1, 63, 64, 65, 127, 128, 200, 4095, 4097, T_MAX):  # never below one 64-key tile
+        sk = fa_split_keys(t, 8, 1, H200_NUM_SMS, head_dim=128)
+        assert sk >= 64 and num_splits_for(t, 8, 1, H200_NUM_SMS, 64, head_dim=128) == min(
+            64, -(-t // sk))  # fmt: skip
+    steps = ladder_steps(8, 1, H200_NUM_SMS, 64, head_dim=128)
+    assert steps == [(1, 1), (128, 2), (256, 4), (512, 8), (1024, 16), (2048, 32), (4096, 64)]
+
+
+def test_ladder_for_hands_out_one_monotone_ladder_a_head_dim(monkeypatch):
+    from stepgraph.kernels import splits
+
+    assert splits.ladder_for(None) is splits.ladder_for(64) is fa_split_keys
+    wide = splits.ladder_for(128)
+    assert wide is splits.ladder_for(128) and wide.monotone and wide.head_dim == 128
+    for t in (1, 127, 128, 300, 4096, 5000):
+        for bs in (1, 3, 8, 32):
+            assert wide(t, 8, bs, 132) == fa_split_keys(t, 8, bs, 132, head_dim=128)
+    monkeypatch.setattr(splits, "WIDE_MIN_SPLIT_KEYS", 128)  # the switch at the 64 ladder's
+    assert splits.ladder_for(128) is fa_split_keys
+
+
+def test_wide_min_split_keys_env(monkeypatch):
+    from stepgraph.kernels import splits
+
+    monkeypatch.delenv("STEPGRAPH_WIDE_MIN_SPLIT_KEYS", raising=False)
+    assert splits.wide_min_split_keys_env() == 64
+    monkeypatch.setenv("STEPGRAPH_WIDE_MIN_SPLIT_KEYS", "128")
+    assert splits.wide_min_split_keys_env() == 128
+    for bad in ("0", "32", "-64"):
+        monkeypatch.setenv("STEPGRAPH_WIDE_MIN_SPLIT_KEYS", bad)
+        with pytest.raises(ValueError, match="STEPGRAPH_WIDE_MIN_SPLIT_KEYS"):
+            splits.wide_min_split_keys_env()
+
+
+def test_programs_per_sm_is_read_at_each_call(monkeypatch):
+    from stepgraph.kernels import splits
+
+    monkeypatch.setenv("STEPGRAPH_PROGRAMS_PER_SM", "8")
+    assert splits.programs_per_sm_env() == 8
+    for bad in ("0", "-1"):
+        monkeypatch.setenv("STEPGRAPH_PROGRAMS_PER_SM", bad)
+        with pytest.raises(ValueError, match="STEPGRAPH_PROGRAMS_PER_SM"):
+            splits.programs_per_sm_env()
+    assert splits.ladder_cap(8, 8, 132) == 8  # 4 a SM: pow2_floor(528 // 64)
+    monkeypatch.setattr(splits, "PROGRAMS_PER_SM", 8)  # what ab_step's re-read sets
+    assert splits.ladder_cap(8, 8, 132) == 16
+    assert splits.num_splits_for(4096, 8, 8, 132, 64) == 16
+    assert splits.ladder_cap(8, 8, 132, programs_per_sm=4) == 8  # an explicit one still wins

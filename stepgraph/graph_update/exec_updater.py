@@ -31,9 +31,10 @@ class ExecUpdater(Protocol):
 class FlashExecUpdater:
     """Retunes every split-KV main/combine pair of a bucket graph to the live KV length."""
 
-    def __init__(self, max_t_kv: int, num_sms: int) -> None:
+    def __init__(self, max_t_kv: int, num_sms: int, split_keys: Any = None) -> None:
         self.max_t_kv = max_t_kv
         self.num_sms = num_sms
+        self.split_keys = split_keys  # None: fa_apply's default, the head_dim-64 ladder
 
     def plan(self, graph: CapturedGraph, bs: int) -> Any:
         raw = getattr(graph, "raw_cuda_graph", None)
@@ -53,18 +54,21 @@ class FlashExecUpdater:
         return plan
 
     def apply(self, plan: Any, graph: CapturedGraph, t_kv: int) -> int:
-        return fa_apply(plan, graph.raw_cuda_graph_exec(), t_kv)
+        return fa_apply(plan, graph.raw_cuda_graph_exec(), t_kv, self.split_keys)
 
     def invalidate(self, plan: Any) -> None:
         plan.invalidate()
 
 
 def default_exec_updater(model_runner: Any) -> FlashExecUpdater:
-    """The flash-decode updater for a model runner exposing ``max_context_len``."""
+    """The flash-decode updater for a model runner exposing ``max_context_len``; it retunes with
+    the ladder of the runner's ``attn_backend.split_keys`` where there is one (our model's:
+    eager and exact then take the same split counts for any head_dim), else the default."""
     device = torch.device(model_runner.device)
     num_sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
         else 1
     )
-    return FlashExecUpdater(int(model_runner.max_context_len), num_sms)
+    ladder = getattr(getattr(model_runner, "attn_backend", None), "split_keys", None)
+    return FlashExecUpdater(int(model_runner.max_context_len), num_sms, ladder)

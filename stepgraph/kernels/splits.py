@@ -10,14 +10,16 @@ a power of two,
 
     ns(t_kv) = min(cap, pow2_floor(t_kv // least))  (1 when t_kv < 2 * least)
     cap      = min(LADDER_MAX_SPLITS, pow2_floor(programs_per_sm * num_sms // (bs * n_kv)))
-    least    = CAP2_MIN_SPLIT_KEYS (384) where cap == 2, else MIN_SPLIT_KEYS (128)
+    least    = CAP2_MIN_SPLIT_KEYS (384) where cap == 2, else MIN_SPLIT_KEYS (128);
+               WIDE_MIN_SPLIT_KEYS (64) instead of 128 for heads wider than 64 (``head_dim``)
 
 and ``fa_split_keys`` returns ``ceil(t_kv / ns)`` keys per split (at least ``least``), which
 gives back exactly ``ns = ceil(t_kv / split_keys)``. Hence:
 
 - no split is given fewer than ``MIN_SPLIT_KEYS`` keys (two ``BLOCK_N`` tiles; one tile of the
   tuned variant, ``flash_decode.DEFAULT_VARIANTS``, whose 128-key tile would round a 64-key
-  split up and leave half the splits empty);
+  split up and leave half the splits empty), or ``WIDE_MIN_SPLIT_KEYS`` for wider heads, whose
+  kernel variant takes 64-key tiles;
 - ``ns`` is non-decreasing in ``t_kv`` and changes at most ``log2(cap)`` <= 6 times from 1 to
   128k keys (each change is a graph-node edit in exact mode, so rare steps are the point);
 - for long contexts the grid holds ``bs * n_kv * cap`` programs: between ``programs_per_sm / 2``
@@ -36,6 +38,7 @@ Example, Llama-3.2-1B (8 KV heads) on an H200 (132 SMs), 4 per SM: bs=1 caps at 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -78,10 +81,39 @@ def cap2_min_split_keys_env() -> int:
 
 
 CAP2_MIN_SPLIT_KEYS = cap2_min_split_keys_env()
-# occupancy target of the main kernel's grid (the sweep tries 2, 4, 8; STEPGRAPH_PROGRAMS_PER_SM)
-PROGRAMS_PER_SM = int(os.environ.get("STEPGRAPH_PROGRAMS_PER_SM", 4))
-if PROGRAMS_PER_SM < 1:
-    raise ValueError(f"STEPGRAPH_PROGRAMS_PER_SM={PROGRAMS_PER_SM} must be at least 1")
+# Heads wider than 64 (head_dim 128: Llama-3.1-8B, most 7B+ models) take at least this many keys
+# a split instead of MIN_SPLIT_KEYS: 64 keys hold the 16 KB of K that 128 keys hold at head_dim
+# 64. Run N4 (ab_step.py --model llama-3.1-8b --batch-sizes 1,2, three interleaved rounds,
+# graph ms against 128 keys): bs 1 at ctx 512 / 1024 / 2048 / 4096 3.989 / 4.040 / 4.097 /
+# 4.165 against 4.056 / 4.069 / 4.121 / 4.193; bs 2 4.290 / 4.336 / 4.415 / 4.528 against
+# 4.338 / 4.369 / 4.424 / 4.529. bs 4-16 take the same counts at ctx 4096 (N1), more splits
+# at shorter contexts.
+# The ladder takes head_dim where its caller knows it (the model's attention backend, which
+# hands the same ladder to exact mode: ``ladder_for``); without it, the head_dim-64 ladder.
+# STEPGRAPH_WIDE_MIN_SPLIT_KEYS (a multiple of BLOCK_N) is the A/B switch; ab_step re-reads it.
+WIDE_MIN_SPLIT_KEYS_DEFAULT = BLOCK_N
+
+
+def wide_min_split_keys_env() -> int:
+    """``$STEPGRAPH_WIDE_MIN_SPLIT_KEYS`` (default ``WIDE_MIN_SPLIT_KEYS_DEFAULT``), refused
+    unless a positive multiple of ``BLOCK_N``."""
+    return _keys_env("STEPGRAPH_WIDE_MIN_SPLIT_KEYS", WIDE_MIN_SPLIT_KEYS_DEFAULT)
+
+
+WIDE_MIN_SPLIT_KEYS = wide_min_split_keys_env()
+
+
+def programs_per_sm_env() -> int:
+    """``$STEPGRAPH_PROGRAMS_PER_SM`` (default 4), the occupancy target of the main kernel's grid
+    (the sweep tries 2, 4, 8); ``benchmarks/ab_step.py`` re-reads it per variant."""
+    pps = int(os.environ.get("STEPGRAPH_PROGRAMS_PER_SM", 4))
+    if pps < 1:
+        raise ValueError(f"STEPGRAPH_PROGRAMS_PER_SM={pps} must be at least 1")
+    return pps
+
+
+# Read at each call where a caller passes none, so a re-read (ab_step) takes effect.
+PROGRAMS_PER_SM = programs_per_sm_env()
 LADDER_MAX_SPLITS = 64  # ladder cap; with ns <= 64 <= keys per split, ceil(t / ceil(t / ns)) == ns
 H200_NUM_SMS = 132
 
@@ -98,11 +130,11 @@ def _check(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> None:
         )
 
 
-def ladder_cap(
-    n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM
-) -> int:
+def ladder_cap(n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int | None = None) -> int:
     """The largest split count the ladder uses for this grid (a power of two, <= 64)."""
     _check(0, n_kv_heads, bs, num_sms)
+    if programs_per_sm is None:
+        programs_per_sm = PROGRAMS_PER_SM
     if programs_per_sm < 1:
         raise ValueError(f"split ladder needs programs_per_sm >= 1, got {programs_per_sm}")
     base = bs * n_kv_heads
@@ -110,14 +142,27 @@ def ladder_cap(
     return min(LADDER_MAX_SPLITS, _pow2_floor(wanted))
 
 
+def least_keys(cap: int, head_dim: int | None = None) -> int:
+    """The fewest keys the ladder gives a split at cap ``cap`` for heads of ``head_dim`` (None:
+    64): ``CAP2_MIN_SPLIT_KEYS`` at cap 2, else ``WIDE_MIN_SPLIT_KEYS`` for heads wider than
+    64, else ``MIN_SPLIT_KEYS``."""
+    if cap == 2:
+        return max(MIN_SPLIT_KEYS, CAP2_MIN_SPLIT_KEYS)
+    return WIDE_MIN_SPLIT_KEYS if head_dim is not None and head_dim > 64 else MIN_SPLIT_KEYS
+
+
 def fa_split_keys(
-    t_kv: int, n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM
+    t_kv: int,
+    n_kv_heads: int,
+    bs: int,
+    num_sms: int,
+    programs_per_sm: int | None = None,
+    head_dim: int | None = None,
 ) -> int:
-    """Keys per split for a live maximum length ``t_kv`` (always >= ``MIN_SPLIT_KEYS``, and
-    >= ``CAP2_MIN_SPLIT_KEYS`` where the cap is 2)."""
+    """Keys per split for a live maximum length ``t_kv`` (always >= ``least_keys``)."""
     _check(t_kv, n_kv_heads, bs, num_sms)
     cap = ladder_cap(n_kv_heads, bs, num_sms, programs_per_sm)
-    least = max(MIN_SPLIT_KEYS, CAP2_MIN_SPLIT_KEYS) if cap == 2 else MIN_SPLIT_KEYS
+    least = least_keys(cap, head_dim)
     ns = min(cap, _pow2_floor(t_kv // least))
     return max(least, -(-t_kv // ns))
 
@@ -134,12 +179,13 @@ def num_splits_for(
     bs: int,
     num_sms: int,
     max_splits: int,
-    programs_per_sm: int = PROGRAMS_PER_SM,
+    programs_per_sm: int | None = None,
+    head_dim: int | None = None,
 ) -> int:
     """``ns = ceil(t_kv / fa_split_keys(...))`` clamped to ``[1, max_splits]``."""
     if max_splits < 1:
         raise ValueError(f"max_splits must be >= 1, got {max_splits}")
-    split_keys = fa_split_keys(t_kv, n_kv_heads, bs, num_sms, programs_per_sm)
+    split_keys = fa_split_keys(t_kv, n_kv_heads, bs, num_sms, programs_per_sm, head_dim)
     return splits_from_keys(t_kv, split_keys, max_splits)
 
 
@@ -168,7 +214,8 @@ def ladder_steps(
     num_sms: int,
     max_splits: int,
     t_max: int = 131072,
-    programs_per_sm: int = PROGRAMS_PER_SM,
+    programs_per_sm: int | None = None,
+    head_dim: int | None = None,
 ) -> list[tuple[int, int]]:
     """``[(t_kv, ns), ...]``: ``(1, ns(1))`` and then every ``t_kv <= t_max`` where ``ns`` changes.
 
@@ -176,8 +223,29 @@ def ladder_steps(
     Relies on ``ns`` being non-decreasing in ``t_kv`` (tests/test_splits.py checks that on a
     dense sweep).
     """
-    ns_of = lambda t: num_splits_for(t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm)  # noqa: E731
+    ns_of = lambda t: num_splits_for(t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm,  # noqa: E731
+                                     head_dim)  # fmt: skip
     return list(zip(*monotone_steps(ns_of, t_max)))
+
+
+def ladder_for(head_dim: int | None) -> Callable[[int, int, int, int], int]:
+    """The ladder ``split_keys(t_kv, n_kv_heads, bs, num_sms)`` for heads of ``head_dim``:
+    ``fa_split_keys`` itself where that is the head_dim-64 ladder, else a copy bound to
+    ``head_dim`` and marked ``monotone`` (``graph_update.fa_apply`` tabulates it once). Exact
+    mode must retune with the ladder eager takes: the attention backend hands out this one."""
+    if least_keys(0, head_dim) == least_keys(0):
+        return fa_split_keys
+    return _wide_ladder(head_dim)
+
+
+@functools.cache  # one object a head_dim, so fa_apply's cached intervals hold across calls
+def _wide_ladder(head_dim: int) -> Callable[[int, int, int, int], int]:
+    def split_keys(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> int:
+        return fa_split_keys(t_kv, n_kv_heads, bs, num_sms, head_dim=head_dim)
+
+    split_keys.monotone = True  # type: ignore[attr-defined]
+    split_keys.head_dim = head_dim  # type: ignore[attr-defined]
+    return split_keys
 
 
 __all__ = [
@@ -185,15 +253,20 @@ __all__ = [
     "CAP2_MIN_SPLIT_KEYS",
     "H200_NUM_SMS",
     "LADDER_MAX_SPLITS",
+    "WIDE_MIN_SPLIT_KEYS",
     "MIN_SPLIT_KEYS",
     "MIN_SPLIT_KEYS_DEFAULT",
     "PROGRAMS_PER_SM",
     "cap2_min_split_keys_env",
     "fa_split_keys",
     "ladder_cap",
+    "ladder_for",
+    "least_keys",
     "min_split_keys_env",
     "ladder_steps",
     "monotone_steps",
     "num_splits_for",
+    "programs_per_sm_env",
     "splits_from_keys",
+    "wide_min_split_keys_env",
 ]

@@ -30,7 +30,7 @@ from ..errors import CaptureError, ConfigError
 from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_decode
 from ..kernels.reference import paged_decode_reference
 from ..kernels.rope_kv import rope_kv, rope_kv_reference
-from ..kernels.splits import num_splits_for
+from ..kernels.splits import ladder_for, num_splits_for
 from .extend_batch import ExtendBatch
 from .kv_cache import KVCache
 from .prefill_attention import extend_attention
@@ -88,7 +88,14 @@ class PagedAttentionBackend:
         """Split count of the ladder for live maximum KV length ``t_kv`` (a host int)."""
         if not self.use_kernel:
             return 1
-        return num_splits_for(t_kv, self.num_kv_heads, bs, self.num_sms, self.max_splits)
+        return num_splits_for(t_kv, self.num_kv_heads, bs, self.num_sms, self.max_splits,
+                              head_dim=self.head_dim)  # fmt: skip
+
+    @property
+    def split_keys(self):
+        """The ladder ``splits_for`` takes, as ``split_keys(t_kv, n_kv_heads, bs, num_sms)``:
+        exact mode retunes the captured graphs with it (``graph_update.exec_updater``)."""
+        return ladder_for(self.head_dim)
 
     def bucket_splits(self, bs: int) -> int:
         """The split count a graph of bucket ``bs`` is captured with (``max_context_len``)."""
