@@ -142,13 +142,18 @@ def ladder_cap(n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int | No
     return min(LADDER_MAX_SPLITS, _pow2_floor(wanted))
 
 
+def _uncapped_least(head_dim: int | None) -> int:
+    """The least keys a split below cap 2: ``WIDE_MIN_SPLIT_KEYS`` for heads wider than 64,
+    else (or with no ``head_dim``) ``MIN_SPLIT_KEYS``."""
+    return WIDE_MIN_SPLIT_KEYS if head_dim is not None and head_dim > 64 else MIN_SPLIT_KEYS
+
+
 def least_keys(cap: int, head_dim: int | None = None) -> int:
     """The fewest keys the ladder gives a split at cap ``cap`` for heads of ``head_dim`` (None:
-    64): ``CAP2_MIN_SPLIT_KEYS`` at cap 2, else ``WIDE_MIN_SPLIT_KEYS`` for heads wider than
-    64, else ``MIN_SPLIT_KEYS``."""
+    64): ``CAP2_MIN_SPLIT_KEYS`` at cap 2 (for every head_dim), else ``_uncapped_least``."""
     if cap == 2:
         return max(MIN_SPLIT_KEYS, CAP2_MIN_SPLIT_KEYS)
-    return WIDE_MIN_SPLIT_KEYS if head_dim is not None and head_dim > 64 else MIN_SPLIT_KEYS
+    return _uncapped_least(head_dim)
 
 
 def fa_split_keys(
@@ -223,8 +228,10 @@ def ladder_steps(
     Relies on ``ns`` being non-decreasing in ``t_kv`` (tests/test_splits.py checks that on a
     dense sweep).
     """
-    ns_of = lambda t: num_splits_for(t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm,  # noqa: E731
-                                     head_dim)  # fmt: skip
+
+    def ns_of(t: int) -> int:
+        return num_splits_for(t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm, head_dim)
+
     return list(zip(*monotone_steps(ns_of, t_max)))
 
 
@@ -233,7 +240,7 @@ def ladder_for(head_dim: int | None) -> Callable[[int, int, int, int], int]:
     ``fa_split_keys`` itself where that is the head_dim-64 ladder, else a copy bound to
     ``head_dim`` and marked ``monotone`` (``graph_update.fa_apply`` tabulates it once). Exact
     mode must retune with the ladder eager takes: the attention backend hands out this one."""
-    if least_keys(0, head_dim) == least_keys(0):
+    if _uncapped_least(head_dim) == _uncapped_least(None):
         return fa_split_keys
     return _wide_ladder(head_dim)
 
@@ -253,10 +260,10 @@ __all__ = [
     "CAP2_MIN_SPLIT_KEYS",
     "H200_NUM_SMS",
     "LADDER_MAX_SPLITS",
-    "WIDE_MIN_SPLIT_KEYS",
     "MIN_SPLIT_KEYS",
     "MIN_SPLIT_KEYS_DEFAULT",
     "PROGRAMS_PER_SM",
+    "WIDE_MIN_SPLIT_KEYS",
     "cap2_min_split_keys_env",
     "fa_split_keys",
     "ladder_cap",
