@@ -53,18 +53,37 @@ class Parser(argparse.ArgumentParser):
 def run_main(func: Callable[[list[str]], int], argv: list[str] | None) -> int:
     """``func(argv)`` with user errors turned into one line on stderr and exit status 2:
     every ``StepGraphError`` (argument and config errors included) and file errors
-    (``OSError``). ``--debug`` anywhere in ``argv`` also prints the traceback."""
+    (``OSError``). ``--debug`` anywhere in ``argv`` also prints the traceback. A reader of
+    stdout that closed the pipe early ends the command quietly (``closed_pipe``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     try:
-        return func(argv)
+        status = func(argv)
+        sys.stdout.flush()  # a reader that left early shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return closed_pipe()
     except (StepGraphError, OSError) as e:
         if debug:
             traceback.print_exc()
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"stepgraph: error: {message}", file=sys.stderr)
         return 2
+
+
+SIGPIPE_STATUS = 128 + 13  # the shell's status of a process ended by SIGPIPE (``cat``)
+
+
+def closed_pipe() -> int:
+    """Stdout's reader has gone (``stepgraph bench | head -1``): end quietly, as ``cat`` does.
+    Stdout is pointed at /dev/null so that the interpreter's final flush fails no more."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (a test's capture): nothing left to flush
+        pass
+    return SIGPIPE_STATUS
 
 
 # -- value types (argparse ``type=``; argparse names the flag in the error) -----------------
@@ -245,8 +264,10 @@ __all__ = [
     "HelpFormatter",
     "Parser",
     "SEED_MAX",
+    "SIGPIPE_STATUS",
     "UsageError",
     "check_output_path",
+    "closed_pipe",
     "check_prompts",
     "check_tp",
     "choose_modes",
