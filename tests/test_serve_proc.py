@@ -320,6 +320,8 @@ def test_a_dead_engine_process_fails_what_is_in_flight_and_is_started_again(serv
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": [1]})
     assert r.status_code == 503 and "restarting" in r.json()["error"]["message"]
     assert r.headers["Retry-After"] == "1" and _health(server.url)["status"] == "unavailable"
+    h = _health(server.url)  # the new process's counts, not the old one's requests taken
+    assert h["waiting"] == h["running"] == 0, h
     deadline = time.monotonic() + 90
     while _health(server.url)["status"] != "ok" and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -215,6 +215,7 @@ class EngineProcess:
         from_w.close()
         os.set_blocking(self.to_w.fileno(), False)
         self.sent = 0  # submissions handed to this process
+        self.taken = 0  # of those, the ones it has read (its last state says)
         self.dead = self._writing = False
         self._out = bytearray()
         self._loop: Any = None

@@ -62,7 +62,7 @@ class ProcessWorker:
         self.info: dict = {}
         self.accepting = self.stopping = self.restarting = False
         self.error: str | None = None  # the engine cannot be started (again)
-        self.restarts = self._taken = 0
+        self.restarts = 0
         self.running = self.engine_waiting = self.kv_pages_free = self.kv_pages_total = 0
         self.stats = SimpleNamespace(graph_steps=0, eager_steps=0, prefill_steps=0)
         if metrics is not None:
@@ -144,9 +144,10 @@ class ProcessWorker:
 
     @property
     def waiting(self) -> int:
-        """Requests handed over and not yet running: in the pipe, or waiting in the engine."""
-        sent = self._child.sent if self._child is not None else 0
-        return sent - self._taken + self.engine_waiting
+        """Requests handed over and not yet running: in the pipe, or waiting in the engine.
+        Both counts belong to one engine process, so a new one starts them both at 0."""
+        ch = self._child
+        return (ch.sent - ch.taken if ch is not None else 0) + self.engine_waiting
 
     def refusal(self) -> str | None:
         """Why a new request gets a 503 now, or None."""
@@ -210,7 +211,7 @@ class ProcessWorker:
 
     def _ready(self, info: dict) -> None:
         self.info, self.kv_pages_total = info, info["kv_pages_total"]
-        self.kv_pages_free, self._taken = self.kv_pages_total, 0
+        self.kv_pages_free = self.kv_pages_total
         self.running = self.engine_waiting = 0
         self.restarting, self.accepting = False, not self.stopping
 
@@ -236,7 +237,9 @@ class ProcessWorker:
             m.add_tokens(n, now)
 
     def _state(self, state: tuple) -> None:
-        self.running, self.engine_waiting, self.kv_pages_free, self._taken = state[:4]
+        self.running, self.engine_waiting, self.kv_pages_free, taken = state[:4]
+        if self._child is not None:  # the process that sent it: a new one is made after
+            self._child.taken = taken
         s = self.stats
         s.graph_steps, s.eager_steps, s.prefill_steps = state[4:]
         if self.metrics is not None:
