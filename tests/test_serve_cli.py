@@ -169,7 +169,9 @@ def test_bad_flags_are_one_line_errors(capsys):
         (["--model", "tiny", "--max-waiting", "-1"], "--max-waiting"),
         (["--model", "tiny", "--max-running", "0"], "--max-running"),
         (["--model", "tiny", "--shutdown-timeout", "-2"], "--shutdown-timeout"),
-        (["--model", "tiny", "--device", "cpu", "--port", port], "cannot listen"),
+        (["--model", "tiny", "--device", "cpu", "--port", port], "--port: cannot listen"),
+        (["--model", "tiny", "--device", "cpu", "--host", "nosuch.invalid"], "--host: cannot"),
+        (["--model", "tiny", "--device", "cpu", "--host", "192.0.2.1"], "--host: cannot"),
     ]
     try:
         for argv, said in cases:

@@ -152,6 +152,7 @@ def test_text_prompts_stops_and_chat_go_through_the_tokenizer():
     with pytest.raises(RequestError) as e:  # no template: a clear 400 before anything else
         parse_chat({"model": "tiny", "messages": msgs}, LIM, None)
     assert e.value.param == "messages" and e.value.code == "chat_template_missing"
+    assert "chat_template.jinja" in str(e.value) and "tokenizer_config.json" in str(e.value)
 
 
 def test_response_shapes():

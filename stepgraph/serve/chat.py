@@ -28,8 +28,9 @@ def parse_chat(
     if apply_template is None or not limits.chat_template:
         raise RequestError(
             "chat completions need a tokenizer with a chat template, and this model has none; "
-            "use POST /v1/completions with a prompt, or serve a checkpoint directory whose "
-            "tokenizer_config.json holds a chat_template.",
+            "use POST /v1/completions with a prompt, or serve a checkpoint directory with a "
+            "chat template: a chat_template.jinja file, or a chat_template in "
+            "tokenizer_config.json.",
             param="messages",
             code="chat_template_missing",
         )

@@ -6,6 +6,7 @@ check), stopped on exit even when the body raised."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import signal
 import socket
 import threading
@@ -20,15 +21,28 @@ from ..cli_args import UsageError
 def listen(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: a free port; read it from ``getsockname``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        address = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4]
+    except (socket.gaierror, UnicodeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise UsageError(
+            f"argument --host: cannot resolve {host!r} ({reason}); pass an address of this "
+            "machine, such as 127.0.0.1 or 0.0.0.0"
+        ) from e
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: TCP_NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(address)
     except OSError as e:
         sock.close()
+        if e.errno == errno.EADDRNOTAVAIL:  # a name or address of another machine
+            raise UsageError(
+                f"argument --host: cannot listen on {host} ({e.strerror}): it is not an address "
+                "of this machine; pass one that is, such as 127.0.0.1 or 0.0.0.0"
+            ) from e
         raise UsageError(
             f"argument --port: cannot listen on {host}:{port} ({e.strerror}); pick another "
-            "--port (0: any free one) or --host"
+            "--port (0: any free one)"
         ) from e
     sock.listen(2048)  # connections queue from now on, while the engine is still being built
     return sock
