@@ -173,10 +173,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.args import check_bench_args
+    from .bench.args import NO_GPU_NOTE, check_bench_args, choose_device
     from .bench.main import run
 
+    fell_back = choose_device(args)
     check_bench_args(args)
+    if fell_back:  # the first line of the main job on a machine without a GPU
+        print(NO_GPU_NOTE, flush=True)
     return run(args)
 
 

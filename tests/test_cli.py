@@ -49,10 +49,14 @@ def test_info_reports_versions(capsys):
     assert "torch" in out and "triton" in out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
-def test_bench_without_gpu_says_what_to_do(capsys):
-    assert main(["bench"]) == 2
-    assert "--device cpu" in capsys.readouterr().err
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_bench_without_gpu_runs_the_cpu_stand_in_and_says_so_first(capsys):
+    assert main(["bench", "--batch-sizes", "1", "--contexts", "8", "--iters", "1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "no GPU visible" in first and "--device cpu" in first and "--device cuda" in first
+    assert main(["bench", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --device: cuda" in err[0] and "no CUDA GPU" in err[0]
 
 
 def test_bench_cpu_runs_the_pipeline(capsys):

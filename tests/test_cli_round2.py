@@ -340,7 +340,7 @@ def test_prompt_file_with_booleans_is_refused(capsys, tmp_path, text):
 @pytest.mark.parametrize(
     "command,needles",
     [
-        ("bench", ["(default: 10)", "(default: small)", "(default: cuda)", "(default: 1)"]),
+        ("bench", ["(default: 10)", "(default: small)", "(default: cuda when a GPU", "(default: 1)"]),
         ("generate", ["(default: 16)", "(default: tiny)", "(default: graph)", "(default: 0.0)"]),
         ("check", ["(default: 20)", "(default: 8)", "(default: 0)"]),
     ],

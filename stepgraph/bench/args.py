@@ -28,10 +28,35 @@ def bench_modes(text: str | None, device: str) -> list[str] | None:
     return choose_modes(text, known, CPU_MODES if device == "cpu" else known, why)
 
 
+NO_GPU_NOTE = (
+    "stepgraph bench: no GPU visible: running the CPU stand-in (--device cpu); pass --device "
+    "cuda to require a GPU"
+)
+
+
+def choose_device(args: argparse.Namespace) -> bool:
+    """Fill in ``args.device`` and ``args.dtype``: no ``--device`` runs on CUDA when a GPU is
+    visible, else on the CPU stand-in (returns True: the caller says so first); ``--device cuda``
+    without a GPU is refused. The dtype defaults to bfloat16 on CUDA, float32 on the CPU."""
+    visible = torch.cuda.is_available()
+    fell_back = args.device is None and not visible
+    if args.device is None:
+        args.device = "cuda" if visible else "cpu"
+    elif args.device == "cuda" and not visible:
+        raise UsageError(
+            "argument --device: cuda, but no CUDA GPU is visible; run on a machine with an "
+            "NVIDIA GPU, or pass --device cpu (or no --device) for the CPU stand-in"
+        )
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return fell_back
+
+
 def check_bench_args(args: argparse.Namespace) -> None:
     """Every ``stepgraph bench`` argument, before the model is built: with the decode bench
     also the modes, ``--tp`` (torchrun), the contexts the model can hold, and the memory all
-    points need at once (``check_bench_memory``)."""
+    points need at once (``check_bench_memory``). ``args.device`` and ``args.dtype`` are
+    resolved first (``choose_device``)."""
     sizes = int_list("--batch-sizes", args.batch_sizes)
     contexts = int_list("--contexts", args.contexts)
     check_output_path("--json", args.json)
@@ -51,9 +76,7 @@ def check_bench_args(args: argparse.Namespace) -> None:
             f"argument --contexts: {max(contexts)} tokens is more than {model}'s "
             f"max_position_embeddings={limit}; pass contexts of at most {limit}"
         )
-    if cuda and not torch.cuda.is_available():
-        return  # the bench says so itself, in one line
-    dtype = DTYPES[args.dtype] if cuda else torch.float32
+    dtype = DTYPES[args.dtype]
     check_bench_memory(bench_bytes(config, dtype, max(sizes), max(contexts) + 64), args, args.tp)
 
 
@@ -76,5 +99,5 @@ def check_bench_memory(parts: dict[str, int], args: argparse.Namespace, tp: int 
     )
 
 
-__all__ = ["CPU_CONTEXTS", "CPU_SIZES", "GPU_CONTEXTS", "GPU_SIZES", "bench_modes",
-           "check_bench_args", "check_bench_memory"]  # fmt: skip
+__all__ = ["CPU_CONTEXTS", "CPU_SIZES", "GPU_CONTEXTS", "GPU_SIZES", "NO_GPU_NOTE", "bench_modes",
+           "check_bench_args", "check_bench_memory", "choose_device"]  # fmt: skip

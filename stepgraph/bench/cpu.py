@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .constants import CPU_MODES
+from .constants import CPU_MODES, DTYPES
 from .report import Row, plot, write_json
 from .workload import Point, build_model_runner, decode_batch, fill_kv_random
 
@@ -102,10 +102,11 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
     modes = cpu_modes(args.modes)
     model, tp = args.model or "tiny", getattr(args, "tp", 1)
     threads = set_cpu_threads(args.threads)
-    mr = build_model_runner(model, "cpu", torch.float32, max(sizes), max(contexts) + 64, tp=tp)
+    dtype = getattr(args, "dtype", None) or "float32"
+    mr = build_model_runner(model, "cpu", DTYPES[dtype], max(sizes), max(contexts) + 64, tp=tp)
     say = print if is_main_rank() else _quiet
     ranks = f", tensor parallel x{tp} (gloo; rank 0 prints)" if tp > 1 else ""
-    say(f"stepgraph bench --device cpu: {model}, float32, {args.iters} timed steps a point{ranks}")
+    say(f"stepgraph bench --device cpu: {model}, {dtype}, {args.iters} timed steps a point{ranks}")
     say(threads)
     if args.kernels == "fused":
         say(FUSED_NOTE)
@@ -149,7 +150,7 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
                 flush=True)  # fmt: skip
         if runner is not None:
             runner.shutdown()
-    meta = {"model": model, "dtype": "float32", "device": "cpu", "torch": torch.__version__}
+    meta = {"model": model, "dtype": dtype, "device": "cpu", "torch": torch.__version__}
     meta.update(threads=torch.get_num_threads(), iters=args.iters, tp=tp)
     if tp > 1:
         from .collectives import allreduce_us_per_step
@@ -175,7 +176,7 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
         say(f"wrote {args.json}")
     if args.plot and is_main_rank():
         title = (
-            f"stepgraph bench on the CPU: {model}, float32, {torch.get_num_threads()} thread(s)"
+            f"stepgraph bench on the CPU: {model}, {dtype}, {torch.get_num_threads()} thread(s)"
             f"{f', tp {tp}' if tp > 1 else ''}\ngraph = the CPU stand-in (re-runs the eager "
             "forward: no kernel launches to save, no speed-up expected); no bandwidth floor"
         )

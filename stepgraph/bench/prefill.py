@@ -92,7 +92,8 @@ def run_prefill(args: argparse.Namespace) -> int:
         print(set_cpu_threads(getattr(args, "threads", None)))
     model = args.model or ("llama-3.2-1b" if cuda else "tiny")
     totals = PREFILL_TOKENS if cuda else CPU_TOKENS
-    dtype = DTYPES[args.dtype] if cuda else torch.float32
+    dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
+    dtype = DTYPES[dtype_name]
     points = PACKED_POINTS if cuda else CPU_POINTS
     max_bs = max(PROMPTS_PER_BATCH, *(b for b, _ in points))
     mr = build_model_runner(model, args.device, dtype, max_bs, max(totals) + 64)
@@ -132,7 +133,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         f"at_{large.tokens}_tokens_not_>3%_slower": large.piecewise_ms
         <= large.eager_ms * LARGE_SLOWDOWN,
     }
-    print(f"\nstepgraph bench --prefill: {model} ({args.dtype if cuda else 'float32'}, {device})")
+    print(f"\nstepgraph bench --prefill: {model} ({dtype_name}, {device})")
     print(f"{'tokens':>7} {'lengths':<20} {'eager ms':>9} {'piecewise ms':>13} {'speedup':>8}"
           f" {'max|dlogit|':>12} {'argmax':>7}")  # fmt: skip
     for r in rows:
@@ -162,7 +163,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     if args.json:
         meta = {
             "model": model,
-            "dtype": args.dtype if cuda else "float32",
+            "dtype": dtype_name,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__,
             "token_buckets": list(config.token_buckets),

@@ -188,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
         f"building {model} and the engine ({plan.mode}, {plan.prefill} prefill, max running "
         f"{plan.max_running})"
     )
-    dtype = DTYPES[args.dtype] if cuda else torch.float32
+    dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     mr = build_model_runner(model, args.device, dtype, plan.max_running, max_context)
     if cuda:
         mr.set_kernels(args.kernels or "fused")
