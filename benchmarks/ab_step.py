@@ -2,8 +2,8 @@
 round, variant and batch size a graph captured at that bucket alone, its median ms per step
 (CUDA events after warm-up, as ``stepgraph bench`` times it), the fraction of the bandwidth
 floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the step's
-import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK``,
-``STEPGRAPH_PROJ_TILES``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
+import-time flags are re-read after each is set (``STEPGRAPH_PROJ_TILES``,
+``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
 ``STEPGRAPH_REFERENCE_BUCKETS``, ``STEPGRAPH_CUBLAS_HANDOFF``, ``STEPGRAPH_HANDOFF_MIN_BUCKET``,
 ``STEPGRAPH_ATTENTION_PDL``, ``STEPGRAPH_FOLD_MERGE``, ``STEPGRAPH_MIN_SPLIT_KEYS``,
 ``STEPGRAPH_WIDE_MIN_SPLIT_KEYS`` and ``STEPGRAPH_PROGRAMS_PER_SM`` among them;
@@ -13,7 +13,7 @@ import-time flags are re-read after each is set (``STEPGRAPH_MLP_BLOCK``,
         --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
 
 The last column compares each variant's logits with the first variant's on the same batch
-(bit for bit where the variant changes no arithmetic: PDL, schedules, the MLP block).
+(bit for bit where the variant changes no arithmetic: PDL, schedules).
 
 Each bs is captured as a bucket of its own, so the kernel choices keyed by a default bucket
 (``tile_table``'s, ``REFERENCE_ROWS``) apply to it only where it is one (1, 2, 4, 8, 16, 32,
@@ -83,10 +83,6 @@ def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
     fused_decode.REFERENCE_ROWS = buckets_env(
         "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT
     )
-    block = os.environ.get("STEPGRAPH_MLP_BLOCK", "0")  # its other switches (schedule,
-    fused_mlp.MLP_BLOCK = block in ("1", "qkv")  # prefetch, programs): read at each launch
-    fused_mlp.BLOCK_QKV = block == "qkv"
-    fused_mlp.ONE_ROW = os.environ.get("STEPGRAPH_MLP_BLOCK_ONE_ROW", "0") == "1"
     fused_mlp.CUBLAS_HANDOFF = os.environ.get("STEPGRAPH_CUBLAS_HANDOFF", "1") != "0"
     # STEPGRAPH_PROJ_TILES (a sweep's tiles), STEPGRAPH_PROJ_CUBLAS, STEPGRAPH_SEPARATE_NORM
     proj_tiles.reload_env_tiles()

@@ -78,13 +78,12 @@ _check_extend = ea.check_extend_inputs  # its CPU-tensor refusal lifted, as the 
 ea.check_extend_inputs = lambda *a, **k: _check_extend(*a, **{**k, "interpreted": True})
 
 from stepgraph.bench.workload import Point, decode_batch  # noqa: E402
-from stepgraph.kernels import mlp_block  # noqa: E402
 from stepgraph.kernels.argmax_rows import argmax_rows  # noqa: E402
 from stepgraph.kernels.decode_inputs import DecodeWorkspace  # noqa: E402
 from stepgraph.kernels.flash_decode import flash_decode  # noqa: E402
 from stepgraph.kernels.fused_act import silu_mul  # noqa: E402
 from stepgraph.kernels.gemv import gemv  # noqa: E402
-from stepgraph.model import ModelRunner, fused_decode, fused_mlp  # noqa: E402
+from stepgraph.model import ModelRunner, fused_decode  # noqa: E402
 from stepgraph.runner.graph_inputs import fill_inputs  # noqa: E402
 from stepgraph.runner.input_buffers import GraphInputBuffers, pad_row  # noqa: E402
 from stepgraph.runner.staging import PinnedStaging  # noqa: E402
@@ -147,40 +146,6 @@ def main() -> dict:
             result["errors"][f"step bs {bs}"] = f"{type(e).__name__}: {e}"[:600]
         for p in pages:
             mr.kv_cache.release(p)
-    # the MLP half in one persistent launch (STEPGRAPH_MLP_BLOCK=1, =qkv): the step at bs 8
-    # without and with the next layer's qkv in the block, and the block alone at 64 rows on
-    # the stride schedule
-    since = len(COMPILED)
-    try:
-        fused_mlp.MLP_BLOCK = True
-        for qkv in (False, True):  # the block, then with the next layer's qkv in it
-            fused_mlp.BLOCK_QKV = qkv
-            batch, pages = decode_batch(mr, Point(8, 500))
-            backend.init_forward_metadata(batch)
-            tokens = torch.empty(8, dtype=torch.int64)
-            fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions,
-                                           tokens_out=tokens)  # fmt: skip
-            for p in pages:
-                mr.kv_cache.release(p)
-        fused_mlp.ONE_ROW = True  # and at one row (its own tiles, the GEMV loop), with qkv
-        batch, pages = decode_batch(mr, Point(1, 500))
-        backend.init_forward_metadata(batch)
-        fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions,
-                                       tokens_out=torch.empty(1, dtype=torch.int64))  # fmt: skip
-        for p in pages:
-            mr.kv_cache.release(p)
-        os.environ[mlp_block.SCHEDULE_ENV] = "stride"
-        layer = mr.model.layers[0]
-        w = [layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
-             layer.mlp.gate_up_proj.weight, 1e-5, layer.mlp.down_proj.weight]  # fmt: skip
-        rows = torch.randn(64, 2048).bfloat16()
-        mlp_block.mlp_block(rows, rows, *w, programs=2)
-        result["steps"]["mlp block"] = _variants(since)
-    except Exception as e:  # noqa: BLE001
-        result["errors"]["mlp block"] = f"{type(e).__name__}: {e}"[:600]
-    finally:
-        fused_mlp.MLP_BLOCK = fused_mlp.BLOCK_QKV = fused_mlp.ONE_ROW = False
-        os.environ.pop(mlp_block.SCHEDULE_ENV, None)
     # the attention's two-kernel path and its folded merge (what bs 8 takes on the H200)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(8, 32, 64, generator=g).bfloat16()

@@ -34,7 +34,6 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     ab = load_ab()
     monkeypatch.delenv("STEPGRAPH_NO_PDL_BUCKETS", raising=False)
     monkeypatch.setenv("STEPGRAPH_NORM_HANDOFF", "1")
-    monkeypatch.delenv("STEPGRAPH_MLP_BLOCK", raising=False)
     monkeypatch.delenv("STEPGRAPH_HANDOFF_MIN_BUCKET", raising=False)
     monkeypatch.delenv("STEPGRAPH_ATTENTION_PDL", raising=False)
     for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS", "HANDOFF_MIN_BUCKET"):
@@ -46,13 +45,8 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     monkeypatch.delenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", raising=False)
     monkeypatch.delenv("STEPGRAPH_FOLD_MERGE", raising=False)
     monkeypatch.delenv("STEPGRAPH_MIN_SPLIT_KEYS", raising=False)
-    monkeypatch.setattr(fused_mlp, "MLP_BLOCK", fused_mlp.MLP_BLOCK)
-    monkeypatch.setattr(fused_mlp, "BLOCK_QKV", fused_mlp.BLOCK_QKV)
-    monkeypatch.setattr(fused_mlp, "ONE_ROW", fused_mlp.ONE_ROW)
-    monkeypatch.delenv("STEPGRAPH_MLP_BLOCK_ONE_ROW", raising=False)
     saved: dict = {}
     first = {"STEPGRAPH_NO_PDL_BUCKETS": "2-64", "STEPGRAPH_NORM_HANDOFF": "0",
-             "STEPGRAPH_MLP_BLOCK": "qkv", "STEPGRAPH_MLP_BLOCK_ONE_ROW": "1",
              "STEPGRAPH_HANDOFF_MIN_BUCKET": "8", "STEPGRAPH_ATTENTION_PDL": "1",
              "STEPGRAPH_FOLD_MERGE": "8-32", "STEPGRAPH_MIN_SPLIT_KEYS": "128",
              "STEPGRAPH_CAP2_MIN_SPLIT_KEYS": "512"}  # fmt: skip
@@ -62,17 +56,15 @@ def test_apply_sets_rereads_and_restores(monkeypatch):
     assert step_attention.ATTENTION_PDL == (True, True, None)
     assert step_attention.FOLD_MERGE == range(8, 33) and splits.MIN_SPLIT_KEYS == 128
     assert splits.CAP2_MIN_SPLIT_KEYS == 512
-    assert fused_mlp.MLP_BLOCK is True and fused_mlp.BLOCK_QKV is True and fused_mlp.ONE_ROW
     ab.apply({"STEPGRAPH_REFERENCE_ROWS": "2-4"}, saved)  # the next variant: the first undone
     assert "STEPGRAPH_NO_PDL_BUCKETS" not in os.environ
     assert os.environ["STEPGRAPH_NORM_HANDOFF"] == "1"
     assert fused_decode.NO_PDL_ENV is None and fused_decode.NORM_HANDOFF is True
-    assert fused_decode.REFERENCE_ROWS == range(2, 5) and fused_mlp.MLP_BLOCK is False
+    assert fused_decode.REFERENCE_ROWS == range(2, 5)
     assert fused_decode.HANDOFF_MIN_BUCKET == 2 and step_attention.ATTENTION_PDL is None
     assert step_attention.FOLD_MERGE is None
     assert splits.MIN_SPLIT_KEYS == splits.MIN_SPLIT_KEYS_DEFAULT
     assert splits.CAP2_MIN_SPLIT_KEYS == splits.CAP2_MIN_SPLIT_KEYS_DEFAULT
-    assert fused_mlp.BLOCK_QKV is False and fused_mlp.ONE_ROW is False
     ab.apply({}, saved)  # the end of the run: the original environment
     assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ
     assert fused_decode.REFERENCE_ROWS == range(0)
@@ -121,8 +113,6 @@ def test_apply_switches_the_swept_tiles_per_variant(tmp_path, monkeypatch):
     monkeypatch.delenv(proj_tiles.TILES_ENV, raising=False)
     for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS"):
         monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))
-    for name in ("MLP_BLOCK", "BLOCK_QKV", "ONE_ROW"):
-        monkeypatch.setattr(fused_mlp, name, getattr(fused_mlp, name))
     gu, qkv64 = ("gate_up_silu_normed", 16384, 2048, 16), ("qkv_rope", 3072, 2048, 64)
     shipped = proj_tiles.TILES[gu]
     assert qkv64 in proj_tiles.CUBLAS

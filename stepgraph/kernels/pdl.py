@@ -146,8 +146,8 @@ def pdl_trigger_late(USE_PDL: tl.constexpr):
 
 @triton.jit
 def pdl_wait_then_trigger_short(USE_PDL: tl.constexpr):
-    """``pdl_wait_then_trigger`` for a kernel without a main loop (and the persistent MLP block,
-    whose loop is all of it): mode 2 triggers at its wait too."""
+    """``pdl_wait_then_trigger`` for a kernel without a main loop: mode 2 triggers at its wait
+    too."""
     _wait_and_trigger(USE_PDL, 2)
 
 

@@ -2,7 +2,7 @@
 swap-AB K loop (``acc[BLOCK_N, BLOCK_M] = w @ x^T``) that the tensor-core tiles take with
 ``Tile.tma``.
 
-``benchmarks/skinny_probe.py`` on the H200 (bf16, 8 rows, µs per call, 16 calls over 16 weights
+A one-off probe on the H200 (bf16, 8 rows, µs per call, 16 calls over 16 weights
 in one graph, 2026-12-01): a plain GEMM with pointer loads against the same with both operands
 through host tensor descriptors (TMA), cuBLAS beside them:
 

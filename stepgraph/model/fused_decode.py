@@ -8,8 +8,7 @@
       r = r + o_proj(o)        residual add in the GEMV epilogue                   1 launch
       a = gate_up_silu(r)      norm, gate-up, SiLU * up                            1 launch
       r = r + down(a)          residual add in the GEMV epilogue                   1 launch
-                               (these three: ``fused_mlp``; one persistent launch behind
-                               STEPGRAPH_MLP_BLOCK=1, ``kernels/mlp_block``)
+                               (these three: ``fused_mlp``)
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 (2 at bs 1)
 
 One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 100 kernels a step for
@@ -46,6 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..buckets import replay_bucket
+from ..errors import ConfigError
 from ..kernels import proj_tiles
 from ..kernels.fused_norm import embed_rmsnorm
 from ..kernels.head_scale import head_scale
@@ -147,15 +147,13 @@ def step_pdl(qkv_n: int, k: int, bs: int, bucket: int, elem_bytes: int) -> int |
 def handoff(bs: int, model: LlamaModel, backend=None) -> bool:
     """Whether the step at ``bs`` rows takes the norms before qkv (from layer 1), gate-up and
     the LM head from what o_proj and down leave (``kernels/norm_handoff``): from bucket
-    ``HANDOFF_MIN_BUCKET`` on, and at one row where the MLP block serves it
-    (``fused_mlp.one_row_block``); unsharded, where the consumer is fused, and into a cuBLAS
+    ``HANDOFF_MIN_BUCKET`` on; unsharded, where the consumer is fused, and into a cuBLAS
     qkv or LM head (the 1 / RMS applied after the GEMM: ``fused_mlp.CUBLAS_HANDOFF``)."""
     down = model.layers[0].mlp.down_proj
     if type(down) is RowParallelLinear and down.world_size > 1:
         return False
     bucket = kernel_class(bs, backend)
-    return (NORM_HANDOFF and bucket >= HANDOFF_MIN_BUCKET) or (
-        bucket == 1 and fused_mlp.one_row_block(model))  # fmt: skip
+    return NORM_HANDOFF and bucket >= HANDOFF_MIN_BUCKET
 
 
 def _own_norm(layer, bs: int) -> bool:
@@ -209,6 +207,17 @@ def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0) ->
     )  # fmt: skip
 
 
+def check_rows(bs: int, max_bs: int) -> None:
+    """``ConfigError`` on the host unless ``bs`` rows fit a model runner built for ``max_bs``
+    (its greedy-token buffer and the graph runners' buffers hold that many rows)."""
+    if bs > max_bs:
+        raise ConfigError(
+            f"a decode batch of {bs} rows is more than the model runner's max_bs={max_bs} (its "
+            f"static buffers hold {max_bs} rows); run at most {max_bs} rows a step (the Engine's "
+            f"max_running does so), or build the model runner with max_bs={bs}."
+        )
+
+
 def fused_decode_step(
     model: LlamaModel,
     backend,  # PagedAttentionBackend, prepared for this step (decode metadata)
@@ -234,14 +243,11 @@ def fused_decode_step(
     r, x0 = _embed(model, input_ids)  # [bs, hidden], the residual stream; layer 0's norm
     ho = handoff(bs, model, backend)  # the norms from what o_proj and down leave beside r
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
-    step = (positions, kv.k_caches, kv.v_caches, meta.out_cache_loc, n_heads)  # the block's qkv
-    q = None  # layer i's queries where the block before ran its qkv (fused_mlp.BLOCK_QKV)
     for i, layer in enumerate(model.layers):
-        if q is None:
-            q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
-                     x0 if i == 0 else None)  # fmt: skip
+        q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
+                 x0 if i == 0 else None)  # fmt: skip
         o = step_attention.attention(backend, i, q, bucket, use_pdl)  # [bs, heads, dim]
-        r, hand, q = fused_mlp.mlp_half(model, i, o.reshape(bs, -1), r, ho, use_pdl, step)
+        r, hand = fused_mlp.mlp_half(model, i, o.reshape(bs, -1), r, ho, use_pdl)
     if isinstance(model.lm_head, ParallelLMHead):  # its slice, then every rank's
         local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
                           torch.float32, use_pdl=use_pdl)  # fmt: skip
@@ -268,6 +274,7 @@ __all__ = [
     "FUSED_MAX_BS",
     "KERNEL_CHOICES",
     "check_kernels",
+    "check_rows",
     "default_kernels",
     "fused_decode_step",
     "handoff",

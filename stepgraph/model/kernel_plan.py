@@ -2,8 +2,8 @@
 the choices ``fused_decode_step`` makes, in its order, with the table entry behind each
 (``stepgraph info --model NAME``). A user sees what runs at their batch size, and which switch
 (``STEPGRAPH_REFERENCE_ROWS``, ``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_NORM_HANDOFF``,
-``STEPGRAPH_SEPARATE_NORM``, ``STEPGRAPH_TMA``, ``STEPGRAPH_MLP_BLOCK``,
-``STEPGRAPH_FOLD_MERGE``) would change it, without a GPU or the weights."""
+``STEPGRAPH_SEPARATE_NORM``, ``STEPGRAPH_TMA``, ``STEPGRAPH_FOLD_MERGE``) would change it,
+without a GPU or the weights."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from . import fused_decode as _fd
 from . import fused_mlp
 from .config import ModelConfig
 from .fused_decode import FUSED_MAX_BS, REFERENCE_ROWS
-from .fused_mlp import block_serves
 from .step_attention import attention_text
 
 # the step's projections: table kernel and what the unfused pieces add beside cuBLAS
@@ -115,13 +114,6 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None):
             if _fd.no_pdl(*shapes["qkv"], b, elem_bytes):
                 path += ", no PDL (NO_PDL_BUCKETS)"
         half, ho = config.head_dim // 2, _fd.NORM_HANDOFF and b >= _fd.HANDOFF_MIN_BUCKET
-        if b == 1:  # the block at one row takes the handoff there (fused_decode.handoff)
-            ho = block_serves(1, *shapes["o_proj"], shapes["down"][1], elem_bytes, True)
-        if block_serves(b, *shapes["o_proj"], shapes["down"][1], elem_bytes, ho):
-            path += ", o_proj + gate-up + down in one launch (STEPGRAPH_MLP_BLOCK)"
-            if fused_mlp.BLOCK_QKV and not prefer_cublas("qkv_rope", b, *shapes["qkv"],
-                                                         elem_bytes):  # fmt: skip
-                path += " with the next layer's qkv"
         choices = {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho) for p in PIECES}
         attn = (config.num_heads, config.num_kv_heads, config.head_dim)
         use_pdl = _fd.step_pdl(*shapes["qkv"], b, b, elem_bytes)
