@@ -1,4 +1,4 @@
-"""Issue 4 benchmark: split-KV flash decode (main + combine, one CUDA graph) on Llama-3.2-1B
+"""Split-KV flash decode (main + combine, one CUDA graph) against torch SDPA, on Llama-3.2-1B
 attention: 32 query heads, 8 KV heads, head dim 64, bf16, page size 64.
 
     PYTHONPATH=. python benchmarks/flash_decode.py --json out/flash_decode.json

@@ -1,4 +1,4 @@
-"""Issue 4 sweep: every split-KV kernel variant x ladder target, on Llama-3.2-1B attention (32 query
+"""The split-KV kernel's sweep: every variant x ladder target, on Llama-3.2-1B attention (32 query
 heads, 8 KV heads, head dim 64, bf16, page size 64), to choose the default after measuring.
 
     PYTHONPATH=. python3 benchmarks/flash_decode_sweep.py --json $OUT/sweep.json

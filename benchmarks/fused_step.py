@@ -1,7 +1,7 @@
-"""Issue 12 benchmark: the fused decode step (6 launches a layer: qkv+RoPE+KV write, split-KV,
-combine, o_proj+residual, gate-up+SiLU, down+residual; LM head+argmax) against today's step, on
-the llama-3.2-1b preset (bf16, random weights, page size 64, context 512), replayed from a CUDA
-graph, PDL on and off.
+"""The fused one-row decode step (6 launches a layer: qkv+RoPE+KV write, split-KV, combine,
+o_proj+residual, gate-up+SiLU, down+residual; LM head+argmax) against the reference kernels'
+step, on the llama-3.2-1b preset (bf16, random weights, page size 64, context 512), replayed
+from a CUDA graph, PDL on and off.
 
     PYTHONPATH=. python3 benchmarks/fused_step.py --json $OUT/fused_step.json
 

@@ -1,5 +1,5 @@
-"""Issue 6 capture target: the default bucket list of sglang-sized runners (36 buckets, bs 1..512)
-captured for the llama-3.2-1b preset, in graph and exact mode: seconds and pool MiB.
+"""Decode capture time and memory: the default bucket list of sglang-sized runners (36 buckets,
+bs 1..512) captured for the llama-3.2-1b preset, in graph and exact mode: seconds and pool MiB.
 
     PYTHONPATH=. python benchmarks/model_capture.py --json out/model_capture.json
 

@@ -1,5 +1,5 @@
-"""Issue 6 benchmark: one decode step of the reference model (llama-3.2-1b preset, bf16, random
-weights, page size 64, context 512), replayed from a CUDA graph, at bs 1 and 8.
+"""One decode step of the reference model by linear policy and kernels (llama-3.2-1b preset,
+bf16, random weights, page size 64, context 512), replayed from a CUDA graph, at bs 1 and 8.
 
     PYTHONPATH=. python3 benchmarks/model_step.py --json $OUT/model_step.json
 
@@ -8,7 +8,7 @@ weights, page size 64, context 512), replayed from a CUDA graph, at bs 1 and 8.
    configs; microseconds per call and GB/s of weight bytes. The winner per (shape, bs) picks
    the GEMV policy "best" ({shape: largest measured bs it wins at}).
 2. The whole step, three linear policies (cuBLAS everywhere, GEMV everywhere, best) on the
-   reference kernels, then the fused kernels (``--kernels fused``, issue 12): ms per
+   reference kernels, then the fused kernels (``--kernels fused``): ms per
    step (CUDA events, median; ``replay(b).argmax(-1)`` as ``stepgraph bench`` times it), the
    bandwidth floor ((weights + live KV) / measured copy bandwidth) and its fraction, kernels per
    step and the top-15 kernels by total time from torch.profiler over a few replays.
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.quick:
         policies += [("gemv-all", "all"), ("gemv-best", best)]
     steps = [time_policy(mr, name, pol, floor_ms) for name, pol in policies]
-    # the fused step (every bs up to FUSED_MAX_BS; tensor-core tiles from 2 rows, issue 21)
+    # the fused step (every bs up to FUSED_MAX_BS; tensor-core tiles from 2 rows)
     # (no GEMV policy: at bucket 2 the step's reference rows, ``fused_decode.REFERENCE_ROWS``)
     steps.append(time_policy(mr, "fused", None, floor_ms, kernels="fused"))
     result = dict(

@@ -1,4 +1,4 @@
-"""Issue 21: tile sweep of the fused projections at several rows (``tl.dot``, M padded to 16/32/64,
+"""Tile sweep of the fused projections at several rows (``tl.dot``, M padded to 16/32/64,
 split-K), Llama-3.2-1B shapes (``--preset`` another model's), bf16, PDL on, against cuBLAS
 ``F.linear`` of the same shape.
 
@@ -34,9 +34,9 @@ ROWS = (8, 32, 64)  # one per BLOCK_M bucket: 16, 32, 64
 COPIES = 16
 T = Tile
 CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); block_n: the kernel's
-    # rounds 1-3 (2026-12-01) kept the best few (round 3: one-chunk tiles, the program's whole K
-    # range loaded before the PDL wait); round 4 the TMA tiles of both kinds (tma 1: swap-AB,
-    # x by descriptor; 2: x from pointers), near benchmarks/skinny_probe.py's best
+    # pointer tiles (among them one-chunk tiles, the program's whole K range loaded before the
+    # PDL wait), then TMA tiles of both kinds (tma 1: swap-AB, x by descriptor; 2: x from
+    # pointers) near the best of a plain skinny GEMM (docs/experiments.md#tma-swap-ab)
     "o_proj": [T(32, 128, 4, 4, 2), T(16, 512, 4, 1, 4), T(32, 512, 4, 1, 4),
                *(T(*t, mode) for mode in (1, 2) for t in
                  ((64, 128, 4, 3, 4), (64, 128, 4, 3, 8), (64, 256, 4, 3, 4), (32, 128, 4, 4, 4)))],
@@ -60,9 +60,9 @@ CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); blo
     "gate_up_normed": [T(64, 128, 8, 4, 1), T(32, 128, 4, 5, 1, 1), T(32, 128, 4, 3, 1, 1),
                        T(64, 128, 4, 3, 1, 1), T(64, 128, 8, 4, 1, 2), T(32, 128, 4, 3, 2, 1)],
 }  # fmt: skip
-# Round 7 (2026-12-01, run G5): one split or two, 16-32 weight rows a program, deeper TMA
-# pipelines: no split-K reduce tail for the narrow projections (o_proj, down, qkv)
-_ROUND7 = {  # fmt: skip
+# One split or two, 16-32 weight rows a program, deeper TMA pipelines: no split-K reduce tail
+# for the narrow projections (docs/experiments.md#tensor-core-tiles-with-split-k)
+_FEW_SPLIT_TILES = {  # fmt: skip
     "o_proj": [(16, 128, 4, 6, 1, 1), (16, 256, 4, 4, 1, 1), (16, 128, 4, 8, 1, 1),
                (16, 128, 4, 6, 1, 2), (16, 256, 4, 4, 2, 1), (32, 256, 4, 4, 1, 1)],
     "down": [(16, 256, 4, 4, 1, 1), (16, 128, 4, 8, 1, 1), (16, 256, 4, 6, 1, 1),
@@ -71,7 +71,7 @@ _ROUND7 = {  # fmt: skip
                    (32, 128, 4, 4, 1, 1)],
     "gate_up_normed": [(32, 128, 4, 6, 1, 1), (32, 256, 4, 4, 1, 1)],
 }  # fmt: skip
-for _name, _tiles in _ROUND7.items():
+for _name, _tiles in _FEW_SPLIT_TILES.items():
     CANDIDATES[_name] += [T(*t) for t in _tiles]
 
 

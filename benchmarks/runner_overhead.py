@@ -1,4 +1,4 @@
-"""Issue 3 benchmark: what the runner costs on top of a bare graph, and what capture costs.
+"""What the runner costs on top of a bare graph, and what capture costs.
 
     PYTHONPATH=. python benchmarks/runner_overhead.py --json out/runner.json
 

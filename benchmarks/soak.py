@@ -1,4 +1,4 @@
-"""Issue 13 soak: 100,000 generated tokens through one exact-mode engine, with continuous
+"""Soak: 100,000 generated tokens through one exact-mode engine, with continuous
 batching, bucket switching and requests joining and leaving; memory must not grow.
 
     PYTHONPATH=. python benchmarks/soak.py                 # llama-3.2-1b preset, bf16, 100k tokens
