@@ -12,6 +12,7 @@ from ..cli_args import UsageError, check_output_path, check_tp, choose_modes, in
 from .constants import CPU_MODES, DTYPES
 from .modes import OUR_MODES
 from .peers import PEERS
+from .serve_args import serve_flags_given
 from .workload import bench_bytes
 
 GPU_SIZES, GPU_CONTEXTS = [1, 8, 32], [512, 4096, 32768]  # the decode bench's defaults
@@ -52,11 +53,51 @@ def choose_device(args: argparse.Namespace) -> bool:
     return fell_back
 
 
+def check_mode_flags(args: argparse.Namespace) -> None:
+    """A flag of one mode given to another is refused, naming the flag and the mode it needs:
+    the ``--serve`` flags without ``--serve``; with ``--prefill`` the decode bench's flags
+    (``--serve`` refuses its own list, ``check_serve_args``); ``--threads`` on CUDA and
+    ``--peer-points`` on the CPU (no peers run there)."""
+    serve, prefill = getattr(args, "serve", False), getattr(args, "prefill", False)
+    if not serve:
+        for flag in serve_flags_given(args):
+            raise UsageError(
+                f"{flag} applies only with --serve (the serving benchmark); add --serve, or "
+                f"drop {flag}"
+            )
+    if prefill:
+        decode_only = {
+            "--modes": args.modes is not None,
+            "--plot": args.plot is not None,
+            "--batch-sizes": args.batch_sizes is not None,
+            "--contexts": args.contexts is not None,
+            "--peer-points": args.peer_points is not None,
+            "--tp": args.tp != 1,
+            "--kernels": args.kernels is not None,
+        }
+        for flag, given in decode_only.items():
+            if given:
+                raise UsageError(
+                    f"{flag} does not apply to --prefill (it times eager vs piecewise prefill, "
+                    f"one table); drop {flag}, or drop --prefill for the decode bench"
+                )
+    if args.device == "cuda" and args.threads is not None:
+        raise UsageError(
+            "--threads applies only with --device cpu (torch's CPU threads); drop --threads"
+        )
+    if args.device == "cpu" and not serve and not prefill and args.peer_points is not None:
+        raise UsageError(
+            "--peer-points applies only on CUDA (the peers run on a GPU; the CPU bench times "
+            "eager and graph); drop --peer-points"
+        )
+
+
 def check_bench_args(args: argparse.Namespace) -> None:
     """Every ``stepgraph bench`` argument, before the model is built: with the decode bench
     also the modes, ``--tp`` (torchrun), the contexts the model can hold, and the memory all
     points need at once (``check_bench_memory``). ``args.device`` and ``args.dtype`` are
     resolved first (``choose_device``)."""
+    check_mode_flags(args)
     sizes = int_list("--batch-sizes", args.batch_sizes)
     contexts = int_list("--contexts", args.contexts)
     check_output_path("--json", args.json)
@@ -99,5 +140,6 @@ def check_bench_memory(parts: dict[str, int], args: argparse.Namespace, tp: int 
     )
 
 
-__all__ = ["CPU_CONTEXTS", "CPU_SIZES", "GPU_CONTEXTS", "GPU_SIZES", "NO_GPU_NOTE", "bench_modes",
-           "check_bench_args", "check_bench_memory", "choose_device"]  # fmt: skip
+__all__ = ["CPU_CONTEXTS", "CPU_SIZES", "GPU_CONTEXTS", "GPU_SIZES", "NO_GPU_NOTE",
+           "bench_modes", "check_bench_args", "check_bench_memory", "check_mode_flags",
+           "choose_device"]  # fmt: skip

@@ -34,8 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default=None, help="default 512,4096,32768 (CPU: 16,64)")
     p.add_argument(
         "--peer-points",
-        default="small",
-        help="'small' (hf-eager at bs<=8 and ctx<=4096, compile at bs=1 ctx=512) or 'all'",
+        default=None,
+        choices=("small", "all"),
+        help="'small' (hf-eager at bs<=8 and ctx<=4096, compile at bs=1 ctx=512) or 'all' "
+        "(the decode bench on CUDA) (default: small)",
     )
     p.add_argument(
         "--device",
@@ -162,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
                     per_bs.get(p.bs),
                 )
         else:
-            res = run_peer(mode, mr, points, peer_allowed(mode, points, args.peer_points))
+            which = args.peer_points or "small"
+            res = run_peer(mode, mr, points, peer_allowed(mode, points, which))
             for p in points:
                 note = res.error or res.skipped.get(p, "")
                 add(mode, p, res.ms_per_token.get(p), res.compile_seconds, None, note)

@@ -14,6 +14,35 @@ DEFAULT_INPUT_LEN, DEFAULT_RANGE_RATIO = 576, 7 / 9  # prompts of 128-1024 token
 MAX_RUNNING = 64  # default --max-running: min(--num-requests, this)
 LATENCY_INPUT, LATENCY_OUTPUT = 512, 256  # the one-request latency case
 ENGINE_MODES = ("eager", "graph", "exact")
+# the --serve flags' defaults: argparse's default is None (False for --latency), so that a flag
+# given without --serve is seen and refused (``bench.args.check_mode_flags``)
+SERVE_DEFAULTS = {
+    "num_requests": 64,
+    "input_len": DEFAULT_INPUT_LEN,
+    "output_len": 128,
+    "range_ratio": DEFAULT_RANGE_RATIO,
+    "request_rate": math.inf,
+    "seed": 0,
+    "max_running": None,  # min(--num-requests, MAX_RUNNING)
+    "max_prefill_tokens": 8192,
+    "engine_prefill": "eager",
+    "peers": None,  # both peers on CUDA, none on the CPU
+    "latency": False,
+}
+
+
+def serve_flags_given(args: argparse.Namespace) -> list[str]:
+    """The ``--serve`` flags given on the command line (set, not left at argparse's None)."""
+    unset = (None, False)  # by identity: --seed 0 is given (0 == False)
+    given = [k for k in SERVE_DEFAULTS if not any(getattr(args, k, None) is u for u in unset)]
+    return ["--" + k.replace("_", "-") for k in given]
+
+
+def apply_serve_defaults(args: argparse.Namespace) -> None:
+    """The defaults of the ``--serve`` flags left unset."""
+    for key, value in SERVE_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,28 +54,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "as `vllm bench serve` reports them, next to the GPU step time and transformers peers "
         "(stepgraph/bench/serve.py; --modes picks the engine mode, default graph)",
     )
-    p.add_argument("--num-requests", type=int, default=64, help="--serve: requests (default 64)")
+    p.add_argument("--num-requests", type=int, default=None, help="--serve: requests (default 64)")
     p.add_argument(
         "--input-len",
         type=int,
-        default=DEFAULT_INPUT_LEN,
+        default=None,
         help="--serve: mean prompt tokens (default 576; with --range-ratio 7/9: 128-1024)",
     )
-    p.add_argument("--output-len", type=int, default=128, help="--serve: new tokens per request")
+    p.add_argument(
+        "--output-len", type=int, default=None, help="--serve: new tokens per request (default 128)"
+    )
     p.add_argument(
         "--range-ratio",
         type=float,
-        default=DEFAULT_RANGE_RATIO,
+        default=None,
         help="--serve: prompt lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (vLLM's "
         "random dataset; outputs stay exactly --output-len) (default 0.778 = 7/9)",
     )
     p.add_argument(
         "--request-rate",
         type=float,
-        default=math.inf,
+        default=None,
         help="--serve: Poisson arrivals at this many requests/s (default inf: all at once)",
     )
-    p.add_argument("--seed", type=int, default=0, help="--serve: workload and arrival seed")
+    p.add_argument(
+        "--seed", type=int, default=None, help="--serve: workload and arrival seed (default 0)"
+    )
     p.add_argument(
         "--max-running",
         type=int,
@@ -57,13 +90,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-prefill-tokens",
         type=int,
-        default=8192,
-        help="--serve: prompt tokens one engine step prefills, where the engine takes it",
+        default=None,
+        help="--serve: prompt tokens one engine step prefills, where the engine takes it "
+        "(default 8192)",
     )
     p.add_argument(
         "--engine-prefill",
         choices=("eager", "piecewise", "graph"),
-        default="eager",
+        default=None,
         help="--serve: the engine's prefill (Engine(prefill=...)); graph replays prompts of up "
         "to 2048 tokens from CUDA graphs (default: eager, the engine's default)",
     )
@@ -95,6 +129,7 @@ def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
     """Every ``--serve`` flag, before any work: one-line ``ConfigError`` naming the flag."""
     from .serve_peers import SERVE_PEERS
 
+    apply_serve_defaults(args)
     cuda = args.device == "cuda"
     counts = {
         "--num-requests": args.num_requests,
@@ -118,7 +153,7 @@ def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
     unused = {
         "--batch-sizes": args.batch_sizes is not None,
         "--contexts": args.contexts is not None,
-        "--peer-points": args.peer_points != "small",
+        "--peer-points": args.peer_points is not None,
         "--tp": args.tp != 1,
         "--prefill": args.prefill,
     }
@@ -167,6 +202,9 @@ __all__ = [
     "LATENCY_OUTPUT",
     "MAX_RUNNING",
     "ServePlan",
+    "SERVE_DEFAULTS",
     "add_serve_arguments",
+    "apply_serve_defaults",
     "check_serve_args",
+    "serve_flags_given",
 ]
