@@ -30,9 +30,11 @@ class DecodePath:
         self._table: tuple[tuple[int, ...], object] | None = None  # (request ids, block table)
         if mode == "eager":
             return
-        from ..runner import CudaGraphRunner, RunnerConfig
+        from ..runner import CudaGraphRunner
+        from ..runner.config import config_for
 
-        config = runner_config or RunnerConfig(max_bs=model_runner.max_bs, show_progress=False)
+        # default: RunnerConfig(max_bs=model_runner.max_bs); no bucket above its max_bs
+        config = config_for(model_runner, runner_config, show_progress=False)
         if decode_via == "runner":  # input ids of the last step's rows: read from the feed
             self.runner = CudaGraphRunner(
                 model_runner, replace(config, mode=mode), feed=model_runner.greedy_tokens

@@ -46,6 +46,7 @@ from .requests import (
     check_min_tokens,
     check_request,
     own_sampling,
+    running_limit,
     stop_id_set,
 )
 from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_budget
@@ -56,6 +57,8 @@ class Engine:
     """Decode through the graph runner (``mode`` "graph" or "exact") or eagerly
     (``mode="eager"``, which never builds a runner). ``runner_config`` defaults to
     ``RunnerConfig(max_bs=model_runner.max_bs)``; its ``mode`` is set from ``mode``.
+    ``max_running`` (default and most: ``model_runner.max_bs``): requests running at once, the
+    rows of a decode batch.
 
     ``prefill``: "eager" (default), "piecewise" (``PiecewisePrefill`` with ``prefill_config``,
     default ``PrefillShapes()``) or "graph" (``GraphPrefill``, ``prefill_config`` its keyword
@@ -78,13 +81,13 @@ class Engine:
         overlap: bool = True,
         check_same_thread: bool = True,
     ) -> None:
-        check_engine_args(mode, prefill, decode_via, max_running)
+        check_engine_args(mode, prefill, decode_via)
         check_budget(max_prefill_tokens)
         self.max_prefill_tokens = max_prefill_tokens
         self.model_runner = model_runner
         self.mode = mode
         self.decode_via = decode_via
-        self.max_running = max_running
+        self.max_running = max_running  # None: model_runner.max_bs (``running_limit``)
         self.decoder = DecodePath(model_runner, mode, decode_via, runner_config)
         self.runner = self.decoder.runner  # CudaGraphRunner (decode_via="runner") or None
         self.config_runner = self.decoder.config_runner  # ConfigGraphRunner ("configs") or None
@@ -105,6 +108,16 @@ class Engine:
         self._shared_gen = None if self._sync is None else torch.Generator(model_runner.device)
         if self._shared_gen is not None:
             self._shared_gen.manual_seed(self._sync.seed)
+
+    @property
+    def max_running(self) -> int | None:
+        """The most requests running at once, so the most rows of a decode batch: at most the
+        model runner's ``max_bs`` (its default; setting None restores it)."""
+        return self._max_running
+
+    @max_running.setter
+    def max_running(self, value: int | None) -> None:
+        self._max_running = running_limit(self.model_runner, value)
 
     @property
     def check_same_thread(self) -> bool:

@@ -151,7 +151,7 @@ def own_sampling(
     return sampling, generator
 
 
-def check_engine_args(mode: str, prefill: str, decode_via: str, max_running: int | None) -> None:
+def check_engine_args(mode: str, prefill: str, decode_via: str) -> None:
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
     if prefill not in PREFILLS:
@@ -163,8 +163,26 @@ def check_engine_args(mode: str, prefill: str, decode_via: str, max_running: int
             f"decode_via='configs' replays the captured decode walk as is; it needs "
             f"mode='graph', got mode={mode!r}. Use decode_via='runner' for mode={mode!r}."
         )
-    if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
-        raise ConfigError(f"max_running must be >= 1 or None, got {max_running!r}.")
+
+
+def running_limit(model_runner: Any, max_running: int | None) -> int | None:
+    """The engine's ``max_running``: as given, or by default the model runner's ``max_bs`` (a
+    decode batch holds every running request; None where the model runner has no ``max_bs``).
+    ``ConfigError`` above ``max_bs``: no decode batch may outgrow its row buffers."""
+    from ..runner.config import model_rows
+
+    rows = model_rows(model_runner)
+    if max_running is None:
+        return rows
+    if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+        raise ConfigError(f"max_running must be an integer >= 1 or None, got {max_running!r}.")
+    if rows is not None and max_running > rows:
+        raise ConfigError(
+            f"max_running={max_running} is more than the model runner's max_bs={rows}: a decode "
+            f"batch of every running request would not fit its buffers; pass max_running <= "
+            f"{rows} (or None: {rows}), or build the model runner with max_bs={max_running}."
+        )
+    return max_running
 
 
 def stop_id_set(config: Any, stop_ids: Sequence[int] | None, ignore_eos: bool) -> frozenset[int]:
@@ -223,6 +241,7 @@ __all__ = [
     "check_engine_args",
     "check_min_tokens",
     "check_request",
+    "running_limit",
     "sample_rows",
     "stop_id_set",
 ]

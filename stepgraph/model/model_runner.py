@@ -18,6 +18,7 @@ from .extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
 from .fused_decode import (
     FUSED_MAX_BS,
     check_kernels,
+    check_rows,
     default_kernels,
     fused_decode_step,
     kernel_class,
@@ -54,13 +55,11 @@ class ModelRunner:
         max_bs: int,
         max_context_len: int,
     ) -> None:
-        self.model = model
-        self.config = config
+        self.model, self.config = model, config
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
-        self.max_bs = max_bs
-        self.max_context_len = max_context_len
+        self.max_bs, self.max_context_len = max_bs, max_context_len  # forward: <= max_bs rows
         self.page_size = kv_cache.page_size
         self.max_pages_per_request = kv_cache.max_pages_per_request
         if model.max_positions < max_context_len:
@@ -261,9 +260,10 @@ class ModelRunner:
         its shared output, so no float32 ``[bs, vocab]`` temporary lands in the graph pool)."""
         if batch.mode is not ForwardMode.DECODE:
             raise ConfigError("ModelRunner.forward runs decode batches; use prefill() for prompts.")
+        bs = batch.input_ids.shape[0]
+        check_rows(bs, self.max_bs)  # before anything reaches the device
         if not self.attn_backend.is_prepared_for(batch):
             self.attn_backend.init_forward_metadata(batch)
-        bs = batch.input_ids.shape[0]
         if self.uses_fused(bs):
             return fused_decode_step(
                 self.model, self.attn_backend, batch.input_ids, batch.positions,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Any
 
 from ..buckets import DEFAULT_MAX_BS, default_capture_sizes, validate_buckets
 from ..errors import ConfigError
@@ -95,3 +96,29 @@ class RunnerConfig:
         if not self.enable_torch_compile:
             return []
         return [bs for bs in self.buckets() if bs <= self.torch_compile_max_bs]
+
+
+def model_rows(model_runner: Any) -> int | None:
+    """The most rows ``model_runner``'s static buffers hold (its ``max_bs``), or None where it
+    does not say (a model runner of your own without ``max_bs``: no limit)."""
+    rows = getattr(model_runner, "max_bs", None)
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
+
+
+def config_for(
+    model_runner: Any, config: RunnerConfig | None, **defaults: Any
+) -> RunnerConfig:
+    """``config``, or by default ``RunnerConfig(max_bs=model_runner.max_bs, **defaults)``;
+    ``ConfigError`` naming both numbers when ``config``'s largest bucket is above
+    ``model_runner.max_bs`` (a capture of that bucket would overrun its row buffers)."""
+    rows = model_rows(model_runner)
+    if config is None:
+        return RunnerConfig(**defaults) if rows is None else RunnerConfig(max_bs=rows, **defaults)
+    largest = max(config.buckets())
+    if rows is not None and largest > rows:
+        raise ConfigError(
+            f"the runner config captures batches of up to {largest} rows, but the model runner "
+            f"was built for max_bs={rows}; pass RunnerConfig(max_bs={rows}) (or capture_bs up "
+            f"to {rows}), or build the model runner with max_bs={largest}."
+        )
+    return config

@@ -28,7 +28,7 @@ from ..graph_pool import GraphPool
 from ..graph_update.exec_updater import ExecUpdater, default_exec_updater
 from .base import GraphRunnerBase, lend_graph_buckets
 from .capture import capture_loop, capture_step, logger
-from .config import RunnerConfig
+from .config import RunnerConfig, config_for
 from .feed import check_feed
 from .graph_inputs import captured_inputs
 from .input_buffers import GraphInputBuffers
@@ -55,14 +55,15 @@ class CudaGraphRunner(GraphRunnerBase):
         pool: GraphPool | None = None,
         feed: torch.Tensor | None = None,
     ) -> None:
-        """``pool``: the graph memory pool to capture into; default: the process-wide pool
+        """``config``: default ``RunnerConfig(max_bs=model_runner.max_bs)``; no bucket above that
+        max_bs. ``pool``: the graph memory pool to capture into; default: the process-wide pool
         (``set_global_graph_memory_pool``), shared by every runner. ``feed``: ``[F]`` int64 on
         the device, at a fixed address: a batch row of input id ``-1 - j`` replays with
         ``feed[j]``, gathered inside the graph (``runner/feed.py``: the overlapped loop's
         input, with no host round trip)."""
         check_model_runner(model_runner, type(self).__name__)  # names what is missing
         self.model_runner = model_runner
-        self.config = config = config if config is not None else RunnerConfig()
+        self.config = config = config_for(model_runner, config)  # default: its max_bs
         self.device = canonical_device(model_runner.device)
         self.capture_bs = config.buckets()
         self.max_bs = self.capture_bs[-1]
