@@ -81,7 +81,7 @@ def fused_forward(mr, batch, use_pdl: bool, blocks: dict | None = None):
 
 
 def reference_forward(mr, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, greedy tokens) of today's step: ``ModelRunner.forward`` then ``argmax``."""
+    """(logits, greedy tokens) of the reference step: ``ModelRunner.forward`` then ``argmax``."""
     mr.set_kernels("reference")  # the unfused kernels (ModelRunner's default on CUDA is fused)
     try:
         logits = mr.forward(batch)
