@@ -129,3 +129,20 @@ def test_engine_refuses_a_runner_config_above_the_model_runner(decode_via):
     mr = _runner(max_bs=ROWS)
     with pytest.raises(ConfigError, match="max_bs=8"):
         Engine(mr, "graph", RunnerConfig(max_bs=16), decode_via=decode_via)
+
+
+def test_default_mode_is_the_fastest_that_equals_eager():
+    """Exact on CUDA (graphs retuned to eager's geometry); eager on the CPU, whose graph
+    stand-in only re-runs the eager step; the configs walk has graph mode alone."""
+    from types import SimpleNamespace
+
+    from stepgraph.engine.requests import default_mode
+
+    cuda, cpu = SimpleNamespace(device="cuda:0"), SimpleNamespace(device=torch.device("cpu"))
+    assert default_mode(cuda, "runner") == "exact"
+    assert default_mode(cpu, "runner") == "eager"
+    assert default_mode(cuda, "configs") == default_mode(cpu, "configs") == "graph"
+    engine = Engine(_runner())
+    assert engine.mode == "eager" and engine.runner is None
+    walk = Engine(_runner(), decode_via="configs")
+    assert walk.mode == "graph" and walk.config_runner is not None

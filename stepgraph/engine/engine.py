@@ -12,7 +12,7 @@ input ids from the device (``overlap.py``). Stop ids therefore take effect one s
 the token a finished request got in the step in flight is dropped. ``overlap=False`` waits for
 each step's tokens (the synchronous loop; the same tokens).
 
-    engine = Engine(ModelRunner.from_preset("tiny"), mode="graph")
+    engine = Engine(ModelRunner.from_preset("tiny"))   # mode: exact on CUDA, eager on the CPU
     engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # -> [[...16 ids], [...16 ids]]
 """
 
@@ -45,6 +45,7 @@ from .requests import (
     check_engine_args,
     check_min_tokens,
     check_request,
+    default_mode,
     own_sampling,
     running_limit,
     stop_id_set,
@@ -55,8 +56,10 @@ from .tp_sync import ScheduleSync
 
 class Engine:
     """Decode through the graph runner (``mode`` "graph" or "exact") or eagerly
-    (``mode="eager"``, which never builds a runner). ``runner_config`` defaults to
-    ``RunnerConfig(max_bs=model_runner.max_bs)``; its ``mode`` is set from ``mode``.
+    (``mode="eager"``, which never builds a runner). ``mode=None`` (default): the fastest mode
+    that equals eager, "exact" on CUDA, "eager" on the CPU (``requests.default_mode``).
+    ``runner_config`` defaults to ``RunnerConfig(max_bs=model_runner.max_bs)``; its ``mode`` is
+    set from ``mode``.
     ``max_running`` (default and most: ``model_runner.max_bs``): requests running at once, the
     rows of a decode batch.
 
@@ -70,7 +73,7 @@ class Engine:
     def __init__(
         self,
         model_runner: ModelRunner,
-        mode: str = "eager",
+        mode: str | None = None,
         runner_config: Any | None = None,
         *,
         max_running: int | None = None,
@@ -81,6 +84,7 @@ class Engine:
         overlap: bool = True,
         check_same_thread: bool = True,
     ) -> None:
+        mode = default_mode(model_runner, decode_via) if mode is None else mode
         check_engine_args(mode, prefill, decode_via)
         check_budget(max_prefill_tokens)
         self.max_prefill_tokens = max_prefill_tokens

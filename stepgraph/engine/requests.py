@@ -151,6 +151,16 @@ def own_sampling(
     return sampling, generator
 
 
+def default_mode(model_runner: Any, decode_via: str) -> str:
+    """``Engine``'s mode when none is given: the fastest that equals eager token for token.
+    "exact" on CUDA (graphs retuned to the live KV length: eager's split geometry), "eager" on
+    the CPU (its graph stand-in re-runs the eager step: no faster, and there is no exact mode
+    there); "graph" with ``decode_via="configs"``, its only mode."""
+    if decode_via == "configs":
+        return "graph"
+    return "exact" if torch.device(model_runner.device).type == "cuda" else "eager"
+
+
 def check_engine_args(mode: str, prefill: str, decode_via: str) -> None:
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -241,6 +251,7 @@ __all__ = [
     "check_engine_args",
     "check_min_tokens",
     "check_request",
+    "default_mode",
     "running_limit",
     "sample_rows",
     "stop_id_set",
