@@ -109,6 +109,18 @@ def nonneg_float(text: str) -> float:
     return value
 
 
+def cpu_threads(text: str) -> int:
+    """``--threads``: torch's CPU threads, 1 up to the cores of this machine (more only
+    contend for them)."""
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(
+            f"{value} threads is more than the {cores} cores of this machine; pass at most {cores}"
+        )
+    return value
+
+
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
 
@@ -268,6 +280,7 @@ __all__ = [
     "UsageError",
     "check_output_path",
     "closed_pipe",
+    "cpu_threads",
     "check_prompts",
     "check_tp",
     "choose_modes",

@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from ..cli_args import UsageError, check_output_path, check_tp, choose_modes, int_list, model_config
-from .constants import CPU_MODES, DTYPES
+from .constants import CPU_MAX_BS, CPU_MODES, DTYPES, GPU_MAX_BS
 from .modes import OUR_MODES
 from .peers import PEERS
 from .serve_args import serve_flags_given
@@ -99,6 +99,12 @@ def check_bench_args(args: argparse.Namespace) -> None:
     resolved first (``choose_device``)."""
     check_mode_flags(args)
     sizes = int_list("--batch-sizes", args.batch_sizes)
+    most = GPU_MAX_BS if args.device == "cuda" else CPU_MAX_BS
+    if sizes and max(sizes) > most:
+        raise UsageError(
+            f"argument --batch-sizes: {max(sizes)} rows is more than the bench takes on "
+            f"{args.device} ({most}); pass batch sizes of at most {most}"
+        )
     contexts = int_list("--contexts", args.contexts)
     check_output_path("--json", args.json)
     check_output_path("--plot", args.plot, image=True)

@@ -32,8 +32,12 @@ EXPLAIN = (
 )
 
 
-def set_cpu_threads(threads: int | None) -> str:
-    """Set torch's intra-op threads for a CPU run; return the one line that says so."""
+SMALL_HIDDEN = 256  # a model this narrow (the tiny presets: 64) has ops too small to split
+
+
+def set_cpu_threads(threads: int | None, config=None) -> str:
+    """Set torch's intra-op threads for a CPU run; return the one line that says so. The
+    default is one thread; the reason given depends on the model (``config``, when known)."""
     cores = os.cpu_count() or 1
     if threads is not None:
         why = "--threads"
@@ -41,7 +45,10 @@ def set_cpu_threads(threads: int | None) -> str:
         threads, why = torch.get_num_threads(), "OMP_NUM_THREADS"
     else:
         threads = 1
-        why = "default: a tiny model's ops are too small to split, extra threads only contend"
+        if config is not None and config.hidden_size <= SMALL_HIDDEN:
+            why = "default: a tiny model's ops are too small to split, extra threads only contend"
+        else:
+            why = "default: one thread; a model of this size may run faster on more cores"
     torch.set_num_threads(threads)
     return f"torch threads: {threads} of {cores} cores ({why}; change with --threads N)"
 
@@ -101,7 +108,9 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
 
     modes = cpu_modes(args.modes)
     model, tp = args.model or "tiny", getattr(args, "tp", 1)
-    threads = set_cpu_threads(args.threads)
+    from ..cli_args import model_config
+
+    threads = set_cpu_threads(args.threads, model_config(model))
     dtype = getattr(args, "dtype", None) or "float32"
     mr = build_model_runner(model, "cpu", DTYPES[dtype], max(sizes), max(contexts) + 64, tp=tp)
     say = print if is_main_rank() else _quiet
@@ -186,5 +195,5 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
     return 0 if same else 1
 
 
-__all__ = ["EXPLAIN", "FUSED_NOTE", "cpu_modes", "host_ms", "run_cpu", "set_cpu_threads",
-           "TOKEN_CHECK_NEW", "token_check_prompts"]  # fmt: skip
+__all__ = ["EXPLAIN", "FUSED_NOTE", "SMALL_HIDDEN", "cpu_modes", "host_ms", "run_cpu",
+           "set_cpu_threads", "TOKEN_CHECK_NEW", "token_check_prompts"]  # fmt: skip

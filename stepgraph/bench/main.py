@@ -8,8 +8,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..cli_args import positive_int
-from .constants import CPU_MODES, DTYPES, GPU_MODES
+from ..cli_args import cpu_threads, positive_int
+from .constants import CPU_MAX_BS, CPU_MODES, DTYPES, GPU_MAX_BS, GPU_MODES
 from .e2e import run_engine
 from .modes import OUR_MODES, run_mode
 from .peers import PEERS, run_peer
@@ -30,7 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma list of {OUR_MODES + PEERS} (default: {GPU_MODES}; CPU: "
         f"{','.join(CPU_MODES)}, the only ones it can run)",
     )
-    p.add_argument("--batch-sizes", default=None, help="default 1,8,32 (CPU: 1,2)")
+    p.add_argument(
+        "--batch-sizes",
+        default=None,
+        help=f"default 1,8,32 (CPU: 1,2); at most {GPU_MAX_BS} (CPU: {CPU_MAX_BS})",
+    )
     p.add_argument("--contexts", default=None, help="default 512,4096,32768 (CPU: 16,64)")
     p.add_argument(
         "--peer-points",
@@ -55,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=positive_int, default=10, help="timed repetitions per point")
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=cpu_threads,
         default=None,
         help="torch CPU threads (--device cpu; default 1, or OMP_NUM_THREADS when set)",
     )

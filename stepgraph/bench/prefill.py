@@ -86,11 +86,12 @@ def run_prefill(args: argparse.Namespace) -> int:
                 f"--{flag} does not apply to --prefill (it times eager vs piecewise prefill, "
                 f"one table); drop --{flag}, or drop --prefill for the decode bench."
             )
+    model = args.model or ("llama-3.2-1b" if cuda else "tiny")
     if not cuda:
+        from ..cli_args import model_config
         from .cpu import set_cpu_threads
 
-        print(set_cpu_threads(getattr(args, "threads", None)))
-    model = args.model or ("llama-3.2-1b" if cuda else "tiny")
+        print(set_cpu_threads(getattr(args, "threads", None), model_config(model)))
     totals = PREFILL_TOKENS if cuda else CPU_TOKENS
     dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
     dtype = DTYPES[dtype_name]

@@ -176,7 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not cuda:
         from .cpu import set_cpu_threads
 
-        print(set_cpu_threads(args.threads))
+        print(set_cpu_threads(args.threads, config))
     vocab, out_len = config.vocab_size, args.output_len
     prompts = random_prompts(args.num_requests, args.input_len, args.range_ratio, vocab, args.seed)
     arrivals = arrival_times(args.num_requests, args.request_rate, args.seed)
