@@ -8,7 +8,6 @@ import sys
 
 from .cli_args import (
     Parser,
-    UsageError,
     check_prompts,
     check_tp,
     model_config,
@@ -63,8 +62,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
     config = model_config(args.model)
     check_tp(args.tp, "generate")
+    from .prompts import decode_outputs, text_tokenizer
+
+    tokenizer = text_tokenizer(args.model, required=args.prompt is not None)
     if args.prompt is not None:
-        prompts = [tokenize(args.model, args.prompt)]
+        prompts = [list(tokenizer.encode(args.prompt))]
     elif args.prompt_file is not None:
         from .prompts import read_prompt_file
 
@@ -109,38 +111,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     engine.shutdown()
     if is_main_rank():  # with --tp every rank holds the same tokens; one prints
+        texts = decode_outputs(tokenizer, outputs)  # None without a tokenizer
         if args.json:
-            print(json.dumps({"outputs": outputs}))
+            print(json.dumps({"outputs": outputs, **({"texts": texts} if texts else {})}))
         else:
             for i, out in enumerate(outputs):
-                print(f"[{i}] {' '.join(map(str, out))}")
+                print(f"[{i}] {texts[i] if texts else ' '.join(map(str, out))}")
     finish()
     return 0
-
-
-def tokenize(model: str, text: str) -> list[int]:
-    """``--prompt`` text as token ids, with the tokenizer of the checkpoint directory
-    ``model``; a one-line error when there is none (a preset, or a directory without one)."""
-    from pathlib import Path
-
-    if not Path(model).is_dir():
-        raise UsageError(
-            "argument --prompt: text needs a tokenizer; pass --model DIR of a local HF "
-            "checkpoint, or use --prompt-ids"
-        )
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model)
-    except (ImportError, OSError, ValueError, TypeError, KeyError) as e:
-        said = " ".join(str(e).split())
-        said = said if len(said) <= 160 else said[:159] + "…"
-        raise UsageError(
-            f"argument --prompt: no usable tokenizer in {model} ({type(e).__name__}: {said}); "
-            "copy the checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json) "
-            "into it, or pass token ids with --prompt-ids"
-        ) from e
-    return tokenizer.encode(text)
 
 
 def cmd_buckets(args: argparse.Namespace) -> int:
@@ -195,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
-    gen = sub.add_parser("generate", help="generate token ids for prompts")
+    gen = sub.add_parser(
+        "generate", help="generate for prompts: the text with a tokenizer, else token ids"
+    )
     gen.add_argument("--model", default="tiny", help="preset name or local HF directory")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", help='token ids, prompts split by ";": "1,2,3;4,5"')
@@ -233,7 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--seed", type=seed_int, default=0, help="random weights and sampling, 0..2**64-1"
     )
-    gen.add_argument("--json", action="store_true", help='print {"outputs": [[ids...], ...]}')
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"outputs": [[ids...], ...]}, and "texts": [...] with a tokenizer',
+    )
     gen.add_argument(
         "--stop-ids",
         default=None,

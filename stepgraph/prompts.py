@@ -8,7 +8,10 @@ import json
 import sys
 from typing import TextIO
 
+from .cli_args import UsageError
 from .errors import ConfigError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:
@@ -85,4 +88,53 @@ def parse_prompt_text(text: str, where: str = "prompt file") -> list[list[int]]:
     return prompts
 
 
-__all__ = ["parse_prompt_ids", "parse_prompt_text", "parse_stop_ids", "read_prompt_file"]
+def text_tokenizer(model: str, required: bool):
+    """The tokenizer of the checkpoint directory ``model`` (local files only), or None.
+    ``required`` (``--prompt`` text): a one-line error when there is none (a preset, or a
+    directory without one). Otherwise it is loaded where the directory has tokenizer files, to
+    print the outputs as text, and a note says so when they cannot be read."""
+    from pathlib import Path
+
+    if not Path(model).is_dir():
+        if required:
+            raise UsageError(
+                "argument --prompt: text needs a tokenizer; pass --model DIR of a local HF "
+                "checkpoint, or use --prompt-ids"
+            )
+        return None
+    if not required and not any((Path(model) / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (ImportError, OSError, ValueError, TypeError, KeyError) as e:
+        said = " ".join(str(e).split())
+        said = said if len(said) <= 160 else said[:159] + "…"
+        if not required:
+            print(f"stepgraph: note: no usable tokenizer in {model} ({type(e).__name__}: "
+                  f"{said}); printing token ids only", file=sys.stderr)  # fmt: skip
+            return None
+        raise UsageError(
+            f"argument --prompt: no usable tokenizer in {model} ({type(e).__name__}: {said}); "
+            "copy the checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json) "
+            "into it, or pass token ids with --prompt-ids"
+        ) from e
+
+
+def decode_outputs(tokenizer, outputs: list[list[int]]) -> list[str] | None:
+    """Each output's text (special tokens skipped), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return [tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
+
+
+__all__ = [
+    "TOKENIZER_FILES",
+    "decode_outputs",
+    "parse_prompt_ids",
+    "parse_prompt_text",
+    "parse_stop_ids",
+    "read_prompt_file",
+    "text_tokenizer",
+]
