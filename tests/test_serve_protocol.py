@@ -189,7 +189,7 @@ def test_the_fast_chunk_bytes_equal_the_chunk_object(chat, token_ids):
         assert json.loads(raw[6:]) == s.chunk(*args)
 
 
-def test_queued_items_merge_into_one_chunk_up_to_the_last():
+def test_queued_items_merge_into_one_chunk_up_to_the_last_only_when_told():
     import asyncio
 
     from stepgraph.serve.app import _merged
@@ -197,12 +197,14 @@ def test_queued_items_merge_into_one_chunk_up_to_the_last():
     q: asyncio.Queue = asyncio.Queue()
     for item in [([2], None, None), ([3, 4], "length", None), ([9], None, None)]:
         q.put_nowait(item)
-    assert _merged(([1], None, None), q) == ([1, 2, 3, 4], "length", None)
+    assert _merged(([1], None, None), q, False) == ([1], None, None)  # a client that keeps up
+    assert q.qsize() == 3
+    assert _merged(([1], None, None), q, True) == ([1, 2, 3, 4], "length", None)
     assert q.qsize() == 1  # nothing past the last item of the request
     assert q.get_nowait() == ([9], None, None)
     err = EngineFault("x")
     q.put_nowait(([], None, err))
-    assert _merged(([5], None, None), q) == ([5], None, err)  # the error ends it
+    assert _merged(([5], None, None), q, True) == ([5], None, err)  # the error ends it
 
 
 WORDS = ["the", " cat", " sat", "é", " on", " a", " mat", "!", " ###", " end"]

@@ -176,3 +176,18 @@ def test_chat_completions_go_through_the_chat_template(served, capsys):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content for c in chunks) == ch.message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_streams_send_one_event_per_token_for_completions_and_chat(served):
+    """One request alone: each engine step's token is an event of its own, as it lands."""
+    n, prompt = 8, _text(5, 6)
+    msgs = [{"role": "user", "content": _text(6, 4)}]
+    chunks = list(served.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+        extra_body={"return_token_ids": True}))  # fmt: skip
+    assert [len(c.choices[0].model_extra["token_ids"]) for c in chunks] == [1] * n
+    assert sum(c.choices[0].text != "" for c in chunks) > 1  # text as it comes, too
+    chunks = list(served.client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=n, temperature=0, stream=True))  # fmt: skip
+    assert len(chunks) == n and chunks[-1].choices[0].finish_reason == "length"
+    assert sum(bool(c.choices[0].delta.content) for c in chunks) > 1

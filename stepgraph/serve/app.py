@@ -5,7 +5,8 @@ one worker: ``ProcessWorker`` (the engine in its own process) or ``EngineWorker`
 A handler checks its request (``protocol.py``; a 400 naming the field, nothing queued), refuses
 it with 503 and ``Retry-After`` while more than ``max_waiting`` requests wait (or while the
 engine is restarting, or the server stops), then hands it to the engine and awaits its tokens.
-Streamed (``"stream": true``), each engine step's tokens are one server-sent event, ending in
+Streamed (``"stream": true``), each engine step's tokens are one server-sent event, sent as
+soon as they land (merged only while the client reads slower than they come), ending in
 ``data: [DONE]``; a client that goes away aborts its request, before its first chunk as well as
 mid-way, and so does one that leaves a non-streamed request before its answer. An engine fault
 answers 500 (streamed: an error event) and the server carries on.
@@ -43,30 +44,64 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+BEHIND_ITEMS = 16  # steps a stream's handler may lag before it catches up in one event
+
+
+class _Pace:
+    """Whether the client of one stream reads more slowly than its tokens come: its last event
+    waited for the connection to drain (the transport's buffer was full)."""
+
+    backed_up = False
+
+
 class _Streamed(StreamingResponse):
     """A streamed answer that aborts its request however it ends: a client that goes away
     before the first chunk ends the response before its generator ever starts (and a generator
-    that never started runs no ``finally``)."""
+    that never started runs no ``finally``). Each send is watched: one that had to wait for the
+    client marks ``pace.backed_up`` (a send that does not wait never gives the event loop a
+    turn, so a callback queued before it has not run when it returns)."""
 
-    def __init__(self, content: Any, on_end: Any) -> None:
+    def __init__(self, content: Any, on_end: Any, pace: _Pace) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})  # fmt: skip
-        self._on_end = on_end
+        self._on_end, self._pace = on_end, pace
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        loop, pace = asyncio.get_running_loop(), self._pace
+
+        async def watched(message: Any) -> None:
+            turns: list[None] = []
+            mark = loop.call_soon(turns.append, None)
+            try:
+                await send(message)
+            finally:
+                mark.cancel()
+            pace.backed_up = bool(turns)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, watched)
         finally:
             self._on_end()
 
 
-def _merged(item: tuple, q: asyncio.Queue) -> tuple:
-    """``item`` and the items queued behind it as one: a client that reads slower than the
-    engine steps gets a chunk of several tokens, not a growing backlog of one-token chunks."""
-    while item[1] is None and item[2] is None and not q.empty():
+def _merged(item: tuple, q: asyncio.Queue, merge: bool) -> tuple:
+    """``item`` and, when ``merge``, the items queued behind it as one: a client that reads
+    slower than the engine steps gets a chunk of several tokens, not a growing backlog of
+    one-token chunks. Otherwise each engine step's tokens are an event of their own."""
+    while merge and item[1] is None and item[2] is None and not q.empty():
         toks, reason, err = q.get_nowait()
         item = (item[0] + toks, reason, err)
     return item
+
+
+async def _warm_streaming() -> None:
+    """Import now what the first streamed answer would import on the event loop (anyio's task
+    group, about 50 ms): else every token that lands meanwhile waits for it, and the first
+    client sees them all in one event."""
+    import anyio
+
+    async with anyio.create_task_group():
+        pass
 
 
 class Handlers:
@@ -101,7 +136,9 @@ class Handlers:
                         chat, params.return_token_ids)  # fmt: skip
         text = TextStream(tok.decode if tok else None, params.stop_texts)
         if params.stream:
-            return _Streamed(self._events(stream, shapes, text), lambda: self.worker.abort(stream))
+            pace = _Pace()
+            return _Streamed(self._events(stream, shapes, text, pace),
+                             lambda: self.worker.abort(stream), pace)  # fmt: skip
         answer = asyncio.ensure_future(self._collect(stream, shapes, text))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -156,11 +193,14 @@ class Handlers:
         finally:
             self.worker.abort(stream)  # no-op once it finished
 
-    async def _events(self, stream: Stream, shapes: Shapes, text: TextStream):
-        n_out, first = 0, True
+    async def _events(self, stream: Stream, shapes: Shapes, text: TextStream, pace: _Pace):
+        """One event per engine step that gave ``stream`` tokens, the first as soon as it
+        lands; merged only while the client reads slower than they come (``pace``), or while
+        this handler lags ``BEHIND_ITEMS`` steps behind the engine."""
+        n_out, first, q = 0, True, stream.queue
         try:
             while True:
-                item = _merged(await stream.queue.get(), stream.queue)
+                item = _merged(await q.get(), q, pace.backed_up or q.qsize() >= BEHIND_ITEMS)
                 if item[2] is not None:
                     stream.closed = True
                     yield sse(error_body(item[2]))
@@ -212,6 +252,7 @@ def build_app(
     async def lifespan(app: Starlette):
         if hasattr(worker, "attach"):  # the engine process's messages come on this loop
             worker.attach(asyncio.get_running_loop())
+        await _warm_streaming()
         yield
         await asyncio.get_running_loop().run_in_executor(None, worker.stop, stop_timeout)
 
