@@ -99,7 +99,7 @@ def test_bad_sampling_is_refused_before_anything_runs(kw, match):
     "prompt,n,match",
     [
         ([1, 2, VOCAB], 4, "outside"),
-        ([1, "2"], 4, "outside"),
+        ([1, "2"], 4, "not a list of token ids: it holds str"),
         ([], 4, "empty"),
         ([1, 2], 0, "max_new_tokens"),
         ([1, 2], 2.0, "max_new_tokens"),

@@ -126,5 +126,6 @@ def test_top_k_edges():
 def test_bad_temperatures_name_the_fix(temperature):
     from stepgraph.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"temperature must be .*pass --temperature 0 for greedy"):
+    greedy = r"temperature must be .*pass Sampling\(temperature=0\).* for greedy"
+    with pytest.raises(ConfigError, match=greedy):
         Sampling(temperature)

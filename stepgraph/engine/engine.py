@@ -44,6 +44,7 @@ from .requests import (
     Sampling,
     check_engine_args,
     check_min_tokens,
+    check_prompt_ids,
     check_request,
     default_mode,
     own_sampling,
@@ -167,6 +168,7 @@ class Engine:
         (``stop_ids`` still apply). ``sampling``: its own temperature and top-k instead of the
         step's, drawn from its own generator, seeded with ``seed`` (None: a random seed)."""
         self._check_thread("add_request")
+        check_prompt_ids(prompt, "the prompt")  # before len(): text, a number
         what = f"request of {len(prompt)} prompt tokens"
         check_request(self.model_runner, prompt, max_new_tokens, what)
         check_min_tokens(min_tokens, max_new_tokens)

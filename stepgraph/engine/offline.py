@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, StepGraphError
-from .requests import Sampling, check_request
+from .requests import Sampling, check_prompt_ids, check_request
 
 PREFILL_PROGRESS_DELAY_S = 2.0  # generate() shows a prefill bar once prefill takes this long
 
@@ -31,7 +31,13 @@ def run_to_completion(
     prompt is checked before any is queued: one that cannot fit raises ``ConfigError`` naming
     it, and nothing runs."""
     engine._check_thread("generate")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ConfigError(
+            f"prompts must be a list of prompts, each a list of token ids (ints), got "
+            f"{prompts!r:.40}; e.g. generate([[1, 2, 3]], 8). Encode text with a tokenizer first."
+        )
     for i, p in enumerate(prompts):
+        check_prompt_ids(p, f"prompt {i}")  # before len(): text, a number
         check_request(engine.model_runner, p, max_new_tokens, f"prompt {i} ({len(p)} tokens)")
     generator = None
     if seed is not None:

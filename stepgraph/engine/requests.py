@@ -57,11 +57,14 @@ class Sampling:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ConfigError(
                 f"temperature must be a finite number >= 0 (0: greedy), got {t!r}; "
-                "pass --temperature 0 for greedy decoding."
+                "pass Sampling(temperature=0) (generate(temperature=0)) for greedy decoding."
             )
         k = self.top_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ConfigError(f"top_k must be an integer >= 1 or unset, got {k!r}; use --top-k 1..")
+            raise ConfigError(
+                f"top_k must be an integer >= 1 or None, got {k!r}; pass top_k=None (every "
+                "token) or top_k=1 and up."
+            )
 
     def sample(
         self,
@@ -216,13 +219,33 @@ def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
         )
 
 
+def check_prompt_ids(prompt: Any, name: str) -> None:
+    """``ConfigError`` naming ``name`` unless ``prompt`` is a sequence of token ids (ints): text
+    must go through a tokenizer first, and floats or nested lists are not ids."""
+    if isinstance(prompt, (str, bytes)):
+        got = f"it is the text {prompt[:40]!r}"
+    elif not isinstance(prompt, Sequence):
+        got = f"it is {prompt!r:.40} ({type(prompt).__name__})"
+    else:
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
+        if not bad:
+            return
+        got = f"it holds {type(bad[0]).__name__} values, e.g. {bad[:3]!r:.60}"
+    raise ConfigError(
+        f"{name} is not a list of token ids: {got}. A prompt is a list of token ids (ints), "
+        "e.g. [1, 2, 3]; encode text with the model's tokenizer first, e.g. transformers' "
+        "AutoTokenizer.from_pretrained(model_dir).encode(text)."
+    )
+
+
 def check_request(model_runner: Any, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
     """``ConfigError`` naming ``what`` unless ``prompt`` (token ids) plus ``max_new_tokens`` can
     be served: ids in the vocabulary, within ``max_position_embeddings`` and the KV cache."""
     vocab = model_runner.config.vocab_size
     if not prompt:
         raise ConfigError(f"{what} is empty; give at least one token id.")
-    bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+    check_prompt_ids(prompt, what)
+    bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise ConfigError(f"{what} has token ids outside [0, {vocab}): {bad[:5]}.")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
@@ -250,6 +273,7 @@ __all__ = [
     "Sampling",
     "check_engine_args",
     "check_min_tokens",
+    "check_prompt_ids",
     "check_request",
     "default_mode",
     "running_limit",

@@ -1,0 +1,80 @@
+"""What a caller hands ``Engine.generate`` / ``add_request`` instead of token ids gets a message
+that says a prompt is a list of token ids (ints) and points at a tokenizer for text, and the
+library's sampling errors name the Python parameter, not a CLI flag. Nothing is queued."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.engine import Engine, Sampling
+from stepgraph.errors import ConfigError
+from stepgraph.model import ModelRunner
+
+LIST_OF_IDS = "a prompt is a list of token ids (ints)"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, seed=0, max_context_len=64)
+    return Engine(mr, "eager")
+
+
+@pytest.mark.parametrize(
+    "prompts, says",
+    [
+        (["hello"], "prompt 0 is not a list of token ids: it is the text 'hello'"),
+        ([[1.5, 2]], "prompt 0 is not a list of token ids: it holds float values, e.g. [1.5]"),
+        ([[1, 2], [3, "x"]], "prompt 1 is not a list of token ids: it holds str values"),
+        ([[True, 2]], "it holds bool values"),
+        ([5], "prompt 0 is not a list of token ids: it is 5 (int)"),
+    ],
+)
+def test_generate_names_a_prompt_that_is_not_token_ids(engine, prompts, says):
+    with pytest.raises(ConfigError) as e:
+        engine.generate(prompts, 2)
+    msg = str(e.value)
+    assert says in msg and LIST_OF_IDS.lower() in msg.lower() and "tokenizer" in msg
+    assert "outside [0" not in msg
+    assert not engine.has_unfinished  # nothing queued
+
+
+def test_generate_of_one_text_says_prompts_is_a_list_of_prompts(engine):
+    with pytest.raises(ConfigError, match=r"prompts must be a list of prompts.*'hello'.*tokenizer"):
+        engine.generate("hello", 2)
+
+
+def test_add_request_of_text_names_it(engine):
+    with pytest.raises(ConfigError, match=r"the prompt is not a list of token ids: it is the text"):
+        engine.add_request("hi", 2)
+    assert not engine.has_unfinished
+
+
+def test_ids_outside_the_vocabulary_keep_their_message(engine):
+    with pytest.raises(
+        ConfigError, match=r"prompt 0 \(2 tokens\) has token ids outside \[0, 512\)"
+    ):
+        engine.generate([[1, 600]], 2)
+    assert len(engine.generate([[1, 511]], 2)[0]) == 2  # the last id of the vocabulary
+
+
+@pytest.mark.parametrize(
+    "kw, names", [(dict(temperature=-1), "Sampling(temperature=0)"), (dict(top_k=0), "top_k=None")]
+)
+def test_sampling_errors_name_the_python_parameter_not_a_flag(kw, names):
+    with pytest.raises(ConfigError) as e:
+        Sampling(**kw)
+    assert names in str(e.value) and "--" not in str(e.value)
+
+
+def test_no_library_error_names_a_cli_flag():
+    """The engine, runner and model-runner modules raise no message naming ``--flag`` (the
+    CLI translates to its flags itself); torchrun's own flags are not ours."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "stepgraph"
+    files = [*root.glob("engine/*.py"), *root.glob("runner/*.py"), root / "model/model_runner.py"]
+    flag = re.compile(r"""["'][^"'\n]*(?<![\w-])--[a-z][a-z-]+""")
+    hits = [f"{p.name}: {m.group(0)}" for p in files for m in flag.finditer(p.read_text())]
+    assert hits == []
