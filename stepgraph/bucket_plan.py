@@ -11,7 +11,8 @@ lowering a bucket to the largest observed size below it pads no row more).
     RunnerConfig(capture_bs=plan.buckets)
 
 ``padding_waste`` is mean padded rows / mean real rows (1.0: no padding at all); the printed
-plan says it as a percentage over (0%: none).
+plan says it as a percentage over (0%: none), and the JSON of `stepgraph buckets --json` gives
+both (``padding_waste`` and ``padding_waste_pct``).
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ class BucketPlan:
     sizes: tuple[int, ...] = ()  # the distinct batch sizes of the trace, ascending
 
     def as_json(self) -> dict:
+        """``padding_waste``: rows run per real row (1.0: none), as the library returns it;
+        ``padding_waste_pct``: the percentage of extra rows the printed plan shows."""
         return {
             "buckets": self.buckets,
             "padding_waste": self.padding_waste,
+            "padding_waste_pct": extra_pct(self.padding_waste),
             "default_padding_waste": self.default_padding_waste,
+            "default_padding_waste_pct": extra_pct(self.default_padding_waste),
         }
 
     def __str__(self) -> str:
@@ -65,9 +70,14 @@ class BucketPlan:
         )
 
 
+def extra_pct(waste: float) -> float:
+    """``padding_waste`` as the percentage of rows run beyond the real ones: 1.125 -> 12.5."""
+    return round((waste - 1) * 100, 3)
+
+
 def over(waste: float) -> str:
     """``padding_waste`` as padded rows over the real ones: 1.125 -> "12.5% extra rows"."""
-    return f"{(waste - 1) * 100:.1f}% extra rows"
+    return f"{extra_pct(waste):.1f}% extra rows"
 
 
 def read_trace(text: str, what: str = "trace") -> Counter[int]:

@@ -24,6 +24,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     import torch
 
+    config = model_config(args.model) if args.model is not None else None  # before any line
     print(f"stepgraph {__import__('stepgraph').__version__}, python {platform.python_version()}")
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
     for name in ("triton", "cuda.bindings", "transformers", "safetensors", "matplotlib", "tqdm"):
@@ -49,7 +50,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         from .model.kernel_plan import format_plan
 
         dtype = args.dtype or "bfloat16"
-        print(format_plan(args.model, dtype, model_config(args.model), DTYPES[dtype].itemsize))
+        print(format_plan(args.model, dtype, config, DTYPES[dtype].itemsize))
     return 0
 
 
@@ -81,6 +82,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if getattr(args, k) is not None
     )
     check_prompts(prompts, args.max_new_tokens, config, flag)  # before any weight is built
+    from .prompts import parse_stop_ids
+
+    stop_ids = parse_stop_ids(args.stop_ids, config.vocab_size) if args.stop_ids else None
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     mr = build_model_runner(
         args.model,
@@ -98,7 +102,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         print(f"stepgraph: note: {FUSED_NOTE}", file=sys.stderr)
     engine = Engine(mr, mode=args.mode)
-    from .prompts import parse_stop_ids
 
     outputs = engine.generate(
         prompts,
@@ -106,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
-        stop_ids=parse_stop_ids(args.stop_ids) if args.stop_ids else None,
+        stop_ids=stop_ids,
         ignore_eos=args.ignore_eos,
     )
     engine.shutdown()
@@ -244,8 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="batch sizes, one per line or a JSON list (Engine.stats.write_trace); - reads stdin",
     )
-    buckets.add_argument("--max-graphs", type=int, required=True, help="at most this many buckets")
-    buckets.add_argument("--json", action="store_true", help="print buckets and waste as JSON")
+    buckets.add_argument(
+        "--max-graphs", type=positive_int, required=True, help="at most this many buckets"
+    )
+    buckets.add_argument(
+        "--json",
+        action="store_true",
+        help="print the buckets and the padding waste as JSON: padding_waste (rows run per "
+        "real row) and padding_waste_pct (extra rows, %%, as the text shows)",
+    )
     buckets.set_defaults(func=cmd_buckets)
 
     from .check import add_arguments as add_check_arguments

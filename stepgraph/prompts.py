@@ -33,12 +33,21 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
     return prompts
 
 
-def parse_stop_ids(text: str) -> list[int]:
-    """``"2,7"`` -> ``[2, 7]``."""
+def parse_stop_ids(text: str, vocab: int | None = None) -> list[int]:
+    """``"2,7"`` -> ``[2, 7]``; with ``vocab``, each id within ``[0, vocab)``."""
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError as e:
-        raise ConfigError(f"--stop-ids {text!r}: {e}; give ints split by ',': \"2,7\".") from e
+        raise UsageError(
+            f"argument --stop-ids: {text!r}: {e}; give ints split by ',': \"2,7\""
+        ) from e
+    bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
+    if bad:
+        raise UsageError(
+            f"argument --stop-ids: ids outside the vocabulary [0, {vocab}): {bad[:5]}; pass "
+            "token ids of the model"
+        )
+    return ids
 
 
 def read_prompt_file(path: str, stdin: TextIO | None = None) -> list[list[int]]:

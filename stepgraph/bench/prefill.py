@@ -5,7 +5,8 @@ For each total of ``PREFILL_TOKENS`` four prompts of uneven lengths fill exactly
 ``ModelRunner.prefill`` (one prompt at a time) and ``PiecewisePrefill.prefill`` (one packed
 batch, everything but attention replayed) are timed with CUDA events (medians), and their
 logits compared. Capture seconds and pool MiB cover every piecewise shape of every region.
-Targets (reported, not enforced): >= 1.5x faster at <= 64 tokens, never > 3% slower at 2048.
+Targets (reported on CUDA, not enforced): >= 1.5x faster at <= 64 tokens, never > 3% slower at
+2048. On the CPU no GPU target or floor is printed.
 """
 
 from __future__ import annotations
@@ -155,12 +156,10 @@ def run_prefill(args: argparse.Namespace) -> int:
     packed, hf_error = run_packed(mr, points, time_packed, piecewise, with_hf=cuda, graph=graph)
     graph.shutdown()
     print(f"\npacked prefill, one forward of every prompt ({model}):")
-    print(format_packed(packed, hf_error))
-    for name, ok in targets.items():
-        if cuda:
+    print(format_packed(packed, hf_error, floor=cuda))
+    if cuda:  # the CPU stand-in re-runs every region eagerly: no GPU floor or target applies
+        for name, ok in targets.items():
             print(f"target {name}: {'met' if ok else 'MISSED'}")
-        else:  # the CPU stand-in re-runs every region eagerly: no launch savings to measure
-            print(f"GPU target {name}: {'met' if ok else 'not met'} (not expected on the CPU)")
     if args.json:
         meta = {
             "model": model,
@@ -169,7 +168,7 @@ def run_prefill(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "token_buckets": list(config.token_buckets),
             "batch_sizes": list(config.batch_sizes),
-            "targets_are_for": "cuda",  # on the CPU they are reported, not expected
+            "targets_are_for": "cuda",  # on the CPU: null (no GPU target applies there)
         }
         capture = {
             "graphs": len(cap.buckets),
@@ -184,7 +183,8 @@ def run_prefill(args: argparse.Namespace) -> int:
         }
         with open(args.json, "w") as f:
             rows_json = [asdict(r) for r in rows]
-            out = {"meta": meta, "rows": rows_json, "capture": capture, "targets": targets}
+            out = {"meta": meta, "rows": rows_json, "capture": capture}
+            out["targets"] = targets if cuda else None
             out["packed"] = packed_json(packed)
             out["packed_hf_error"] = hf_error
             json.dump(out, f, indent=1)

@@ -19,10 +19,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+MIN_E2E_STEPS = 2  # decode-only steps an end-to-end step time needs: one is no measurement
+
+
 def _decode_rows(gpu: list[dict], steps, source: str) -> list[dict]:
     rows = []
     for g in gpu:
         e2e, n = decode_step_ms(steps, g["bs"])
+        e2e = e2e if n >= MIN_E2E_STEPS else None  # printed "-", null in the JSON
         rows.append(
             {
                 **g,
@@ -171,7 +175,8 @@ def print_report(r: dict) -> None:
         print(f"{name:<6}" + "".join(" " + _ms(m[f"{x}_{key}_ms"]) for x in STATS))
     print(
         "decode step: GPU = graph replays back to back (CUDA-event median; CPU: host time); "
-        "end to end = median gap between decode-only steps of that batch"
+        f"end to end = median gap between decode-only steps of that batch (- under "
+        f"{MIN_E2E_STEPS} steps)"
     )
     print(f"{'bs':>5}{'context':>9}{'GPU ms':>10}{'e2e ms':>10}{'e2e/GPU':>9}{'steps':>7}  source")
     for d in r["decode"]:
@@ -249,7 +254,7 @@ def plot_requests(path: str, report: dict, main, hf_cb=None) -> None:
     series = [("stepgraph", main.timings)]
     if hf_cb is not None and hf_cb.timings:
         series.append(("transformers generate_batch", hf_cb.timings))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     for label, timings in series:
         x = list(range(len(timings)))
         axes[0].plot(x, [t.ttft * 1e3 for t in timings], marker=".", lw=0.8, label=label)
@@ -262,12 +267,18 @@ def plot_requests(path: str, report: dict, main, hf_cb=None) -> None:
         ax.set_ylabel("ms")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+    # one legend below both panels: inside an axes it covered the first requests' points
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     meta, w = report["meta"], report["workload"]
     fig.suptitle(
         f"{meta['model']} ({meta['dtype']}) on {meta['device']}: {w['num_requests']} "
         f"requests, {rate_text(w)}"
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the legend under the panels
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+__all__ = ["MIN_E2E_STEPS", "build_report", "plot_requests", "print_report", "rate_text",
+           "write_report"]  # fmt: skip

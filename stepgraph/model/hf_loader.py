@@ -26,8 +26,9 @@ def load_hf_config(path: str | Path) -> ModelConfig:
             f"{cfg_file} not found; pass a local Hugging Face model directory holding "
             "config.json and *.safetensors (stepgraph never downloads weights)."
         )
+    raw = read_json(cfg_file)  # its errors name the file once
     try:
-        config = ModelConfig.from_hf_config(read_json(cfg_file))
+        config = ModelConfig.from_hf_config(raw)
     except ConfigError as e:  # a model stepgraph does not support: it says so, and what is
         raise ConfigError(f"{cfg_file}: {e}") from e
     except KeyError as e:  # a field every Llama/Qwen2 config.json has is missing
