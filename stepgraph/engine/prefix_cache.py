@@ -1,0 +1,279 @@
+"""Prefix caching over the paged KV cache: a prompt's full pages are computed once and shared.
+
+A cached page is keyed by ``(parent, its page_size tokens)``: ``parent`` is the cached page
+of the tokens before it, or, for a prompt's first page, the namespace ``(model, cache_salt)``.
+The keys chain: a page matches only under the very page its prefix matched, so two tenants
+(different salts) never share, and a dict lookup compares the tokens and the parent exactly on
+a hash hit — a hash collision can never return another prompt's KV. (A radix tree of pages,
+as SGLang's, stored as one dict; vLLM's hashed blocks, verified.) Parent ids stay valid
+because a page is only evicted once no cached page lists it as parent (leaves first).
+
+Page states: free (in the ``PageAllocator``), held (``acquire`` / ``allocate``: a reference
+count, never evicted), cached and unreferenced (kept for a later match; evictable). A
+request's last, partial page is never cached: only full pages are inserted, and shared pages
+are read-only (a request writes only the pages after its match). A cached page whose subtree
+holds a referenced page is *blocked*: not evictable. ``num_available`` counts free pages plus
+unblocked cached ones; ``allocate`` takes free pages first, then evicts the least recently
+released leaf.
+
+The engine's use (all on its one thread):
+
+1. admission: ``m = match(prompt, salt)``; ``admission_cost(m, num_pages)`` is what the
+   request takes from ``num_available`` (compare the running sum with it, as
+   ``scheduler.admit_count`` does); then ``reserve(prompt, num_pages, salt)`` (match, acquire,
+   allocate the rest, or raise and take nothing) gives the block table and the cached tokens.
+2. prefill only ``prompt[num_cached_tokens:]`` (the chunked prefill's start offset). A fully
+   cached prompt still recomputes its last page: ``match`` leaves the last token out
+   (``recompute_last``), for its logits.
+3. finish or abort: ``insert(tokens whose KV is written, pages, salt)``, then
+   ``release(pages)`` (late, once no launched step writes them: insert first, while held).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ConfigError
+from ..model.kv_cache import PageAllocator
+from .prefix_match import (
+    PrefixCacheStats,
+    PrefixMatch,
+    Reservation,
+    check_count,
+    check_salt,
+    token_list,
+)
+from .prefix_tree import PageTree
+
+
+class PrefixCache:
+    """Shared, reference-counted KV pages over ``allocator`` (module docstring). ``model``
+    names the weights the pages hold; ``enabled=False`` caches nothing (``match`` finds
+    nothing, ``insert`` keeps nothing) and leaves only the reference counts."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int = 16,
+        *,
+        model: str = "",
+        enabled: bool = True,
+    ) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ConfigError(f"page_size must be an integer >= 1, got {page_size!r}.")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.model = model
+        self.enabled = enabled
+        self.stats = PrefixCacheStats()
+        self._tree = PageTree()
+
+    # -- counts --------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._tree.entries)
+
+    @property
+    def num_evictable(self) -> int:
+        return self._tree.evictable
+
+    @property
+    def num_available(self) -> int:
+        """Pages ``allocate`` can hand out now: free ones, then evictable cached ones."""
+        return self.allocator.num_free + self._tree.evictable
+
+    def refcount(self, page: int) -> int:
+        return self._tree.refs.get(page, 0)
+
+    # -- lookup and admission ------------------------------------------------------------
+    def match(
+        self, tokens: Sequence[int], salt: str | None = None, *, recompute_last: bool = True
+    ) -> PrefixMatch:
+        """The longest cached full-page prefix of ``tokens`` under ``salt``. With
+        ``recompute_last`` (the default, for a prompt about to be prefilled) the last token is
+        left out, so at most ``(len(tokens) - 1) // page_size`` pages match: a prompt that is
+        a whole number of pages recomputes its last page, and its last token's logits."""
+        check_salt(salt)
+        toks = token_list(tokens)
+        n, ps = len(toks), self.page_size
+        limit = ((n - 1 if recompute_last else n) // ps) * ps if self.enabled else 0
+        pages: list[int] = []
+        keys: list[tuple] = []
+        get = self._tree.by_key.get
+        parent: Any = (self.model, salt)
+        for off in range(0, limit, ps):
+            key = (parent, tuple(toks[off : off + ps]))
+            page = get(key)
+            if page is None:
+                break
+            pages.append(page)
+            keys.append(key)
+            parent = page
+        return PrefixMatch(pages, len(pages) * ps, n, self._tree.epoch, keys)
+
+    def pages_to_allocate(self, match: PrefixMatch, num_pages: int) -> int:
+        """New pages a request of ``num_pages`` pages needs beyond its match."""
+        return num_pages - len(match.pages)
+
+    def admission_cost(self, match: PrefixMatch, num_pages: int) -> int:
+        """Pages admitting this request takes from ``num_available``: its new pages, plus the
+        matched pages now evictable (referencing them takes them off the evictable count).
+        Never less than the true cost, even after other admissions evict or share pages."""
+        shared = 0
+        for page, key in zip(match.pages, match.keys):
+            e = self._tree.entries.get(page)
+            if e is not None and e.key == key and self._tree.is_blocked(page):
+                shared += 1
+        return num_pages - shared
+
+    def reserve(
+        self, tokens: Sequence[int], num_pages: int, salt: str | None = None
+    ) -> Reservation:
+        """A request's pages at admission: its cached prefix (referenced), then new pages.
+        Raises ``ConfigError`` and takes nothing if they do not fit in ``num_available``."""
+        check_count(num_pages, "num_pages")
+        if num_pages * self.page_size < len(tokens):
+            raise ConfigError(
+                f"num_pages={num_pages} pages of {self.page_size} tokens cannot hold the "
+                f"{len(tokens)} prompt tokens; pass the pages of every token it will hold."
+            )
+        m = self.match(tokens, salt)
+        cost = self.admission_cost(m, num_pages)
+        if cost > self.num_available:
+            raise ConfigError(
+                f"the request needs {cost} more KV pages, {self.num_available} are available "
+                "(free or evictable); wait for running requests to finish, or build the cache "
+                "with more pages."
+            )
+        pages = self.acquire(m)
+        return Reservation(pages + self.allocate(num_pages - len(pages)), m.num_tokens)
+
+    # -- references ----------------------------------------------------------------------
+    def acquire(self, pages: PrefixMatch | Sequence[int]) -> list[int]:
+        """Reference cached ``pages`` (a match, or page ids): never evicted until released.
+        A match counts in ``stats`` (one query); one made stale by an eviction since is
+        re-checked page by page, and refused if a page no longer holds its tokens."""
+        if isinstance(pages, PrefixMatch):
+            m = pages
+            if m.epoch != self._tree.epoch:
+                for page, key in zip(m.pages, m.keys):
+                    e = self._tree.entries.get(page)
+                    if e is None or e.key != key:
+                        raise ConfigError(
+                            f"page {page} of this match was evicted since it was made; call "
+                            "match again (or use reserve, which matches and acquires at once)."
+                        )
+            if self.enabled:
+                self.stats.requests += 1
+                self.stats.queries += m.query_tokens
+                self.stats.hits += m.num_tokens
+            pages = m.pages
+        else:
+            pages = list(pages)
+            bad = [p for p in pages if p not in self._tree.entries]
+            if bad:
+                raise ConfigError(
+                    f"pages {bad} are not cached; only cached pages are shared (acquire the "
+                    "pages of a match)."
+                )
+        for page in pages:  # the prefix first: each parent is blocked before its child
+            self._tree.hold(page)
+        return list(pages)
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one reference to each page (a request's pages, all together). A cached page
+        stays cached, evictable once nothing references it; any other page goes back to the
+        allocator. Releasing a page more often than it is held raises and changes nothing."""
+        tree = self._tree
+        bad = sorted(p for p, n in Counter(pages).items() if tree.refs.get(p, 0) < n)
+        if bad:
+            raise ConfigError(
+                f"pages {bad} are released more often than they are held (double release?); "
+                "release each reference once."
+            )
+        tree.clock += 1
+        freed = [p for p in reversed(pages) if tree.drop(p, tree.clock)]  # the tail first
+        if freed:
+            self.allocator.free(freed)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` new pages, held (reference 1): free pages first, then the least recently
+        released evictable leaves. ``ConfigError``, and nothing taken, past ``num_available``."""
+        check_count(n, "the page count")
+        if n > self.num_available:
+            raise ConfigError(
+                f"KV cache has {self.num_available} available pages (free or evictable), {n} "
+                "needed; wait for running requests to finish, or build the cache with more pages."
+            )
+        pages = self.allocator.allocate(min(n, self.allocator.num_free))
+        while len(pages) < n:
+            pages.append(self._tree.evict_leaf())
+            self.stats.evictions += 1
+        for page in pages:
+            self._tree.hold(page)
+        return pages
+
+    # -- caching -------------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str | None = None) -> int:
+        """Cache the full pages of a request: ``tokens`` are those whose KV is written in
+        ``pages`` (prompt, then generated), ``pages`` its block table, still held. A page
+        whose tokens are already cached in another page stays private (freed at release);
+        inserting again as more pages fill is cheap. Returns the pages newly cached."""
+        check_salt(salt)
+        if not self.enabled:
+            return 0
+        toks, ps = token_list(tokens), self.page_size
+        n = min(len(toks) // ps, len(pages))
+        if len(set(pages[:n])) != n:
+            raise ConfigError("pages repeats a page; pass the request's block table.")
+        parent: Any = (self.model, salt)
+        plan = []
+        for i in range(n):  # check everything first: a refusal changes nothing
+            page, key = pages[i], (parent, tuple(toks[i * ps : (i + 1) * ps]))
+            if page not in self._tree.refs:
+                raise ConfigError(
+                    f"page {page} is not held; insert a request's pages before releasing them."
+                )
+            e = self._tree.entries.get(page)
+            if e is not None and e.key != key:
+                raise ConfigError(
+                    f"page {page} is cached for other tokens than tokens[{i * ps}:"
+                    f"{(i + 1) * ps}]; pass the tokens whose KV the pages hold."
+                )
+            if e is None:
+                cached = self._tree.by_key.get(key)
+                if cached is not None:
+                    parent = cached  # the same tokens in another page: ours stays private
+                    continue
+                plan.append((page, key, parent))
+            parent = page
+        for page, key, parent in plan:
+            self._tree.add(page, key, parent if isinstance(parent, int) else None)
+        return len(plan)
+
+    def clear(self) -> int:
+        """Drop every cached page nothing references (leaves first); returns how many."""
+        dropped = []
+        while self._tree.evictable:
+            dropped.append(self._tree.evict_leaf())
+        if dropped:
+            self.allocator.free(dropped)
+        return len(dropped)
+
+    def check(self) -> None:
+        """Recount the bookkeeping from scratch and check it against the allocator: every
+        page is free, held or cached, exactly one of free and not (tests; costs O(pages))."""
+        self._tree.check()
+        alloc = self.allocator
+        taken = set(self._tree.refs) | set(self._tree.entries)
+        assert taken == alloc._used, f"pages lost or doubled: {sorted(taken ^ alloc._used)}"
+        assert not taken & set(alloc._free), "a held or cached page is also free"
+
+
+__all__ = ["PrefixCache", "PrefixCacheStats", "PrefixMatch", "Reservation"]
