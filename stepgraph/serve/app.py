@@ -9,7 +9,8 @@ Streamed (``"stream": true``), each engine step's tokens are one server-sent eve
 soon as they land (merged only while the client reads slower than they come), ending in
 ``data: [DONE]``; a client that goes away aborts its request, before its first chunk as well as
 mid-way, and so does one that leaves a non-streamed request before its answer. An engine fault
-answers 500 (streamed: an error event) and the server carries on.
+answers 500 (streamed: an error event) and the server carries on. With an API key, ``/v1/``
+answers 401 without it (``auth.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .auth import RequireKey
 from .chat import parse_chat
 from .errors import ApiError, RequestError, ServerBusy, error_body
 from .protocol import DEFAULT_MAX_WAITING, Limits, parse_completion
@@ -244,8 +247,10 @@ def build_app(
     tokenizer: Any = None,
     max_waiting: int = DEFAULT_MAX_WAITING,
     stop_timeout: float = 30.0,
+    api_key: str | None = None,
 ) -> Starlette:
-    """The app over a started ``worker``; its shutdown stops the worker (every page freed)."""
+    """The app over a started ``worker``; its shutdown stops the worker (every page freed).
+    ``api_key``: ``/v1/`` then needs ``Authorization: Bearer <api_key>`` (``auth.py``)."""
     h = Handlers(worker, limits, tokenizer, max_waiting)
 
     @asynccontextmanager
@@ -275,6 +280,7 @@ def build_app(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={Exception: on_error, HTTPException: on_http},
+        middleware=[Middleware(RequireKey, key=api_key)] if api_key else None,
     )
     app.state.worker, app.state.limits, app.state.handlers = worker, limits, h
     return app

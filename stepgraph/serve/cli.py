@@ -1,12 +1,13 @@
 """`stepgraph serve`: its flags, checked before anything is built, and ``run``: bind the port,
 build the model and the engine in the engine process (``proc_worker.py``, the default) or on an
 engine thread (``worker.py``, ``--engine thread``), load the tokenizer of a checkpoint
-directory, serve until SIGINT/SIGTERM, stop the engine, exit 0. Also
-``python -m stepgraph.serve``."""
+directory (an API key guards ``/v1/`` when given), serve until SIGINT/SIGTERM, stop the
+engine, exit 0. Also ``python -m stepgraph.serve``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..cli_args import (
@@ -36,7 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .protocol import DEFAULT_MAX_WAITING
 
     p.add_argument("--model", required=True, help="preset name or local HF directory")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: 127.0.0.1 (the default) is reached from this machine only; "
+        "0.0.0.0 or :: from every network it is on (then pass --api-key)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="requests to /v1/ then need the header 'Authorization: Bearer KEY', else 401; "
+        "/health and /metrics stay open (default: $STEPGRAPH_API_KEY, else none)",
+    )
     p.add_argument("--port", type=port_number, default=8000, help="0: any free port")
     p.add_argument(
         "--mode",
@@ -132,6 +144,17 @@ def check_args(args: argparse.Namespace, config) -> int:
     return context
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$STEPGRAPH_API_KEY``, else None; an empty key is refused."""
+    from .auth import KEY_ENV
+
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise UsageError("argument --api-key: empty; pass a key, or drop the flag")
+        return args.api_key
+    return os.environ.get(KEY_ENV) or None
+
+
 def need_extras() -> None:
     missing = []
     for name in ("starlette", "uvicorn", "prometheus_client"):
@@ -157,6 +180,7 @@ def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int)
 def run(args: argparse.Namespace) -> int:
     need_extras()
     from .app import build_app
+    from .auth import exposure_warning
     from .metrics import ServeMetrics
     from .proc_worker import ProcessWorker
     from .server import Server, listen, uvicorn_config
@@ -167,8 +191,11 @@ def run(args: argparse.Namespace) -> int:
     context = check_args(args, config)
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    key = api_key(args)
     sock = listen(args.host, args.port)  # a busy port fails now, not after the weights
     try:
+        if (warning := exposure_warning(sock.getsockname()[0], key)) is not None:
+            say(warning)
         tokenizer = load_tokenizer(args.model)
         say(f"building {args.model} and the engine ({args.mode}, max running "
             f"{args.max_running}, in its own {args.engine})")  # fmt: skip
@@ -180,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
             name = args.served_model_name or args.model
             chat = tokenizer is not None and tokenizer.has_chat_template
             limits = worker.limits(name, tokenizer is not None, chat)
-            app = build_app(worker, limits, tokenizer, args.max_waiting, args.shutdown_timeout + 5)
+            app = build_app(worker, limits, tokenizer, args.max_waiting, args.shutdown_timeout + 5,
+                            api_key=key)  # fmt: skip
             host, port = sock.getsockname()[:2]
             say(f"serving {name!r} on http://{host}:{port} (OpenAI API: /v1/completions)")
             Server(uvicorn_config(app, args.shutdown_timeout, args.log_level)).run([sock])

@@ -28,6 +28,12 @@ class ModelNotFound(RequestError):
     status, code = 404, "model_not_found"
 
 
+class Unauthorized(ApiError):
+    """A ``/v1/`` request without the server's API key (401)."""
+
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
 class ServerBusy(ApiError):
     """More requests wait than ``--max-waiting`` allows (503 with ``Retry-After``)."""
 
@@ -46,4 +52,5 @@ def error_body(err: ApiError) -> dict:
     return {"error": {"message": message, "type": err.type, "param": err.param, "code": err.code}}
 
 
-__all__ = ["ApiError", "EngineFault", "ModelNotFound", "RequestError", "ServerBusy", "error_body"]
+__all__ = ["ApiError", "EngineFault", "ModelNotFound", "RequestError", "ServerBusy", "Unauthorized",
+           "error_body"]  # fmt: skip
