@@ -209,3 +209,24 @@ def test_the_served_connections_send_without_nagle():
             server.close()
 
     assert asyncio.run(accepted()) != 0
+
+
+def test_sigterm_after_an_engine_restart_leaves_nothing_leaked():
+    """The engine process killed, started again, then the server stopped: exit 0, and no
+    resource tracker warning of a semaphore the killed process never released."""
+    with Served("--max-context", "256") as s:
+        child = httpx.get(s.url + "/health", timeout=5).json()["engine_pid"]
+        os.kill(child, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            h = httpx.get(s.url + "/health", timeout=5).json()
+            if h["status"] == "ok" and h["engine_pid"] != child:
+                break
+            time.sleep(0.1)
+        assert h["status"] == "ok" and h["engine_pid"] != child, h
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0, "".join(s.err)
+        time.sleep(0.5)  # the reader thread takes the last lines
+        err = "".join(s.err)
+        assert "stepgraph serve: stopped" in err and "starting it again" in err
+        assert "leaked" not in err and "resource_tracker" not in err, err

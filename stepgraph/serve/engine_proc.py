@@ -27,6 +27,7 @@ import pickle
 import signal
 import struct
 import sys
+import threading
 import time
 from typing import Any
 
@@ -262,11 +263,24 @@ class EngineProcess:
         self.from_r.close()
 
 
+def local_bar_lock() -> None:
+    """Progress bars (capture, prefill) in this process share a thread lock, not tqdm's
+    default cross-process lock: that one is a named semaphore registered with the front end's
+    resource tracker, and an engine process that is killed never unregisters it, so the front
+    end warned of a "leaked semaphore" when it stopped after a restart. Nothing else in this
+    process writes to its bars' stream."""
+    with contextlib.suppress(ImportError):
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
+
+
 def child_main(inbox: Any, outbox: Any, spec: EngineSpec) -> None:
     """The engine process: build, say ready (or why not), serve the pipe until told to stop."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # a handler, not SIG_IGN: exec resets it
         signal.signal(sig, lambda *_: None)
     logging.basicConfig(format="stepgraph engine: %(message)s")
+    local_bar_lock()
     try:
         engine = spec()
     except BaseException as e:  # noqa: BLE001 - told to the front end, which raises it
