@@ -32,7 +32,8 @@ The engine's use (all on its one thread):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 from ..errors import ConfigError
@@ -46,6 +47,11 @@ from .prefix_match import (
     token_list,
 )
 from .prefix_tree import PageTree
+
+
+def page_tokens(tokens: Sequence[int], page_size: int) -> Iterator[tuple[int, ...]]:
+    """The tokens of each full page, as tuples, lazily (one C loop: no slice per page)."""
+    return zip(*[iter(tokens)] * page_size)
 
 
 class PrefixCache:
@@ -102,13 +108,13 @@ class PrefixCache:
         check_salt(salt)
         toks = token_list(tokens)
         n, ps = len(toks), self.page_size
-        limit = ((n - 1 if recompute_last else n) // ps) * ps if self.enabled else 0
+        limit = (n - 1 if recompute_last else n) // ps if self.enabled else 0
         pages: list[int] = []
         keys: list[tuple] = []
         get = self._tree.by_key.get
         parent: Any = (self.model, salt)
-        for off in range(0, limit, ps):
-            key = (parent, tuple(toks[off : off + ps]))
+        for chunk in islice(page_tokens(toks, ps), limit):
+            key = (parent, chunk)
             page = get(key)
             if page is None:
                 break
@@ -125,10 +131,13 @@ class PrefixCache:
         """Pages admitting this request takes from ``num_available``: its new pages, plus the
         matched pages now evictable (referencing them takes them off the evictable count).
         Never less than the true cost, even after other admissions evict or share pages."""
+        tree = self._tree
+        if match.epoch == tree.epoch:  # nothing evicted since: every page still holds its key
+            return num_pages - sum(map(tree.is_blocked, match.pages))
         shared = 0
         for page, key in zip(match.pages, match.keys):
-            e = self._tree.entries.get(page)
-            if e is not None and e.key == key and self._tree.is_blocked(page):
+            e = tree.entries.get(page)
+            if e is not None and e.key == key and tree.is_blocked(page):
                 shared += 1
         return num_pages - shared
 
@@ -182,8 +191,7 @@ class PrefixCache:
                     f"pages {bad} are not cached; only cached pages are shared (acquire the "
                     "pages of a match)."
                 )
-        for page in pages:  # the prefix first: each parent is blocked before its child
-            self._tree.hold(page)
+        self._tree.hold(pages)  # the prefix first: each parent is blocked before its child
         return list(pages)
 
     def release(self, pages: Sequence[int]) -> None:
@@ -191,14 +199,17 @@ class PrefixCache:
         stays cached, evictable once nothing references it; any other page goes back to the
         allocator. Releasing a page more often than it is held raises and changes nothing."""
         tree = self._tree
-        bad = sorted(p for p, n in Counter(pages).items() if tree.refs.get(p, 0) < n)
+        if len(set(pages)) == len(pages):
+            bad = sorted(p for p in pages if p not in tree.refs)
+        else:
+            bad = sorted(p for p, n in Counter(pages).items() if tree.refs.get(p, 0) < n)
         if bad:
             raise ConfigError(
                 f"pages {bad} are released more often than they are held (double release?); "
                 "release each reference once."
             )
         tree.clock += 1
-        freed = [p for p in reversed(pages) if tree.drop(p, tree.clock)]  # the tail first
+        freed = tree.drop(list(pages)[::-1], tree.clock)  # the tail first
         if freed:
             self.allocator.free(freed)
 
@@ -215,8 +226,7 @@ class PrefixCache:
         while len(pages) < n:
             pages.append(self._tree.evict_leaf())
             self.stats.evictions += 1
-        for page in pages:
-            self._tree.hold(page)
+        self._tree.hold(pages)
         return pages
 
     # -- caching -------------------------------------------------------------------------
@@ -234,8 +244,9 @@ class PrefixCache:
             raise ConfigError("pages repeats a page; pass the request's block table.")
         parent: Any = (self.model, salt)
         plan = []
-        for i in range(n):  # check everything first: a refusal changes nothing
-            page, key = pages[i], (parent, tuple(toks[i * ps : (i + 1) * ps]))
+        # check everything first: a refusal changes nothing
+        for i, chunk in enumerate(islice(page_tokens(toks, ps), n)):
+            page, key = pages[i], (parent, chunk)
             if page not in self._tree.refs:
                 raise ConfigError(
                     f"page {page} is not held; insert a request's pages before releasing them."

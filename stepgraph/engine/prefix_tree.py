@@ -41,29 +41,48 @@ class PageTree:
         """Cached pages that leaf-first eviction can take back, now or after their children."""
         return len(self.entries) - self.blocked
 
-    def hold(self, page: int) -> None:
-        """One more reference to ``page`` (new, or cached)."""
-        r = self.refs.get(page, 0)
-        self.refs[page] = r + 1
-        e = self.entries.get(page)
-        if r == 0 and e is not None and e.pinned == 0:
-            self._flip(page, True)
+    def hold(self, pages: list[int]) -> None:
+        """One more reference to each page (new, or cached: a prefix root first)."""
+        refs, entries = self.refs, self.entries
+        for page in pages:
+            r = refs.get(page, 0)
+            refs[page] = r + 1
+            e = entries.get(page) if r == 0 else None
+            if e is None or e.pinned:
+                continue
+            up = e.parent
+            if up is not None and (up in refs or entries[up].pinned):  # the parent is blocked
+                self.blocked += 1
+                entries[up].pinned += 1
+            else:
+                self._flip(page, True)
 
-    def drop(self, page: int, stamp: int) -> bool:
-        """One reference fewer (the caller checked it is held); True if the page is now
-        neither referenced nor cached: the allocator's again."""
-        r = self.refs[page] - 1
-        if r:
-            self.refs[page] = r
-            return False
-        del self.refs[page]
-        e = self.entries.get(page)
-        if e is None:
-            return True
-        e.stamp = stamp
-        if e.pinned == 0:
-            self._flip(page, False)
-        return False
+    def drop(self, pages: list[int], stamp: int) -> list[int]:
+        """One reference fewer to each page (the caller checked they are held; a prefix tail
+        first); returns those now neither referenced nor cached: the allocator's again."""
+        refs, entries, freed = self.refs, self.entries, []
+        for page in pages:
+            r = refs[page] - 1
+            if r:
+                refs[page] = r
+                continue
+            del refs[page]
+            e = entries.get(page)
+            if e is None:
+                freed.append(page)
+                continue
+            e.stamp = stamp
+            if e.pinned:
+                continue
+            up = e.parent
+            if up is not None and up in refs:  # the parent stays blocked
+                self.blocked -= 1
+                entries[up].pinned -= 1
+                if e.children == 0:
+                    heapq.heappush(self._heap, (stamp, page))
+            else:
+                self._flip(page, False)
+        return freed
 
     def add(self, page: int, key: tuple, parent: int | None) -> None:
         """Cache ``page`` (referenced, so blocked) under ``key``, below ``parent``."""
