@@ -6,8 +6,11 @@ prefixes -> pages that checks every match and every eviction."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,6 +57,13 @@ def test_a_cached_prompt_matches_whole_pages_and_leaves_its_last_token(n, want, 
     assert c.match(prompt, recompute_last=False).pages == pages[:want_all]
     got_pages, got_tokens = m  # unpacks as (pages, num_cached_tokens)
     assert (got_pages, got_tokens) == (pages[:want], want * PS)
+
+
+def test_an_empty_prompt_matches_nothing():
+    c = cache(2)
+    computed(c, toks(PS))
+    for recompute_last in (True, False):
+        assert tuple(c.match([], recompute_last=recompute_last)) == ([], 0)
 
 
 def test_a_fully_cached_prompt_recomputes_its_last_page_into_a_private_one():
@@ -290,6 +300,21 @@ def test_reserve_checks_its_page_count():
     assert c.num_free == 4
 
 
+def test_check_catches_a_wrong_count():
+    c = cache(4)
+    prompt = toks(2 * PS + 1)
+    r = c.reserve(prompt, 3)
+    c.insert(prompt, r.pages)
+    c.check()
+    c._tree.entries[r.pages[0]].pinned = 0  # its held child no longer counted
+    with pytest.raises(AssertionError, match="pinned is off"):
+        c.check()
+    c._tree.entries[r.pages[0]].pinned = 1
+    c.allocator._free.append(r.pages[2])  # a held page also free
+    with pytest.raises(AssertionError, match="also free"):
+        c.check()
+
+
 # -- stats and switches ----------------------------------------------------------------------
 def test_stats_count_tokens_as_vllm():
     c = cache(8)
@@ -472,3 +497,17 @@ def run_fuzz(seed: int, steps: int) -> None:
 @pytest.mark.parametrize("seed", range(40))
 def test_random_operations_match_the_reference_model(seed):
     run_fuzz(seed, 250)
+
+
+def test_the_lookup_benchmark_runs_and_reports_every_length(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "prefix_lookup", Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_lookup.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "lookup.json"
+    assert bench.main(["--repeat", "3", "--json", str(out)]) in (0, 1)  # 1: over the target
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1024, 8192, 32768]
+    for r in rows:
+        assert 0 < r["match_miss_us"] and 0 < r["match_hit_us"] <= r["match_hit_median_us"]

@@ -108,7 +108,7 @@ class PrefixCache:
         check_salt(salt)
         toks = token_list(tokens)
         n, ps = len(toks), self.page_size
-        limit = (n - 1 if recompute_last else n) // ps if self.enabled else 0
+        limit = max(n - 1 if recompute_last else n, 0) // ps if self.enabled else 0
         pages: list[int] = []
         keys: list[tuple] = []
         get = self._tree.by_key.get
