@@ -191,7 +191,7 @@ def _check(x, weight, scale, block, bias, out) -> tuple[int, int, int]:
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
         raise ConfigError(
             f"fp8_gemv: weight must be a contiguous [N, K] torch.float8_e4m3fn tensor; got "
-            f"{weight.dtype} of shape {tuple(weight.shape)}"
+            f"{weight.dtype} of shape {tuple(weight.shape)}, contiguous={weight.is_contiguous()}"
         )
     n = weight.shape[0]
     if weight.shape[1] != k or k < 1:
@@ -240,7 +240,12 @@ def fp8_gemv(
 ) -> torch.Tensor:  # [M, N]
     """``x @ (weight * scale).T + bias`` in one launch, float32 accumulation; inputs checked on
     the host (shapes, dtypes, contiguity, devices) with a ConfigError naming the fix."""
-    block = None if block is None else (int(block[0]), int(block[1]))
+    if block is not None:
+        if not (isinstance(block, (tuple, list)) and len(block) == 2
+                and all(isinstance(b, int) for b in block)):  # fmt: skip
+            got = block if isinstance(block, (tuple, list)) else type(block).__name__
+            raise ConfigError(f"fp8_gemv: block must be None or (bn, bk) sizes; got {got}")
+        block = (int(block[0]), int(block[1]))
     m, n, k = _check(x, weight, scale, block, bias, out)
     t = _check_tile(tile or fp8_tile(m, n, k, block), m, block)
     y = out if out is not None else x.new_empty(m, n, dtype=out_dtype or x.dtype)
