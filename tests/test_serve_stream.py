@@ -125,3 +125,19 @@ def test_a_send_that_waits_for_the_client_marks_the_stream_backed_up():
 
     assert _watch(at_once) is False
     assert _watch(drains) is True
+
+
+def test_the_engine_build_says_each_phase_as_it_begins_and_ends(capsys):
+    """A large model builds for minutes on the CPU: the server says what it is doing."""
+    engine = EngineSpec("tiny", "cpu", "float32", "graph", 2, 64)()
+    try:
+        err = capsys.readouterr().err
+    finally:
+        engine.shutdown()
+    lines = [x for x in err.splitlines() if x.startswith("stepgraph serve: ")]
+    for what in ("building random (seed 0) weights of tiny on cpu (float32)",
+                 "building the engine (graph, capturing its decode graphs)",
+                 "one warm-up request"):  # fmt: skip
+        begin = next(i for i, x in enumerate(lines) if what in x and x.endswith("..."))
+        end = next(i for i, x in enumerate(lines) if what in x and ": done in " in x)
+        assert begin < end, lines

@@ -27,9 +27,10 @@ import pickle
 import signal
 import struct
 import sys
-import threading
 import time
 from typing import Any
+
+from .progress import local_bar_lock, phase
 
 SUBMIT, ABORT, STOP = "submit", "abort", "stop"
 READY, FAILED, STEP, FAULT, REJECT = "ready", "failed", "step", "fault", "reject"
@@ -66,14 +67,20 @@ class EngineSpec:
             from ..bench.cpu import set_cpu_threads
 
             print(f"stepgraph serve: {set_cpu_threads(self.threads)}", file=sys.stderr)
-        mr = build_model_runner(self.model, self.device, DTYPES[self.dtype], seed=self.seed,
-                                max_bs=self.max_running, max_context_len=self.context)  # fmt: skip
-        if self.kernels:
-            mr.set_kernels(self.kernels)
+        source = "loading" if os.path.isdir(self.model) else f"building random (seed {self.seed})"
+        with phase(f"{source} weights of {self.model} on {self.device} ({self.dtype})"):
+            mr = build_model_runner(self.model, self.device, DTYPES[self.dtype],
+                                    seed=self.seed, max_bs=self.max_running,
+                                    max_context_len=self.context)  # fmt: skip
+            if self.kernels:
+                mr.set_kernels(self.kernels)
         kw = {"max_prefill_tokens": self.max_prefill_tokens} if self.max_prefill_tokens else {}
-        engine = Engine(mr, mode=self.mode, max_running=self.max_running, **kw)
+        what = "" if self.mode == "eager" else ", capturing its decode graphs"
+        with phase(f"building the engine ({self.mode}{what})"):
+            engine = Engine(mr, mode=self.mode, max_running=self.max_running, **kw)
         if self.warmup:
-            engine.generate([WARMUP_PROMPT[: max(1, self.context - 2)]], 2, ignore_eos=True)
+            with phase("one warm-up request (first-use compiles)"):
+                engine.generate([WARMUP_PROMPT[: max(1, self.context - 2)]], 2, ignore_eos=True)
         if self.setup:
             module, _, name = self.setup.partition(":")
             getattr(importlib.import_module(module), name)(engine)
@@ -261,18 +268,6 @@ class EngineProcess:
         self.dead, self._writing = True, False
         self.to_w.close()
         self.from_r.close()
-
-
-def local_bar_lock() -> None:
-    """Progress bars (capture, prefill) in this process share a thread lock, not tqdm's
-    default cross-process lock: that one is a named semaphore registered with the front end's
-    resource tracker, and an engine process that is killed never unregisters it, so the front
-    end warned of a "leaked semaphore" when it stopped after a restart. Nothing else in this
-    process writes to its bars' stream."""
-    with contextlib.suppress(ImportError):
-        from tqdm import tqdm
-
-        tqdm.set_lock(threading.RLock())
 
 
 def child_main(inbox: Any, outbox: Any, spec: EngineSpec) -> None:
