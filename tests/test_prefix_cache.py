@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from stepgraph.engine.prefix_cache import PrefixCache
+from stepgraph.engine.scheduler import admit_count
 from stepgraph.errors import ConfigError
 from stepgraph.model.kv_cache import PageAllocator
 
@@ -289,6 +290,30 @@ def test_admission_cost_counts_only_new_pages_when_the_prefix_is_held():
     assert c.admission_cost(m, 3) == c.pages_to_allocate(m, 3) == 1
     c.release(holder.pages)
     assert c.admission_cost(m, 3) == 3
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_costs_summed_before_admission_fit_every_reserve_in_turn(seed):
+    rng = random.Random(seed)
+    ps = rng.choice([2, 4])
+    c = cache(rng.randrange(8, 24), ps)
+    bases = [[rng.randrange(3) for _ in range(rng.randrange(ps, 5 * ps))] for _ in range(3)]
+    prompt = lambda: rng.choice(bases) + [rng.randrange(3) for _ in range(rng.randrange(3))]  # noqa: E731
+    for _ in range(rng.randrange(1, 6)):  # some finished requests' pages stay cached
+        p = prompt()
+        if c.admission_cost(c.match(p), -(-len(p) // ps)) <= c.num_available:
+            computed(c, p)
+    held = [c.reserve(p, -(-len(p) // ps)).pages for p in [prompt()] if len(p) < 3 * ps]
+    waiting = [(p, -(-len(p) // ps) + rng.randrange(3)) for p in (prompt() for _ in range(6))]
+    costs = [c.admission_cost(c.match(p), n) for p, n in waiting]
+    count = admit_count(iter(costs), c.num_available, 0, None)
+    for p, n in waiting[:count]:  # in turn, as the engine admits: none may fail
+        held.append(c.reserve(p, n).pages)
+        c.check()
+    for pages in held:
+        c.release(pages)
+    c.clear()
+    assert c.num_free == c.allocator.num_pages - 1
 
 
 def test_reserve_checks_its_page_count():

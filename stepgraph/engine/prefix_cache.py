@@ -26,7 +26,15 @@ The engine's use (all on its one thread):
    cached prompt still recomputes its last page: ``match`` leaves the last token out
    (``recompute_last``), for its logits.
 3. finish or abort: ``insert(tokens whose KV is written, pages, salt)``, then
-   ``release(pages)`` (late, once no launched step writes them: insert first, while held).
+   ``release(pages)`` (late, once no launched step writes them: insert first, while held;
+   a later step that reads them runs after the writes, in stream order). After a device
+   fault, release without inserting: the pages may hold anything.
+
+The sum of several requests' ``admission_cost``, all taken before any is admitted, never
+undercounts what reserving them in turn takes: a matched page an earlier one references
+first costs nothing more, one it evicts costs what a new page does. Which pages match and
+which are evicted depends on the operations alone, not on hash seeds: tensor-parallel ranks
+agree.
 """
 
 from __future__ import annotations
