@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels import argmax_parts
 from stepgraph.kernels.argmax_parts import fold_block
-from stepgraph.kernels.lm_head_argmax import FOLD_ENV, lm_head_argmax
+from stepgraph.kernels.lm_head_argmax import lm_head_argmax
 from stepgraph.kernels.proj_tiles import Tile, block_m, splitk_workspace
+from stepgraph.tuning import ArgmaxFold, DecodeTuning
 
 EPS = 1e-5
 
@@ -26,10 +26,10 @@ def _case(g, m, k=40, vocab=70, dtype=torch.float32):
     return x, nw, w
 
 
-def _tokens(x, nw, w, tile, fold: bool, monkeypatch):
-    monkeypatch.setenv(FOLD_ENV, "1" if fold else "0")
+def _tokens(x, nw, w, tile, fold: bool, monkeypatch, per_thread: int = 8):
+    tuning = DecodeTuning(argmax=ArgmaxFold(fold=fold, per_thread=per_thread))
     out = torch.full((x.shape[0],), -5, dtype=torch.int64)  # poisoned
-    logits, tokens = lm_head_argmax(x, nw, w, EPS, tokens_out=out, blocks=tile)
+    logits, tokens = lm_head_argmax(x, nw, w, EPS, tokens_out=out, blocks=tile, tuning=tuning)
     assert tokens.data_ptr() == out.data_ptr()
     return logits, tokens
 
@@ -50,14 +50,14 @@ def test_folded_argmax_equals_torch_and_the_two_launches(monkeypatch, m, split_k
 
 
 def test_a_reduce_of_several_steps_and_a_second_launch(monkeypatch):
-    monkeypatch.setenv(argmax_parts.PER_THREAD_ENV, "1")  # 4 warps, BLOCK_M 32 -> BLOCK_P 4
+    # argmax.per_thread 1: 4 warps, BLOCK_M 32 -> BLOCK_P 4
     g = torch.Generator().manual_seed(4)
     x, nw, w = _case(g, 17, vocab=150)  # 10 programs: 3 steps of 4
-    assert fold_block(block_m(17), 10, 4) == 4
+    assert fold_block(block_m(17), 10, 4, 1) == 4
     tile = Tile(16, 16, 4, None, 1)
     for _ in range(2):  # the ticket the first launch reset serves the second
         x = x + 0.5 * torch.randn(x.shape, generator=g)
-        logits, tokens = _tokens(x, nw, w, tile, True, monkeypatch)
+        logits, tokens = _tokens(x, nw, w, tile, True, monkeypatch, per_thread=1)
         assert torch.equal(tokens, logits.argmax(-1))
 
 

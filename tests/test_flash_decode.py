@@ -153,12 +153,17 @@ def test_variant_names_round_trip_and_the_env_override(monkeypatch):
     for bad in ("n64w4", "n48w4s3", "n64w4s3-xx", "N64w4s3", " n64w4s3"):
         with pytest.raises(ConfigError, match="KernelVariant"):
             fd.KernelVariant.from_name(bad)
-    monkeypatch.setenv(fd.VARIANT_ENV, "n32w2s3-kt")  # every shape, the table's included
-    assert fd.default_variant(64, 64, torch.bfloat16).name == "n32w2s3-kt"
-    assert fd.default_variant(48, 3, torch.float32).name == "n32w2s3-kt"
-    monkeypatch.setenv(fd.VARIANT_ENV, "")  # empty: the table
+    name = "n32w2s3-kt"  # DecodeTuning.attention_variant: every shape, the table's included
+    assert fd.default_variant(64, 64, torch.bfloat16, name).name == "n32w2s3-kt"
+    assert fd.default_variant(48, 3, torch.float32, name).name == "n32w2s3-kt"
     key = (64, 64, torch.bfloat16)
+    assert fd.default_variant(*key, "") is fd.DEFAULT_VARIANTS[key]  # empty: the table
     assert fd.default_variant(*key) is fd.DEFAULT_VARIANTS[key]
+    from stepgraph.tuning import DecodeTuning
+
+    assert DecodeTuning(attention_variant=name).attention_variant == name
+    with pytest.raises(ValueError, match="attention_variant='n48w4s3'"):
+        DecodeTuning(attention_variant="n48w4s3")
 
 
 def test_pdl_pair_picks_each_kernel(monkeypatch):
@@ -167,7 +172,7 @@ def test_pdl_pair_picks_each_kernel(monkeypatch):
     c = make_case(11, [70, 33], n_heads=4, n_kv=2, ps=16)
     seen = []
     real = fd.resolve_pdl
-    monkeypatch.setattr(fd, "resolve_pdl", lambda v, d: seen.append(v) or real(v, d))
+    monkeypatch.setattr(fd, "resolve_pdl", lambda v, d, t=None: seen.append(v) or real(v, d, t))
     got, _ = run(c, num_splits=2, use_pdl=(2, False))
     ref = paged_decode_reference(c.q, c.k, c.v, c.bt, c.lens, compute_dtype=torch.float64)
     assert seen == [2, False] and rel_err(got, ref) < TOL[torch.float32]

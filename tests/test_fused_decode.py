@@ -4,14 +4,17 @@ tokens, the K/V written), and the kernel switch of ``ModelRunner``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.errors import ConfigError
 from stepgraph.kernels.pdl import TRIGGER_MODES
-from stepgraph.model import fused_decode, fused_mlp, step_attention
+from stepgraph.model import fused_decode, fused_mlp
 from stepgraph.model.fused_decode import fused_decode_step, reference_rows, unfusable_reason
+from stepgraph.tuning import DecodeTuning, NormHandoff, PdlPlacement
 
 
 @pytest.fixture(scope="module")
@@ -24,31 +27,35 @@ def mr():
 def tensor_cores(monkeypatch) -> None:
     """The tensor-core kernels at every bs above one (as shipped, shapes without a measured
     tile, the tiny preset's among them, run the reference kernels inside the step)."""
-    monkeypatch.setattr(fused_decode, "REFERENCE_ROWS", range(0))
-    monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
+    monkeypatch.setattr(fused_decode, "_measured", lambda model, rows, tables=None: True)
 
 
 @pytest.mark.parametrize("path", ["tensor-core", "no handoff", "separate norm", "as shipped"])
 @pytest.mark.parametrize("bs, context", [(1, 17), (3, 1), (17, 40)])
-def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch):
+def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch, tuning=None):
+    tuning = tuning or DecodeTuning()
     if path != "as shipped":
         tensor_cores(monkeypatch)
     if path != "tensor-core":  # the norms in the prologue, or as their own kernels
-        monkeypatch.setattr(fused_decode, "NORM_HANDOFF", False)
+        tuning = dataclasses.replace(tuning, handoff=NormHandoff(enabled=False))
     else:  # the norm handoff at every bucket above one
-        monkeypatch.setattr(fused_decode, "HANDOFF_MIN_BUCKET", 2)
+        tuning = dataclasses.replace(tuning, handoff=NormHandoff(min_bucket=2))
     if path == "separate norm":  # norm kernel, then the fused kernel's _normed variant
         from stepgraph.kernels import proj_tiles
 
-        monkeypatch.setattr(proj_tiles, "SEPARATE_ANY", {
+        tables = dataclasses.replace(tuning.tables, separate_norm_everywhere={
             (k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)
         })  # fmt: skip
-        monkeypatch.setattr(proj_tiles, "separate_norm", lambda kernel, m, n, k, e=2:
-                            proj_tiles.block_m(m) > 1 and (kernel, proj_tiles.block_m(m))
-                            in proj_tiles.SEPARATE_ANY)  # fmt: skip
-        monkeypatch.setattr(fused_decode, "separate_norm", proj_tiles.separate_norm)
-        monkeypatch.setattr(fused_mlp, "separate_norm", proj_tiles.separate_norm)
-    assert reference_rows(bs, mr.attn_backend, mr.model) == (path == "as shipped" and bs > 1)
+        tuning = dataclasses.replace(tuning, tables=tables)
+
+        def separate(kernel, m, n, k, e=2, tables=None):  # the bf16 check lifted (float32)
+            bm = proj_tiles.block_m(m)
+            return bm > 1 and (kernel, bm) in tables.separate_norm_everywhere
+
+        monkeypatch.setattr(fused_decode, "separate_norm", separate)
+        monkeypatch.setattr(fused_mlp, "separate_norm", separate)
+    assert reference_rows(bs, mr.attn_backend, mr.model, tuning) == (
+        path == "as shipped" and bs > 1)  # fmt: skip
     batch, pages = decode_batch(mr, Point(bs, context), seed=bs)
     try:
         kv0 = [c.clone() for c in (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)]
@@ -58,7 +65,8 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch):
             c.copy_(c0)
         tokens = torch.full((bs,), -1, dtype=torch.int64)
         logits = fused_decode_step(
-            mr.model, mr.attn_backend, batch.input_ids, batch.positions, tokens_out=tokens
+            mr.model, mr.attn_backend, batch.input_ids, batch.positions, tokens_out=tokens,
+            tuning=tuning,
         )
         assert ((logits - ref).norm() / ref.norm()).item() < 1e-5
         assert torch.equal(tokens, ref.argmax(-1))
@@ -78,20 +86,21 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
 
     cfg = mr.config
     qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    monkeypatch.setattr(proj_tiles, "CUBLAS", {
+    tables = dataclasses.replace(DecodeTuning().tables, cublas={
         ("qkv_rope", qkv_n, cfg.hidden_size, 32),
         ("gate_up_silu", 2 * cfg.intermediate_size, cfg.hidden_size, 32),
         ("lm_head", cfg.vocab_size, cfg.hidden_size, 32),
     })  # fmt: skip
     unfused = []
 
-    def prefer(kernel, m, n, k, elem_bytes=2):
-        choice = proj_tiles.prefer_cublas(kernel, m, n, k, 2)
+    def prefer(kernel, m, n, k, elem_bytes=2, tables=None):
+        choice = proj_tiles.prefer_cublas(kernel, m, n, k, 2, tables)
         unfused.append(choice)
         return choice
 
     monkeypatch.setattr(fused_mlp, "prefer_cublas", prefer)  # every choice goes through it
-    test_fused_step_matches_reference(mr, 17, 40, "tensor-core", monkeypatch)
+    test_fused_step_matches_reference(mr, 17, 40, "tensor-core", monkeypatch,
+                                      DecodeTuning(tables=tables))  # fmt: skip
     # every choice of the step (qkv and gate-up a layer, the head; and the norm handoff's
     # look-ahead at each) went to cuBLAS
     assert len(unfused) >= 2 * cfg.num_layers + 1 and all(unfused)
@@ -112,12 +121,18 @@ def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr, monkeypatch):
     assert not any(proj_tiles.reference_bucket(*eight, b) for b in (1, 2, 3, 4, 8))
     assert not fused_decode._measured(mr.model, 64)
     assert reference_rows(40, mr.attn_backend, mr.model) and not reference_rows(1, None, mr.model)
-    # a bucket in REFERENCE_BUCKETS for the model's qkv shape runs the reference kernels too
-    monkeypatch.setattr(proj_tiles, "REFERENCE_BUCKETS", {(3072, 2048, 32)})
-    assert proj_tiles.reference_bucket(3072, 2048, 32) and not proj_tiles.reference_bucket(
-        3072, 2048, 32, elem_bytes=4)  # fmt: skip
-    assert [reference_rows(bs, big.attn_backend, big.model) for bs in (16, 17, 32, 33)] == [
+    # a bucket in tables.reference_buckets for the model's qkv shape runs the reference kernels
+    t = DecodeTuning(tables=dataclasses.replace(DecodeTuning().tables,
+                                                reference_buckets={(3072, 2048, 32)}))
+    assert proj_tiles.reference_bucket(3072, 2048, 32, tables=t.tables)
+    assert not proj_tiles.reference_bucket(3072, 2048, 32, elem_bytes=4, tables=t.tables)
+    assert [reference_rows(bs, big.attn_backend, big.model, t) for bs in (16, 17, 32, 33)] == [
         False, True, True, False,
+    ]  # fmt: skip
+    # and the buckets of reference_rows, for every model
+    t = DecodeTuning(reference_rows=range(2, 5))
+    assert [reference_rows(bs, big.attn_backend, big.model, t) for bs in (1, 2, 3, 4, 5)] == [
+        False, True, True, True, False,
     ]  # fmt: skip
 
 
@@ -137,18 +152,18 @@ def test_kernel_switch_on_cpu(mr):
 def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
     """The projections' ``use_pdl`` per bucket: off where ``tile_table.NO_PDL_BUCKETS`` holds
     the model's qkv shape and bucket (here the tiny model's at 8 and 16), else the default
-    (None: wherever the GPU has it); ``STEPGRAPH_NO_PDL_BUCKETS`` (``NO_PDL_ENV``) replaces the
-    table for every model; an explicit value is always honoured."""
+    (None: wherever the GPU has it); ``pdl.no_pdl_buckets`` replaces the table for every
+    model; an explicit value is always honoured."""
     from stepgraph.kernels import proj_tiles
-    from stepgraph.model.kernel_choice import buckets_env
+    from stepgraph.tuning_text import parse_buckets
 
     tensor_cores(monkeypatch)
     w = mr.model.layers[0].self_attn.qkv_proj.weight
     table = {(*w.shape, 8), (*w.shape, 16)}  # the table's check, this float32 model's entries
-    monkeypatch.setattr(proj_tiles, "no_pdl_bucket", lambda n, k, b, e=2: (n, k, b) in table)
-    if switch is not None:
-        monkeypatch.setenv("STEPGRAPH_NO_PDL_BUCKETS", switch)
-    monkeypatch.setattr(fused_decode, "NO_PDL_ENV", buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None))
+    monkeypatch.setattr(proj_tiles, "no_pdl_bucket",
+                        lambda n, k, b, e=2, tables=None: (n, k, b) in table)  # fmt: skip
+    buckets = None if switch is None else parse_buckets("pdl.no_pdl_buckets", switch)
+    tuning = DecodeTuning(pdl=PdlPlacement(no_pdl_buckets=buckets))
     seen: list = []
     real = fused_mlp.gemv_residual
 
@@ -164,7 +179,7 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
         try:
             mr.attn_backend.init_forward_metadata(batch)
             fused_decode_step(mr.model, mr.attn_backend, batch.input_ids, batch.positions,
-                              use_pdl=use_pdl)  # fmt: skip
+                              use_pdl=use_pdl, tuning=tuning)  # fmt: skip
         finally:
             for p in pages:
                 mr.kv_cache.release(p)
@@ -181,11 +196,10 @@ def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention
     """By default at one row the split kernel is detached (launched plainly, its trigger at its
     start) and the combine's trigger comes before its wait (run K1); from two rows the combine
     alone launches with PDL, its trigger at its exit (run E5; the split with it: D1, E4);
-    ``ATTENTION_PDL`` overrides both, in the projections' mode: the late trigger from two rows,
+    ``pdl.attention`` overrides both, in the projections' mode: the late trigger from two rows,
     the device's default at one."""
     tensor_cores(monkeypatch)
-    spec = (True, True, None) if attention_pdl else None
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", spec)
+    tuning = DecodeTuning(pdl=PdlPlacement(attention="1" if attention_pdl else None))
     backend, seen = mr.attn_backend, []
     real = backend.decode_attention
 
@@ -199,7 +213,7 @@ def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention
         batch, pages = decode_batch(mr, Point(bs, 9), seed=bs)
         try:
             backend.init_forward_metadata(batch)
-            fused_decode_step(mr.model, backend, batch.input_ids, batch.positions)
+            fused_decode_step(mr.model, backend, batch.input_ids, batch.positions, tuning=tuning)
         finally:
             for p in pages:
                 mr.kv_cache.release(p)
@@ -217,21 +231,19 @@ def test_no_pdl_table_keys():
     assert not no_pdl_bucket(6144, 4096, 8)  # Llama-3.1-8B: faster with PDL
 
 
-def test_attention_pdl_env_parts_and_modes(monkeypatch):
-    from stepgraph.errors import ConfigError
-    from stepgraph.model.kernel_choice import attention_pdl_env
+def test_attention_pdl_parts_and_modes():
+    from stepgraph.tuning import attention_pdl_modes
 
-    name = "STEPGRAPH_ATTENTION_PDL"
-    monkeypatch.delenv(name, raising=False)
-    assert attention_pdl_env() is None  # step_attention's defaults
+    name = "pdl.attention"
+    assert PdlPlacement().attention_modes is None  # step_attention's defaults
     want = {"0": (False, False, None), "1": (True, True, None), "both": (True, True, None),
             "split": (True, False, None), "combine": (False, True, None),
             "split:exit": (True, False, 3), "both:wait": (True, True, 1),
             "combine:late": (False, True, 2), "detached,early": (5, 4, None),
             "0,exit": (False, 3, None), "wait,0": (1, False, None)}  # fmt: skip
     for text, spec in want.items():
-        monkeypatch.setenv(name, text)
-        assert attention_pdl_env() == spec, text
+        assert attention_pdl_modes(text) == spec, text
+        assert PdlPlacement(attention=text).attention_modes == spec, text
     for bad in (
         "2",
         "true",
@@ -246,19 +258,23 @@ def test_attention_pdl_env_parts_and_modes(monkeypatch):
         "1,early",
         "early,early,early",
     ):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ConfigError, match=name):
-            attention_pdl_env()
+        with pytest.raises(ValueError, match=name):
+            attention_pdl_modes(bad)
+        with pytest.raises(ValueError, match=name):
+            PdlPlacement(attention=bad)
 
 
 def test_step_pdl_by_rows_and_bucket(monkeypatch):
     """The projections' ``use_pdl``: one row keeps the device's default (its GEMVs trigger at the
     wait) even in a bucket of more rows; from two rows the late trigger, or none at a
-    ``NO_PDL_ENV`` bucket."""
-    monkeypatch.setattr(fused_decode, "NO_PDL_ENV", range(8, 9))
+    ``pdl.no_pdl_buckets`` bucket; ``pdl.rows_trigger`` names the mode from two rows."""
+    t = DecodeTuning(pdl=PdlPlacement(no_pdl_buckets=range(8, 9)))
     late = TRIGGER_MODES["late"]
-    assert fused_decode.step_pdl(3072, 2048, 1, 1, 2) is None
-    assert fused_decode.step_pdl(3072, 2048, 1, 2, 2) is None  # custom buckets without 1
-    assert fused_decode.step_pdl(3072, 2048, 2, 2, 2) == late
-    assert fused_decode.step_pdl(3072, 2048, 5, 8, 2) is False
-    assert fused_decode.step_pdl(3072, 2048, 9, 16, 2) == late
+    assert fused_decode.step_pdl(3072, 2048, 1, 1, 2, t) is None
+    assert fused_decode.step_pdl(3072, 2048, 1, 2, 2, t) is None  # custom buckets without 1
+    assert fused_decode.step_pdl(3072, 2048, 2, 2, 2, t) == late
+    assert fused_decode.step_pdl(3072, 2048, 5, 8, 2, t) is False
+    assert fused_decode.step_pdl(3072, 2048, 9, 16, 2, t) == late
+    assert fused_decode.step_pdl(3072, 2048, 5, 8, 2) == late  # the defaults: PDL at 8
+    wait = DecodeTuning(pdl=PdlPlacement(rows_trigger="wait"))
+    assert fused_decode.step_pdl(3072, 2048, 9, 16, 2, wait) == TRIGGER_MODES["wait"]

@@ -139,25 +139,27 @@ def test_pdl_falls_back_off_hopper():
 
 def test_trigger_modes(monkeypatch):
     """``resolve_pdl``: off -> False; None and True -> mode 1 (the trigger at the wait); a mode
-    as given; ``STEPGRAPH_PDL_TRIGGER`` overrides the mode of every PDL launch, never turns PDL
-    on, and an unknown value or mode is refused by name."""
+    as given; ``pdl.trigger`` overrides the mode of every PDL launch, never turns PDL on, and
+    an unknown value or mode is refused by name; ``pdl.enabled`` off turns every launch off."""
     from stepgraph.kernels import pdl
+    from stepgraph.tuning import DecodeTuning, PdlPlacement
 
-    monkeypatch.delenv(pdl.PDL_TRIGGER_ENV, raising=False)
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
     got = [pdl.resolve_pdl(u, "cuda") for u in (None, True, 1, 2, 3, 4, 5, False, 0)]
     assert got == [1, 1, 1, 2, 3, 4, 5, False, False] and got[-1] is False and got[1] is not True
     for name, mode in (("wait", 1), ("late", 2), ("exit", 3)):
-        monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, name)
-        assert [pdl.resolve_pdl(u, "cuda") for u in (None, True, 2, False)] == [mode] * 3 + [0]
-        assert [pdl.resolve_pdl(u, "cuda") for u in (4, 5)] == [4, 5]  # the attention's own
+        t = DecodeTuning(pdl=PdlPlacement(trigger=name))
+        assert [pdl.resolve_pdl(u, "cuda", t) for u in (None, True, 2, False)] == [mode] * 3 + [0]
+        assert [pdl.resolve_pdl(u, "cuda", t) for u in (4, 5)] == [4, 5]  # the attention's own
     for name in ("soon", "early", "detached"):  # the two per-kernel modes are no global choice
-        monkeypatch.setenv(pdl.PDL_TRIGGER_ENV, name)
-        with pytest.raises(ValueError, match=f"STEPGRAPH_PDL_TRIGGER='{name}': expected one of"):
-            pdl.resolve_pdl(None, "cuda")
+        with pytest.raises(ValueError, match=f"pdl.trigger='{name}': expected one of"):
+            PdlPlacement(trigger=name)
+        with pytest.raises(ValueError, match=f"pdl.trigger='{name}': expected one of"):
+            pdl.trigger_mode(1, name)
     assert pdl.resolve_pdl(False, "cuda") is False  # off needs no mode
+    off = DecodeTuning(pdl=PdlPlacement(enabled=False))
+    assert [pdl.resolve_pdl(u, "cuda", off) for u in (None, True, 2, 5)] == [False] * 4
     with pytest.raises(ValueError, match="use_pdl=6"):
         pdl.resolve_pdl(6, "cuda")
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)
-    monkeypatch.delenv(pdl.PDL_TRIGGER_ENV)
     assert pdl.resolve_pdl(2, "cpu") is False and pdl.resolve_pdl(3, "cpu") is False

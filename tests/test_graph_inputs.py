@@ -11,7 +11,7 @@ import torch
 
 from stepgraph.batch import PACKED
 from stepgraph.runner.feed import feed_id
-from stepgraph.runner.graph_inputs import BLOCK_P, COPY_ENV, captured_inputs
+from stepgraph.runner.graph_inputs import BLOCK_P, captured_inputs
 from stepgraph.runner.input_buffers import GraphInputBuffers, pad_row
 from stepgraph.runner.staging import PinnedStaging
 
@@ -28,9 +28,10 @@ def _rows(g: torch.Generator, n: int, fed: bool) -> torch.Tensor:
     return rows
 
 
-def _setup(staged: bool):
+def _setup(staged):
     bufs = GraphInputBuffers.allocate(MAX_BS, PAGES, CPU, 1)
-    staging = PinnedStaging(pad_row(PAGES, 1, CPU), MAX_BS, CPU) if staged else None
+    copy = staged == "copy"  # DecodeTuning.staging_copy, as the graph runner hands it on
+    staging = PinnedStaging(pad_row(PAGES, 1, CPU), MAX_BS, CPU, copy) if staged else None
     return bufs, staging
 
 
@@ -49,13 +50,10 @@ def _fields(bufs: GraphInputBuffers, n: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("bucket", [1, 17])
 def test_one_launch_equals_the_torch_ops(staged, fed, bucket, monkeypatch):
     """``staged="host"``: the kernel reads the slot from the host rows (the default), and the
-    device copy is poisoned, so reading it would fail; ``"copy"``: STEPGRAPH_STAGING_COPY=1,
+    device copy is poisoned, so reading it would fail; ``"copy"``: ``device_copy`` (the
+    tuning's ``staging_copy``),
     the slots copied to the device first (the host rows then poisoned after the copy would
     not matter, so the torch ops' result is the check)."""
-    if staged == "copy":
-        monkeypatch.setenv(COPY_ENV, "1")
-    else:
-        monkeypatch.delenv(COPY_ENV, raising=False)
     g = torch.Generator().manual_seed(bucket * 4 + 2 * bool(staged) + fed + 8 * (staged == "copy"))
     feed = torch.randint(0, 2**20, (FEED,), generator=g) if fed else None
     (kb, ks), (tb, ts) = _setup(staged), _setup(staged)

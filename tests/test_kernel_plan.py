@@ -13,10 +13,12 @@ from stepgraph.cli import main
 from stepgraph.kernels.proj_tiles import block_m
 from stepgraph.model import fused_decode, fused_mlp, kernel_plan
 from stepgraph.model.config import PRESETS
+from stepgraph.tuning import DecodeTuning, NormHandoff
 
 
-def by_bucket(config, elem_bytes=2):
-    return {b: (path, choices) for b, path, choices in kernel_plan.kernel_plan(config, elem_bytes)}
+def by_bucket(config, elem_bytes=2, tuning=None):
+    plan = kernel_plan.kernel_plan(config, elem_bytes, tuning=tuning)
+    return {b: (path, choices) for b, path, choices in plan}
 
 
 def test_the_1b_plan_as_committed():
@@ -74,7 +76,7 @@ def test_unmeasured_shapes_and_float32_run_the_reference_kernels():
         plan = by_bucket(config, elem)
         assert plan[1][0] == "fused, one row (GEMV)"
         for b in plan:
-            if b > 1 and b not in fused and b not in fused_decode.REFERENCE_ROWS:
+            if b > 1 and b not in fused and b not in DecodeTuning().reference_rows:
                 assert plan[b][1] == {} and plan[b][0].startswith("reference kernels (")
     eight = by_bucket(PRESETS["llama-3.1-8b"])  # measured at 2-16 rows (BLOCK_M 16) only
     assert eight[8][1]["qkv"].startswith("cuBLAS + RoPE/KV write, the norm from the sums")
@@ -130,16 +132,15 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
     separate = {("gate_up_silu", *shapes["gate_up"], 16), ("qkv_rope", *shapes["qkv"], 16)}
 
     def table(keys):  # the bf16 tables' element-size check lifted for this float32 model
-        return lambda kernel, m, n, k, e=2: (kernel, n, k, block_m(m)) in keys
+        return lambda kernel, m, n, k, e=2, tables=None: (kernel, n, k, block_m(m)) in keys
 
     for mod in (fused_decode, kernel_plan):
         monkeypatch.setattr(mod, "separate_norm", table(separate))
-        monkeypatch.setattr(mod, "REFERENCE_ROWS", range(0))
     for mod in (kernel_plan, fused_mlp):  # fused_decode's cuBLAS choices are fused_mlp.cublas
         monkeypatch.setattr(mod, "prefer_cublas", table(cublas))
     monkeypatch.setattr(fused_mlp, "separate_norm", table(separate))
-    monkeypatch.setattr(fused_decode, "NORM_HANDOFF", handoff)
-    monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
+    tuning = DecodeTuning(handoff=NormHandoff(enabled=handoff))  # the step's and the plan's
+    monkeypatch.setattr(fused_decode, "_measured", lambda *a: True)
     monkeypatch.setattr(kernel_plan, "measured", lambda *a: True)
     ran: list[str] = []
 
@@ -168,7 +169,7 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
     spy("_cublas_head", fused_decode._cublas_head, lambda a, k: "lm_head cublas")
     spy("head_scale", fused_decode.head_scale, lambda a, k: "lm_head cublas handoff")
     spy("embed_rmsnorm", fused_decode.embed_rmsnorm, lambda a, k: "embed with the norm")
-    plan = by_bucket(cfg)
+    plan = by_bucket(cfg, tuning=tuning)
     owns = []
     for bs in (1, 3, 5, 17):  # buckets 1 (one row), 4 and 8 (M padded to 16, the handoff's from
         # 2 rows), 32 (qkv and the LM head on cuBLAS in this test's table)
@@ -177,7 +178,7 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
         try:
             mr.attn_backend.init_forward_metadata(batch)
             fused_decode.fused_decode_step(mr.model, mr.attn_backend, batch.input_ids,
-                                           batch.positions)  # fmt: skip
+                                           batch.positions, tuning=tuning)  # fmt: skip
         finally:
             for p in pages:
                 mr.kv_cache.release(p)

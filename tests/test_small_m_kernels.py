@@ -147,7 +147,12 @@ def test_every_table_tile_fits_and_one_that_does_not_is_named(monkeypatch):
     """Each shipped tile fits ``SMEM_BUDGET`` at every row count its key serves (else the step
     would run the rule's tile in silence: run K5's 8B gate-up tiles of 128 pairs or 256 of K did);
     a tile that does not fit warns once, naming it, and the rule's tile runs."""
-    for (kernel, n, k, key), tile in proj_tiles.TILES.items():
+    import dataclasses
+
+    from stepgraph.tuning import DecodeTuning
+
+    shipped = DecodeTuning().tables
+    for (kernel, n, k, key), tile in shipped.tiles.items():
         rows = range(2, 5) if key == 4 else range(key // 2 + 1, key + 1) if key > 16 else [key]
         for m in rows:
             assert tile_for(kernel, m, n, k) == tile, (kernel, n, k, m)
@@ -158,10 +163,10 @@ def test_every_table_tile_fits_and_one_that_does_not_is_named(monkeypatch):
     assert proj_tiles.smem_bytes("gate_up_silu", fits, 8, 2) == budget
     assert proj_tiles.smem_bytes("gate_up_silu", big, 8, 2) > budget
     key = ("gate_up_silu", 1024, 512, 16)
-    monkeypatch.setitem(proj_tiles.TILES, key, fits)
-    assert tile_for("gate_up_silu", 8, 1024, 512) == fits
-    monkeypatch.setitem(proj_tiles.TILES, key, big)
+    fitting = dataclasses.replace(shipped, tiles={**shipped.tiles, key: fits})
+    assert tile_for("gate_up_silu", 8, 1024, 512, tables=fitting) == fits
+    over = dataclasses.replace(shipped, tiles={**shipped.tiles, key: big})
     named = r"gate_up_silu: the table's Tile\(block_n=32.*240 KB.* 16 rows"
     with pytest.warns(UserWarning, match=named):
-        got = tile_for("gate_up_silu", 8, 1024, 512)
+        got = tile_for("gate_up_silu", 8, 1024, 512, tables=over)
     assert got == default_tile("gate_up_silu", 8, 1024, 512) != big

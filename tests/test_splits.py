@@ -128,49 +128,43 @@ def test_bad_max_splits():
         num_splits_for(10, 8, 1, 132, 0)
 
 
-def test_min_split_keys_env_default_switch_and_refusals(monkeypatch):
-    from stepgraph.kernels.splits import MIN_SPLIT_KEYS_DEFAULT, min_split_keys_env
+def test_min_keys_default_field_and_refusals():
+    from stepgraph.kernels.splits import MIN_SPLIT_KEYS_DEFAULT, SplitLadder
 
-    monkeypatch.delenv("STEPGRAPH_MIN_SPLIT_KEYS", raising=False)
-    assert min_split_keys_env() == MIN_SPLIT_KEYS_DEFAULT == 128
-    monkeypatch.setenv("STEPGRAPH_MIN_SPLIT_KEYS", "64")  # one fallback tile: the A/B switch
-    assert min_split_keys_env() == 64
-    for bad in ("0", "32", "96", "-64"):  # below one tile, or not a multiple of it
-        monkeypatch.setenv("STEPGRAPH_MIN_SPLIT_KEYS", bad)
-        with pytest.raises(ValueError, match="STEPGRAPH_MIN_SPLIT_KEYS"):
-            min_split_keys_env()
+    assert SplitLadder().min_keys == MIN_SPLIT_KEYS_DEFAULT == 128
+    assert SplitLadder(min_keys=64).min_keys == 64  # one fallback tile: the A/B field
+    for bad in (0, 32, 96, -64, 64.0):  # below one tile, or not a multiple of it, or no int
+        with pytest.raises(ValueError, match="split.min_keys"):
+            SplitLadder(min_keys=bad)
 
 
-def test_cap2_min_split_keys_env(monkeypatch):
+def test_cap2_min_keys_field():
     from stepgraph.kernels import splits
 
-    monkeypatch.delenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", raising=False)
-    assert splits.cap2_min_split_keys_env() == splits.CAP2_MIN_SPLIT_KEYS_DEFAULT == 384
-    monkeypatch.setenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", "64")
-    assert splits.cap2_min_split_keys_env() == 64
-    for bad in ("0", "-64", "100"):
-        monkeypatch.setenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", bad)
-        with pytest.raises(ValueError, match="STEPGRAPH_CAP2_MIN_SPLIT_KEYS"):
-            splits.cap2_min_split_keys_env()
+    assert splits.SplitLadder().cap2_min_keys == splits.CAP2_MIN_SPLIT_KEYS_DEFAULT == 384
+    assert splits.SplitLadder(cap2_min_keys=64).cap2_min_keys == 64
+    for bad in (0, -64, 100):
+        with pytest.raises(ValueError, match="split.cap2_min_keys"):
+            splits.SplitLadder(cap2_min_keys=bad)
 
 
-def test_cap2_least_applies_at_cap_two_only(monkeypatch):
+def test_cap2_least_applies_at_cap_two_only():
     from stepgraph.kernels import splits
 
-    monkeypatch.setattr(splits, "CAP2_MIN_SPLIT_KEYS", 384)
+    ladder = splits.SplitLadder(cap2_min_keys=384)
     # bs 16 (cap 4), 17 and 33 (cap 2), 34 (cap 1) with 8 KV heads on 132 SMs
     assert [splits.ladder_cap(8, bs, 132) for bs in (16, 17, 33, 34)] == [4, 2, 2, 1]
-    assert splits.num_splits_for(767, 8, 16, 132, 64) == 4  # 128 keys the least: 4 x 192
-    assert splits.num_splits_for(767, 8, 17, 132, 64) == 1  # one split below 768
-    assert splits.num_splits_for(768, 8, 33, 132, 64) == 2
-    assert splits.num_splits_for(100_000, 8, 34, 132, 64) == 1
+    assert splits.num_splits_for(767, 8, 16, 132, 64, ladder=ladder) == 4  # 128 the least
+    assert splits.num_splits_for(767, 8, 17, 132, 64, ladder=ladder) == 1  # one below 768
+    assert splits.num_splits_for(768, 8, 33, 132, 64, ladder=ladder) == 2
+    assert splits.num_splits_for(100_000, 8, 34, 132, 64, ladder=ladder) == 1
+    assert splits.num_splits_for(767, 8, 17, 132, 64) == 1  # the default ladder: the same
     # a global least above 384 still wins (the larger of the two)
-    monkeypatch.setattr(splits, "MIN_SPLIT_KEYS", 512)
-    assert splits.num_splits_for(1023, 8, 32, 132, 64) == 1
-    assert splits.num_splits_for(1024, 8, 32, 132, 64) == 2
-    monkeypatch.setattr(splits, "CAP2_MIN_SPLIT_KEYS", 128)  # the switch back to one rule
-    monkeypatch.setattr(splits, "MIN_SPLIT_KEYS", 128)
-    assert splits.num_splits_for(256, 8, 32, 132, 64) == 2
+    ladder = splits.SplitLadder(min_keys=512, cap2_min_keys=384)
+    assert splits.num_splits_for(1023, 8, 32, 132, 64, ladder=ladder) == 1
+    assert splits.num_splits_for(1024, 8, 32, 132, 64, ladder=ladder) == 2
+    ladder = splits.SplitLadder(min_keys=128, cap2_min_keys=128)  # back to one rule
+    assert splits.num_splits_for(256, 8, 32, 132, 64, ladder=ladder) == 2
 
 
 def test_wide_heads_take_64_keys_a_split_at_the_limit_and_one_past():
@@ -194,7 +188,7 @@ def test_wide_heads_take_64_keys_a_split_at_the_limit_and_one_past():
     assert steps == [(1, 1), (128, 2), (256, 4), (512, 8), (1024, 16), (2048, 32), (4096, 64)]
 
 
-def test_ladder_for_hands_out_one_monotone_ladder_a_head_dim(monkeypatch):
+def test_ladder_for_hands_out_one_monotone_ladder_a_head_dim():
     from stepgraph.kernels import splits
 
     assert splits.ladder_for(None) is splits.ladder_for(64) is fa_split_keys
@@ -203,34 +197,33 @@ def test_ladder_for_hands_out_one_monotone_ladder_a_head_dim(monkeypatch):
     for t in (1, 127, 128, 300, 4096, 5000):
         for bs in (1, 3, 8, 32):
             assert wide(t, 8, bs, 132) == fa_split_keys(t, 8, bs, 132, head_dim=128)
-    monkeypatch.setattr(splits, "WIDE_MIN_SPLIT_KEYS", 128)  # the switch at the 64 ladder's
-    assert splits.ladder_for(128) is fa_split_keys
+    # another ladder: a bound copy of its own (exact mode retunes with what eager takes)
+    other = splits.SplitLadder(wide_min_keys=128)
+    mine = splits.ladder_for(128, other)
+    assert mine is splits.ladder_for(128, other) and mine.monotone and mine.ladder == other
+    assert mine(4096, 8, 1, 132) == fa_split_keys(4096, 8, 1, 132, head_dim=128, ladder=other)
+    assert splits.ladder_for(64, splits.SplitLadder(min_keys=256)) is not fa_split_keys
 
 
-def test_wide_min_split_keys_env(monkeypatch):
+def test_wide_min_keys_field():
     from stepgraph.kernels import splits
 
-    monkeypatch.delenv("STEPGRAPH_WIDE_MIN_SPLIT_KEYS", raising=False)
-    assert splits.wide_min_split_keys_env() == 64
-    monkeypatch.setenv("STEPGRAPH_WIDE_MIN_SPLIT_KEYS", "128")
-    assert splits.wide_min_split_keys_env() == 128
-    for bad in ("0", "32", "-64"):
-        monkeypatch.setenv("STEPGRAPH_WIDE_MIN_SPLIT_KEYS", bad)
-        with pytest.raises(ValueError, match="STEPGRAPH_WIDE_MIN_SPLIT_KEYS"):
-            splits.wide_min_split_keys_env()
+    assert splits.SplitLadder().wide_min_keys == 64
+    assert splits.SplitLadder(wide_min_keys=128).wide_min_keys == 128
+    for bad in (0, 32, -64):
+        with pytest.raises(ValueError, match="split.wide_min_keys"):
+            splits.SplitLadder(wide_min_keys=bad)
 
 
-def test_programs_per_sm_is_read_at_each_call(monkeypatch):
+def test_programs_per_sm_field():
     from stepgraph.kernels import splits
 
-    monkeypatch.setenv("STEPGRAPH_PROGRAMS_PER_SM", "8")
-    assert splits.programs_per_sm_env() == 8
-    for bad in ("0", "-1"):
-        monkeypatch.setenv("STEPGRAPH_PROGRAMS_PER_SM", bad)
-        with pytest.raises(ValueError, match="STEPGRAPH_PROGRAMS_PER_SM"):
-            splits.programs_per_sm_env()
+    assert splits.SplitLadder(programs_per_sm=8).programs_per_sm == 8
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="split.programs_per_sm"):
+            splits.SplitLadder(programs_per_sm=bad)
     assert splits.ladder_cap(8, 8, 132) == 8  # 4 a SM: pow2_floor(528 // 64)
-    monkeypatch.setattr(splits, "PROGRAMS_PER_SM", 8)  # what ab_step's re-read sets
-    assert splits.ladder_cap(8, 8, 132) == 16
-    assert splits.num_splits_for(4096, 8, 8, 132, 64) == 16
-    assert splits.ladder_cap(8, 8, 132, programs_per_sm=4) == 8  # an explicit one still wins
+    eight = splits.SplitLadder(programs_per_sm=8)
+    assert splits.ladder_cap(8, 8, 132, ladder=eight) == 16
+    assert splits.num_splits_for(4096, 8, 8, 132, 64, ladder=eight) == 16
+    assert splits.ladder_cap(8, 8, 132, 4, eight) == 8  # an explicit one still wins

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from stepgraph.model import step_attention
+from stepgraph.tuning import DecodeTuning, PdlPlacement
 
 
 class Backend:
@@ -37,9 +38,12 @@ def fold(monkeypatch):
         return "fold"
 
     monkeypatch.setattr(step_attention, "flash_decode", fake)
-    monkeypatch.setattr(step_attention, "FOLD_MERGE", None)
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", None)
     return seen
+
+
+def pdl(spec: str) -> DecodeTuning:
+    """A tuning whose ``pdl.attention`` is ``spec``."""
+    return DecodeTuning(pdl=PdlPlacement(attention=spec))
 
 
 def test_the_table_picks_the_merge_at_its_classes_only(fold):
@@ -60,13 +64,17 @@ def test_other_shapes_fold_only_one_split(fold):
     assert step_attention.attention(b, 0, "q", 64) == "fold"
 
 
-def test_the_switch_overrides_every_shape(fold, monkeypatch):
+def test_the_field_overrides_every_shape(fold):
     b = Backend(shape=(32, 8, 128), splits={8: 8, 16: 4, 32: 2})
-    monkeypatch.setattr(step_attention, "FOLD_MERGE", range(8, 9))
-    assert [step_attention.attention(b, 0, "q", k) for k in (8, 16, 32)] == ["fold", "two", "two"]
-    monkeypatch.setattr(step_attention, "FOLD_MERGE", range(0))  # none: split + combine
+    t = DecodeTuning(fold_merge=range(8, 9))
+    assert [step_attention.attention(b, 0, "q", k, tuning=t) for k in (8, 16, 32)] == [
+        "fold", "two", "two"]  # fmt: skip
+    t = DecodeTuning(fold_merge=range(0))  # none: split + combine
     b = Backend(splits={16: 4, 64: 1})
-    assert [step_attention.attention(b, 0, "q", k) for k in (16, 64)] == ["two", "fold"]
+    assert [step_attention.attention(b, 0, "q", k, tuning=t) for k in (16, 64)] == [
+        "two", "fold"]  # fmt: skip
+    with pytest.raises(ValueError, match="fold_merge="):
+        DecodeTuning(fold_merge=(8, 9))
 
 
 def test_reference_attention_never_folds(fold):
@@ -86,28 +94,21 @@ def test_pdl_pair(fold, monkeypatch):
     assert step_attention.attention_pdl(False, 8) is False
     assert step_attention.attention_pdl(0, 8) is False  # 0 is False too (bool is an int)
     assert step_attention.attention_pdl(3, 8) == (False, 3)  # any trigger mode: PDL on
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (False, False, None))  # "0": none
-    assert step_attention.attention_pdl(None, 1) == (False, False)
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, False, None))
-    assert step_attention.attention_pdl(2, 8) == (2, False)
-    assert step_attention.attention_pdl(None, 1) == (None, False)  # the device's default
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (False, True, 3))
-    assert step_attention.attention_pdl(2, 8) == (False, 3)
+    assert step_attention.attention_pdl(None, 1, pdl("0")) == (False, False)  # none
+    assert step_attention.attention_pdl(2, 8, pdl("split")) == (2, False)
+    assert step_attention.attention_pdl(None, 1, pdl("split")) == (None, False)  # the default
+    assert step_attention.attention_pdl(2, 8, pdl("combine:exit")) == (False, 3)
     b = Backend(splits={16: 4})
-    step_attention.attention(b, 0, "q", 16, use_pdl=2)
+    step_attention.attention(b, 0, "q", 16, use_pdl=2, tuning=pdl("combine:exit"))
     assert fold[-1][2]["use_pdl"] == (False, 3)
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (5, 3, None))  # "detached,exit"
-    assert step_attention.attention_pdl(2, 8) == (5, 3)
-    assert step_attention.attention_pdl(None, 1) == (5, 3)
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, 1, None))  # a bool is the mode
-    assert step_attention.attention_pdl(2, 8) == (2, 1)
+    assert step_attention.attention_pdl(2, 8, pdl("detached,exit")) == (5, 3)
+    assert step_attention.attention_pdl(None, 1, pdl("detached,exit")) == (5, 3)
+    assert step_attention.attention_pdl(2, 8, pdl("both:wait")) == (1, 1)  # True: the mode
 
 
 def test_attention_text_names_the_launches_with_pdl(monkeypatch):
     """``stepgraph info``'s line says which attention launch takes PDL, and its trigger: the
     defaults, none where the projections run without it, and the switch's choice."""
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", None)
-    monkeypatch.setattr(step_attention, "FOLD_MERGE", None)
     shape = (32, 8, 64)  # Llama-3.2-1B: split + combine to 8, the merge at 16-32, one split at 64
     text = step_attention.attention_text
     assert text(shape, 1).endswith("splits; the split launched plainly, trigger at its start; "
@@ -115,8 +116,9 @@ def test_attention_text_names_the_launches_with_pdl(monkeypatch):
     assert text(shape, 8, use_pdl=2).endswith("splits; the combine with PDL, trigger at its exit)")
     assert text(shape, 8, use_pdl=False) == "split_kv + combine (up to 8 splits)"
     assert "PDL" not in text(shape, 16, use_pdl=2) + text(shape, 64, use_pdl=2)
-    monkeypatch.setattr(step_attention, "ATTENTION_PDL", (True, False, 3))  # split:exit
-    assert text(shape, 8, use_pdl=2).endswith("splits; the split with PDL, trigger at its exit)")
-    assert text(shape, 64, use_pdl=2) == (
+    t = pdl("split:exit")
+    assert text(shape, 8, use_pdl=2, tuning=t).endswith(
+        "splits; the split with PDL, trigger at its exit)")  # fmt: skip
+    assert text(shape, 64, use_pdl=2, tuning=t) == (
         "split_kv_fold, one launch (one split at every context; with PDL, trigger at its exit)"
     )

@@ -16,6 +16,7 @@ from stepgraph.kernels.lm_head_argmax import lm_head_argmax
 from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
 from stepgraph.kernels.proj_tiles import Tile
 from stepgraph.kernels.qkv_rope import qkv_rope
+from stepgraph.tuning import DecodeTuning
 from tests.conftest import rel_err
 from tests.references import rms64, rope64
 
@@ -115,10 +116,9 @@ def test_pointer_loop_where_tma_cannot(nan_empty, spy, monkeypatch):
     assert rel_err(gemv_residual(x, w, res, blocks=tile), want) < 3e-3 and spy == []
     assert rel_err(gemv_residual(x.contiguous(), w, res, blocks=tile), want) < 3e-3
     assert len(spy) == 2
-    monkeypatch.setenv(tma_tiles.TMA_ENV, "0")
-    assert rel_err(gemv_residual(x.contiguous(), w, res, blocks=tile), want) < 3e-3
+    off = DecodeTuning(tma=False)
+    assert rel_err(gemv_residual(x.contiguous(), w, res, blocks=tile, tuning=off), want) < 3e-3
     assert len(spy) == 2  # switched off: the pointer loop
-    monkeypatch.delenv(tma_tiles.TMA_ENV)
     # tma 2 reads x from pointers: a misaligned x keeps the weight's descriptor
     assert rel_err(gemv_residual(x, w, res, blocks=Tile(16, 16, 4, 2, 1, 2)), want) < 3e-3
     assert len(spy) == 3
@@ -145,19 +145,20 @@ def test_tma_limits():
     assert proj_tiles.tma_descriptors(Tile(16, 256, 4, 1, 1, True), 8, x, w, 16) is not None
 
 
-def test_prefetch_lines(monkeypatch):
-    monkeypatch.delenv(tma_tiles.PREFETCH_ENV, raising=False)
-    assert tma_tiles.PREFETCH_BYTES == 16384  # the default (runs M1-M2): 128 lines a program
+def test_prefetch_lines():
+    assert tma_tiles.PREFETCH_BYTES == DecodeTuning().l2_prefetch_bytes == 16384  # the default
+    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False, 16384) == 128
     assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 128
     assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, True) == 64  # shared by two row sets
     assert tma_tiles.prefetch_lines(8, 64, 4, 16, 2, False) == 2  # a 256-byte range: all of it
-    monkeypatch.setenv(tma_tiles.PREFETCH_ENV, "0")
-    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 0  # off
-    monkeypatch.setenv(tma_tiles.PREFETCH_ENV, "65536")
+    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False, 0) == 0  # off
     # 64 KB of one row set (128-byte lines, a power of two), or the program's whole range
-    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False) == 512  # 64 rows x 512 x 2 B
-    assert tma_tiles.prefetch_lines(64, 2048, 1, 128, 2, False) == 512  # capped at 64 KB
-    assert tma_tiles.prefetch_lines(64, 2048, 1, 128, 2, True) == 256  # both sets share it
+    assert tma_tiles.prefetch_lines(64, 2048, 4, 128, 2, False, 65536) == 512  # 64 x 512 x 2 B
+    assert tma_tiles.prefetch_lines(64, 2048, 1, 128, 2, False, 65536) == 512  # capped at 64 KB
+    assert tma_tiles.prefetch_lines(64, 2048, 1, 128, 2, True, 65536) == 256  # both share it
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="l2_prefetch_bytes"):
+            DecodeTuning(l2_prefetch_bytes=bad)
     assert tma_tiles.prefetch_lines(16, 48, 3, 16, 2, False) == 4  # 16 x 16 x 2 = 512 B
     assert tma_tiles.prefetch_lines(16, 96, 1, 16, 2, False) == 16  # 24 lines -> 16
 
@@ -197,39 +198,47 @@ def test_normed_variants(nan_empty, spy, tma, m):
     )
 
 
-def test_separate_norm_choice(monkeypatch):
+def test_separate_norm_choice():
+    import dataclasses
+
     assert proj_tiles.separate_norm("qkv_rope", 8, 3072, 2048)  # measured: 1B's qkv at 16
     assert not proj_tiles.separate_norm("qkv_rope", 8, 3072, 4096)  # another shape
-    monkeypatch.setattr(proj_tiles, "SEPARATE_NORM", set())
-    assert not proj_tiles.separate_norm("qkv_rope", 8, 3072, 2048)
-    monkeypatch.setattr(proj_tiles, "SEPARATE_ANY", {("gate_up_silu", 16)})
-    assert proj_tiles.separate_norm("gate_up_silu", 16, 16384, 2048)
-    assert not proj_tiles.separate_norm("gate_up_silu", 17, 16384, 2048)  # BLOCK_M 32
-    assert not proj_tiles.separate_norm("gate_up_silu", 1, 16384, 2048)  # one row: GEMV
-    assert not proj_tiles.separate_norm("gate_up_silu", 16, 16384, 2048, 4)  # float32
+    none = dataclasses.replace(DecodeTuning().tables, separate_norm=set())
+    assert not proj_tiles.separate_norm("qkv_rope", 8, 3072, 2048, tables=none)
+    t = dataclasses.replace(none, separate_norm_everywhere={("gate_up_silu", 16)})
+    assert proj_tiles.separate_norm("gate_up_silu", 16, 16384, 2048, tables=t)
+    assert not proj_tiles.separate_norm("gate_up_silu", 17, 16384, 2048, tables=t)  # BLOCK_M 32
+    assert not proj_tiles.separate_norm("gate_up_silu", 1, 16384, 2048, tables=t)  # one row
+    assert not proj_tiles.separate_norm("gate_up_silu", 16, 16384, 2048, 4, t)  # float32
+    with pytest.raises(ValueError, match="tables.separate_norm_everywhere"):
+        dataclasses.replace(none, separate_norm_everywhere={("gate_up", 16)})
 
 
-def test_sweep_tiles_file_and_switches(tmp_path, monkeypatch):
-    """``$STEPGRAPH_PROJ_TILES`` (a sweep's ``--tiles-out``) adds its tiles and takes the key out
-    of ``CUBLAS``, so the same device run tries the sweep's choice; the ``kernel:BLOCK_M``
-    switches parse as pairs."""
+def test_sweep_tiles_file_and_pairs(tmp_path, monkeypatch):
+    """``STEPGRAPH_PROJ_TILES`` (a sweep's ``--tiles-out``) adds its tiles to
+    ``DecodeTuning.default()``'s tables and takes the key out of ``cublas``, so the same device
+    run tries the sweep's choice (read at the call); the ``kernel:BLOCK_M`` text parses as
+    pairs."""
     import json
 
+    from stepgraph import env
+    from stepgraph.tuning_text import parse_pairs
+
     key = ("qkv_rope", 3072, 2048, 64)
-    assert key in proj_tiles.CUBLAS
-    monkeypatch.setattr(proj_tiles, "TILES", dict(proj_tiles.TILES))
-    monkeypatch.setattr(proj_tiles, "CUBLAS", set(proj_tiles.CUBLAS))
+    monkeypatch.delenv(env.PROJ_TILES, raising=False)
+    assert key in DecodeTuning.default().tables.cublas
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps({"qkv_rope,3072,2048,64": [32, 128, 4, 3, 4, 1]}))
-    monkeypatch.setenv(proj_tiles.TILES_ENV, str(path))
-    proj_tiles._env_tiles()
-    assert proj_tiles.TILES[key] == Tile(32, 128, 4, 3, 4, 1)
-    assert key not in proj_tiles.CUBLAS and not proj_tiles.prefer_cublas("qkv_rope", 40, 3072, 2048)
-    assert proj_tiles.tile_for("qkv_rope", 40, 3072, 2048).tma == 1
-    monkeypatch.setenv("STEPGRAPH_X", "qkv_rope:16, gate_up_silu:32,")
-    assert proj_tiles._env_pairs("STEPGRAPH_X") == {("qkv_rope", 16), ("gate_up_silu", 32)}
-    monkeypatch.setenv("STEPGRAPH_X", "")
-    assert proj_tiles._env_pairs("STEPGRAPH_X") == set()
+    monkeypatch.setenv(env.PROJ_TILES, str(path))
+    tables = DecodeTuning.default().tables
+    assert tables.tiles[key] == Tile(32, 128, 4, 3, 4, 1)
+    assert key not in tables.cublas and not proj_tiles.prefer_cublas("qkv_rope", 40, 3072, 2048)
+    assert proj_tiles.tile_for("qkv_rope", 40, 3072, 2048).tma == 1  # the default: the file's
+    monkeypatch.delenv(env.PROJ_TILES)
+    assert key in DecodeTuning.default().tables.cublas  # the next call: the shipped tables
+    pairs = parse_pairs("tables.cublas_everywhere", "qkv_rope:16, gate_up_silu:32,")
+    assert pairs == {("qkv_rope", 16), ("gate_up_silu", 32)}
+    assert parse_pairs("tables.cublas_everywhere", "") == set()
 
 
 def test_tma_descriptors_only_where_a_tile_asks():
@@ -247,15 +256,16 @@ def test_tile_table_is_launchable():
     """Every measured tile fits the shared-memory budget and its kernel's limits, every TMA tile's
     boxes are TMA boxes, and every separate-norm choice has its ``_normed`` tile (else the rule
     would run unmeasured)."""
-    for (kernel, n, k, bm), tile in proj_tiles.TILES.items():
+    tables = DecodeTuning().tables
+    for (kernel, n, k, bm), tile in tables.tiles.items():
         m = bm  # any row count of the bucket takes its tiles
         assert proj_tiles.tile_for(kernel, m, n, k) == tile, (kernel, bm)
         proj_tiles.check_tile(kernel, tile, m)
         if tile.tma:
             assert tile.tma in (1, 2) and tma_tiles.box_fits(tile.block_n, tile.block_k, bm)
-    for kernel, n, k, bm in proj_tiles.SEPARATE_NORM:
-        assert (f"{kernel}_normed", n, k, bm) in proj_tiles.TILES
-        assert (kernel, n, k, bm) not in proj_tiles.CUBLAS  # CUBLAS is checked first
+    for kernel, n, k, bm in tables.separate_norm:
+        assert (f"{kernel}_normed", n, k, bm) in tables.tiles
+        assert (kernel, n, k, bm) not in tables.cublas  # cublas is checked first
 
 
 @pytest.mark.parametrize("m, keys", [(1, (1,)), (2, (4, 16)), (4, (4, 16)), (5, (16,)),
@@ -270,5 +280,9 @@ def test_table_rows_at_the_small_class_edges(m, keys, monkeypatch):
     o = ("gemv_residual", 2048, 2048)
     if 2 <= m <= 16:  # the 1B's o_proj: its 16-row tile, or a 2-4 row tile where one is
         assert tile_for(o[0], m, *o[1:]) == TILES[(*o, 16)]
-        monkeypatch.setitem(TILES, (*o, 4), Tile(32, 512, 4, 1, 4))
-        assert tile_for(o[0], m, *o[1:]) == TILES[(*o, 4 if m <= 4 else 16)]
+        import dataclasses
+
+        shipped = DecodeTuning().tables
+        small = {**shipped.tiles, (*o, 4): Tile(32, 512, 4, 1, 4)}
+        tables = dataclasses.replace(shipped, tiles=small)
+        assert tile_for(o[0], m, *o[1:], tables=tables) == small[(*o, 4 if m <= 4 else 16)]

@@ -15,8 +15,6 @@ from L2 in blocks of ``PER_THREAD`` a thread (501 a row at 16 rows; one row keep
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -25,15 +23,13 @@ from .gemv_tiles import gpu_fence
 # Partials one reduce step holds per thread of the launch. The reduce's registers count for the
 # whole kernel: at one row a block of 8192 partials (64 a thread) slowed the LM head from 0.802
 # to 0.860 ms a step (run G2, 2026-12-01), the streaming part running at a lower occupancy.
-PER_THREAD_ENV = "STEPGRAPH_ARGMAX_FOLD_PER_THREAD"
-PER_THREAD = 8
+PER_THREAD = 8  # DecodeTuning.argmax.per_thread's default
 _NO_INDEX = tl.constexpr(2**31 - 1)  # a global a kernel reads: a constexpr
 
 
-def fold_block(m_block: int, parts: int, num_warps: int) -> int:
+def fold_block(m_block: int, parts: int, num_warps: int, per_thread: int = PER_THREAD) -> int:
     """``BLOCK_P`` of the folded reduce: a power of two, at least 2, at most a row's partials
     (rounded up), and ``BLOCK_M * BLOCK_P`` at most ``PER_THREAD`` a thread of the launch."""
-    per_thread = int(os.environ.get(PER_THREAD_ENV, PER_THREAD))
     cap = 1 << (max(1, per_thread * 32 * num_warps // m_block).bit_length() - 1)  # pow2 <=
     return max(2, min(triton.next_power_of_2(parts), cap))
 
@@ -82,4 +78,4 @@ def fold_argmax(
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
 
-__all__ = ["PER_THREAD", "PER_THREAD_ENV", "fold_argmax", "fold_block", "parts_argmax"]
+__all__ = ["PER_THREAD", "fold_argmax", "fold_block", "parts_argmax"]

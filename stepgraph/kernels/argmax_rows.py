@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tuning import DecodeTuning
 from .pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
 
 BLOCK_V = 4096  # columns a program of the first launch reads: 32 programs a row at vocab 128256
@@ -80,6 +81,7 @@ def argmax_rows(
     *,
     use_pdl: bool | None = None,
     block_v: int = BLOCK_V,
+    tuning: DecodeTuning | None = None,  # its PDL; None: the default
 ) -> torch.Tensor:  # [M] int64: torch.argmax(logits, -1)
     """``torch.argmax(logits, -1)``, into ``out`` when given. Graph-capturable: the partials'
     buffers are allocated inside the step (the graph's pool holds them)."""
@@ -94,7 +96,7 @@ def argmax_rows(
     parts = triton.cdiv(v, block_v)
     keys = torch.empty(m, parts, dtype=torch.int32, device=logits.device)
     cols = torch.empty(m, parts, dtype=torch.int32, device=logits.device)
-    pdl = resolve_pdl(use_pdl, logits.device)
+    pdl = resolve_pdl(use_pdl, logits.device, tuning)
     _argmax_part_kernel[(m, parts)](
         logits, keys, cols, v, logits.stride(0), parts,
         USE_PDL=pdl, BLOCK_V=block_v, num_warps=8, **launch_options(pdl),

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
 from ..errors import ConfigError
+from ..tuning import DecodeTuning, default_tuning
 from .decode_inputs import DecodeWorkspace, KernelVariant, _check_inputs
 from .pdl import launch_options, resolve_pdl
 from .split_kv import (
@@ -49,14 +49,13 @@ DEFAULT_VARIANTS: dict[tuple[int, int, torch.dtype], KernelVariant] = {
 }
 
 
-# STEPGRAPH_ATTN_VARIANT=<name> (``KernelVariant.from_name``) replaces the table's for every shape;
-# read at each call, so one process can A/B it (benchmarks/ab_step.py)
-VARIANT_ENV = "STEPGRAPH_ATTN_VARIANT"
-
-
-def default_variant(head_dim: int, page_size: int, dtype: torch.dtype) -> KernelVariant:
-    """The kernel variant ``flash_decode`` launches when no ``variant`` is given."""
-    name = os.environ.get(VARIANT_ENV)
+def default_variant(
+    head_dim: int, page_size: int, dtype: torch.dtype, override: str | None = None
+) -> KernelVariant:
+    """The kernel variant ``flash_decode`` launches when no ``variant`` is given: ``override``
+    (a ``KernelVariant.from_name`` name, ``DecodeTuning.attention_variant``) for every shape
+    where given, else the table's."""
+    name = override
     if name:
         return KernelVariant.from_name(name)
     return DEFAULT_VARIANTS.get((head_dim, page_size, dtype), FALLBACK_VARIANT)
@@ -95,6 +94,7 @@ def flash_decode(
     use_pdl: bool | None = False,
     fold_combine: bool = False,
     merge_splits: int | None = None,
+    tuning: DecodeTuning | None = None,
 ) -> torch.Tensor:  # [bs, n_heads, head_dim], q.dtype
     """Decode attention of one new token per request over its paged keys and values.
 
@@ -116,6 +116,9 @@ def flash_decode(
     decode step uses it; the reference path keeps the two kernels. ``merge_splits``: the most
     splits any launch of this batch's class takes (the merge reduces over a block of its next
     power of two, so every count up to it gives the same bits); default ``max_splits``.
+
+    ``tuning`` (``DecodeTuning``; None: ``DecodeTuning.default()``): PDL on or off and its
+    trigger, the ladder ``num_splits=None`` takes, and the variant where none is given.
     """
     bs, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     if max_splits is None:
@@ -140,7 +143,8 @@ def flash_decode(
         )
     if num_splits is None:
         sms = num_sms if num_sms is not None else _device_num_sms(q.device)
-        num_splits = num_splits_for(max_seq_len, n_kv_heads, max(bs, 1), sms, max_splits)
+        num_splits = num_splits_for(max_seq_len, n_kv_heads, max(bs, 1), sms, max_splits,
+                                    ladder=default_tuning(tuning).split)  # fmt: skip
     if not isinstance(num_splits, int) or not 1 <= num_splits <= max_splits:
         raise ConfigError(
             f"flash_decode: num_splits={num_splits!r} must be an int in [1, max_splits="
@@ -155,7 +159,10 @@ def flash_decode(
         return out
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    cfg = variant if variant is not None else default_variant(head_dim, page_size, q.dtype)
+    t = default_tuning(tuning)
+    cfg = variant if variant is not None else default_variant(
+        head_dim, page_size, q.dtype, t.attention_variant
+    )
     group = n_heads // n_kv_heads
     group_pad = max(16, _next_pow2(group)) if cfg.use_dot else _next_pow2(group)
     po, lse = workspace.partial_o, workspace.partial_lse
@@ -165,8 +172,8 @@ def flash_decode(
     # PDL: a constexpr and a launch option only; the driver-level parameters (what graph_update
     # edits in mode "exact") are unchanged
     split_pdl, combine_pdl = use_pdl if isinstance(use_pdl, tuple) else (use_pdl, use_pdl)
-    pdl = resolve_pdl(split_pdl, q.device)
-    cpdl = resolve_pdl(combine_pdl, q.device)
+    pdl = resolve_pdl(split_pdl, q.device, t)
+    cpdl = resolve_pdl(combine_pdl, q.device, t)
     if fold_combine:
         if workspace.tickets is None or workspace.tickets.numel() < bs * n_kv_heads:
             raise ConfigError(

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..tuning import DecodeTuning, default_tuning
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -106,6 +107,7 @@ def gate_up_silu(
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N pairs, BLOCK_K, num_warps[, num_stages])
     ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
+    tuning: DecodeTuning | None = None,  # its tiles, PDL, TMA, prefetch; None: the default
 ) -> torch.Tensor:  # [M, I], x.dtype
     """``silu(gate) * up`` of ``rmsnorm(x) @ weight.T`` in one launch (with ``ssq``, of the
     ``rmsnorm(r)`` that ``x = r * norm_w`` came from)."""
@@ -114,19 +116,20 @@ def gate_up_silu(
     inter = weight.shape[0] // 2
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     if m:
+        t = default_tuning(tuning)
         tile = (
             as_tile(blocks)
             if blocks is not None
-            else tile_for(_kernel_name(norm_w), m, 2 * inter, k, weight.element_size())
+            else tile_for(_kernel_name(norm_w), m, 2 * inter, k, weight.element_size(), t.tables)
         )
         check_tile("gate_up_silu", tile, m)
-        pdl = resolve_pdl(use_pdl, x.device)
+        pdl = resolve_pdl(use_pdl, x.device, t)
         tiles = triton.cdiv(inter, tile.block_n)
         ws, tickets = out, out
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * block_m(m) * tile.block_n
             ws, tickets = splitk_workspace(x.device, elems, tiles)
-        descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
+        descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)  # None: pointer loop
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, out)
         _gate_up_silu_kernel[(tiles, tile.split_k)](
             x, norm_w if norm_w is not None else weight, weight, out, ws, tickets,
@@ -135,7 +138,7 @@ def gate_up_silu(
             x.stride(0), weight.stride(0), out.stride(0), stride_s,
             NORM=norm_w is not None, SSQ_PAD=ssq_pad, USE_PDL=pdl, TMA=tile.tma if descs else 0,
             PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k,
-                                    x.element_size(), True) if descs else 0,
+                                    x.element_size(), True, t.l2_prefetch_bytes) if descs else 0,
             BLOCK_M=block_m(m),
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_BLOCK=norm_block(m, k),
             SPLIT_K=tile.split_k,

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..errors import ConfigError
+from ..tuning import DecodeTuning, default_tuning
 from .argmax_parts import _NO_INDEX, fold_argmax, fold_block
 from .norm_handoff import ssq_args, ssq_inv_rms
 from .pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
@@ -68,6 +69,7 @@ def head_scale(
     logits_out: torch.Tensor | None = None,  # [M, V] float32, rows contiguous
     tokens_out: torch.Tensor | None = None,  # [M] int64: the greedy tokens too
     use_pdl: bool | None = None,
+    tuning: DecodeTuning | None = None,  # its PDL and the fold's per-thread; None: the default
 ) -> torch.Tensor:  # [M, V] float32 logits
     """``raw`` times each row's 1 / RMS into float32 logits (``logits_out`` when given), and
     with ``tokens_out`` their argmax per row, in one launch; M at most 64 rows."""
@@ -91,13 +93,15 @@ def head_scale(
     part_idx = torch.empty(m, parts, dtype=torch.int32, device=raw.device)
     _, tickets = splitk_workspace(raw.device, 1, 1)  # one ticket, zero between launches
     block_m = triton.next_power_of_2(m)
-    pdl = resolve_pdl(use_pdl, raw.device)
+    t = default_tuning(tuning)
+    pdl = resolve_pdl(use_pdl, raw.device, t)
     _head_scale_kernel[(m, parts)](
         raw, raw.stride(0), logits, logits.stride(0), v,
         sums, stride_s, n_parts, hidden, float(eps),
         part_val, part_idx, part_val.stride(0), tokens_out if argmax else part_idx, tickets, m,
         SSQ_PAD=ssq_pad, ARGMAX=argmax, BLOCK_V=BLOCK_V, BLOCK_M=block_m,
-        BLOCK_P=fold_block(block_m, parts, NUM_WARPS), USE_PDL=pdl, num_warps=NUM_WARPS,
+        BLOCK_P=fold_block(block_m, parts, NUM_WARPS, t.argmax.per_thread), USE_PDL=pdl,
+        num_warps=NUM_WARPS,
         **launch_options(pdl),
     )  # fmt: skip
     return logits

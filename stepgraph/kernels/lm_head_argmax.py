@@ -6,31 +6,24 @@ of max) of its ``BLOCK_N`` columns into ``part_val`` / ``part_idx`` ``[M, P]`` (
 programs: 8016 at vocab 128256 and one row, 501 at 16 rows); the last program to finish
 reduces them to the first index of the largest partial (``argmax_parts.fold_argmax``), from two
 rows on. Ties go to the smaller index at both levels, so the token is ``torch.argmax``'s (first
-occurrence). One row, or ``STEPGRAPH_ARGMAX_FOLD=0`` (the A/B switch), runs the reduce as a
-second launch (``_argmax_reduce_kernel``, grid ``(M,)``).
-
-Measured on the H200 (``benchmarks/ab_step.py``, graph, ctx 512, ms a step, runs G2 and G3 of
-2026-12-01, two rounds each): folded against two launches, bs 8 1.080 / 1.080 and 1.110 /
-1.107, bs 16 1.162 / 1.157, bs 32 1.239 / 1.239, bs 64 1.385 / 1.385: a tie and a kernel fewer.
-One row: 0.808 against 0.800 (8016 programs each fence and take the ticket), so it keeps its
-second launch.
+occurrence). One row, or ``DecodeTuning.argmax.fold`` off, runs the reduce as a second
+launch (``_argmax_reduce_kernel``, grid ``(M,)``). Folded, it tied the two launches with a
+kernel fewer from two rows; one row keeps its second launch, since its 8016 programs each
+fence and take the ticket (docs/experiments.md#argmax-fold).
 
 The float32 logits stay in their buffer for sampling at temperature > 0 and parity checks.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..tuning import DecodeTuning, default_tuning
 from .argmax_parts import parts_argmax
 from .norm_gemv import argmax_programs, norm_gemv, norm_gemv_reference
 from .pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
-
-FOLD_ENV = "STEPGRAPH_ARGMAX_FOLD"
 
 
 @triton.jit
@@ -66,24 +59,26 @@ def lm_head_argmax(
     use_pdl: bool | None = None,
     blocks: tuple[int, int, int] | None = None,  # norm_gemv's (BLOCK_N, BLOCK_K, num_warps)
     ssq: torch.Tensor | None = None,  # x's sums of squares (norm_handoff): the norm from them
+    tuning: DecodeTuning | None = None,  # its tiles, PDL, TMA, fold; None: the default
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [M, vocab] float32, tokens [M] int64)
     """Float32 logits of ``rmsnorm(x) @ weight.T`` and their argmax per row in one launch (two
-    for one row or with ``STEPGRAPH_ARGMAX_FOLD=0``), into ``logits_out`` / ``tokens_out`` when
+    for one row or with ``tuning.argmax.fold`` off), into ``logits_out`` / ``tokens_out`` when
     given (a graph's static buffers)."""
     m, k = x.shape
     vocab = weight.shape[0]
-    n_prog = argmax_programs(m, vocab, k, blocks, weight.element_size())
+    t = default_tuning(tuning)
+    n_prog = argmax_programs(m, vocab, k, blocks, weight.element_size(), t.tables)
     part_val = torch.empty(m, n_prog, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(m, n_prog, dtype=torch.int32, device=x.device)
     tokens = tokens_out if tokens_out is not None else x.new_empty(m, dtype=torch.int64)
-    fold = m > 1 and os.environ.get(FOLD_ENV, "1") != "0"  # one row: two launches (above)
+    fold = m > 1 and t.argmax.fold  # one row: two launches (above)
     logits = norm_gemv(
         x, norm_w, weight, None, eps, torch.float32,
         argmax_parts=(part_val, part_idx), argmax_tokens=tokens if fold else None,
-        out=logits_out, use_pdl=use_pdl, blocks=blocks, ssq=ssq,
+        out=logits_out, use_pdl=use_pdl, blocks=blocks, ssq=ssq, tuning=t,
     )  # fmt: skip
     if m and not fold:
-        pdl = resolve_pdl(use_pdl, x.device)
+        pdl = resolve_pdl(use_pdl, x.device, t)
         _argmax_reduce_kernel[(m,)](
             part_val, part_idx, tokens, n_prog, part_val.stride(0),
             USE_PDL=pdl, BLOCK_P=min(1024, triton.next_power_of_2(n_prog)),

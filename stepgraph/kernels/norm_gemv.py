@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tuning import DecodeTuning, default_tuning
 from .argmax_parts import fold_argmax, fold_block
 from .gemv_tiles import (
     k_range,
@@ -113,14 +114,16 @@ def gemv_residual_reference(x, weight, residual) -> torch.Tensor:
 
 def _launch(
     x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks, kernel,
-    ssq_in=None, next_norm=None, tokens=None,
+    ssq_in=None, next_norm=None, tokens=None, tuning=None,
 ):  # fmt: skip
     # -> (xw [M, N], the sums of squares [M, column tiles] float32) given next_norm, else None
     m, k = x.shape
     n = weight.shape[0]
+    t = default_tuning(tuning)
     tile = (
-        as_tile(blocks) if blocks is not None else tile_for(kernel, m, n, k, weight.element_size())
-    )
+        as_tile(blocks) if blocks is not None
+        else tile_for(kernel, m, n, k, weight.element_size(), t.tables)
+    )  # fmt: skip
     check_tile(kernel, tile, m)
     bm = block_m(m)
     part_val, part_idx = parts if parts is not None else (y, y)
@@ -129,8 +132,8 @@ def _launch(
     if tile.split_k > 1 or tokens is not None:  # tokens: one more ticket, the fold's
         elems = tiles * tile.split_k * tile.block_n * bm if tile.split_k > 1 else 0
         ws, tickets = splitk_workspace(x.device, elems, tiles + 1)
-    pdl = resolve_pdl(use_pdl, x.device)
-    descs = tma_descriptors(tile, m, x, weight, tile.block_n)  # None: the pointer loop
+    pdl = resolve_pdl(use_pdl, x.device, t)
+    descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)  # None: the pointer loop
     ssq, stride_s, n_parts, ssq_pad = ssq_args(ssq_in, m, y)
     xw, out = y, None
     if next_norm is not None:
@@ -150,10 +153,11 @@ def _launch(
         NORM=norm, SSQ_PAD=ssq_pad, SSQ_OUT=next_norm is not None,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=parts is not None, FOLD=tokens is not None,
-        BLOCK_P=fold_block(bm, tiles, tile.num_warps) if tokens is not None else 2,
+        BLOCK_P=fold_block(bm, tiles, tile.num_warps, t.argmax.per_thread)
+        if tokens is not None else 2,
         USE_PDL=pdl, TMA=tile.tma if descs else 0,
         PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k, x.element_size(),
-                                False) if descs else 0,
+                                False, t.l2_prefetch_bytes) if descs else 0,
         BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
         **launch_options(pdl),
@@ -175,6 +179,7 @@ def norm_gemv(
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N, BLOCK_K, num_warps[, stages[, split_k]])
     ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
+    tuning: DecodeTuning | None = None,  # its tiles, PDL, TMA, prefetch; None: the default
 ) -> torch.Tensor:  # [M, N], out_dtype (default x.dtype)
     """``rmsnorm(x) @ weight.T + bias`` in one launch, float32 accumulation (with ``ssq``,
     ``rmsnorm(r) @ weight.T + bias`` of the ``r`` that ``x = r * norm_w`` came from)."""
@@ -188,6 +193,7 @@ def norm_gemv(
             use_pdl=use_pdl,
             blocks=blocks, kernel="lm_head" if argmax_parts is not None else "norm_gemv",
             ssq_in=ssq, tokens=argmax_tokens if argmax_parts is not None else None,
+            tuning=tuning,
         )  # fmt: skip
     return y
 
@@ -202,6 +208,7 @@ def gemv_residual(
     use_pdl: bool | None = None,
     blocks=None,  # as norm_gemv's
     next_norm: torch.Tensor | None = None,  # [N], the next RMSNorm's weight (norm_handoff)
+    tuning: DecodeTuning | None = None,  # as norm_gemv's
 ):  # -> y [M, N], residual.dtype (x.dtype without one); with next_norm (y, xw, ssq)
     """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first);
     ``residual=None``: ``x @ weight.T`` (a tensor-parallel rank's partial sum). Given
@@ -218,7 +225,7 @@ def gemv_residual(
     if x.shape[0]:
         handed = _launch(
             x, None, weight, None, residual, y, None, 0.0, norm=False, use_pdl=use_pdl,
-            blocks=blocks, kernel="gemv_residual", next_norm=next_norm,
+            blocks=blocks, kernel="gemv_residual", next_norm=next_norm, tuning=tuning,
         )  # fmt: skip
     if next_norm is None:
         return y
@@ -227,9 +234,11 @@ def gemv_residual(
     return (y, *handed)
 
 
-def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2) -> int:
+def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2,
+                    tables=None) -> int:  # fmt: skip
     """Programs of ``norm_gemv`` for an ``[n, k]`` LM head: columns of the argmax partials."""
-    tile = as_tile(blocks) if blocks is not None else tile_for("lm_head", m, n, k, elem_bytes)
+    tile = (as_tile(blocks) if blocks is not None
+            else tile_for("lm_head", m, n, k, elem_bytes, tables))  # fmt: skip
     return triton.cdiv(n, tile.block_n)
 
 

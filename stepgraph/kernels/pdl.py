@@ -22,7 +22,8 @@ The rules every kernel here keeps (tests/gpu/test_fused_step_kernels_gpu.py chec
 The wait is transitive: a kernel finishes only after its own wait returned, so waiting on the
 predecessor also orders it after every earlier kernel.
 
-Fallback: on the CPU interpreter, before Hopper, or with ``STEPGRAPH_PDL=0`` the kernels get
+Fallback: on the CPU interpreter, before Hopper, or with PDL off (``DecodeTuning.pdl.enabled``,
+``STEPGRAPH_PDL=0`` in ``DecodeTuning.default()``) the kernels get
 ``USE_PDL=False`` (a constexpr: the calls are compiled out) and are launched without the option.
 """
 
@@ -30,10 +31,14 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from ..tuning import DecodeTuning
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -51,15 +56,12 @@ except ImportError:  # pragma: no cover - older Triton: never called (USE_PDL is
         pass
 
 
-PDL_ENV = "STEPGRAPH_PDL"  # "0" turns PDL off everywhere (an escape hatch and the A/B switch)
 # Where a kernel lets its dependents launch, the ``USE_PDL`` value of a PDL launch: 1 "wait",
 # right after its wait; 2 "late", after its main loop (the projections' K loop, the attention's
 # key loop; a kernel without one triggers at its wait); 3 "exit", never explicitly (the
 # dependents launch as its programs finish). The callers pick it (the fused step: "late" from
-# two rows, docs/results.md run J1); STEPGRAPH_PDL_TRIGGER=wait|late|exit, when set, overrides
-# the mode of every launch in one of these three (read at each launch, so one process can A/B
-# it).
-PDL_TRIGGER_ENV = "STEPGRAPH_PDL_TRIGGER"
+# two rows, docs/experiments.md#pdl); ``DecodeTuning.pdl.trigger`` (wait, late or exit), when
+# set, overrides the mode of every launch in one of these three.
 # Two more, for the attention at one row (``step_attention``): 4 "early", the trigger before
 # the wait (the combine: o_proj then launches while the split kernel runs; safe as long as the
 # dependent triggers after its own wait, so at most one more kernel waits on the SMs); 5
@@ -79,8 +81,8 @@ def hopper_or_later(index: int) -> bool:
 def pdl_enabled(device: torch.device | str | None) -> bool:
     """True when kernels on ``device`` should be launched with PDL: a CUDA device of compute
     capability 9.0 or later, compiled Triton (not ``TRITON_INTERPRET=1``) that has the device
-    calls, and ``STEPGRAPH_PDL`` not set to ``0``."""
-    if device is None or not HAS_GDC or os.environ.get(PDL_ENV, "1") == "0":
+    calls (``DecodeTuning.pdl.enabled`` is checked beside it, ``resolve_pdl``)."""
+    if device is None or not HAS_GDC:
         return False
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -88,27 +90,32 @@ def pdl_enabled(device: torch.device | str | None) -> bool:
     return hopper_or_later(device.index if device.index is not None else 0)
 
 
-def trigger_mode(default: int = 1) -> int:
-    """The trigger mode of a PDL launch: ``$STEPGRAPH_PDL_TRIGGER``'s if set (wait, late or exit;
-    anything else is refused by name), else ``default``; the attention's early and detached
-    launches keep theirs."""
-    name = os.environ.get(PDL_TRIGGER_ENV)
-    if name is None or default >= TRIGGER_MODES["early"]:
+def trigger_mode(default: int = 1, override: str | None = None) -> int:
+    """The trigger mode of a PDL launch: ``override``'s (wait, late or exit; anything else is
+    refused by name) where given, else ``default``; the attention's early and detached launches
+    keep theirs."""
+    if override is None or default >= TRIGGER_MODES["early"]:
         return default
-    if name not in ("wait", "late", "exit"):
-        raise ValueError(f"{PDL_TRIGGER_ENV}={name!r}: expected one of exit, late, wait")
-    return TRIGGER_MODES[name]
+    if override not in ("wait", "late", "exit"):
+        raise ValueError(f"pdl.trigger={override!r}: expected one of exit, late, wait")
+    return TRIGGER_MODES[override]
 
 
-def resolve_pdl(use_pdl: bool | int | None, device: torch.device | str) -> int:
+def resolve_pdl(
+    use_pdl: bool | int | None, device: torch.device | str, tuning: DecodeTuning | None = None
+) -> int:
     """``USE_PDL`` for a launch on ``device``: False (0) where PDL is off or cannot run, else a
     trigger mode (1 == True). ``use_pdl``: None (the device's default, mode 1), False, True
-    (mode 1) or a mode of ``TRIGGER_MODES``; ``STEPGRAPH_PDL_TRIGGER`` overrides the mode."""
+    (mode 1) or a mode of ``TRIGGER_MODES``; ``tuning.pdl`` (None: ``DecodeTuning.default()``)
+    turns PDL off or overrides the mode."""
     if use_pdl not in (None, False, True, *TRIGGER_MODES.values()):
         raise ValueError(f"use_pdl={use_pdl!r}: expected None, a bool or a trigger mode 1-5")
-    supported = pdl_enabled(device)
+    from ..tuning import default_tuning
+
+    placement = default_tuning(tuning).pdl
+    supported = placement.enabled and pdl_enabled(device)
     on = supported if use_pdl is None else (bool(use_pdl) and supported)
-    return trigger_mode(1 if use_pdl is None else int(use_pdl)) if on else False
+    return trigger_mode(1 if use_pdl is None else int(use_pdl), placement.trigger) if on else False
 
 
 def launch_options(use_pdl: bool | int) -> dict:
@@ -154,8 +161,6 @@ def pdl_wait_then_trigger_short(USE_PDL: tl.constexpr):
 __all__ = [
     "DETACHED",
     "HAS_GDC",
-    "PDL_ENV",
-    "PDL_TRIGGER_ENV",
     "TRIGGER_MODES",
     "gdc_launch_dependents",
     "gdc_wait",

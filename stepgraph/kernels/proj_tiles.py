@@ -8,7 +8,8 @@ the kernel's ``Tile``: ``block_n`` is the kernel's own ``BLOCK_N`` constexpr (we
 ``qkv_rope``), ``block_k`` the K chunk, ``num_warps``/``num_stages`` launch options and
 ``split_k`` the programs sharing one column tile's K (the last one runs the epilogue).
 ``tile_table.TILES`` holds the measured choice per ``(kernel, n, k, BLOCK_M)``
-(``benchmarks/proj_sweep.py`` on the H200); other shapes get ``default_tile``'s rule.
+(``benchmarks/proj_sweep.py`` on the H200), carried as ``DecodeTuning.tables``
+(``stepgraph.tuning.ProjTables``); other shapes get ``default_tile``'s rule.
 
 Eager, graph and exact steps of one batch size pick the same tile (a pure function of the
 arguments), so they run the same kernels and round alike.
@@ -17,17 +18,19 @@ arguments), so they run the same kernels and round alike.
 from __future__ import annotations
 
 import functools
-import json
-import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 
 from ..errors import ConfigError
 from .gemv_tiles import proj_blocks
-from .tile_table import CUBLAS, NO_PDL_BUCKETS, REFERENCE_BUCKETS, SEPARATE_NORM, TILES, Tile
+from .tile_table import CUBLAS, TILES, Tile
 from .tma_tiles import box_fits, descriptor, tma_ready
+
+if TYPE_CHECKING:
+    from ..tuning import ProjTables
 
 KERNELS = (
     "norm_gemv",
@@ -47,70 +50,13 @@ def block_m(m: int) -> int:
     return 1 if m <= 1 else max(16, triton.next_power_of_2(m))
 
 
-def _env_pairs(name: str) -> set[tuple[str, int]]:
-    """The ``kernel:BLOCK_M`` pairs of an A/B switch, e.g. ``qkv_rope:16,gate_up_silu:32``."""
-    items = (i.strip().partition(":") for i in os.environ.get(name, "").split(","))
-    return {(kernel, int(bm)) for kernel, _, bm in items if kernel}
+def _tables(tables: ProjTables | None) -> ProjTables:
+    """``tables``, or ``DecodeTuning.default()``'s where None (a launcher called directly)."""
+    if tables is not None:
+        return tables
+    from ..tuning import DecodeTuning
 
-
-def _separate_env() -> set[tuple[str, int]]:
-    if os.environ.get("STEPGRAPH_SEPARATE_NORM", "").strip() == "all":
-        return {(k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)}
-    return _env_pairs("STEPGRAPH_SEPARATE_NORM")
-
-
-# The A/B switch of a measurement: STEPGRAPH_PROJ_CUBLAS="qkv_rope:16,gate_up_silu:32" also runs
-# those kernels' unfused pieces at that BLOCK_M, for every shape
-CUBLAS_ANY = _env_pairs("STEPGRAPH_PROJ_CUBLAS")
-# The A/B switch of tile_table.SEPARATE_NORM: STEPGRAPH_SEPARATE_NORM="qkv_rope:16,..." or "all"
-# also runs the norm as its own kernel there, for every shape
-SEPARATE_ANY = _separate_env()
-TILES_ENV = "STEPGRAPH_PROJ_TILES"  # a JSON file {"kernel,n,k,block_m": [tile fields]}: a sweep's
-
-
-_TABLES = (dict(TILES), set(CUBLAS), set(REFERENCE_BUCKETS))  # as tile_table holds them
-REFERENCE_BUCKETS_ENV = "STEPGRAPH_REFERENCE_BUCKETS"  # "none": no model's (the A/B switch)
-
-
-def _reference_env() -> None:
-    if os.environ.get(REFERENCE_BUCKETS_ENV) == "none":
-        REFERENCE_BUCKETS.clear()
-
-
-_reference_env()
-
-
-def reload_env_tiles() -> None:
-    """Put ``TILES``, ``CUBLAS`` and ``REFERENCE_BUCKETS`` back as ``tile_table`` holds them,
-    then add
-    ``$STEPGRAPH_PROJ_TILES``'s tiles, and re-read ``STEPGRAPH_PROJ_CUBLAS``,
-    ``STEPGRAPH_SEPARATE_NORM`` and ``STEPGRAPH_REFERENCE_BUCKETS`` (in place: every reader sees
-    it): switches that ``benchmarks/ab_step.py`` can flip between the variants of one process."""
-    for table, shipped in zip((TILES, CUBLAS, REFERENCE_BUCKETS), _TABLES):
-        table.clear()
-        table.update(shipped)
-    _reference_env()
-    _env_tiles()
-    for now, env in ((CUBLAS_ANY, _env_pairs("STEPGRAPH_PROJ_CUBLAS")),
-                     (SEPARATE_ANY, _separate_env())):  # fmt: skip
-        now.clear()
-        now.update(env)
-
-
-def _env_tiles() -> None:
-    """Add the tiles of ``$STEPGRAPH_PROJ_TILES`` (``benchmarks/proj_sweep.py --tiles-out``) to
-    ``TILES`` (in place of a ``CUBLAS`` choice of the same key): a sweep's choice tried in the
-    same device run, before it is written here."""
-    path = os.environ.get(TILES_ENV)
-    if path:
-        with open(path) as f:
-            for key, fields in json.load(f).items():
-                kernel, n, k, bm = key.split(",")
-                TILES[(kernel, int(n), int(k), int(bm))] = Tile(*fields)
-                CUBLAS.discard((kernel, int(n), int(k), int(bm)))  # the sweep's tile is tried
-
-
-_env_tiles()
+    return DecodeTuning.default().tables
 
 
 def default_tile(kernel: str, m: int, n: int, k: int) -> Tile:
@@ -156,14 +102,17 @@ def table_rows(m: int) -> tuple[int, ...]:
     return (4, 16) if 2 <= m <= 4 else (block_m(m),)
 
 
-def tile_for(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> Tile:
+def tile_for(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
+             tables: ProjTables | None = None) -> Tile:  # fmt: skip
     """The tile ``kernel`` launches for ``m`` rows of an ``[n, k]`` weight of ``elem_bytes``
-    bytes an element. ``TILES`` was measured in bf16: other sizes (float32) take the rule, as
-    does a table tile whose pipeline would not fit in shared memory."""
+    bytes an element, from ``tables.tiles`` (None: the default tuning's). The table was
+    measured in bf16: other sizes (float32) take the rule, as does a table tile whose pipeline
+    would not fit in shared memory."""
     tile = None
     if elem_bytes == 2:
-        tile = next((TILES[key] for key in ((kernel, n, k, c) for c in table_rows(m))
-                     if key in TILES), None)  # fmt: skip
+        tiles = _tables(tables).tiles
+        tile = next((tiles[key] for key in ((kernel, n, k, c) for c in table_rows(m))
+                     if key in tiles), None)  # fmt: skip
     if tile is not None and (smem := smem_bytes(kernel, tile, m, elem_bytes)) > SMEM_BUDGET:
         _over_budget(kernel, tile, block_m(m), smem)
         tile = None
@@ -178,53 +127,63 @@ def _over_budget(kernel: str, tile: Tile, rows: int, smem: int) -> None:
         "fewer stages or a smaller block_n or block_k would fit", stacklevel=3)  # fmt: skip
 
 
-def prefer_cublas(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
+def prefer_cublas(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
+                  tables: ProjTables | None = None) -> bool:  # fmt: skip
     """Whether the fused step runs ``kernel``'s unfused pieces (cuBLAS GEMM) at ``m`` rows
-    (measured in bf16; other element sizes keep the fused kernel)."""
-    bm = block_m(m)
-    return elem_bytes == 2 and ((kernel, n, k, bm) in CUBLAS or (kernel, bm) in CUBLAS_ANY)
+    (``tables.cublas``, measured in bf16; other element sizes keep the fused kernel)."""
+    bm, t = block_m(m), _tables(tables)
+    return elem_bytes == 2 and ((kernel, n, k, bm) in t.cublas or (kernel, bm) in
+                                t.cublas_everywhere)  # fmt: skip
 
 
-def separate_norm(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
+def separate_norm(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
+                  tables: ProjTables | None = None) -> bool:  # fmt: skip
     """Whether the fused step runs ``kernel`` (``qkv_rope``, ``gate_up_silu``) at ``m`` rows as
-    the norm kernel, then the ``_normed`` variant on the normed x (measured in bf16)."""
-    bm = block_m(m)
+    the norm kernel, then the ``_normed`` variant on the normed x (``tables.separate_norm``,
+    measured in bf16)."""
+    bm, t = block_m(m), _tables(tables)
     return (
         elem_bytes == 2
         and bm > 1
-        and ((kernel, n, k, bm) in SEPARATE_NORM or (kernel, bm) in SEPARATE_ANY)
+        and ((kernel, n, k, bm) in t.separate_norm or (kernel, bm) in t.separate_norm_everywhere)
     )
 
 
-def measured(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
+def measured(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
+             tables: ProjTables | None = None) -> bool:  # fmt: skip
     """Whether ``kernel`` at ``m`` rows (2 or more) of an ``[n, k]`` weight has a measured choice:
     a tile in ``TILES`` or cuBLAS in ``CUBLAS`` (both measured in bf16). The rule's tiles ran
     llama-3.1-8b at bs 8 in 10.5 ms against 5.5 for cuBLAS (H200, 2026-12-01, before its tiles
     were measured), so the fused step runs its tensor-core kernels only where every projection
     was measured."""
-    key = (kernel, n, k, block_m(m))
-    return elem_bytes == 2 and (key in TILES or key in CUBLAS or (kernel, key[3]) in CUBLAS_ANY)
+    key, t = (kernel, n, k, block_m(m)), _tables(tables)
+    return elem_bytes == 2 and (key in t.tiles or key in t.cublas or
+                                (kernel, key[3]) in t.cublas_everywhere)  # fmt: skip
 
 
-def reference_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2) -> bool:
+def reference_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2,
+                     tables: ProjTables | None = None) -> bool:  # fmt: skip
     """Whether a model whose fused qkv weight is ``[qkv_n, k]`` measured faster on the reference
-    kernels at ``bucket`` although its tiles cover the rows (``tile_table.REFERENCE_BUCKETS``,
+    kernels at ``bucket`` although its tiles cover the rows (``tables.reference_buckets``,
     measured in bf16)."""
-    return elem_bytes == 2 and (qkv_n, k, bucket) in REFERENCE_BUCKETS
+    return elem_bytes == 2 and (qkv_n, k, bucket) in _tables(tables).reference_buckets
 
 
-def no_pdl_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2) -> bool:
+def no_pdl_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2,
+                  tables: ProjTables | None = None) -> bool:  # fmt: skip
     """Whether the step at ``bucket`` measured faster without PDL on its projections, for a
-    model whose fused qkv weight is ``[qkv_n, k]`` (``tile_table.NO_PDL_BUCKETS``, bf16)."""
-    return elem_bytes == 2 and (qkv_n, k, bucket) in NO_PDL_BUCKETS
+    model whose fused qkv weight is ``[qkv_n, k]`` (``tables.no_pdl_buckets``, bf16)."""
+    return elem_bytes == 2 and (qkv_n, k, bucket) in _tables(tables).no_pdl_buckets
 
 
-def tma_descriptors(tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int):
+def tma_descriptors(tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int,
+                    tma: bool = True):  # fmt: skip
     """``(weight descriptor, x descriptor)`` when ``tile`` streams through TMA at ``m`` rows
-    (``tile.tma``, tensor-core rows, boxes ``[rows, block_k]`` and ``[BLOCK_M, block_k]`` that
-    TMA takes, both tensors ``tma_ready``), else None: the pointer loop, same tile."""
+    (``tma``, ``DecodeTuning.tma``; ``tile.tma``, tensor-core rows, boxes ``[rows, block_k]``
+    and ``[BLOCK_M, block_k]`` that TMA takes, both tensors ``tma_ready``), else None: the
+    pointer loop, same tile."""
     bm = block_m(m)
-    if tile.tma not in (1, 2) or bm < 16 or not box_fits(rows, tile.block_k, bm):
+    if not tma or tile.tma not in (1, 2) or bm < 16 or not box_fits(rows, tile.block_k, bm):
         return None
     if not tma_ready(weight, *((x,) if tile.tma == 1 else ())):
         return None
@@ -282,7 +241,6 @@ __all__ = [
     "CUBLAS",
     "KERNELS",
     "TILES",
-    "TILES_ENV",
     "Tile",
     "as_tile",
     "block_m",
@@ -290,7 +248,6 @@ __all__ = [
     "default_tile",
     "no_pdl_bucket",
     "prefer_cublas",
-    "reload_env_tiles",
     "separate_norm",
     "smem_bytes",
     "splitk_workspace",

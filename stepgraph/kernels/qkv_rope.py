@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..errors import ConfigError
+from ..tuning import DecodeTuning, default_tuning
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -135,11 +136,12 @@ def _qkv_rope_kernel(
                 stride_slot, N_HEADS, N_KV, HEAD_DIM, HALF, HAS_BIAS, BLOCK_M)  # fmt: skip
 
 
-def qkv_tile(norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2) -> Tile:
+def qkv_tile(norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2,
+             tables=None) -> Tile:  # fmt: skip
     """The tile ``qkv_rope`` launches for ``m`` rows (``norm``: with the norm prologue's pass
     over x; False for an x normed already or ``r * norm_w`` with its sums of squares): the
     table's, and at one row the one-row rule halved, since it counts both halves of a pair."""
-    tile = tile_for("qkv_rope" if norm else "qkv_rope_normed", m, n_rows, k, elem_bytes)
+    tile = tile_for("qkv_rope" if norm else "qkv_rope_normed", m, n_rows, k, elem_bytes, tables)
     if m == 1:
         tile = Tile(max(1, min(half, tile.block_n // 2)), tile.block_k, tile.num_warps)
     return tile
@@ -173,6 +175,7 @@ def qkv_rope(
     use_pdl: bool | None = None,
     blocks=None,  # a proj_tiles.Tile or (BLOCK_D, BLOCK_K, num_warps[, num_stages])
     ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
+    tuning: DecodeTuning | None = None,  # its tiles, PDL, TMA, prefetch; None: the default
 ) -> torch.Tensor:  # [M, n_heads, head_dim], rotated q
     """Norm, qkv projection, RoPE and KV write in one launch; returns q (with ``ssq``, the
     norm of the ``r`` that ``x = r * norm_w`` came from). Slots are not bounds-checked on the
@@ -184,8 +187,10 @@ def qkv_rope(
     q = torch.empty(m, n_heads, hd, dtype=x.dtype, device=x.device)
     if m:
         n_rows = (n_heads + 2 * n_kv) * hd
+        t = default_tuning(tuning)
         if blocks is None:
-            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, weight.element_size())
+            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, weight.element_size(),
+                            t.tables)  # fmt: skip
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
@@ -194,13 +199,13 @@ def qkv_rope(
                 f"qkv_rope: BLOCK_D={bd} must be a power of two dividing head_dim / 2 = {half} "
                 "(or above it: one masked tile a head); pass other blocks (or blocks=None)"
             )
-        pdl = resolve_pdl(use_pdl, x.device)
+        pdl = resolve_pdl(use_pdl, x.device, t)
         tiles = (n_heads + 2 * n_kv) * triton.cdiv(half, bd)
         ws, tickets = q, q
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * block_m(m) * bd
             ws, tickets = splitk_workspace(x.device, elems, tiles)
-        descs = tma_descriptors(tile, m, x, weight, bd)  # None: the pointer loop
+        descs = tma_descriptors(tile, m, x, weight, bd, t.tma)  # None: the pointer loop
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, q)
         _qkv_rope_kernel[(tiles, tile.split_k)](
             x, norm_w if norm_w is not None else weight, weight,
@@ -213,8 +218,8 @@ def qkv_rope(
             N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=half,
             HAS_BIAS=bias is not None, NORM=norm_w is not None, SSQ_PAD=ssq_pad, USE_PDL=pdl,
             TMA=tile.tma if descs else 0,
-            PREFETCH=prefetch_lines(bd, k, tile.split_k, tile.block_k, x.element_size(), True)
-            if descs else 0,
+            PREFETCH=prefetch_lines(bd, k, tile.split_k, tile.block_k, x.element_size(), True,
+                                    t.l2_prefetch_bytes) if descs else 0,
             BLOCK_M=block_m(m), BLOCK_D=bd, BLOCK_K=tile.block_k,
             NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
             **launch_options(pdl),

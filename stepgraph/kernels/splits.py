@@ -5,8 +5,8 @@ retunes ``grid.z`` per token) call the same two functions, so one request length
 same geometry wherever it runs.
 
 The ladder: the main kernel runs ``bs * n_kv_heads * ns`` programs, and we want about
-``programs_per_sm`` of them per multiprocessor (default ``PROGRAMS_PER_SM``). The split count is
-a power of two,
+``programs_per_sm`` of them per multiprocessor (``SplitLadder.programs_per_sm``, 4). The split
+count is a power of two,
 
     ns(t_kv) = min(cap, pow2_floor(t_kv // least))  (1 when t_kv < 2 * least)
     cap      = min(LADDER_MAX_SPLITS, pow2_floor(programs_per_sm * num_sms // (bs * n_kv)))
@@ -39,81 +39,49 @@ Example, Llama-3.2-1B (8 KV heads) on an H200 (132 SMs), 4 per SM: bs=1 caps at 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 BLOCK_N = 64  # keys per tile of the fallback variant; the ladder's keys are multiples of it
-# The ladder never gives a split fewer keys than this: 128, the tile of the tuned variant (runs
-# D2-D3, benchmarks/ab_step.py, graph: 1B bs 1 ctx 4096 0.841 ms against 0.851 with 64, where
-# the 64-key splits left half of the 64 empty; bs 8 ctx 512 1.007 against 1.015). The
-# STEPGRAPH_MIN_SPLIT_KEYS (a multiple of BLOCK_N) is the A/B switch.
-MIN_SPLIT_KEYS_DEFAULT = 2 * BLOCK_N
-
-
-def _keys_env(name: str, default: int) -> int:
-    """``$name`` (default ``default``), refused unless a positive multiple of ``BLOCK_N``."""
-    keys = int(os.environ.get(name, default))
-    if keys < BLOCK_N or keys % BLOCK_N:
-        raise ValueError(f"{name}={keys} must be a positive multiple of {BLOCK_N}")
-    return keys
-
-
-def min_split_keys_env() -> int:
-    """``$STEPGRAPH_MIN_SPLIT_KEYS`` (default ``MIN_SPLIT_KEYS_DEFAULT``), refused unless a
-    positive multiple of ``BLOCK_N``; ``benchmarks/ab_step.py`` re-reads it per variant."""
-    return _keys_env("STEPGRAPH_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS_DEFAULT)
-
-
-MIN_SPLIT_KEYS = min_split_keys_env()
+# The ladder never gives a split fewer keys than this: 128, the tile of the tuned variant (a
+# 64-key split would leave half of its tile empty; docs/experiments.md#split-ladder).
+MIN_SPLIT_KEYS_DEFAULT = MIN_SPLIT_KEYS = 2 * BLOCK_N
 # Where the grid holds two splits at most (cap 2: the 1B preset's bucket 32), a split takes at
-# least this many keys: one split below 768 keys, so no merge, two from 768 (runs M1-M2,
-# ab_step graph ms at bs 32: ctx 512 1.151 against 1.172, 640 1.193 against 1.206, 768 to 4096
-# within 0.1%; bs 20 at 512 1.119 against 1.128; one split of 768 had lost in the twelfth
-# session, 1.230 against 1.224).
-# STEPGRAPH_CAP2_MIN_SPLIT_KEYS (a multiple of BLOCK_N) is the A/B switch; ab_step re-reads it.
-CAP2_MIN_SPLIT_KEYS_DEFAULT = 6 * BLOCK_N
-
-
-def cap2_min_split_keys_env() -> int:
-    """``$STEPGRAPH_CAP2_MIN_SPLIT_KEYS`` (default ``CAP2_MIN_SPLIT_KEYS_DEFAULT``), refused
-    unless a positive multiple of ``BLOCK_N``."""
-    return _keys_env("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", CAP2_MIN_SPLIT_KEYS_DEFAULT)
-
-
-CAP2_MIN_SPLIT_KEYS = cap2_min_split_keys_env()
+# least this many keys: one split below 768 keys, so no merge (docs/experiments.md#split-ladder).
+CAP2_MIN_SPLIT_KEYS_DEFAULT = CAP2_MIN_SPLIT_KEYS = 6 * BLOCK_N
 # Heads wider than 64 (head_dim 128: Llama-3.1-8B, most 7B+ models) take at least this many keys
 # a split instead of MIN_SPLIT_KEYS: 64 keys hold the 16 KB of K that 128 keys hold at head_dim
-# 64. Run N4 (ab_step.py --model llama-3.1-8b --batch-sizes 1,2, three interleaved rounds,
-# graph ms against 128 keys): bs 1 at ctx 512 / 1024 / 2048 / 4096 3.989 / 4.040 / 4.097 /
-# 4.165 against 4.056 / 4.069 / 4.121 / 4.193; bs 2 4.290 / 4.336 / 4.415 / 4.528 against
-# 4.338 / 4.369 / 4.424 / 4.529. bs 4-16 take the same counts at ctx 4096 (N1), more splits
-# at shorter contexts.
-# The ladder takes head_dim where its caller knows it (the model's attention backend, which
-# hands the same ladder to exact mode: ``ladder_for``); without it, the head_dim-64 ladder.
-# STEPGRAPH_WIDE_MIN_SPLIT_KEYS (a multiple of BLOCK_N) is the A/B switch; ab_step re-reads it.
-WIDE_MIN_SPLIT_KEYS_DEFAULT = BLOCK_N
+# 64 (docs/experiments.md#split-ladder). The ladder takes head_dim where its caller knows it
+# (the model's attention backend, which hands the same ladder to exact mode: ``ladder_for``).
+WIDE_MIN_SPLIT_KEYS_DEFAULT = WIDE_MIN_SPLIT_KEYS = BLOCK_N
+PROGRAMS_PER_SM = 4  # the main kernel's occupancy target (the sweep tries 2, 4, 8)
 
 
-def wide_min_split_keys_env() -> int:
-    """``$STEPGRAPH_WIDE_MIN_SPLIT_KEYS`` (default ``WIDE_MIN_SPLIT_KEYS_DEFAULT``), refused
-    unless a positive multiple of ``BLOCK_N``."""
-    return _keys_env("STEPGRAPH_WIDE_MIN_SPLIT_KEYS", WIDE_MIN_SPLIT_KEYS_DEFAULT)
+@dataclass(frozen=True)
+class SplitLadder:
+    """The ladder's measured choices (``DecodeTuning.split``): the least keys a split below cap
+    2 (``min_keys``), at cap 2 (``cap2_min_keys``), for heads wider than 64
+    (``wide_min_keys``), each a positive multiple of ``BLOCK_N``; and the programs a
+    multiprocessor the grid aims at (``programs_per_sm``, at least 1)."""
+
+    min_keys: int = MIN_SPLIT_KEYS
+    cap2_min_keys: int = CAP2_MIN_SPLIT_KEYS
+    wide_min_keys: int = WIDE_MIN_SPLIT_KEYS
+    programs_per_sm: int = PROGRAMS_PER_SM
+
+    def __post_init__(self) -> None:
+        for name in ("min_keys", "cap2_min_keys", "wide_min_keys"):
+            keys = getattr(self, name)
+            if type(keys) is not int or keys < BLOCK_N or keys % BLOCK_N:
+                raise ValueError(
+                    f"split.{name}={keys!r} must be a positive multiple of {BLOCK_N} (BLOCK_N)"
+                )
+        pps = self.programs_per_sm
+        if type(pps) is not int or pps < 1:
+            raise ValueError(f"split.programs_per_sm={pps!r} must be an int of at least 1")
 
 
-WIDE_MIN_SPLIT_KEYS = wide_min_split_keys_env()
-
-
-def programs_per_sm_env() -> int:
-    """``$STEPGRAPH_PROGRAMS_PER_SM`` (default 4), the occupancy target of the main kernel's grid
-    (the sweep tries 2, 4, 8); ``benchmarks/ab_step.py`` re-reads it per variant."""
-    pps = int(os.environ.get("STEPGRAPH_PROGRAMS_PER_SM", 4))
-    if pps < 1:
-        raise ValueError(f"STEPGRAPH_PROGRAMS_PER_SM={pps} must be at least 1")
-    return pps
-
-
-# Read at each call where a caller passes none, so a re-read (ab_step) takes effect.
-PROGRAMS_PER_SM = programs_per_sm_env()
+DEFAULT_LADDER = SplitLadder()
 LADDER_MAX_SPLITS = 64  # ladder cap; with ns <= 64 <= keys per split, ceil(t / ceil(t / ns)) == ns
 H200_NUM_SMS = 132
 
@@ -130,11 +98,18 @@ def _check(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> None:
         )
 
 
-def ladder_cap(n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int | None = None) -> int:
-    """The largest split count the ladder uses for this grid (a power of two, <= 64)."""
+def ladder_cap(
+    n_kv_heads: int,
+    bs: int,
+    num_sms: int,
+    programs_per_sm: int | None = None,
+    ladder: SplitLadder = DEFAULT_LADDER,
+) -> int:
+    """The largest split count the ladder uses for this grid (a power of two, <= 64);
+    ``programs_per_sm`` None: ``ladder.programs_per_sm``."""
     _check(0, n_kv_heads, bs, num_sms)
     if programs_per_sm is None:
-        programs_per_sm = PROGRAMS_PER_SM
+        programs_per_sm = ladder.programs_per_sm
     if programs_per_sm < 1:
         raise ValueError(f"split ladder needs programs_per_sm >= 1, got {programs_per_sm}")
     base = bs * n_kv_heads
@@ -142,18 +117,18 @@ def ladder_cap(n_kv_heads: int, bs: int, num_sms: int, programs_per_sm: int | No
     return min(LADDER_MAX_SPLITS, _pow2_floor(wanted))
 
 
-def _uncapped_least(head_dim: int | None) -> int:
-    """The least keys a split below cap 2: ``WIDE_MIN_SPLIT_KEYS`` for heads wider than 64,
-    else (or with no ``head_dim``) ``MIN_SPLIT_KEYS``."""
-    return WIDE_MIN_SPLIT_KEYS if head_dim is not None and head_dim > 64 else MIN_SPLIT_KEYS
+def _uncapped_least(head_dim: int | None, ladder: SplitLadder = DEFAULT_LADDER) -> int:
+    """The least keys a split below cap 2: ``ladder.wide_min_keys`` for heads wider than 64,
+    else (or with no ``head_dim``) ``ladder.min_keys``."""
+    return ladder.wide_min_keys if head_dim is not None and head_dim > 64 else ladder.min_keys
 
 
-def least_keys(cap: int, head_dim: int | None = None) -> int:
+def least_keys(cap: int, head_dim: int | None = None, ladder: SplitLadder = DEFAULT_LADDER) -> int:
     """The fewest keys the ladder gives a split at cap ``cap`` for heads of ``head_dim`` (None:
-    64): ``CAP2_MIN_SPLIT_KEYS`` at cap 2 (for every head_dim), else ``_uncapped_least``."""
+    64): ``ladder.cap2_min_keys`` at cap 2 (for every head_dim), else ``_uncapped_least``."""
     if cap == 2:
-        return max(MIN_SPLIT_KEYS, CAP2_MIN_SPLIT_KEYS)
-    return _uncapped_least(head_dim)
+        return max(ladder.min_keys, ladder.cap2_min_keys)
+    return _uncapped_least(head_dim, ladder)
 
 
 def fa_split_keys(
@@ -163,11 +138,12 @@ def fa_split_keys(
     num_sms: int,
     programs_per_sm: int | None = None,
     head_dim: int | None = None,
+    ladder: SplitLadder = DEFAULT_LADDER,
 ) -> int:
     """Keys per split for a live maximum length ``t_kv`` (always >= ``least_keys``)."""
     _check(t_kv, n_kv_heads, bs, num_sms)
-    cap = ladder_cap(n_kv_heads, bs, num_sms, programs_per_sm)
-    least = least_keys(cap, head_dim)
+    cap = ladder_cap(n_kv_heads, bs, num_sms, programs_per_sm, ladder)
+    least = least_keys(cap, head_dim, ladder)
     ns = min(cap, _pow2_floor(t_kv // least))
     return max(least, -(-t_kv // ns))
 
@@ -186,11 +162,12 @@ def num_splits_for(
     max_splits: int,
     programs_per_sm: int | None = None,
     head_dim: int | None = None,
+    ladder: SplitLadder = DEFAULT_LADDER,
 ) -> int:
     """``ns = ceil(t_kv / fa_split_keys(...))`` clamped to ``[1, max_splits]``."""
     if max_splits < 1:
         raise ValueError(f"max_splits must be >= 1, got {max_splits}")
-    split_keys = fa_split_keys(t_kv, n_kv_heads, bs, num_sms, programs_per_sm, head_dim)
+    split_keys = fa_split_keys(t_kv, n_kv_heads, bs, num_sms, programs_per_sm, head_dim, ladder)
     return splits_from_keys(t_kv, split_keys, max_splits)
 
 
@@ -221,6 +198,7 @@ def ladder_steps(
     t_max: int = 131072,
     programs_per_sm: int | None = None,
     head_dim: int | None = None,
+    ladder: SplitLadder = DEFAULT_LADDER,
 ) -> list[tuple[int, int]]:
     """``[(t_kv, ns), ...]``: ``(1, ns(1))`` and then every ``t_kv <= t_max`` where ``ns`` changes.
 
@@ -230,50 +208,54 @@ def ladder_steps(
     """
 
     def ns_of(t: int) -> int:
-        return num_splits_for(t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm, head_dim)
+        return num_splits_for(
+            t, n_kv_heads, bs, num_sms, max_splits, programs_per_sm, head_dim, ladder
+        )
 
     return list(zip(*monotone_steps(ns_of, t_max)))
 
 
-def ladder_for(head_dim: int | None) -> Callable[[int, int, int, int], int]:
-    """The ladder ``split_keys(t_kv, n_kv_heads, bs, num_sms)`` for heads of ``head_dim``:
-    ``fa_split_keys`` itself where that is the head_dim-64 ladder, else a copy bound to
-    ``head_dim`` and marked ``monotone`` (``graph_update.fa_apply`` tabulates it once). Exact
-    mode must retune with the ladder eager takes: the attention backend hands out this one."""
-    if _uncapped_least(head_dim) == _uncapped_least(None):
+def ladder_for(
+    head_dim: int | None, ladder: SplitLadder = DEFAULT_LADDER
+) -> Callable[[int, int, int, int], int]:
+    """The ladder ``split_keys(t_kv, n_kv_heads, bs, num_sms)`` for heads of ``head_dim`` with
+    ``ladder``'s choices: ``fa_split_keys`` itself where that is the default head_dim-64
+    ladder, else a copy bound to both and marked ``monotone`` (``graph_update.fa_apply``
+    tabulates it once). Exact mode must retune with the ladder eager takes: the attention
+    backend hands out this one."""
+    if ladder == DEFAULT_LADDER and _uncapped_least(head_dim) == _uncapped_least(None):
         return fa_split_keys
-    return _wide_ladder(head_dim)
+    return _bound_ladder(head_dim, ladder)
 
 
-@functools.cache  # one object a head_dim, so fa_apply's cached intervals hold across calls
-def _wide_ladder(head_dim: int) -> Callable[[int, int, int, int], int]:
+@functools.cache  # one object a (head_dim, ladder): fa_apply's cached intervals hold across calls
+def _bound_ladder(head_dim: int | None, ladder: SplitLadder) -> Callable[[int, int, int, int], int]:
     def split_keys(t_kv: int, n_kv_heads: int, bs: int, num_sms: int) -> int:
-        return fa_split_keys(t_kv, n_kv_heads, bs, num_sms, head_dim=head_dim)
+        return fa_split_keys(t_kv, n_kv_heads, bs, num_sms, head_dim=head_dim, ladder=ladder)
 
     split_keys.monotone = True  # type: ignore[attr-defined]
     split_keys.head_dim = head_dim  # type: ignore[attr-defined]
+    split_keys.ladder = ladder  # type: ignore[attr-defined]
     return split_keys
 
 
 __all__ = [
     "BLOCK_N",
     "CAP2_MIN_SPLIT_KEYS",
+    "DEFAULT_LADDER",
     "H200_NUM_SMS",
     "LADDER_MAX_SPLITS",
     "MIN_SPLIT_KEYS",
     "MIN_SPLIT_KEYS_DEFAULT",
     "PROGRAMS_PER_SM",
+    "SplitLadder",
     "WIDE_MIN_SPLIT_KEYS",
-    "cap2_min_split_keys_env",
     "fa_split_keys",
     "ladder_cap",
     "ladder_for",
     "least_keys",
-    "min_split_keys_env",
     "ladder_steps",
     "monotone_steps",
     "num_splits_for",
-    "programs_per_sm_env",
     "splits_from_keys",
-    "wide_min_split_keys_env",
 ]

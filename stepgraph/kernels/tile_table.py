@@ -133,7 +133,7 @@ SEPARATE_NORM.add(("gate_up_silu", *_GU8, 16))
 # Buckets where a model measured faster on the reference kernels inside the step, though its
 # tiles cover the rows (keyed by its fused qkv weight's shape): none since the late PDL trigger
 # and the norm handoff from bucket 2. Llama-3.1-8B's bucket 4 was (run F6: 5.018 ms on the
-# reference kernels against 5.073 on its tiles), and its bucket 2 ran them too (REFERENCE_ROWS);
+# reference kernels against 5.073 on its tiles), and its bucket 2 ran them too (reference_rows);
 # on its tiles now (benchmarks/ab_step.py, graph, ctx 4096, two interleaved rounds, run J9): bs 2
 # 4.678 against 4.838 on the reference kernels, bs 4 4.929 against 5.085 (227 kernels, not 392).
 REFERENCE_BUCKETS: set[tuple[int, int, int]] = set()

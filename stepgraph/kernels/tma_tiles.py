@@ -21,8 +21,8 @@ and ends on ``BLOCK_K`` chunks (``gemv_tiles.k_range``), so no chunk crosses a s
 its PDL wait, for the TMA loop and the pointer loop alike.
 
 TMA needs 16-byte aligned bases and row strides (``tma_ready``); anything else, the interpreter
-aside, takes the pointer loop of ``gemv_tiles`` with the same tile. ``STEPGRAPH_TMA=0`` turns
-it off everywhere (the A/B switch of a measurement).
+aside, takes the pointer loop of ``gemv_tiles`` with the same tile; so does every tile where
+``DecodeTuning.tma`` is off (``STEPGRAPH_TMA=0``).
 """
 
 from __future__ import annotations
@@ -42,23 +42,19 @@ try:  # Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: tma_ready() is False
     TensorDescriptor = None
 
-TMA_ENV = "STEPGRAPH_TMA"
 MAX_BOX = 256  # elements per dimension of one TMA box
-PREFETCH_ENV = "STEPGRAPH_L2_PREFETCH"  # bytes a program asks L2 for before the PDL wait
-# 16 KB a program (of both row sets when paired; 0 turns it off). Behind the late trigger the
-# next kernel launches during its predecessor's split-K reduce and epilogue, and its programs'
-# first lines then come from L2 (runs M1-M2, ab_step graph ms, ctx 512: bs 2 / 8 / 32 / 64
-# 0.951 / 0.991 / 1.160 / 1.331 against 0.956 / 0.997 / 1.172 / 1.344 without; 8 KB gains
-# less, 32 KB ties, 64 KB loses: bs 32 1.197 against 1.162). Before the trigger moved, 64 KB
-# had lost (bs 8: 1.206 ms against 1.129, 2026-12-01).
+# Bytes a program asks L2 for before the PDL wait (``DecodeTuning.l2_prefetch_bytes``): 16 KB
+# (of both row sets when paired; 0 turns it off). Behind the late trigger the next kernel
+# launches during its predecessor's split-K reduce and epilogue, and its programs' first lines
+# then come from L2 (docs/experiments.md#l2-prefetch).
 PREFETCH_BYTES = 16384
 
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether every tensor can back a TMA descriptor: 2-D, last dimension contiguous, base and
-    row stride 16-byte aligned, on a Hopper-or-later GPU (or under ``TRITON_INTERPRET=1``), and
-    ``STEPGRAPH_TMA`` not ``0``."""
-    if TensorDescriptor is None or os.environ.get(TMA_ENV, "1") == "0":
+    row stride 16-byte aligned, on a Hopper-or-later GPU (or under ``TRITON_INTERPRET=1``).
+    ``DecodeTuning.tma`` is checked before it (``proj_tiles.tma_descriptors``)."""
+    if TensorDescriptor is None:
         return False
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     for t in tensors:
@@ -233,13 +229,12 @@ def proj_loop(
     return a1, a2
 
 
-def prefetch_lines(block_n: int, k: int, split_k: int, block_k: int, elem: int,
-                   paired: bool) -> int:  # fmt: skip
-    """``LINES`` of ``l2_prefetch`` for one row set of a program: ``PREFETCH_BYTES`` (of both row
-    sets when paired) or the program's whole range if smaller, as a power of two of 128-byte
-    lines, 0 when ``STEPGRAPH_L2_PREFETCH=0``."""
-    budget = int(os.environ.get(PREFETCH_ENV, PREFETCH_BYTES)) // (2 if paired else 1)
-    return l2_lines(budget, block_n, k, split_k, block_k, elem)
+def prefetch_lines(block_n: int, k: int, split_k: int, block_k: int, elem: int, paired: bool,
+                   budget: int = PREFETCH_BYTES) -> int:  # fmt: skip
+    """``LINES`` of ``l2_prefetch`` for one row set of a program: ``budget`` bytes
+    (``DecodeTuning.l2_prefetch_bytes``, of both row sets when paired) or the program's whole
+    range if smaller, as a power of two of 128-byte lines, 0 when ``budget`` is 0."""
+    return l2_lines(budget // (2 if paired else 1), block_n, k, split_k, block_k, elem)
 
 
 def l2_lines(budget: int, block_n: int, k: int, split_k: int, block_k: int, elem: int) -> int:
@@ -251,8 +246,7 @@ def l2_lines(budget: int, block_n: int, k: int, split_k: int, block_k: int, elem
 
 
 __all__ = [
-    "PREFETCH_ENV",
-    "TMA_ENV",
+    "PREFETCH_BYTES",
     "box_fits",
     "descriptor",
     "dot_t",

@@ -31,6 +31,7 @@ from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_de
 from ..kernels.reference import paged_decode_reference
 from ..kernels.rope_kv import rope_kv, rope_kv_reference
 from ..kernels.splits import ladder_for, num_splits_for
+from ..tuning import DecodeTuning, default_tuning
 from .extend_batch import ExtendBatch
 from .kv_cache import KVCache
 from .prefill_attention import extend_attention
@@ -62,8 +63,11 @@ class PagedAttentionBackend:
         max_context_len: int,
         max_splits: int = DEFAULT_MAX_SPLITS,
         use_kernel: bool | None = None,
+        tuning: DecodeTuning | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        # the ladder, the attention variant and PDL (None: DecodeTuning.default())
+        self.tuning = default_tuning(tuning)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
         self.max_context_len = max_context_len
@@ -89,13 +93,13 @@ class PagedAttentionBackend:
         if not self.use_kernel:
             return 1
         return num_splits_for(t_kv, self.num_kv_heads, bs, self.num_sms, self.max_splits,
-                              head_dim=self.head_dim)  # fmt: skip
+                              head_dim=self.head_dim, ladder=self.tuning.split)  # fmt: skip
 
     @property
     def split_keys(self):
         """The ladder ``splits_for`` takes, as ``split_keys(t_kv, n_kv_heads, bs, num_sms)``:
         exact mode retunes the captured graphs with it (``graph_update.exec_updater``)."""
-        return ladder_for(self.head_dim)
+        return ladder_for(self.head_dim, self.tuning.split)
 
     def bucket_splits(self, bs: int) -> int:
         """The split count a graph of bucket ``bs`` is captured with (``max_context_len``)."""
@@ -237,7 +241,7 @@ class PagedAttentionBackend:
             return flash_decode(
                 q, k_cache, v_cache, m.block_table, m.seq_lens,
                 num_splits=m.num_splits, workspace=m.workspace,
-                sm_scale=self.sm_scale, num_sms=self.num_sms, use_pdl=use_pdl,
+                sm_scale=self.sm_scale, num_sms=self.num_sms, use_pdl=use_pdl, tuning=self.tuning,
             )  # fmt: skip
         return paged_decode_reference(
             q, k_cache, v_cache, m.block_table, m.seq_lens, sm_scale=self.sm_scale

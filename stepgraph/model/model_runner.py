@@ -11,6 +11,7 @@ import torch
 
 from ..batch import PACKED, ForwardBatch, ForwardMode, unpacked_batch
 from ..errors import ConfigError
+from ..tuning import DecodeTuning, default_tuning
 from .attention import PagedAttentionBackend
 from .config import ModelConfig, get_preset
 from .decode_rows import block_table, decode_rows
@@ -54,7 +55,9 @@ class ModelRunner:
         dtype: torch.dtype,
         max_bs: int,
         max_context_len: int,
+        tuning: DecodeTuning | None = None,
     ) -> None:
+        self.tuning = default_tuning(tuning)  # the decode step's choices (stepgraph.tuning)
         self.model, self.config = model, config
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -78,6 +81,7 @@ class ModelRunner:
             head_dim=config.head_dim,
             device=self.device,
             max_context_len=max_context_len,
+            tuning=self.tuning,
         )
         # "fused" | "reference": which kernels a decode step runs (``fused_decode``); the
         # greedy tokens of a fused step land in this static buffer, like the logits.
@@ -119,6 +123,7 @@ class ModelRunner:
         max_context_len: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int | None = None,
+        tuning: DecodeTuning | None = None,
     ) -> ModelRunner:
         """Wrap ``model`` with a KV cache of ``num_pages`` pages (default: ``max_bs`` requests
         of ``max_context_len`` tokens, plus scratch page 0)."""
@@ -135,7 +140,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        return cls(model, config, kv, device, dtype, max_bs, max_context_len)
+        return cls(model, config, kv, device, dtype, max_bs, max_context_len, tuning)
 
     @classmethod
     def from_config(
@@ -149,19 +154,14 @@ class ModelRunner:
         max_context_len: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int | None = None,
+        tuning: DecodeTuning | None = None,
     ) -> ModelRunner:
         """A model of ``config`` with random weights from ``seed`` (see ``init_random``)."""
         max_context_len = default_context_len(config, max_context_len)
         model = init_random(build_model(config, device, dtype, max_positions=max_context_len), seed)
-        return cls.from_model(
-            model,
-            device=device,
-            dtype=dtype,
-            max_bs=max_bs,
-            max_context_len=max_context_len,
-            page_size=page_size,
-            num_pages=num_pages,
-        )
+        return cls.from_model(model, device=device, dtype=dtype, max_bs=max_bs,
+                              max_context_len=max_context_len, page_size=page_size,
+                              num_pages=num_pages, tuning=tuning)  # fmt: skip
 
     @classmethod
     def from_preset(
@@ -172,13 +172,14 @@ class ModelRunner:
         seed: int = 0,
         *,
         num_layers: int | None = None,
+        tuning: DecodeTuning | None = None,
         **kwargs,
     ) -> ModelRunner:
         """Preset ``name`` (``config.PRESETS``), random weights; ``num_layers`` trims it."""
         config = get_preset(name)
         if num_layers is not None:
             config = config.with_layers(num_layers)
-        return cls.from_config(config, device, dtype, seed, **kwargs)
+        return cls.from_config(config, device, dtype, seed, tuning=tuning, **kwargs)
 
     @classmethod
     def from_hf_dir(
@@ -188,6 +189,7 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         *,
         max_context_len: int | None = None,
+        tuning: DecodeTuning | None = None,
         **kwargs,
     ) -> ModelRunner:
         """A local Hugging Face checkpoint directory (nothing is downloaded)."""
@@ -196,9 +198,8 @@ class ModelRunner:
         config = load_hf_config(path)
         max_context_len = default_context_len(config, max_context_len)
         model = load_hf_model(path, device, dtype, max_positions=max_context_len)
-        return cls.from_model(
-            model, device=device, dtype=dtype, max_context_len=max_context_len, **kwargs
-        )
+        kwargs.update(device=device, dtype=dtype, max_context_len=max_context_len, tuning=tuning)
+        return cls.from_model(model, **kwargs)
 
     # -- batches ----------------------------------------------------------------------------
 
@@ -267,7 +268,7 @@ class ModelRunner:
         if self.uses_fused(bs):
             return fused_decode_step(
                 self.model, self.attn_backend, batch.input_ids, batch.positions,
-                logits_out=out, tokens_out=self.greedy_tokens[:bs],
+                logits_out=out, tokens_out=self.greedy_tokens[:bs], tuning=self.tuning,
             )  # fmt: skip
         h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [bs, hidden]
         if out is None:

@@ -10,8 +10,8 @@ one program per row:
 
     slot       staged: ``copies & 1`` (``staging.py``: replay k reads slot k % 2), read
                from the host's pinned slots through their mapped address: no H2D memcpy
-               node (``STEPGRAPH_STAGING_COPY=1``, the A/B switch read at capture: both
-               slots copied to the device first, as before)
+               node (``PinnedStaging.device_copy``, from ``DecodeTuning.staging_copy``, read
+               at capture: both slots copied to the device first)
     fields     input_ids (feed resolved), positions, out_cache_loc int64; seq_lens int32
     table      block_table int32, in chunks of ``BLOCK_P`` pages
     count      staged: the last program to finish (an atomic ticket) bumps ``copies``, sets
@@ -25,8 +25,6 @@ checks the kernel against them under the Triton interpreter.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +33,6 @@ from ..batch import PACKED
 from .feed import resolve_feed
 
 BLOCK_P = 128  # block-table pages per inner iteration
-COPY_ENV = "STEPGRAPH_STAGING_COPY"  # "1": the slots' H2D memcpy node, then the launch
 
 
 @triton.jit
@@ -90,11 +87,11 @@ def _fill_inputs_kernel(
 def captured_inputs(buffers, bucket: int, staging, feed, unpack: bool, kernel: bool) -> None:
     """Captured: the live batch into ``buffers``' static fields. ``kernel`` (CUDA, packed
     inputs): one ``fill_inputs`` launch, which reads the staged slot from pinned host memory
-    and mirrors the copy count to the host (with ``STEPGRAPH_STAGING_COPY=1``: the slots'
-    copy to the device first, read there); else the torch ops (the staged slot selected, the
+    and mirrors the copy count to the host (with ``staging.device_copy``: the slots' copy to
+    the device first, read there); else the torch ops (the staged slot selected, the
     packed rows unpacked, the feed resolved)."""
     if kernel:
-        copy = staging is not None and os.environ.get(COPY_ENV, "0") == "1"
+        copy = staging is not None and staging.device_copy
         if copy:
             staging.copy_slots(bucket)
         fill_inputs(buffers, bucket, staging, feed, from_host=not copy)
@@ -134,4 +131,4 @@ def fill_inputs(
     )  # fmt: skip
 
 
-__all__ = ["BLOCK_P", "COPY_ENV", "captured_inputs", "fill_inputs"]
+__all__ = ["BLOCK_P", "captured_inputs", "fill_inputs"]

@@ -12,7 +12,7 @@ writes the rows into pinned memory (numpy), and each captured step begins by fet
     device [max_bs, 2, width] int64             both slots' rows [:B], one memcpy node (the
                                                 slots interleave, so rows [:B] are
                                                 contiguous): the CPU stand-in, and CUDA with
-                                                ``STEPGRAPH_STAGING_COPY=1``
+                                                ``device_copy`` (``DecodeTuning.staging_copy``)
     parity [1] int64, device                    which slot this replay reads; flipped in-graph
     packed [max_bs, width]                      rows [:B] of slot ``parity`` (index_select)
     copied [1] int64, pinned host               replays whose copy has run: on CUDA written by
@@ -52,8 +52,13 @@ def _pause() -> None:
 class PinnedStaging:
     """Two pinned slots of packed rows, their device mirror, the parity and the copy count."""
 
-    def __init__(self, pad: torch.Tensor, max_bs: int, device: torch.device) -> None:
-        """``pad``: one packed padding row ``[width]`` int64 (``input_buffers.pad_row``)."""
+    def __init__(
+        self, pad: torch.Tensor, max_bs: int, device: torch.device, device_copy: bool = False
+    ) -> None:
+        """``pad``: one packed padding row ``[width]`` int64 (``input_buffers.pad_row``);
+        ``device_copy``: a captured step reads the slots from a device copy (one memcpy node)
+        instead of from the pinned memory (``DecodeTuning.staging_copy``)."""
+        self.device_copy = device_copy
         width = pad.shape[0]
         cuda = device.type == "cuda"
         self.pad = pad.cpu()  # [width] int64

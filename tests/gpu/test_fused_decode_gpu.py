@@ -16,10 +16,10 @@ import torch
 
 from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
 from stepgraph.engine import Engine
-from stepgraph.kernels.pdl import PDL_ENV
 from stepgraph.model import ModelRunner, fused_decode
 from stepgraph.model.fused_decode import FUSED_MAX_BS, reference_rows
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.tuning import DecodeTuning, PdlPlacement
 
 DEV = "cuda"
 PRESETS = ["llama-3.2-1b", "qwen2.5-0.5b"]
@@ -66,10 +66,16 @@ def rel(a, b) -> float:
 
 
 def tensor_cores(monkeypatch) -> None:
-    """The tensor-core kernels at every bs above one (as shipped, bucket 2 and shapes without a
-    measured tile, qwen2.5-0.5b's and float32, run the reference kernels inside the step)."""
-    monkeypatch.setattr(fused_decode, "REFERENCE_ROWS", range(0))
-    monkeypatch.setattr(fused_decode, "_measured", lambda model, rows: True)
+    """The tensor-core kernels at every bs above one (as shipped, shapes without a measured
+    tile, qwen2.5-0.5b's and float32, run the reference kernels inside the step)."""
+    monkeypatch.setattr(fused_decode, "_measured", lambda *a: True)
+
+
+def use_tuning(monkeypatch, mr, tuning: DecodeTuning) -> None:
+    """``mr`` runs ``tuning`` from now (its step and its attention backend), as a runner built
+    with it would."""
+    monkeypatch.setattr(mr, "tuning", tuning)
+    monkeypatch.setattr(mr.attn_backend, "tuning", tuning)
 
 
 @pytest.mark.parametrize("context", [1, 17, 4096])
@@ -100,9 +106,10 @@ def test_pdl_off_is_bit_identical_and_graph_tokens(mr, monkeypatch):
     batch, pages = decode_batch(mr, Point(1, 300), seed=5)
     try:
         with_pdl, kv_pdl = step(mr, batch, "fused")
-        monkeypatch.setenv(PDL_ENV, "0")
+        base = mr.tuning
+        use_tuning(monkeypatch, mr, DecodeTuning(pdl=PdlPlacement(enabled=False)))
         without, kv_plain = step(mr, batch, "fused")
-        monkeypatch.delenv(PDL_ENV)
+        use_tuning(monkeypatch, mr, base)
         assert torch.equal(with_pdl, without)
         assert all(torch.equal(a, b) for a, b in zip(kv_pdl, kv_plain))
         # exact mode replays what eager computed, bit for bit, greedy tokens included
@@ -181,21 +188,20 @@ def test_float32_greedy_tokens_equal_reference(bs, monkeypatch):
     assert torch.equal(runner.fused_tokens(bs), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("spec", [(5, 4, None), (5, 1, None), (5, 3, None)])
+@pytest.mark.parametrize("spec", ["detached,early", "detached,wait", "detached,exit"])
 def test_attention_detached_split_same_bits(mr, monkeypatch, spec):
     """The split kernel launched plainly with its trigger at its start ("detached") and the
     combine's trigger before its wait ("early") or at it: the same logits bits as the default
     launches, in eager and in exact mode (eight replays, each against eager), at bs 1, 4 and 8."""
-    from stepgraph.model import step_attention
 
     runner = None
     try:
         for bs in (1, 4, 8):
             batch, pages = decode_batch(mr, Point(bs, 300 + bs), seed=bs)
             try:
-                monkeypatch.setattr(step_attention, "ATTENTION_PDL", None)
+                use_tuning(monkeypatch, mr, DecodeTuning())
                 base, _ = step(mr, batch, "fused")
-                monkeypatch.setattr(step_attention, "ATTENTION_PDL", spec)
+                use_tuning(monkeypatch, mr, DecodeTuning(pdl=PdlPlacement(attention=spec)))
                 got, _ = step(mr, batch, "fused")
                 assert torch.equal(got, base), (bs, spec)
                 if runner is None:

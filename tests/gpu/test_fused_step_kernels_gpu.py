@@ -25,6 +25,7 @@ from stepgraph.kernels.fused_norm import add_rmsnorm
 from stepgraph.kernels.gemv import gemv
 from stepgraph.kernels.pdl import pdl_enabled
 from stepgraph.kernels.rope_kv import rope_kv
+from stepgraph.tuning import ArgmaxFold, DecodeTuning
 from tests.conftest import rel_err
 
 DEV = "cuda"
@@ -112,7 +113,6 @@ def test_folded_argmax_in_a_graph_equals_the_two_launches(m, monkeypatch):
     g = torch.Generator(DEV).manual_seed(30 + m)
     nw, emb = 1 + randn(HIDDEN, g=g, scale=0.1), randn(VOCAB, HIDDEN, g=g, scale=0.02)
     r = randn(m, HIDDEN, g=g)
-    monkeypatch.setenv(lha.FOLD_ENV, "1")
     out = torch.empty(m, dtype=torch.int64, device=DEV)
     lha.lm_head_argmax(r, nw, emb, EPS, tokens_out=out)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -125,12 +125,12 @@ def test_folded_argmax_in_a_graph_equals_the_two_launches(m, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, logits.argmax(-1)), f"replay {step}"
-    monkeypatch.setenv(lha.FOLD_ENV, "0")
-    logits_two, two = lha.lm_head_argmax(r, nw, emb, EPS)  # the last replay's r, two launches
+    two_launches = DecodeTuning(argmax=ArgmaxFold(fold=False))  # the last replay's r
+    logits_two, two = lha.lm_head_argmax(r, nw, emb, EPS, tuning=two_launches)
     assert torch.equal(logits_two, logits) and torch.equal(two, out)
 
 
-def fused_chain(w, r, m, rope, use_pdl):
+def fused_chain(w, r, m, rope, use_pdl, tuning=None):
     """Two layers of the fused step minus attention (q feeds o_proj), then the LM head."""
     cos, sin, positions, slots, (kc, vc) = rope
     for _ in range(2):
@@ -141,7 +141,7 @@ def fused_chain(w, r, m, rope, use_pdl):
         r = ng.gemv_residual(q.view(m, -1), w["o"], r, use_pdl=use_pdl)
         a = gus.gate_up_silu(r, w["nw2"], w["gate_up"], EPS, use_pdl=use_pdl)
         r = ng.gemv_residual(a, w["down"], r, use_pdl=use_pdl)
-    return lha.lm_head_argmax(r, w["nw1"], w["gate_up"], EPS, use_pdl=use_pdl)
+    return lha.lm_head_argmax(r, w["nw1"], w["gate_up"], EPS, use_pdl=use_pdl, tuning=tuning)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not pdl_enabled(DEV), reason="needs PDL")
@@ -200,12 +200,13 @@ def test_ptx_waits_before_first_dependent_load(kernel, monkeypatch):
     """In the PTX of each PDL variant: ``griddepcontrol.wait`` is there, only weight loads
     (``evict_first``) come before it, and ``launch_dependents`` follows it (but at a kernel's
     exit, or the one-row combine's "early" trigger before it)."""
+    tuning = None
     if kernel is lha._argmax_reduce_kernel:  # the argmax's own launch: only with the fold off
-        monkeypatch.setenv(lha.FOLD_ENV, "0")
+        tuning = DecodeTuning(argmax=ArgmaxFold(fold=False))
     g = torch.Generator(DEV).manual_seed(0)
     w = layer(g)
-    fused_chain(w, randn(1, HIDDEN, g=g), 1, rope_inputs(1, g), use_pdl=True)
-    fused_chain(w, randn(3, HIDDEN, g=g), 3, rope_inputs(3, g), use_pdl=True)
+    fused_chain(w, randn(1, HIDDEN, g=g), 1, rope_inputs(1, g), use_pdl=True, tuning=tuning)
+    fused_chain(w, randn(3, HIDDEN, g=g), 3, rope_inputs(3, g), use_pdl=True, tuning=tuning)
     _, _, _, _, (kc, vc) = rope_inputs(2, g)  # the attention between qkv_rope and o_proj
     table = torch.arange(PAGES, device=DEV, dtype=torch.int32)[None, :].repeat(2, 1)
     lens = torch.tensor([200, 1], device=DEV, dtype=torch.int32)

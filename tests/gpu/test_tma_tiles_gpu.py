@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels import proj_tiles, tma_tiles
+from stepgraph.kernels import proj_tiles
 from stepgraph.kernels.gate_up_silu import gate_up_silu, gate_up_silu_reference
 from stepgraph.kernels.lm_head_argmax import lm_head_argmax
 from stepgraph.kernels.norm_gemv import gemv_residual
 from stepgraph.kernels.proj_tiles import Tile
 from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
+from stepgraph.tuning import DecodeTuning
 from tests.conftest import rel_err
 
 DEV = "cuda"
@@ -45,11 +46,11 @@ def test_tma_tiles_match_float64_and_pointers(spy, monkeypatch, tma, m):
     w_gu = randn(2 * INTER, H, g=g, scale=H**-0.5)
     a = randn(m, INTER, g=g)
     cases = [
-        (lambda t: gemv_residual(r, w_o, r, blocks=t),
+        (lambda t, tu=None: gemv_residual(r, w_o, r, blocks=t, tuning=tu),
          lambda: (r.double() @ w_o.double().T + r.double()), Tile(64, 128, 4, 3, 4)),
-        (lambda t: gemv_residual(a, w_down, r, blocks=t),
+        (lambda t, tu=None: gemv_residual(a, w_down, r, blocks=t, tuning=tu),
          lambda: (a.double() @ w_down.double().T + r.double()), Tile(64, 128, 4, 3, 8)),
-        (lambda t: gate_up_silu(r, nw, w_gu, EPS, blocks=t),
+        (lambda t, tu=None: gate_up_silu(r, nw, w_gu, EPS, blocks=t, tuning=tu),
          lambda: gate_up_silu_reference(r.double(), nw.double(), w_gu.double(), EPS),
          Tile(32, 128, 4, 3, 1)),
     ]  # fmt: skip
@@ -60,10 +61,8 @@ def test_tma_tiles_match_float64_and_pointers(spy, monkeypatch, tma, m):
         assert len(spy) == 3 - tma, "the TMA path did not run"
         assert rel_err(out, ref()) < BF16
         assert rel_err(out, call(tile)) < BF16
-        for budget in ("0", "65536"):  # the prefetch (default 16 KB) moves no value
-            monkeypatch.setenv(tma_tiles.PREFETCH_ENV, budget)
-            assert torch.equal(call(tma_tile), out)
-        monkeypatch.delenv(tma_tiles.PREFETCH_ENV)
+        for budget in (0, 65536):  # the prefetch (default 16 KB) moves no value
+            assert torch.equal(call(tma_tile, DecodeTuning(l2_prefetch_bytes=budget)), out)
         graph = torch.cuda.CUDAGraph()
         static = call(tma_tile)
         with torch.cuda.graph(graph):
