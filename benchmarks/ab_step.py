@@ -1,23 +1,19 @@
-"""A/B of the fused decode step's switches in one process, interleaved: one model, and for each
-round, variant and batch size a graph captured at that bucket alone, its median ms per step
-(CUDA events after warm-up, as ``stepgraph bench`` times it), the fraction of the bandwidth
-floor and the kernels a step. Variants are sets of ``STEPGRAPH_*`` switches; the step's
-import-time flags are re-read after each is set (``STEPGRAPH_PROJ_TILES``,
-``STEPGRAPH_PROJ_CUBLAS``, ``STEPGRAPH_SEPARATE_NORM``,
-``STEPGRAPH_REFERENCE_BUCKETS``, ``STEPGRAPH_CUBLAS_HANDOFF``, ``STEPGRAPH_HANDOFF_MIN_BUCKET``,
-``STEPGRAPH_ATTENTION_PDL``, ``STEPGRAPH_FOLD_MERGE``, ``STEPGRAPH_MIN_SPLIT_KEYS``,
-``STEPGRAPH_WIDE_MIN_SPLIT_KEYS`` and ``STEPGRAPH_PROGRAMS_PER_SM`` among them;
-``STEPGRAPH_PDL_TRIGGER`` and ``STEPGRAPH_ATTN_VARIANT`` are read at each launch).
+"""A/B of the fused decode step's tunings in one process, interleaved: one model's weights, and
+for each round, variant and batch size a graph captured at that bucket alone, its median ms per
+step (CUDA events after warm-up, as ``stepgraph bench`` times it), the fraction of the
+bandwidth floor and the kernels a step. A variant is a ``DecodeTuning`` (``stepgraph.tuning``):
+the defaults with fields replaced by ``with_overrides``, and each runs on a ``ModelRunner`` of
+its own built with it over the same weights.
 
     PYTHONPATH=. python3 benchmarks/ab_step.py --batch-sizes 8,32 --context 512 --rounds 2 \\
-        --variant base: --variant "plain:STEPGRAPH_ARGMAX_FOLD=0;STEPGRAPH_PDL=0"
+        --variant base: --variant "plain:argmax.fold=0;pdl.enabled=0"
 
 The last column compares each variant's logits with the first variant's on the same batch
 (bit for bit where the variant changes no arithmetic: PDL, schedules).
 
 Each bs is captured as a bucket of its own, so the kernel choices keyed by a default bucket
-(``tile_table``'s, ``REFERENCE_ROWS``) apply to it only where it is one (1, 2, 4, 8, 16, 32,
-48, 64): bs 3 here is bucket 3, where serving replays it in bucket 4 (run J9's bs 3 row).
+(the tables', ``reference_rows``) apply to it only where it is one (1, 2, 4, 8, 16, 32, 48,
+64): bs 3 here is bucket 3, where serving replays it in bucket 4.
 
 Rounds interleave the variants, so a drift of the GPU over the run shows as a spread between
 rounds rather than as a difference between variants (bs 8 varies about 2% between calls).
@@ -27,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
@@ -41,51 +36,33 @@ from stepgraph.bench.workload import (
     kv_bytes,
     weight_bytes,
 )
-from stepgraph.kernels import proj_tiles, splits
-from stepgraph.model import fused_decode, fused_mlp, step_attention
-from stepgraph.model.kernel_choice import attention_pdl_env, buckets_env
+from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.tuning import DecodeTuning
+from stepgraph.tuning_text import with_overrides
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    """``name:VAR=V;VAR2=V2`` -> (name, env); ``name:`` is the defaults."""
+    """``name:field=V;group.field=V2`` -> (name, overrides); ``name:`` is the defaults."""
     name, _, body = text.partition(":")
-    env = {}
+    overrides = {}
     for item in filter(None, body.split(";")):
         key, _, value = item.partition("=")
-        env[key.strip()] = value.strip()
-    return name, env
+        overrides[key.strip()] = value.strip()
+    return name, overrides
 
 
-def apply(env: dict[str, str], saved: dict[str, str | None]) -> None:
-    """Set ``env`` over the saved originals, and re-read the step's import-time flags."""
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    for key, value in env.items():
-        saved.setdefault(key, os.environ.get(key))
-        os.environ[key] = value
-    fused_decode.NORM_HANDOFF = os.environ.get("STEPGRAPH_NORM_HANDOFF", "1") != "0"
-    fused_decode.HANDOFF_MIN_BUCKET = int(
-        os.environ.get("STEPGRAPH_HANDOFF_MIN_BUCKET", fused_decode.HANDOFF_MIN_BUCKET_DEFAULT)
-    )
-    fused_decode.NO_PDL_ENV = buckets_env("STEPGRAPH_NO_PDL_BUCKETS", None)
-    # (STEPGRAPH_PDL_TRIGGER: read at every launch)
-    step_attention.ATTENTION_PDL = attention_pdl_env()
-    step_attention.FOLD_MERGE = buckets_env("STEPGRAPH_FOLD_MERGE", None)
-    splits.MIN_SPLIT_KEYS = splits.min_split_keys_env()
-    splits.CAP2_MIN_SPLIT_KEYS = splits.cap2_min_split_keys_env()
-    splits.PROGRAMS_PER_SM = splits.programs_per_sm_env()
-    splits.WIDE_MIN_SPLIT_KEYS = splits.wide_min_split_keys_env()
-    # (STEPGRAPH_ATTN_VARIANT: read at every launch)
-    fused_decode.REFERENCE_ROWS = buckets_env(
-        "STEPGRAPH_REFERENCE_ROWS", fused_decode.REFERENCE_ROWS_DEFAULT
-    )
-    fused_mlp.CUBLAS_HANDOFF = os.environ.get("STEPGRAPH_CUBLAS_HANDOFF", "1") != "0"
-    # STEPGRAPH_PROJ_TILES (a sweep's tiles), STEPGRAPH_PROJ_CUBLAS, STEPGRAPH_SEPARATE_NORM
-    proj_tiles.reload_env_tiles()
+def variant_tuning(overrides: dict[str, str], base: DecodeTuning | None = None) -> DecodeTuning:
+    """The variant's ``DecodeTuning``: ``base`` (the defaults with the user's switches) with
+    ``overrides`` applied (``stepgraph.tuning.with_overrides``; a bad one refused by name)."""
+    return with_overrides(base if base is not None else DecodeTuning.default(), overrides)
+
+
+def variant_runner(mr: ModelRunner, tuning: DecodeTuning, max_bs: int) -> ModelRunner:
+    """A ``ModelRunner`` over ``mr``'s model (the same weights) with ``tuning``."""
+    return ModelRunner.from_model(mr.model, device=mr.device, dtype=mr.dtype, max_bs=max_bs,
+                                  max_context_len=mr.max_context_len, page_size=mr.page_size,
+                                  tuning=tuning)  # fmt: skip
 
 
 def main() -> None:
@@ -93,29 +70,29 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--batch-sizes", default="8,32")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--variant", action="append", required=True, help="name:VAR=V;VAR2=V2")
+    ap.add_argument("--variant", action="append", required=True, help="name:field=V;group.field=V2")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    variants = [parse_variant(v) for v in args.variant]
+    variants = [(name, variant_tuning(o)) for name, o in map(parse_variant, args.variant)]
     mr = build_model_runner(args.model, "cuda", torch.bfloat16, max(sizes), args.context + 64)
+    runners = {name: variant_runner(mr, t, max(sizes)) for name, t in variants}
     gbps = copy_bandwidth_gbps()
     wbytes = weight_bytes(mr)
-    saved: dict[str, str | None] = {}
     ms: dict[tuple[str, int], list[float]] = {}
     kernels: dict[tuple[str, int], float] = {}
     logits_of: dict[int, torch.Tensor] = {}  # the first variant's logits at each bs
     diff: dict[tuple[str, int], float] = {}  # each variant's max |logits - the first's|
     for _ in range(args.rounds):
-        for name, env in variants:
-            apply(env, saved)
+        for name, _ in variants:
+            vr = runners[name]
             for bs in sizes:
                 point = Point(bs, args.context)
                 cfg = RunnerConfig(capture_bs=(bs,), max_bs=bs, show_progress=False)
-                runner = CudaGraphRunner(mr, cfg)
-                batch, pages = decode_batch(mr, point)
+                runner = CudaGraphRunner(vr, cfg)
+                batch, pages = decode_batch(vr, point)
                 try:
                     step = lambda b=batch, r=runner: r.replay(b)  # noqa: E731 - the timed call
                     ms.setdefault((name, bs), []).append(time_step(step, args.iters))
@@ -127,8 +104,7 @@ def main() -> None:
                 finally:
                     runner.shutdown()
                     for p in pages:
-                        mr.kv_cache.release(p)
-    apply({}, saved)
+                        vr.kv_cache.release(p)
     print(f"{args.model}, ctx {args.context}, graph, copy bandwidth {gbps:.0f} GB/s")
     print(f"{'variant':<16}{'bs':>4}{'ms (each round)':>28}{'median':>9}{'floor':>7}{'kern':>6}"
           f"{'logits vs first':>17}")  # fmt: skip

@@ -1,15 +1,22 @@
-"""``benchmarks/ab_step.py``'s variants on the CPU: the ``name:VAR=V;VAR2=V2`` grammar (values
-may hold commas and ``=``), and that applying a variant sets its switches, re-reads the step's
-import-time flags, and that the next variant starts from the original environment."""
+"""``benchmarks/ab_step.py``'s variants on the CPU: the ``name:field=V;group.field=V2`` grammar
+(values may hold commas and ``=``), that a variant is a ``DecodeTuning`` with exactly its fields
+changed (each variant from the defaults, none from the one before), that a bad field is refused
+by name, that a variant's runner carries its tuning down to the backend's ladder, and that a
+sweep's tiles file serves its variant alone. No module is patched."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import os
 import pathlib
 
-from stepgraph.kernels import splits
-from stepgraph.model import fused_decode, fused_mlp, step_attention
+import pytest
+
+from stepgraph.kernels import proj_tiles
+from stepgraph.kernels.splits import SplitLadder
+from stepgraph.kernels.tile_table import TILES, Tile
+from stepgraph.model import ModelRunner, fused_decode, step_attention
+from stepgraph.tuning import DecodeTuning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -24,109 +31,97 @@ def load_ab():
 def test_parse_variant():
     ab = load_ab()
     assert ab.parse_variant("base:") == ("base", {})
-    assert ab.parse_variant("x:STEPGRAPH_A=o,gu=0.25;STEPGRAPH_B=1") == (
-        "x", {"STEPGRAPH_A": "o,gu=0.25", "STEPGRAPH_B": "1"},
+    assert ab.parse_variant("x:tables.cublas_everywhere=qkv_rope:16,lm_head:32;tma=0") == (
+        "x", {"tables.cublas_everywhere": "qkv_rope:16,lm_head:32", "tma": "0"},
     )  # fmt: skip
-    assert ab.parse_variant("y: STEPGRAPH_C = 2-4 ;") == ("y", {"STEPGRAPH_C": "2-4"})
+    assert ab.parse_variant("y: reference_rows = 2-4 ;") == ("y", {"reference_rows": "2-4"})
 
 
-def test_apply_sets_rereads_and_restores(monkeypatch):
+def test_variants_are_tunings_from_the_defaults():
     ab = load_ab()
-    monkeypatch.delenv("STEPGRAPH_NO_PDL_BUCKETS", raising=False)
-    monkeypatch.setenv("STEPGRAPH_NORM_HANDOFF", "1")
-    monkeypatch.delenv("STEPGRAPH_HANDOFF_MIN_BUCKET", raising=False)
-    monkeypatch.delenv("STEPGRAPH_ATTENTION_PDL", raising=False)
-    for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS", "HANDOFF_MIN_BUCKET"):
-        monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))  # restored after
-    for name in ("ATTENTION_PDL", "FOLD_MERGE"):
-        monkeypatch.setattr(step_attention, name, getattr(step_attention, name))
-    monkeypatch.setattr(splits, "MIN_SPLIT_KEYS", splits.MIN_SPLIT_KEYS)
-    monkeypatch.setattr(splits, "CAP2_MIN_SPLIT_KEYS", splits.CAP2_MIN_SPLIT_KEYS)
-    monkeypatch.delenv("STEPGRAPH_CAP2_MIN_SPLIT_KEYS", raising=False)
-    monkeypatch.delenv("STEPGRAPH_FOLD_MERGE", raising=False)
-    monkeypatch.delenv("STEPGRAPH_MIN_SPLIT_KEYS", raising=False)
-    saved: dict = {}
-    first = {"STEPGRAPH_NO_PDL_BUCKETS": "2-64", "STEPGRAPH_NORM_HANDOFF": "0",
-             "STEPGRAPH_HANDOFF_MIN_BUCKET": "8", "STEPGRAPH_ATTENTION_PDL": "1",
-             "STEPGRAPH_FOLD_MERGE": "8-32", "STEPGRAPH_MIN_SPLIT_KEYS": "128",
-             "STEPGRAPH_CAP2_MIN_SPLIT_KEYS": "512"}  # fmt: skip
-    ab.apply(first, saved)
-    assert fused_decode.NO_PDL_ENV == range(2, 65) and fused_decode.NORM_HANDOFF is False
-    assert fused_decode.HANDOFF_MIN_BUCKET == 8
-    assert step_attention.ATTENTION_PDL == (True, True, None)
-    assert step_attention.FOLD_MERGE == range(8, 33) and splits.MIN_SPLIT_KEYS == 128
-    assert splits.CAP2_MIN_SPLIT_KEYS == 512
-    ab.apply({"STEPGRAPH_REFERENCE_ROWS": "2-4"}, saved)  # the next variant: the first undone
-    assert "STEPGRAPH_NO_PDL_BUCKETS" not in os.environ
-    assert os.environ["STEPGRAPH_NORM_HANDOFF"] == "1"
-    assert fused_decode.NO_PDL_ENV is None and fused_decode.NORM_HANDOFF is True
-    assert fused_decode.REFERENCE_ROWS == range(2, 5)
-    assert fused_decode.HANDOFF_MIN_BUCKET == 2 and step_attention.ATTENTION_PDL is None
-    assert step_attention.FOLD_MERGE is None
-    assert splits.MIN_SPLIT_KEYS == splits.MIN_SPLIT_KEYS_DEFAULT
-    assert splits.CAP2_MIN_SPLIT_KEYS == splits.CAP2_MIN_SPLIT_KEYS_DEFAULT
-    ab.apply({}, saved)  # the end of the run: the original environment
-    assert "STEPGRAPH_REFERENCE_ROWS" not in os.environ
-    assert fused_decode.REFERENCE_ROWS == range(0)
+    base = DecodeTuning()
+    first = ab.variant_tuning(
+        {"pdl.no_pdl_buckets": "2-64", "handoff.enabled": "0", "handoff.min_bucket": "8",
+         "pdl.attention": "1", "fold_merge": "8-32", "split.min_keys": "128",
+         "split.cap2_min_keys": "512"}, base,
+    )  # fmt: skip
+    assert first.pdl.no_pdl_buckets == range(2, 65) and first.handoff.enabled is False
+    assert first.handoff.min_bucket == 8
+    assert first.pdl.attention_modes == (True, True, None)
+    assert first.fold_merge == range(8, 33) and first.split.min_keys == 128
+    assert first.split.cap2_min_keys == 512
+    second = ab.variant_tuning({"reference_rows": "2-4"}, base)  # the first undone
+    assert second == dataclasses.replace(base, reference_rows=range(2, 5))
+    assert second.pdl.no_pdl_buckets is None and second.handoff.enabled is True
+    assert second.handoff.min_bucket == 2 and second.pdl.attention is None
+    assert second.fold_merge is None and second.split == SplitLadder()
+    assert ab.variant_tuning({}, base) == base  # the defaults, unchanged by the variants
+    # the step's decisions follow each variant's tuning
+    assert fused_decode.no_pdl(3072, 2048, 8, 2, first) and not fused_decode.no_pdl(
+        3072, 2048, 8, 2, second)  # fmt: skip
+    assert step_attention.merges((32, 8, 64), 8, first)
+    assert not step_attention.merges((32, 8, 64), 8, second)
 
 
-def test_apply_rereads_the_cublas_handoff_and_the_table_switches(monkeypatch):
-    from stepgraph.kernels import proj_tiles
-
+def test_a_bad_variant_is_refused_by_name():
     ab = load_ab()
-    for name in ("STEPGRAPH_CUBLAS_HANDOFF", "STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS",
-                 "STEPGRAPH_REFERENCE_BUCKETS"):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)
-    eight = (6144, 4096, 4)  # a shipped reference bucket (the table has none since run J9)
-    shipped = proj_tiles._TABLES
-    monkeypatch.setattr(proj_tiles, "_TABLES", (*shipped[:2], {eight}))
-    monkeypatch.setattr(fused_mlp, "CUBLAS_HANDOFF", fused_mlp.CUBLAS_HANDOFF)
-    saved: dict = {}
-    try:
-        ab.apply({"STEPGRAPH_CUBLAS_HANDOFF": "0", "STEPGRAPH_SEPARATE_NORM": "qkv_rope:64",
-                  "STEPGRAPH_PROJ_CUBLAS": "gate_up_silu:16",
-                  "STEPGRAPH_REFERENCE_BUCKETS": "none"}, saved)  # fmt: skip
-        assert fused_mlp.CUBLAS_HANDOFF is False
-        assert not proj_tiles.reference_bucket(*eight)
-        assert proj_tiles.SEPARATE_ANY == {("qkv_rope", 64)}
-        assert proj_tiles.CUBLAS_ANY == {("gate_up_silu", 16)}
-        assert proj_tiles.separate_norm("qkv_rope", 64, 3072, 2048)
-        ab.apply({}, saved)
-        assert fused_mlp.CUBLAS_HANDOFF is True and proj_tiles.reference_bucket(*eight)
-        assert proj_tiles.SEPARATE_ANY == set() == proj_tiles.CUBLAS_ANY
-        assert not proj_tiles.separate_norm("qkv_rope", 64, 3072, 2048)
-    finally:
-        for name in ("STEPGRAPH_SEPARATE_NORM", "STEPGRAPH_PROJ_CUBLAS",
-                     "STEPGRAPH_REFERENCE_BUCKETS"):  # fmt: skip
-            os.environ.pop(name, None)
-        proj_tiles._TABLES = shipped
-        proj_tiles.reload_env_tiles()
+    with pytest.raises(ValueError, match="split.min_keys=100 must be a positive multiple of 64"):
+        ab.variant_tuning({"split.min_keys": "100"})
+    with pytest.raises(ValueError, match="DecodeTuning has no field 'nope'"):
+        ab.variant_tuning({"nope": "1"})
+    with pytest.raises(ValueError, match="split has no field 'least'"):
+        ab.variant_tuning({"split.least": "64"})
+    with pytest.raises(ValueError, match="reference_rows='2_4'"):
+        ab.variant_tuning({"reference_rows": "2_4"})
 
 
-def test_apply_switches_the_swept_tiles_per_variant(tmp_path, monkeypatch):
-    """``STEPGRAPH_PROJ_TILES`` per variant: its tiles in the table while the variant runs (a
-    CUBLAS key among them tried as a tile), the table as shipped again after it."""
-    from stepgraph.kernels import proj_tiles
-    from stepgraph.kernels.tile_table import Tile
-
+def test_the_cublas_handoff_and_the_table_overrides():
     ab = load_ab()
-    monkeypatch.delenv(proj_tiles.TILES_ENV, raising=False)
-    for name in ("NO_PDL_ENV", "NORM_HANDOFF", "REFERENCE_ROWS"):
-        monkeypatch.setattr(fused_decode, name, getattr(fused_decode, name))
+    eight = (6144, 4096, 4)  # a reference bucket (the shipped table has none)
+    base = dataclasses.replace(
+        DecodeTuning(), tables=dataclasses.replace(DecodeTuning().tables,
+                                                   reference_buckets={eight}),
+    )  # fmt: skip
+    assert proj_tiles.reference_bucket(*eight, tables=base.tables)
+    t = ab.variant_tuning({"handoff.cublas": "0", "tables.separate_norm_everywhere": "qkv_rope:64",
+                           "tables.cublas_everywhere": "gate_up_silu:16",
+                           "tables.reference_buckets": "none"}, base)  # fmt: skip
+    assert t.handoff.cublas is False
+    assert not proj_tiles.reference_bucket(*eight, tables=t.tables)
+    assert t.tables.separate_norm_everywhere == {("qkv_rope", 64)}
+    assert t.tables.cublas_everywhere == {("gate_up_silu", 16)}
+    assert proj_tiles.separate_norm("qkv_rope", 64, 3072, 2048, tables=t.tables)
+    assert proj_tiles.prefer_cublas("gate_up_silu", 16, 16384, 2048, tables=t.tables)
+    back = ab.variant_tuning({}, base)
+    assert back.handoff.cublas is True and proj_tiles.reference_bucket(*eight, tables=back.tables)
+    assert back.tables.separate_norm_everywhere == set() == back.tables.cublas_everywhere
+    assert not proj_tiles.separate_norm("qkv_rope", 64, 3072, 2048, tables=back.tables)
+
+
+def test_the_swept_tiles_serve_their_variant_alone(tmp_path):
+    """``tables.tiles_file`` per variant: its tiles in that variant's tables (a ``cublas`` key
+    among them tried as a tile), the shipped tables in every other."""
+    ab = load_ab()
     gu, qkv64 = ("gate_up_silu_normed", 16384, 2048, 16), ("qkv_rope", 3072, 2048, 64)
-    shipped = proj_tiles.TILES[gu]
-    assert qkv64 in proj_tiles.CUBLAS
+    base = DecodeTuning()
+    assert qkv64 in base.tables.cublas
     path = tmp_path / "tiles.json"
     path.write_text('{"gate_up_silu_normed,16384,2048,16": [64, 128, 4, 5, 1, 1], '
                     '"qkv_rope,3072,2048,64": [16, 128, 4, 3, 4]}')  # fmt: skip
-    saved: dict = {}
-    try:
-        ab.apply({proj_tiles.TILES_ENV: str(path)}, saved)
-        assert proj_tiles.TILES[gu] == Tile(64, 128, 4, 5, 1, 1) != shipped
-        assert qkv64 not in proj_tiles.CUBLAS
-        assert proj_tiles.TILES[qkv64] == Tile(16, 128, 4, 3, 4)
-        ab.apply({}, saved)
-        assert proj_tiles.TILES[gu] == shipped and qkv64 in proj_tiles.CUBLAS
-    finally:  # the shipped tables for the tests after this one, whatever happened here
-        os.environ.pop(proj_tiles.TILES_ENV, None)
-        proj_tiles.reload_env_tiles()
+    swept = ab.variant_tuning({"tables.tiles_file": str(path)}, base)
+    assert swept.tables.tiles[gu] == Tile(64, 128, 4, 5, 1, 1) != TILES[gu]
+    assert qkv64 not in swept.tables.cublas and swept.tables.tiles[qkv64] == Tile(16, 128, 4, 3, 4)
+    assert proj_tiles.tile_for("gate_up_silu_normed", 16, 16384, 2048, 2, swept.tables) == Tile(
+        64, 128, 4, 5, 1, 1)  # fmt: skip
+    other = ab.variant_tuning({}, base)
+    assert other.tables.tiles[gu] == TILES[gu] and qkv64 in other.tables.cublas
+
+
+def test_a_variant_runner_carries_its_tuning_to_the_ladder():
+    ab = load_ab()
+    mr = ModelRunner.from_preset("tiny", max_bs=2, max_context_len=256)
+    wide = ab.variant_tuning({"split.min_keys": "256"}, DecodeTuning())
+    vr = ab.variant_runner(mr, wide, 2)
+    assert vr.model is mr.model and vr.tuning is wide and vr.attn_backend.tuning is wide
+    assert vr.attn_backend.split_keys is not mr.attn_backend.split_keys
+    assert vr.attn_backend.split_keys(4096, 8, 1, 132) >= 256
