@@ -4,7 +4,7 @@ Each step admits waiting requests whose pages fit, prefills at most ``max_prefil
 their prompt tokens in one packed forward (a longer prompt is split across steps, each chunk
 attending to the ones before it through the cache: ``scheduler.py``, ``prefill.py``), decodes
 the requests that have a token to feed, through a graph when one holds the batch
-(``decode.py``), and samples on the device (``launch.py``).
+(``decode.py``), and samples on the device (``Engine._launch``).
 
 Overlapped (``overlap=True``, the default), a step launches all of that and returns at once
 with the tokens of the step before, while the device runs this one; the next decode reads its
@@ -18,6 +18,7 @@ each step's tokens (the synchronous loop; the same tokens).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import deque
@@ -26,14 +27,13 @@ from typing import Any
 
 import torch
 
-from ..errors import ReplayError
+from ..errors import ConfigError, ReplayError, StepGraphError
 from ..model.model_runner import ModelRunner
 from ..runner.base import raise_other_thread
 from .decode import DecodePath
-from .launch import abort_everything, launch_step
-from .offline import run_to_completion
+from .offline import check_prompts, prefill_bar, seeded_generator
 from .overlap import InFlight, PendingPages
-from .prefill import build_prefiller
+from .prefill import build_prefiller, prefill_step
 from .requests import (
     DECODE_VIAS,
     GREEDY,
@@ -49,9 +49,10 @@ from .requests import (
     default_mode,
     own_sampling,
     running_limit,
+    sample_rows,
     stop_id_set,
 )
-from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_budget
+from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, admit_count, check_budget
 from .tp_sync import ScheduleSync
 
 
@@ -178,9 +179,16 @@ class Engine:
             seed = self._sync.request_seed(rid)  # the same on every rank
         sampling, generator = own_sampling(sampling, seed, self.model_runner.device)
         self.waiting.append(
-            Request(rid, list(prompt), max_new_tokens, stop_ids=stops, min_tokens=min_tokens,
-                    sampling=sampling, generator=generator)
-        )  # fmt: skip
+            Request(
+                rid,
+                list(prompt),
+                max_new_tokens,
+                stop_ids=stops,
+                min_tokens=min_tokens,
+                sampling=sampling,
+                generator=generator,
+            )
+        )
         return rid
 
     def stop_ids(
@@ -224,7 +232,7 @@ class Engine:
             self._pending.add(prev, req.pages)
             req.pages = []
         self._pending.reclaim(wait=bool(self.waiting))  # a waiting request may need them now
-        step = launch_step(self, sampling, generator, prev)
+        step = self._launch(sampling, generator, prev)
         if not self.overlap:
             prev, step = step, None  # land this step's own tokens now
         self._inflight = step
@@ -232,6 +240,57 @@ class Engine:
         self._pending.reclaim()  # what is already free goes back now (never blocks)
         self._landed = out
         return out
+
+    def _launch(
+        self, sampling: Sampling, generator: torch.Generator | None, prev: InFlight | None
+    ) -> InFlight | None:
+        """Admit, prefill one budget, decode once and sample, all on the device; the tokens
+        stay there (``InFlight``). Nothing here waits for the device."""
+        decoding = [r for r in self.running if 0 < r.scheduled < r.max_new_tokens]
+        self._admit()
+        logits, rows = [], []
+        # one packed forward of this step's chunks: requests whose prompt is now all cached
+        first = prefill_step(self.prefiller, self.running, self.max_prefill_tokens, self.stats)
+        if first is not None:
+            rows, prefill_logits = first
+            logits.append(prefill_logits)
+        if decoding:
+            logits.append(self.decoder.logits(decoding, self.stats, prev))
+            self.stats.decode_tokens += len(decoding)
+            self.stats.batch_sizes[len(decoding)] += 1
+        if not logits:
+            return None
+        rows += decoding
+        greedy = sampling.temperature <= 0 and all(r.sampling is None for r in rows)
+        fused = self.model_runner.fused_tokens(len(decoding))  # argmax inside the decode step
+        if fused is not None and len(rows) == len(decoding) and greedy:
+            tokens = fused  # a static buffer: the next step reads it before its replay rewrites it
+        else:
+            both = logits[0] if len(logits) == 1 else torch.cat(logits)
+            tokens = sample_rows(both, rows, sampling, generator)  # [n] int64, no host sync
+        for req in rows:
+            req.scheduled += 1
+        return InFlight.launch(rows, tokens)
+
+    def _admit(self) -> None:
+        """Start the requests at the head of the queue that fit (``scheduler.admit_count``)."""
+        kv = self.model_runner.kv_cache
+        needs = (kv.pages_for(r.kv_tokens) for r in self.waiting)
+        count = admit_count(needs, kv.allocator.num_free, len(self.running), self.max_running)
+        if self._sync is not None:  # tensor parallel: rank 0's count on every rank
+            rids = [r.rid for r in self.waiting], [r.rid for r in self.running]
+            count = self._sync.admit(count, *rids, self._landed)
+        for _ in range(count):
+            req = self.waiting.popleft()
+            req.pages = kv.reserve(req.kv_tokens)
+            self.running.append(req)
+        if self.waiting and not self.running:
+            head = self.waiting[0]
+            raise ConfigError(
+                f"request {head.rid} needs {kv.pages_for(head.kv_tokens)} pages but only "
+                f"{kv.allocator.num_free} are free and nothing is running; pages are held "
+                "outside this engine."
+            )
 
     def _land(self, step: InFlight, after: InFlight | None) -> list[tuple[int, int]]:
         """Take ``step``'s tokens to the requests (``after``: the step launched since)."""
@@ -275,7 +334,20 @@ class Engine:
         """Drop every waiting and running request and the step in flight, wait until the
         device is idle, then free every page; return their ids. The KV cache is then as free
         as it was before they were added."""
-        return abort_everything(self)
+        everyone = list(itertools.chain(self.waiting, self.running, self._draining))
+        for req in everyone:
+            req.closed = True
+            self._pending.add(None, req.pages)
+            req.pages = []
+        self.waiting.clear()
+        self.running.clear()
+        self._draining.clear()
+        self._inflight = None
+        if self.model_runner.device.type == "cuda":
+            with contextlib.suppress(Exception):  # a faulted device may fail here too
+                torch.cuda.synchronize(self.model_runner.device)
+        self._pending.reclaim(wait=True)
+        return [r.rid for r in everyone]
 
     def drain(self) -> list[tuple[int, int]]:
         """Land the step in flight and free every page it held; return its tokens."""
@@ -284,8 +356,49 @@ class Engine:
         self._pending.reclaim(wait=True)
         return out
 
-    generate = run_to_completion  # (prompts, max_new_tokens, *, temperature, top_k, seed,
-    # stop_ids, ignore_eos) -> each prompt's new token ids (``offline.py``)
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[int]]:
+        """New token ids of each prompt, in order, run to completion over the step loop. Every
+        prompt is checked before any is queued: one that cannot fit raises ``ConfigError``
+        naming it, and nothing runs. A prefill bar shows on stderr once prefill is slow."""
+        self._check_thread("generate")
+        check_prompts(self.model_runner, prompts, max_new_tokens)
+        generator = seeded_generator(seed, self.model_runner.device)
+        sampling = Sampling(temperature, top_k)  # checks them before anything is queued
+        stops = dict(stop_ids=stop_ids, ignore_eos=ignore_eos)  # see add_request
+        rids = [self.add_request(p, max_new_tokens, **stops) for p in prompts]
+        bar = prefill_bar(sum(map(len, prompts)))
+        try:
+            while any(rid not in self.finished for rid in rids):
+                st = self.stats
+                prefilled, work = st.prefill_tokens, (st.decode_tokens, st.landed_tokens)
+                self.step(sampling, generator)
+                prefilled = st.prefill_tokens - prefilled
+                if not prefilled and (st.decode_tokens, st.landed_tokens) == work:  # a spin
+                    raise StepGraphError(
+                        f"requests {[r for r in rids if r not in self.finished]} were dropped "
+                        "while generating (abort_all from another caller?); nothing is left "
+                        "to run. Call generate again."
+                    )
+                bar.update(min(prefilled, bar.total - bar.n))
+        except BaseException:
+            self.abort_all()  # step already did on its own faults; add_request may have run
+            for rid in rids:
+                self.finished.pop(rid, None)
+            raise
+        finally:
+            bar.close()
+        self.drain()  # every page back before returning
+        return [self.finished.pop(rid).output for rid in rids]
 
     def shutdown(self) -> None:
         """Release the graph runners; any later step, request or generate raises."""
