@@ -30,7 +30,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cli_args import UsageError, choose_modes, model_config, positive_int, resolve_device, seed_int
+from .cli_args import (
+    UsageError,
+    add_device_args,
+    add_model_args,
+    choose_modes,
+    model_config,
+    positive_int,
+    resolve_device,
+    resolve_dtype,
+)
 
 MODES = ("eager", "graph", "exact", "walk")
 CPU_MODES = ("eager", "graph", "walk")  # exact edits CUDA graph kernel nodes: not on the CPU
@@ -233,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     from .model.launch import build_model_runner
 
     device = resolve_device(args.device)
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    dtype = DTYPES[resolve_dtype(args.dtype, device)]
     config = model_config(args.model)
     modes, context = check_args(args, device, config)
     max_prompt = max(1, context - MAX_NEW_TOKENS)
@@ -255,17 +264,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name or local HF directory")
+    add_model_args(p, required=True, seed_help="mixes and random weights")
+    add_device_args(p)
     p.add_argument("--trials", type=positive_int, default=20, help="random request mixes")
-    p.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default=None,
-        help="default: bfloat16 on CUDA, float32 on the CPU",
-    )
-    p.add_argument(
-        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when a GPU is seen"
-    )
     p.add_argument("--max-bs", type=positive_int, default=8, help="requests per mix, at most")
     p.add_argument(
         "--context",
@@ -274,7 +275,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"KV length, {MAX_NEW_TOKENS} to the model's max_position_embeddings "
         "(default 2048; CPU 128)",
     )
-    p.add_argument("--seed", type=seed_int, default=0, help="mixes and random weights")
     p.add_argument(
         "--modes",
         default=None,

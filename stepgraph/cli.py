@@ -7,15 +7,19 @@ import json
 import sys
 
 from .cli_args import (
+    DTYPE_NAMES,
+    TP_HELP,
     Parser,
+    add_device_args,
+    add_model_args,
     check_prompts,
     check_tp,
     model_config,
     nonneg_float,
     positive_int,
     resolve_device,
+    resolve_dtype,
     run_main,
-    seed_int,
 )
 
 
@@ -60,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .model.launch import build_model_runner, finish, is_main_rank
 
     device = resolve_device(args.device)
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    dtype = DTYPES[resolve_dtype(args.dtype, device)]
     config = model_config(args.model)
     check_tp(args.tp, "generate")
     from .prompts import decode_outputs, text_tokenizer
@@ -179,7 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate", help="generate for prompts: the text with a tokenizer, else token ids"
     )
-    gen.add_argument("--model", default="tiny", help="preset name or local HF directory")
+    add_model_args(
+        gen,
+        model="tiny",
+        mode_help="decode steps: eager, CUDA graphs, or graphs retuned to the live KV length",
+        kernels_help="decode-step kernels: fused (default on CUDA) or reference (unfused)",
+        seed_help="random weights and sampling, 0..2**64-1",
+        tp_help=TP_HELP,
+    )
+    add_device_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", help='token ids, prompts split by ";": "1,2,3;4,5"')
     src.add_argument("--prompt", help="text (needs a tokenizer in --model DIR)")
@@ -190,32 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--max-new-tokens", type=positive_int, default=16, help="new tokens per prompt, at most"
     )
-    gen.add_argument(
-        "--mode",
-        default="graph",
-        choices=("eager", "graph", "exact"),
-        help="decode steps: eager, CUDA graphs, or graphs retuned to the live KV length",
-    )
-    gen.add_argument(
-        "--kernels",
-        default=None,
-        choices=("fused", "reference"),
-        help="decode-step kernels: fused (default on CUDA) or reference (unfused)",
-    )
-    gen.add_argument(
-        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when a GPU is seen"
-    )
-    gen.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default=None,
-        help="default: bfloat16 on CUDA, float32 on the CPU",
-    )
     gen.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy")
     gen.add_argument("--top-k", type=positive_int, default=None, help="sample from the k likeliest")
-    gen.add_argument(
-        "--seed", type=seed_int, default=0, help="random weights and sampling, 0..2**64-1"
-    )
     gen.add_argument(
         "--json",
         action="store_true",
@@ -230,12 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--ignore-eos",
         action="store_true",
         help="do not stop at the checkpoint's eos_token_id (--stop-ids still apply)",
-    )
-    gen.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
-        help="tensor-parallel ranks (launch with torchrun --nproc-per-node N)",
     )
     gen.set_defaults(func=cmd_generate)
 
@@ -273,10 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     info = sub.add_parser("info", help="versions, GPU, driver, and what is missing")
-    info.add_argument("--model", help="also print which decode kernels run at each batch bucket "
-                      "for this preset or local HF directory (no weights are read)")  # fmt: skip
-    info.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
-                      help="for --model: the weights' dtype (default bfloat16)")  # fmt: skip
+    add_model_args(
+        info,
+        model_help="also print which decode kernels run at each batch bucket for this preset "
+        "or local HF directory (no weights are read)",
+    )
+    info.add_argument(
+        "--dtype", choices=DTYPE_NAMES, help="for --model: the weights' dtype (default bfloat16)"
+    )
     info.set_defaults(func=cmd_info)
     return parser
 

@@ -185,8 +185,9 @@ def model_config(model: str):
     )
 
 
-def resolve_device(device: str | None) -> str:
-    """``--device``, default cuda when a GPU is visible; cuda without one is one-line error."""
+def resolve_device(device: str | None, fix: str = "or pass --device cpu") -> str:
+    """``--device``, default cuda when a GPU is visible; cuda without one is a one-line error
+    that ends in ``fix``."""
     import torch
 
     if device is None:
@@ -194,9 +195,22 @@ def resolve_device(device: str | None) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError(
             "argument --device: cuda, but no CUDA GPU is visible; run on a machine with an "
-            "NVIDIA GPU, or pass --device cpu"
+            f"NVIDIA GPU, {fix}"
         )
     return device
+
+
+def resolve_dtype(dtype: str | None, device: str) -> str:
+    """``--dtype``, default bfloat16 on CUDA and float32 on the CPU."""
+    return dtype or ("bfloat16" if device == "cuda" else "float32")
+
+
+def check_threads(threads: int | None, device: str) -> None:
+    """``--threads`` sets torch's CPU threads: refused on CUDA, where it would change nothing."""
+    if device == "cuda" and threads is not None:
+        raise UsageError(
+            "--threads applies only with --device cpu (torch's CPU threads); drop --threads"
+        )
 
 
 def check_output_path(flag: str, path: str | None, image: bool = False) -> None:
@@ -246,8 +260,9 @@ def check_tp(tp: int, command: str) -> None:
         )
 
 
-def choose_modes(text: str | None, known: tuple[str, ...], runnable: tuple[str, ...],
-                 why: str) -> list[str] | None:  # fmt: skip
+def choose_modes(
+    text: str | None, known: tuple[str, ...], runnable: tuple[str, ...], why: str
+) -> list[str] | None:
     """``--modes``: ``None`` (the default), else names of ``known``, each in ``runnable`` on
     this device (``why`` says why the others are not)."""
     if text is None:
@@ -272,13 +287,74 @@ def choose_modes(text: str | None, known: tuple[str, ...], runnable: tuple[str, 
     return chosen
 
 
+# -- shared flag groups: each flag is defined once, with its type, choices and check above ------
+
+DEVICES = ("cuda", "cpu")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+DECODE_MODES = ("eager", "graph", "exact")
+KERNELS = ("fused", "reference")
+MODEL_HELP = "preset name or local HF directory"
+DEVICE_HELP = "default: cuda when a GPU is seen"
+DTYPE_HELP = "default: bfloat16 on CUDA, float32 on the CPU"
+TP_HELP = "tensor-parallel ranks (launch with torchrun --nproc-per-node N)"
+THREADS_HELP = "torch CPU threads, at most the cores (--device cpu; default 1, or OMP_NUM_THREADS)"
+
+
+def add_device_args(
+    p: argparse.ArgumentParser, *, device_help: str = DEVICE_HELP, dtype_help: str = DTYPE_HELP
+) -> argparse._ArgumentGroup:
+    """``--device`` (``resolve_device``) and ``--dtype`` (``resolve_dtype``), both default None:
+    the command fills them in once it knows whether a GPU is visible."""
+    g = p.add_argument_group("device")
+    g.add_argument("--device", choices=DEVICES, default=None, help=device_help)
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help=dtype_help)
+    return g
+
+
+def add_model_args(
+    p: argparse.ArgumentParser,
+    *,
+    model: str | None = None,
+    required: bool = False,
+    model_help: str = MODEL_HELP,
+    mode_help: str | None = None,
+    kernels_help: str | None = None,
+    seed_help: str | None = None,
+    tp_help: str | None = None,
+    threads: bool = False,
+) -> argparse._ArgumentGroup:
+    """The model and how its decode steps run: ``--model`` (``model_config``) always, and each
+    of ``--mode``, ``--kernels``, ``--seed`` (``seed_int``), ``--tp`` (``check_tp``) when its
+    help is given, ``--threads`` (``cpu_threads``, ``check_threads``) when ``threads``."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=model, required=required, help=model_help)
+    if mode_help is not None:
+        g.add_argument("--mode", default="graph", choices=DECODE_MODES, help=mode_help)
+    if kernels_help is not None:
+        g.add_argument("--kernels", default=None, choices=KERNELS, help=kernels_help)
+    if seed_help is not None:
+        g.add_argument("--seed", type=seed_int, default=0, help=seed_help)
+    if tp_help is not None:
+        g.add_argument("--tp", type=positive_int, default=1, help=tp_help)
+    if threads:
+        g.add_argument("--threads", type=cpu_threads, default=None, help=THREADS_HELP)
+    return g
+
+
 __all__ = [
+    "DECODE_MODES",
+    "DEVICES",
+    "DTYPE_NAMES",
     "HelpFormatter",
+    "KERNELS",
     "Parser",
     "SEED_MAX",
     "SIGPIPE_STATUS",
     "UsageError",
+    "add_device_args",
+    "add_model_args",
     "check_output_path",
+    "check_threads",
     "closed_pipe",
     "cpu_threads",
     "check_prompts",
@@ -289,6 +365,7 @@ __all__ = [
     "nonneg_float",
     "positive_int",
     "resolve_device",
+    "resolve_dtype",
     "run_main",
     "seed_int",
 ]

@@ -8,7 +8,17 @@ import argparse
 
 import torch
 
-from ..cli_args import UsageError, check_output_path, check_tp, choose_modes, int_list, model_config
+from ..cli_args import (
+    UsageError,
+    check_output_path,
+    check_threads,
+    check_tp,
+    choose_modes,
+    int_list,
+    model_config,
+    resolve_device,
+    resolve_dtype,
+)
 from .constants import CPU_MAX_BS, CPU_MODES, DTYPES, GPU_MAX_BS
 from .modes import OUR_MODES
 from .peers import PEERS
@@ -39,17 +49,10 @@ def choose_device(args: argparse.Namespace) -> bool:
     """Fill in ``args.device`` and ``args.dtype``: no ``--device`` runs on CUDA when a GPU is
     visible, else on the CPU stand-in (returns True: the caller says so first); ``--device cuda``
     without a GPU is refused. The dtype defaults to bfloat16 on CUDA, float32 on the CPU."""
-    visible = torch.cuda.is_available()
-    fell_back = args.device is None and not visible
-    if args.device is None:
-        args.device = "cuda" if visible else "cpu"
-    elif args.device == "cuda" and not visible:
-        raise UsageError(
-            "argument --device: cuda, but no CUDA GPU is visible; run on a machine with an "
-            "NVIDIA GPU, or pass --device cpu (or no --device) for the CPU stand-in"
-        )
-    if args.dtype is None:
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    fell_back = args.device is None and not torch.cuda.is_available()
+    fix = "or pass --device cpu (or no --device) for the CPU stand-in"
+    args.device = resolve_device(args.device, fix)
+    args.dtype = resolve_dtype(args.dtype, args.device)
     return fell_back
 
 
@@ -81,10 +84,7 @@ def check_mode_flags(args: argparse.Namespace) -> None:
                     f"{flag} does not apply to --prefill (it times eager vs piecewise prefill, "
                     f"one table); drop {flag}, or drop --prefill for the decode bench"
                 )
-    if args.device == "cuda" and args.threads is not None:
-        raise UsageError(
-            "--threads applies only with --device cpu (torch's CPU threads); drop --threads"
-        )
+    check_threads(args.threads, args.device)
     if args.device == "cpu" and not serve and not prefill and args.peer_points is not None:
         raise UsageError(
             "--peer-points applies only on CUDA (the peers run on a GPU; the CPU bench times "
@@ -146,6 +146,15 @@ def check_bench_memory(parts: dict[str, int], args: argparse.Namespace, tp: int 
     )
 
 
-__all__ = ["CPU_CONTEXTS", "CPU_SIZES", "GPU_CONTEXTS", "GPU_SIZES", "NO_GPU_NOTE",
-           "bench_modes", "check_bench_args", "check_bench_memory", "check_mode_flags",
-           "choose_device"]  # fmt: skip
+__all__ = [
+    "CPU_CONTEXTS",
+    "CPU_SIZES",
+    "GPU_CONTEXTS",
+    "GPU_SIZES",
+    "NO_GPU_NOTE",
+    "bench_modes",
+    "check_bench_args",
+    "check_bench_memory",
+    "check_mode_flags",
+    "choose_device",
+]

@@ -8,7 +8,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..cli_args import cpu_threads, positive_int
+from ..cli_args import MODEL_HELP, add_device_args, add_model_args, positive_int
 from .constants import CPU_MAX_BS, CPU_MODES, DTYPES, GPU_MAX_BS, GPU_MODES
 from .e2e import run_engine
 from .modes import OUR_MODES, run_mode
@@ -19,10 +19,19 @@ from .workload import Point, build_model_runner, fill_kv_random, kv_bytes, weigh
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="preset name or local HF directory (default: llama-3.2-1b on CUDA, tiny on the CPU)",
+    add_model_args(
+        p,
+        model_help=f"{MODEL_HELP} (default: llama-3.2-1b on CUDA, tiny on the CPU)",
+        kernels_help="decode-step kernels on CUDA: fused (default; one-row steps) or reference "
+        "(unfused)",
+        tp_help="tensor-parallel ranks (torchrun --nproc-per-node N -m stepgraph bench)",
+        threads=True,
+    )
+    add_device_args(
+        p,
+        device_help="where to run (default: cuda when a GPU is visible, else the CPU stand-in; "
+        "cuda requires a GPU)",
+        dtype_help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)",
     )
     p.add_argument(
         "--modes",
@@ -43,38 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'small' (hf-eager at bs<=8 and ctx<=4096, compile at bs=1 ctx=512) or 'all' "
         "(the decode bench on CUDA) (default: small)",
     )
-    p.add_argument(
-        "--device",
-        default=None,
-        choices=("cuda", "cpu"),
-        help="where to run (default: cuda when a GPU is visible, else the CPU stand-in; "
-        "cuda requires a GPU)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=tuple(DTYPES),
-        help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)",
-    )
     p.add_argument("--iters", type=positive_int, default=10, help="timed repetitions per point")
-    p.add_argument(
-        "--threads",
-        type=cpu_threads,
-        default=None,
-        help="torch CPU threads (--device cpu; default 1, or OMP_NUM_THREADS when set)",
-    )
-    p.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
-        help="tensor-parallel ranks (torchrun --nproc-per-node N -m stepgraph bench)",
-    )
-    p.add_argument(
-        "--kernels",
-        default=None,
-        choices=("fused", "reference"),
-        help="decode-step kernels on CUDA: fused (default; one-row steps) or reference (unfused)",
-    )
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG of ms/token vs context")
     p.add_argument(

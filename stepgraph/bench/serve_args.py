@@ -7,6 +7,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from ..cli_args import seed_int
 from ..errors import ConfigError
 from .serve_metrics import length_bounds
 
@@ -78,7 +79,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="--serve: Poisson arrivals at this many requests/s (default inf: all at once)",
     )
     p.add_argument(
-        "--seed", type=int, default=None, help="--serve: workload and arrival seed (default 0)"
+        "--seed",
+        type=seed_int,
+        default=None,
+        help="--serve: workload and arrival seed, 0..2**64-1 (default 0)",
     )
     p.add_argument(
         "--max-running",

@@ -12,11 +12,14 @@ import sys
 
 from ..cli_args import (
     UsageError,
+    add_device_args,
+    add_model_args,
+    check_threads,
     model_config,
     nonneg_float,
     positive_int,
     resolve_device,
-    seed_int,
+    resolve_dtype,
 )
 
 ENGINES = ("process", "thread")
@@ -36,7 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags; imports neither the engine nor the serve extra (every command builds this)."""
     from .protocol import DEFAULT_MAX_WAITING
 
-    p.add_argument("--model", required=True, help="preset name or local HF directory")
+    add_model_args(
+        p,
+        required=True,
+        mode_help="decode steps: eager, CUDA graphs, or graphs retuned to the KV length",
+        kernels_help="decode-step kernels (default: fused on CUDA)",
+        seed_help="random weights of a preset",
+        threads=True,
+    )
+    add_device_args(p)
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -51,19 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--port", type=port_number, default=8000, help="0: any free port")
     p.add_argument(
-        "--mode",
-        default="graph",
-        choices=("eager", "graph", "exact"),
-        help="decode steps: eager, CUDA graphs, or graphs retuned to the KV length",
-    )
-    p.add_argument(
         "--engine",
         default="process",
         choices=ENGINES,
         help="where the engine runs: its own process, one message per step through pipes (the "
-        "default and the fastest on the GPU: the HTTP side's Python and the engine's never share "
-        "a GIL; H200, llama-3.2-1b, 64 streams: 15,710-17,894 output tok/s, 13,458 on a thread; "
-        "docs/results.md), or a thread of the HTTP process",
+        "default and the faster on the GPU: the HTTP side's Python and the engine's never share "
+        "a GIL; docs/results.md), or a thread of the HTTP process",
     )
     p.add_argument(
         "--max-running",
@@ -94,28 +98,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the name clients send as model (default: --model)",
     )
-    p.add_argument(
-        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when a GPU is seen"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default=None,
-        help="default: bfloat16 on CUDA, float32 on the CPU",
-    )
-    p.add_argument(
-        "--kernels",
-        choices=("fused", "reference"),
-        default=None,
-        help="decode-step kernels (default: fused on CUDA)",
-    )
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="torch CPU threads (--device cpu; default 1, or OMP_NUM_THREADS)",
-    )
-    p.add_argument("--seed", type=seed_int, default=0, help="random weights of a preset")
     p.add_argument(
         "--shutdown-timeout",
         type=nonneg_float,
@@ -173,8 +155,18 @@ def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int)
     """What the engine process (or thread) builds: the model runner, the engine, a warm-up."""
     from .engine_proc import EngineSpec
 
-    return EngineSpec(args.model, device, dtype, args.mode, args.max_running, context, args.seed,
-                      args.kernels, args.max_prefill_tokens, args.threads)  # fmt: skip
+    return EngineSpec(
+        args.model,
+        device,
+        dtype,
+        args.mode,
+        args.max_running,
+        context,
+        args.seed,
+        args.kernels,
+        args.max_prefill_tokens,
+        args.threads,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,15 +182,18 @@ def run(args: argparse.Namespace) -> int:
     config = model_config(args.model)
     context = check_args(args, config)
     device = resolve_device(args.device)
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    check_threads(args.threads, device)
+    dtype = resolve_dtype(args.dtype, device)
     key = api_key(args)
     sock = listen(args.host, args.port)  # a busy port fails now, not after the weights
     try:
         if (warning := exposure_warning(sock.getsockname()[0], key)) is not None:
             say(warning)
         tokenizer = load_tokenizer(args.model)
-        say(f"building {args.model} and the engine ({args.mode}, max running "
-            f"{args.max_running}, in its own {args.engine})")  # fmt: skip
+        say(
+            f"building {args.model} and the engine ({args.mode}, max running "
+            f"{args.max_running}, in its own {args.engine})"
+        )
         spec = engine_spec(args, device, dtype, context)
         Worker = ProcessWorker if args.engine == "process" else EngineWorker
         worker = Worker(spec, ServeMetrics())
@@ -207,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
             name = args.served_model_name or args.model
             chat = tokenizer is not None and tokenizer.has_chat_template
             limits = worker.limits(name, tokenizer is not None, chat)
-            app = build_app(worker, limits, tokenizer, args.max_waiting, args.shutdown_timeout + 5,
-                            api_key=key)  # fmt: skip
+            drain = args.shutdown_timeout + 5
+            app = build_app(worker, limits, tokenizer, args.max_waiting, drain, api_key=key)
             host, port = sock.getsockname()[:2]
             say(f"serving {name!r} on http://{host}:{port} (OpenAI API: /v1/completions)")
             Server(uvicorn_config(app, args.shutdown_timeout, args.log_level)).run([sock])

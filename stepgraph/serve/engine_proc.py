@@ -65,8 +65,10 @@ class EngineSpec:
 
         if self.device == "cpu":  # where the ops run
             from ..bench.cpu import set_cpu_threads
+            from ..cli_args import model_config
 
-            print(f"stepgraph serve: {set_cpu_threads(self.threads)}", file=sys.stderr)
+            line = set_cpu_threads(self.threads, model_config(self.model))
+            print(f"stepgraph serve: {line}", file=sys.stderr)
         source = "loading" if os.path.isdir(self.model) else f"building random (seed {self.seed})"
         with phase(f"{source} weights of {self.model} on {self.device} ({self.dtype})"):
             mr = build_model_runner(self.model, self.device, DTYPES[self.dtype],
