@@ -10,8 +10,10 @@ bf16, random weights, page size 64, context 512), replayed from a CUDA graph, at
 2. The whole step, three linear policies (cuBLAS everywhere, GEMV everywhere, best) on the
    reference kernels, then the fused kernels (``--kernels fused``): ms per
    step (CUDA events, median; ``replay(b).argmax(-1)`` as ``stepgraph bench`` times it), the
-   bandwidth floor ((weights + live KV) / measured copy bandwidth) and its fraction, kernels per
-   step and the top-15 kernels by total time from torch.profiler over a few replays.
+   bandwidth floor ((weights + live KV) / the read-stream bandwidth measured in the same run,
+   ``bench.timing.read_bandwidth``) and the fractions of it and of the GPU's specification
+   bandwidth, kernels per step and the top-15 kernels by total time from torch.profiler over a
+   few replays.
 A short table is printed last.
 """
 
@@ -26,7 +28,13 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from stepgraph.bench.timing import copy_bandwidth_gbps, cuda_time_ms, graph_call_us
+from stepgraph.bench.floor import share, spec_gbps
+from stepgraph.bench.timing import (
+    copy_bandwidth_gbps,
+    cuda_time_ms,
+    graph_call_us,
+    read_bandwidth,
+)
 from stepgraph.bench.workload import (
     Point,
     build_model_runner,
@@ -85,7 +93,7 @@ def time_shapes(mr, gbps: float) -> tuple[list[dict], dict]:
             row = dict(shape=[n, k], bs=bs, cublas_us=cublas, gemv_us=best[0],
                        gemv_config=list(best[1] or ()), weight_mb=nbytes / 1e6,
                        cublas_gbps=nbytes / cublas / 1e3, gemv_gbps=nbytes / best[0] / 1e3,
-                       copy_floor_us=nbytes / gbps / 1e3)  # fmt: skip
+                       floor_us=nbytes / gbps / 1e3)  # fmt: skip
             rows.append(row)
             if best[0] < cublas and wins_so_far:
                 wins_up_to = bs  # the GEMV wins at every measured bs up to this one
@@ -124,7 +132,8 @@ def profile_step(step, replays: int = PROFILE_REPLAYS) -> dict:
     )
 
 
-def time_policy(mr, name: str, policy, floor_ms: dict, kernels: str = "reference") -> dict:
+def time_policy(mr, name: str, policy, floor_ms: dict, kernels: str = "reference",
+                spec_ms: dict | None = None) -> dict:  # fmt: skip
     mr.model.use_gemv(policy)
     mr.set_kernels(kernels)  # "fused": one-row steps run model/fused_decode.py
     cfg = RunnerConfig(max_bs=max(BATCH_SIZES), capture_bs=BATCH_SIZES, show_progress=False)
@@ -147,6 +156,8 @@ def time_policy(mr, name: str, policy, floor_ms: dict, kernels: str = "reference
             out["points"][bs] = dict(ms=statistics.median(ms), ms_runs=ms,
                                      floor_ms=floor_ms[bs],
                                      fraction_of_floor=floor_ms[bs] / statistics.median(ms),
+                                     fraction_of_spec=share((spec_ms or {}).get(bs),
+                                                            statistics.median(ms)),
                                      **prof)  # fmt: skip
             for p in pages:
                 mr.kv_cache.release(p)
@@ -170,23 +181,27 @@ def main(argv: list[str] | None = None) -> dict:
     BATCH_SIZES = tuple(int(b) for b in args.batch_sizes.split(","))
     t_start = time.perf_counter()
     torch.manual_seed(0)
-    gbps = copy_bandwidth_gbps()
+    reads = read_bandwidth()  # the floor's bandwidth: a read-only stream, before the model
+    gbps, copy_gbps = max(reads.values()), copy_bandwidth_gbps()
+    spec = spec_gbps(torch.cuda.get_device_name())
     mr = build_model_runner(MODEL, "cuda", DTYPE, max_bs=max(32, *BATCH_SIZES), max_context=1024,
                             page_size=PAGE_SIZE)  # fmt: skip
     fill_kv_random(mr)
-    floor_ms = {bs: (weight_bytes(mr) + kv_bytes(mr, Point(bs, CONTEXT))) / gbps / 1e6
-                for bs in BATCH_SIZES}  # fmt: skip
+    step_bytes = {bs: weight_bytes(mr) + kv_bytes(mr, Point(bs, CONTEXT)) for bs in BATCH_SIZES}
+    floor_ms = {bs: n / gbps / 1e6 for bs, n in step_bytes.items()}
+    spec_ms = {bs: n / spec / 1e6 for bs, n in step_bytes.items()} if spec else {}
     shape_rows, best = ([], {}) if args.quick else time_shapes(mr, gbps)
     policies = [("cublas", None)]
     if not args.quick:
         policies += [("gemv-all", "all"), ("gemv-best", best)]
-    steps = [time_policy(mr, name, pol, floor_ms) for name, pol in policies]
+    steps = [time_policy(mr, name, pol, floor_ms, spec_ms=spec_ms) for name, pol in policies]
     # the fused step (every bs up to FUSED_MAX_BS; tensor-core tiles from 2 rows)
     # (no GEMV policy: at bucket 2 the step's reference rows, ``fused_decode.REFERENCE_ROWS``)
-    steps.append(time_policy(mr, "fused", None, floor_ms, kernels="fused"))
+    steps.append(time_policy(mr, "fused", None, floor_ms, kernels="fused", spec_ms=spec_ms))
     result = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__,
-        copy_gbps=gbps, model=MODEL, context=CONTEXT, shapes=shape_rows,
+        read_gbps=gbps, read_gbps_by_stream=reads, copy_gbps=copy_gbps, spec_gbps=spec,
+        model=MODEL, context=CONTEXT, shapes=shape_rows,
         gemv_best={f"{n}x{k}": v for (n, k), v in best.items()}, steps=steps,
         seconds=time.perf_counter() - t_start,
     )  # fmt: skip
@@ -199,7 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"\n[{s['policy']} bs={bs}] top kernels (µs/step, calls/step):")
             for t in p.get("top", []):
                 print(f"  {t['us_per_step']:8.1f} {t['calls_per_step']:5.0f}  {t['name']}")
-    print(f"\ncopy bandwidth {gbps:.0f} GB/s; {result['seconds']:.0f} s in all")
+    spec_text = f"{spec:.0f} GB/s" if spec else "– (unknown GPU)"
+    print(f"\nread stream {gbps:.0f} GB/s (the floor), copy {copy_gbps:.0f} GB/s, "
+          f"specification {spec_text}; {result['seconds']:.0f} s in all")  # fmt: skip
     print(f"{'shape (N x K)':>15} {'bs':>3} {'cuBLAS us':>9} {'GB/s':>5} {'GEMV us':>8} "
           f"{'GB/s':>5} {'floor us':>8}  GEMV tile")  # fmt: skip
     for r in shape_rows:
@@ -208,15 +225,19 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         n, k = r["shape"]
         print(f"{f'{n} x {k}':>15} {r['bs']:>3} {r['cublas_us']:9.2f} {r['cublas_gbps']:5.0f} "
-              f"{r['gemv_us']:8.2f} {r['gemv_gbps']:5.0f} {r['copy_floor_us']:8.2f}  "
+              f"{r['gemv_us']:8.2f} {r['gemv_gbps']:5.0f} {r['floor_us']:8.2f}  "
               f"{r['gemv_config']}")  # fmt: skip
     print(f"GEMV policy 'best' {{shape: max bs}}: {result['gemv_best']}")
-    print(f"{'policy':>10} {'bs':>3} {'ms/step':>8} {'floor ms':>8} {'% floor':>7} {'kernels':>7}")
+    print(f"{'policy':>10} {'bs':>3} {'ms/step':>8} {'floor ms':>8} {'% floor':>7} {'% spec':>7} "
+          f"{'kernels':>7}")  # fmt: skip
     for s in steps:
         for bs, p in s["points"].items():
+            of_spec = p["fraction_of_spec"]
+            spec_cell = f"{100 * of_spec:6.1f}%" if of_spec else f"{'–':>7}"
             print(
                 f"{s['policy']:>10} {bs:>3} {p['ms']:8.3f} {p['floor_ms']:8.3f} "
-                f"{100 * p['fraction_of_floor']:6.1f}% {p.get('kernels_per_step', -1):7.0f}"
+                f"{100 * p['fraction_of_floor']:6.1f}% {spec_cell} "
+                f"{p.get('kernels_per_step', -1):7.0f}"
             )
     return result
 

@@ -93,10 +93,13 @@ def run(args: argparse.Namespace) -> int:
     contexts = _ints(args.contexts or "512,4096,32768")
     modes = [m for m in (args.modes or GPU_MODES).split(",") if m]  # checked: args.py
     points = [Point(bs, ctx) for bs in sizes for ctx in contexts]
-    from .timing import copy_bandwidth_gbps
+    from .floor import Bandwidth, share, spec_gbps
+    from .timing import copy_bandwidth_gbps, read_bandwidth
 
     t0 = time.perf_counter()
-    gbps = copy_bandwidth_gbps()
+    reads = read_bandwidth()  # before the model: the streams' GBs are free again after
+    gpu = torch.cuda.get_device_name()
+    bw = Bandwidth(max(reads.values()), spec_gbps(gpu), gpu, copy_bandwidth_gbps())
     mr = build_model_runner(
         model, "cuda", DTYPES[args.dtype], max(sizes), max(contexts) + 64, tp=args.tp
     )
@@ -105,10 +108,13 @@ def run(args: argparse.Namespace) -> int:
         modes = [m for m in modes if m in OUR_MODES and m != "engine"]  # engine: unsharded
     fill_kv_random(mr)
     wbytes = weight_bytes(mr)
-    floor_ms = {(p.bs, p.context): (wbytes + kv_bytes(mr, p)) / (gbps * 1e9) * 1e3 for p in points}
+    step_bytes = {(p.bs, p.context): wbytes + kv_bytes(mr, p) for p in points}
+    floor_ms = {key: bw.floor_ms(n) for key, n in step_bytes.items()}
+    spec_ms = {key: bw.spec_ms(n) for key, n in step_bytes.items()}
     rows: list[Row] = []
 
     def add(mode, p, ms, capture_s=None, pool=None, note="", kernels=None):
+        key = (p.bs, p.context)
         rows.append(
             Row(
                 mode,
@@ -116,11 +122,12 @@ def run(args: argparse.Namespace) -> int:
                 p.context,
                 ms,
                 p.bs / ms * 1e3 if ms else None,
-                floor_ms[(p.bs, p.context)] / ms if ms else None,
+                share(floor_ms[key], ms),
                 capture_s,
                 pool,
                 note,
                 kernels,
+                share(spec_ms[key], ms),
             )
         )
 
@@ -171,13 +178,16 @@ def run(args: argparse.Namespace) -> int:
         f"\nmodel {model} ({wbytes / 1e9:.2f} GB of weights, {args.dtype}), "
         f"{time.perf_counter() - t0:.0f} s"
     )
-    print(format_table(rows, floor_ms, gbps))
+    print(format_table(rows, floor_ms, bw))
     meta = {
         "model": model,
         "dtype": args.dtype,
-        "copy_gbps": gbps,
+        "read_gbps": bw.read_gbps,  # the floor's bandwidth: the best of read_gbps_by_stream
+        "read_gbps_by_stream": reads,
+        "spec_gbps": bw.spec_gbps,  # None: a GPU not in bench.floor.SPEC_GBPS
+        "copy_gbps": bw.copy_gbps,
         "weight_bytes": wbytes,
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": gpu,
         "torch": torch.__version__,
         "tp": args.tp,
         "kernels": mr.kernels,

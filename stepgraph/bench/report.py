@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from .floor import NO_SPEC, Bandwidth
+
 
 @dataclass
 class Row:
@@ -13,34 +15,49 @@ class Row:
     context: int
     ms_per_token: float | None
     tokens_per_s: float | None
-    floor_fraction: float | None  # bandwidth-floor ms / measured ms (1.0 = at the floor)
+    floor_fraction: float | None  # floor ms (read stream) / measured ms; 1.0 = at the floor
     capture_s: float | None = None  # ours: capture of all buckets; peers: compile time
     pool_mib: float | None = None
     note: str = ""
     kernels_per_step: float | None = None  # ours: device kernels one step launches
+    spec_fraction: float | None = None  # the same bytes at the GPU's specification bandwidth
 
 
-def format_table(rows: list[Row], floor_ms: dict[tuple[int, int], float], gbps: float) -> str:
-    lines = [
-        f"copy bandwidth {gbps:.0f} GB/s; floor = (weights + live KV) / copy bandwidth",
-        f"{'mode':<18}{'bs':>4}{'ctx':>7}{'ms/tok':>9}{'tok/s':>10}{'floor':>8}{'of floor':>9}"
-        f"{'vs eager':>9}{'kernels':>8}  note",
-    ]
+# the table's columns: name and width (the first left-aligned, the rest right-aligned)
+COLUMNS = {
+    "mode": 18,
+    "bs": 4,
+    "ctx": 7,
+    "ms/tok": 9,
+    "tok/s": 10,
+    "floor": 8,
+    "of floor": 9,
+    "of spec": 8,
+    "vs eager": 9,
+    "kernels": 8,
+}
+
+
+def _cell(value: float | None, width: int, spec: str, empty: str = "-") -> str:
+    return f"{value:{width}{spec}}" if value else f"{empty:>{width}}"
+
+
+def format_table(rows: list[Row], floor_ms: dict[tuple[int, int], float], bw: Bandwidth) -> str:
+    """One line per row: ms per token, the floor (``bw``'s read stream) and the share of it the
+    row reaches, the share of the specification bandwidth (``NO_SPEC`` for an unknown GPU)."""
+    head = "".join(f"{c:>{w}}" for c, w in COLUMNS.items())
+    lines = [bw.header(), f"{'mode':<18}{head[18:]}  note"]
     eager = {(r.bs, r.context): r.ms_per_token for r in rows if r.mode == "eager"}
+    no_spec = NO_SPEC if bw.spec_gbps is None else "-"
     for r in sorted(rows, key=lambda r: (r.bs, r.context, r.mode)):
         key = (r.bs, r.context)
-        ms = f"{r.ms_per_token:9.3f}" if r.ms_per_token else f"{'-':>9}"
-        tps = f"{r.tokens_per_s:10.0f}" if r.tokens_per_s else f"{'-':>10}"
-        frac = f"{r.floor_fraction:8.0%}" if r.floor_fraction else f"{'-':>8}"
-        speed = (
-            f"{eager[key] / r.ms_per_token:8.1f}x"
-            if r.ms_per_token and eager.get(key)
-            else f"{'-':>9}"
-        )
-        kern = f"{r.kernels_per_step:8.0f}" if r.kernels_per_step else f"{'-':>8}"
+        base = eager.get(key)
+        speed = f"{base / r.ms_per_token:8.1f}x" if r.ms_per_token and base else f"{'-':>9}"
         lines.append(
-            f"{r.mode:<18}{r.bs:>4}{r.context:>7}{ms}{tps}{floor_ms[key]:8.3f}{frac:>9}"
-            f"{speed}{kern}  {r.note}"
+            f"{r.mode:<18}{r.bs:>4}{r.context:>7}{_cell(r.ms_per_token, 9, '.3f')}"
+            f"{_cell(r.tokens_per_s, 10, '.0f')}{floor_ms[key]:8.3f}"
+            f"{_cell(r.floor_fraction, 9, '.0%')}{_cell(r.spec_fraction, 8, '.0%', no_spec)}"
+            f"{speed}{_cell(r.kernels_per_step, 8, '.0f')}  {r.note}"
         )
     return "\n".join(lines)
 
@@ -63,10 +80,12 @@ def summary(rows: list[Row]) -> dict:
                 out[f"{r.mode}_ms_bs1_ctx{ctx}"] = round(r.ms_per_token, 3)
                 if r.floor_fraction:
                     out[f"{r.mode}_floor_bs1_ctx{ctx}"] = round(r.floor_fraction, 3)
+                if r.spec_fraction:
+                    out[f"{r.mode}_spec_bs1_ctx{ctx}"] = round(r.spec_fraction, 3)
     return out
 
 
-FLOOR_LABEL = "floor: (weights + live KV) / copy bandwidth"
+FLOOR_LABEL = "floor: (weights + live KV) / read-stream bandwidth"
 
 
 def _tick(context: int) -> str:
@@ -105,8 +124,15 @@ def plot(
             )
             if pts:
                 peer = mode.startswith("hf-")
-                ax.plot(*zip(*pts), color=colors[mode], marker=markers[mode], markersize=7,
-                        linestyle="--" if peer else "-", label=mode)  # fmt: skip
+                style = "--" if peer else "-"
+                ax.plot(
+                    *zip(*pts),
+                    color=colors[mode],
+                    marker=markers[mode],
+                    markersize=7,
+                    linestyle=style,
+                    label=mode,
+                )
         if floor_ms:
             pts = sorted((c, ms) for (b, c), ms in floor_ms.items() if b == bs)
             ax.plot(*zip(*pts), color="black", linestyle=":", marker="_", label=FLOOR_LABEL)

@@ -1,4 +1,5 @@
-"""Timing on the device: CUDA events after warm-up, medians, and the copy-bandwidth ceiling."""
+"""Timing on the device: CUDA events after warm-up, medians, the read-stream bandwidth that
+bounds a decode step, and the copy bandwidth."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def graph_call_us(
     return ms * 1e3 / (repeats * len(fns))
 
 
-def host_call_ms(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, inner: int = 1
-                 ) -> float:  # fmt: skip
+def host_call_ms(
+    fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, inner: int = 1
+) -> float:
     """``cuda_time_ms`` on the host clock, for work that ends when the call returns (the CPU,
     gloo collectives): median ms of one call, ``inner`` calls per sample."""
     for _ in range(warmup):
@@ -91,10 +93,46 @@ def host_time_us(
 def copy_bandwidth_gbps(nbytes: int = 1 << 30, *, device: str = "cuda") -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
 
-    This is the ceiling the bandwidth floor of every benchmark divides by (about 4300 on an
-    H200), measured in the same run as the figures it is compared with.
+    Reported beside the read stream (``read_bandwidth``); not a floor for a decode step, which
+    reads far more than it writes and can go faster than a copy.
     """
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
     ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, iters=20)
     return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+READ_BYTES = 4 << 30  # the read stream: far beyond any L2, so no read is a cache hit
+GEMV_COLS = 8192  # the read stream's GEMV: a matrix of this many columns times a vector
+
+
+def read_bandwidth(
+    nbytes: int = READ_BYTES, *, device: str = "cuda", warmup: int = 3, iters: int = 20
+) -> dict[str, float]:
+    """GB/s of bytes read by two read-only streams over ``nbytes``, each the median of ``iters``
+    calls after ``warmup`` (CUDA events on a GPU, the host clock on the CPU): ``"sum"``, a
+    ``torch.sum`` of a float32 tensor, and ``"gemv"``, a bf16 matrix times a vector as a decode
+    step's projections read their weights. The floor divides by the faster of the two."""
+    time_ms = cuda_time_ms if device == "cuda" else host_call_ms
+
+    def gbps(tensor: torch.Tensor, fn: Callable[[torch.Tensor], object]) -> float:
+        ms = time_ms(lambda: fn(tensor), warmup=warmup, iters=iters)
+        return tensor.numel() * tensor.element_size() / (ms * 1e-3) / 1e9
+
+    def stream(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).uniform_()
+
+    vector = torch.ones(GEMV_COLS, dtype=torch.bfloat16, device=device)
+    rows = max(1, nbytes // (2 * GEMV_COLS))
+    out = {
+        "sum": gbps(stream(torch.float32, (max(1, nbytes // 4),)), torch.sum),
+        "gemv": gbps(stream(torch.bfloat16, (rows, GEMV_COLS)), lambda w: torch.mv(w, vector)),
+    }
+    if device == "cuda":
+        torch.cuda.empty_cache()  # hand the streams' memory back before the model is built
+    return out
+
+
+def read_bandwidth_gbps(nbytes: int = READ_BYTES, *, device: str = "cuda") -> float:
+    """The read bandwidth a decode step's floor divides by: the best of ``read_bandwidth``."""
+    return max(read_bandwidth(nbytes, device=device).values())
