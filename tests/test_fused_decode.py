@@ -12,7 +12,7 @@ import torch
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.errors import ConfigError
 from stepgraph.kernels.pdl import TRIGGER_MODES
-from stepgraph.model import fused_decode, fused_mlp
+from stepgraph.model import fused_decode, fused_mlp, step_plan
 from stepgraph.model.fused_decode import fused_decode_step, reference_rows, unfusable_reason
 from stepgraph.tuning import DecodeTuning, NormHandoff, PdlPlacement
 
@@ -27,7 +27,7 @@ def mr():
 def tensor_cores(monkeypatch) -> None:
     """The tensor-core kernels at every bs above one (as shipped, shapes without a measured
     tile, the tiny preset's among them, run the reference kernels inside the step)."""
-    monkeypatch.setattr(fused_decode, "_measured", lambda model, rows, tables=None: True)
+    monkeypatch.setattr(step_plan, "measured_all", lambda shapes, rows, tables=None: True)
 
 
 @pytest.mark.parametrize("path", ["tensor-core", "no handoff", "separate norm", "as shipped"])
@@ -52,8 +52,7 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch, tuning
             bm = proj_tiles.block_m(m)
             return bm > 1 and (kernel, bm) in tables.separate_norm_everywhere
 
-        monkeypatch.setattr(fused_decode, "separate_norm", separate)
-        monkeypatch.setattr(fused_mlp, "separate_norm", separate)
+        monkeypatch.setattr(step_plan, "separate_norm", separate)
     assert reference_rows(bs, mr.attn_backend, mr.model, tuning) == (
         path == "as shipped" and bs > 1)  # fmt: skip
     batch, pages = decode_batch(mr, Point(bs, context), seed=bs)
@@ -98,7 +97,7 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
         unfused.append(choice)
         return choice
 
-    monkeypatch.setattr(fused_mlp, "prefer_cublas", prefer)  # every choice goes through it
+    monkeypatch.setattr(step_plan, "prefer_cublas", prefer)  # every choice goes through it
     test_fused_step_matches_reference(mr, 17, 40, "tensor-core", monkeypatch,
                                       DecodeTuning(tables=tables))  # fmt: skip
     # every choice of the step (qkv and gate-up a layer, the head; and the norm handoff's
@@ -115,11 +114,12 @@ def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr, monkeypatch):
 
     big = ModelRunner.from_preset("llama-3.2-1b", "cpu", torch.bfloat16, num_layers=1,
                                   max_bs=64, max_context_len=64)  # fmt: skip
-    assert all(fused_decode._measured(big.model, rows) for rows in (2, 16, 32, 48, 64))
+    assert all(step_plan.measured_all(step_plan.step_shapes(big.model), rows)
+               for rows in (2, 16, 32, 48, 64))  # fmt: skip
     assert not any(reference_rows(bs, big.attn_backend, big.model) for bs in (1, 2, 3, 32, 64))
     eight = (6144, 4096)  # the 8B's qkv: its buckets 2 and 4 on its tiles too since run J9
     assert not any(proj_tiles.reference_bucket(*eight, b) for b in (1, 2, 3, 4, 8))
-    assert not fused_decode._measured(mr.model, 64)
+    assert not step_plan.measured_all(step_plan.step_shapes(mr.model), 64)
     assert reference_rows(40, mr.attn_backend, mr.model) and not reference_rows(1, None, mr.model)
     # a bucket in tables.reference_buckets for the model's qkv shape runs the reference kernels
     t = DecodeTuning(tables=dataclasses.replace(DecodeTuning().tables,
@@ -154,13 +154,12 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
     the model's qkv shape and bucket (here the tiny model's at 8 and 16), else the default
     (None: wherever the GPU has it); ``pdl.no_pdl_buckets`` replaces the table for every
     model; an explicit value is always honoured."""
-    from stepgraph.kernels import proj_tiles
     from stepgraph.tuning_text import parse_buckets
 
     tensor_cores(monkeypatch)
     w = mr.model.layers[0].self_attn.qkv_proj.weight
     table = {(*w.shape, 8), (*w.shape, 16)}  # the table's check, this float32 model's entries
-    monkeypatch.setattr(proj_tiles, "no_pdl_bucket",
+    monkeypatch.setattr(step_plan, "no_pdl_bucket",
                         lambda n, k, b, e=2, tables=None: (n, k, b) in table)  # fmt: skip
     buckets = None if switch is None else parse_buckets("pdl.no_pdl_buckets", switch)
     tuning = DecodeTuning(pdl=PdlPlacement(no_pdl_buckets=buckets))

@@ -1,7 +1,9 @@
-"""``model/kernel_plan``: what ``stepgraph info --model`` says runs at each bucket. The 1B preset's
-plan as measured and committed; models without measured tiles and float32 on the reference
-kernels; and the plan equals what ``fused_decode_step`` actually launches (spies on the tiny
-preset, with the tables set for it)."""
+"""``model/kernel_plan``: what ``stepgraph info --model`` says runs at each bucket, printed from
+``model/step_plan.plan_step``. The 1B preset's plan as measured and committed; models without
+measured tiles and float32 on the reference kernels; and the plan equals what
+``fused_decode_step`` actually launches (spies on the tiny preset, with the tables set for it):
+the forms, the tiles each launcher is handed, the PDL mode, the attention's launches; plans
+are cached, and the step's modules hold no rule of their own."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.cli import main
 from stepgraph.kernels.proj_tiles import block_m
-from stepgraph.model import fused_decode, fused_mlp, kernel_plan
+from stepgraph.model import fused_decode, fused_mlp, kernel_plan, step_attention, step_plan
 from stepgraph.model.config import PRESETS
 from stepgraph.tuning import DecodeTuning, NormHandoff
 
@@ -134,14 +136,11 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
     def table(keys):  # the bf16 tables' element-size check lifted for this float32 model
         return lambda kernel, m, n, k, e=2, tables=None: (kernel, n, k, block_m(m)) in keys
 
-    for mod in (fused_decode, kernel_plan):
-        monkeypatch.setattr(mod, "separate_norm", table(separate))
-    for mod in (kernel_plan, fused_mlp):  # fused_decode's cuBLAS choices are fused_mlp.cublas
-        monkeypatch.setattr(mod, "prefer_cublas", table(cublas))
-    monkeypatch.setattr(fused_mlp, "separate_norm", table(separate))
+    # every choice of the step is the plan's: its rules are patched in one module
+    monkeypatch.setattr(step_plan, "separate_norm", table(separate))
+    monkeypatch.setattr(step_plan, "prefer_cublas", table(cublas))
+    monkeypatch.setattr(step_plan, "measured", lambda *a: True)
     tuning = DecodeTuning(handoff=NormHandoff(enabled=handoff))  # the step's and the plan's
-    monkeypatch.setattr(fused_decode, "_measured", lambda *a: True)
-    monkeypatch.setattr(kernel_plan, "measured", lambda *a: True)
     ran: list[str] = []
 
     def spy(name, fn, what, mod=fused_decode):
@@ -195,3 +194,110 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
         assert ran.count("embed with the norm") == own, (bs, choices["qkv"])
         owns.append(own)
     assert owns == [False, True, True, True]
+
+
+def launcher_spies(monkeypatch, ran: list) -> None:
+    """Record each projection launcher's (name, tile handed, use_pdl) and the attention's
+    (fold or split + combine, its PDL, its merge block)."""
+
+    def spy(mod, name):
+        real = getattr(mod, name)
+
+        def call(*a, **k):
+            ran.append((name, k.get("blocks"), k.get("use_pdl")))
+            return real(*a, **k)
+
+        monkeypatch.setattr(mod, name, call)
+
+    spy(fused_decode, "qkv_rope")
+    spy(fused_decode, "lm_head_argmax")
+    spy(fused_mlp, "gate_up_silu")
+    spy(fused_mlp, "gemv_residual")
+    real_fd = step_attention.flash_decode
+
+    def fold(*a, **k):
+        ran.append(("fold", k["use_pdl"], k["merge_splits"]))
+        return real_fd(*a, **k)
+
+    monkeypatch.setattr(step_attention, "flash_decode", fold)
+
+
+@pytest.mark.parametrize("cublas_at", [(), (16,), (32,)])
+def test_the_step_executes_the_plan_launch_by_launch(mr, monkeypatch, cublas_at):
+    """At buckets 1, 4, 8 and 32 (live rows 1, 3, 5, 17) and with qkv, gate-up and the LM head
+    on cuBLAS at no class, the 16-row class or the 32-row one, every fused launcher is handed
+    the plan's tile and PDL mode, in the plan's order, and the attention launches as the plan
+    says: nothing is chosen outside ``plan_step``."""
+    cfg = mr.config
+    shapes = kernel_plan.piece_shapes(cfg)
+    cublas = {(kernel, *shapes[p], bm) for bm in cublas_at
+              for p, kernel in (("qkv", "qkv_rope"), ("gate_up", "gate_up_silu"),
+                                ("lm_head", "lm_head"))}  # fmt: skip
+    monkeypatch.setattr(step_plan, "prefer_cublas",
+                        lambda kernel, m, n, k, e=2, tables=None:
+                        (kernel, n, k, block_m(m)) in cublas)  # fmt: skip
+    monkeypatch.setattr(step_plan, "measured", lambda *a: True)
+    tuning = DecodeTuning()
+    ran: list = []
+    launcher_spies(monkeypatch, ran)
+    layers = len(mr.model.layers)
+    for bs in (1, 3, 5, 17):
+        ran.clear()
+        plan = fused_decode.step_plan(bs, mr.model, mr.attn_backend, tuning)
+        assert plan.fused and plan.rows == bs
+        assert plan.bucket == fused_decode.kernel_class(bs, mr.attn_backend)
+        batch, pages = decode_batch(mr, Point(bs, 20), seed=bs)
+        try:
+            mr.attn_backend.init_forward_metadata(batch)
+            # the plan the step looks up is the one computed before: cached, not recomputed
+            assert fused_decode.step_plan(bs, mr.model, mr.attn_backend, tuning) is plan
+            fused_decode.fused_decode_step(mr.model, mr.attn_backend, batch.input_ids,
+                                           batch.positions, tuning=tuning)  # fmt: skip
+        finally:
+            for p in pages:
+                mr.kv_cache.release(p)
+        want = []
+        for i in range(layers):
+            qkv = plan.qkv if i else plan.qkv0
+            if qkv.how not in ("cublas", "cublas_handoff"):
+                want.append(("qkv_rope", qkv.tile, plan.use_pdl))
+            a = plan.attention
+            assert a.splits == mr.attn_backend.bucket_splits(plan.bucket)
+            if a.fold:
+                want.append(("fold", a.pdl, a.splits))
+            want.append(("gemv_residual", plan.o_proj.tile, plan.use_pdl))
+            if plan.gate_up.how != "cublas":
+                want.append(("gate_up_silu", plan.gate_up.tile, plan.use_pdl))
+            want.append(("gemv_residual", plan.down.tile, plan.use_pdl))
+        if plan.lm_head.how in ("fused", "handoff"):
+            want.append(("lm_head_argmax", plan.lm_head.tile, plan.use_pdl))
+        assert ran == want, (bs, cublas_at)
+        cub = block_m(bs) in cublas_at
+        assert (plan.gate_up.how == "cublas") == cub and (plan.qkv0.how == "cublas") == cub
+
+
+def test_plans_are_cached_per_tuning_and_shapes(monkeypatch):
+    """``plan_step`` computes a plan once per (shapes, rows, bucket) and tuning; another tuning
+    or other shapes get their own."""
+    calls = []
+    real = step_plan._plan
+    monkeypatch.setattr(step_plan, "_plan", lambda *a: calls.append(a[1:3]) or real(*a))
+    one = kernel_plan.config_shapes(PRESETS["llama-3.2-1b"])
+    t, u = DecodeTuning(), DecodeTuning(handoff=NormHandoff(enabled=False))
+    first = step_plan.plan_step(one, 8, 8, t)
+    assert step_plan.plan_step(one, 8, 8, t) is first and calls == [(8, 8)]
+    assert step_plan.plan_step(one, 5, 8, t).rows == 5 and len(calls) == 2
+    assert step_plan.plan_step(one, 8, 8, u).handoff is False and first.handoff is True
+    other = kernel_plan.config_shapes(PRESETS["llama-3.1-8b"])
+    assert step_plan.plan_step(other, 8, 8, t) is not first and len(calls) == 4
+
+
+def test_the_step_modules_hold_no_rule_of_their_own():
+    """The table lookups that decide the step (cuBLAS, the separate norm, the tiles, the
+    measured shapes, the PDL buckets) are read by ``step_plan`` alone, not by the modules that
+    execute its plan."""
+    rules = ("prefer_cublas", "separate_norm", "tile_for", "qkv_tile", "measured",
+             "reference_bucket", "no_pdl_bucket", "merges", "fold_merge")  # fmt: skip
+    for mod in (fused_decode, fused_mlp, kernel_plan):
+        assert not [r for r in rules if hasattr(mod, r)], mod.__name__
+    assert hasattr(step_plan, "prefer_cublas") and hasattr(step_plan, "separate_norm")

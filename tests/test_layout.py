@@ -1,5 +1,5 @@
-"""The package's shape: no import circles between modules, no module over 300 lines, and each
-seed in one package (DESIGN §1)."""
+"""The package's shape: no import circles between modules, no module over 500 lines (split by
+concept, not by a count), and each followed API in one package (DESIGN §1)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "stepgraph"
-MAX_LINES = 300
+MAX_LINES = 500
 
 
 def _module_name(path: Path) -> str:
@@ -84,7 +84,7 @@ def test_no_import_circle_between_modules():
 
 
 @pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
-def test_no_module_over_300_lines(path):
+def test_no_module_over_500_lines(path):
     n = len(path.read_text().splitlines())
     assert n <= MAX_LINES, f"{path.relative_to(PKG)} has {n} lines; give its parts names"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from stepgraph.model import fused_decode
+from stepgraph.model import step_plan
 from stepgraph.model.fused_decode import fused_decode_step, unfusable_reason
 from stepgraph.model.model_runner import ModelRunner
 from stepgraph.model.parallel import shard_model
@@ -30,7 +30,7 @@ def _mr(model) -> ModelRunner:
 def _fused_vs_reference(rank: int, out: str) -> None:
     # the shards' tensor-core path at 10 rows (as shipped, bs 2-32 and unmeasured shapes run
     # the reference kernels inside the step); this is a spawned rank, its module state its own
-    fused_decode._measured = lambda *a: True
+    step_plan.measured_all = lambda *a: True
     full = _model(TINY, seed=4)
     ref, tp = _mr(full), _mr(shard_model(full, rank, WORLD))
     g = torch.Generator().manual_seed(5)

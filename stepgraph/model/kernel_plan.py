@@ -1,39 +1,32 @@
-"""Which kernels the fused decode step runs at each batch bucket, from a model's shapes alone:
-the choices ``fused_decode_step`` makes, in its order, with the table entry behind each
-(``stepgraph info --model NAME``). A user sees what runs at their batch size under a
-``DecodeTuning`` (``stepgraph.tuning``: the step's own choices, read through the step's own
-functions where they are one), without a GPU or the weights."""
+"""``stepgraph info --model NAME``: the plan the fused decode step executes at each batch
+bucket (``model/step_plan.plan_step``), from a model's shapes alone, as text. A user sees what
+runs at their batch size under a ``DecodeTuning`` without a GPU or the weights; every choice
+printed here is the plan's, and the step runs the same plan."""
 
 from __future__ import annotations
 
 from ..buckets import default_capture_sizes
-from ..kernels.proj_tiles import (
-    Tile,
-    block_m,
-    measured,
-    prefer_cublas,
-    reference_bucket,
-    separate_norm,
-    tile_for,
-)
-from ..kernels.qkv_rope import qkv_tile
+from ..kernels.proj_tiles import Tile, block_m
 from ..tuning import DecodeTuning, default_tuning
-from . import fused_decode as _fd
 from .config import ModelConfig
 from .fused_decode import FUSED_MAX_BS
-from .step_attention import attention_text
+from .step_attention import describe
+from .step_plan import (
+    CUBLAS,
+    CUBLAS_HANDOFF,
+    HANDOFF,
+    PIECE_KERNELS,
+    SEPARATE,
+    UNMEASURED,
+    ProjPlan,
+    StepPlan,
+    StepShapes,
+    plan_step,
+)
 
-# the step's projections: table kernel and what the unfused pieces add beside cuBLAS
-PIECES = {
-    "qkv": ("qkv_rope", "RoPE/KV write"),
-    "o_proj": ("gemv_residual", None),
-    "gate_up": ("gate_up_silu", "SiLU·mul"),
-    "down": ("gemv_residual", None),
-    "lm_head": ("lm_head", "argmax_rows"),
-}
-
-
-UNMEASURED = "no measured tiles for these shapes; docs/tuning.md"
+# what the unfused pieces add beside cuBLAS
+BESIDE = {"qkv": "RoPE/KV write", "gate_up": "SiLU·mul", "lm_head": "argmax_rows"}
+SUMS = ", the norm from the sums of squares"
 
 
 def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -48,6 +41,13 @@ def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def config_shapes(config: ModelConfig, elem_bytes: int = 2) -> StepShapes:
+    """The plan's ``StepShapes`` of an unsharded model of ``config`` (the H200's
+    multiprocessors, any context: the split ladder's cap)."""
+    attn = (config.num_heads, config.num_kv_heads, config.head_dim)
+    return StepShapes(**piece_shapes(config), attention=attn, elem_bytes=elem_bytes)
+
+
 def tile_text(t: Tile) -> str:
     """``Tile(64, 128, 4, 5, 4, 1)`` -> ``64x128 w4 s5 split4 TMA1`` (defaults left out)."""
     parts = [f"{t.block_n}x{t.block_k}", f"w{t.num_warps}"]
@@ -57,73 +57,57 @@ def tile_text(t: Tile) -> str:
     return " ".join(parts)
 
 
-def piece_choice(piece: str, rows: int, n: int, k: int, elem_bytes: int = 2, half: int = 32,
-                 handoff: bool = False, tuning: DecodeTuning | None = None) -> str:  # fmt: skip
-    """What the fused step runs for ``piece`` at ``rows`` (its bucket): the unfused pieces where
-    ``tile_table.CUBLAS`` says; with ``handoff`` (``fused_decode.handoff``) the fused kernel
-    with the norm from the sums of squares (qkv: from layer 1 on); the norm as its own kernel
-    first where ``SEPARATE_NORM`` says; and the tile the fused kernel's launcher takes
-    (``half``: head_dim / 2, for qkv)."""
-    kernel, beside = PIECES[piece]
-    t = default_tuning(tuning)
-    tables = t.tables
-    if beside and prefer_cublas(kernel, rows, n, k, elem_bytes, tables):
-        if handoff and piece == "qkv" and t.handoff.cublas:  # x = r * norm_w
-            return (f"cuBLAS + {beside}, the norm from the sums of squares in the RoPE kernel "
-                    f"(layer 0: norm + cuBLAS + {beside})")  # fmt: skip
-        if handoff and piece == "lm_head" and t.handoff.cublas:
-            return ("cuBLAS + head_scale, the norm from the sums of squares (its 1 / RMS and the "
-                    "greedy tokens in one launch)")  # fmt: skip
-        return f"norm + cuBLAS + {beside}"
-    if handoff and piece in ("qkv", "gate_up", "lm_head"):  # the norms' consumers
-        if piece == "qkv":
-            tile = qkv_tile(False, rows, n, k, half, elem_bytes, tables)
-        else:
-            tile = tile_for(kernel + ("_normed" if piece == "gate_up" else ""), rows, n, k,
-                            elem_bytes, tables)  # fmt: skip
-        text = f"{kernel} {tile_text(tile)}, the norm from the sums of squares"
-        if piece == "qkv":  # layer 0's input is the embedding: no sums beside it
-            text += f" (layer 0: {piece_choice(piece, rows, n, k, elem_bytes, half, tuning=t)})"
-        return text
-    sep = piece in ("qkv", "gate_up") and separate_norm(kernel, rows, n, k, elem_bytes, tables)
-    if piece == "qkv":
-        tile = qkv_tile(not sep, rows, n, k, half, elem_bytes, tables)
-    else:
-        tile = tile_for(kernel + "_normed" if sep else kernel, rows, n, k, elem_bytes, tables)
-    return f"{'norm, then ' if sep else ''}{kernel} {tile_text(tile)}"
+def proj_text(piece: str, p: ProjPlan, layer0: ProjPlan | None = None) -> str:
+    """One projection of the plan as text (``layer0``: qkv's form at layer 0, where it
+    differs)."""
+    kernel = PIECE_KERNELS[piece]
+    if p.how == CUBLAS_HANDOFF and piece == "qkv":
+        return (f"cuBLAS + {BESIDE[piece]}, the norm from the sums of squares in the RoPE kernel "
+                f"(layer 0: {proj_text(piece, layer0)})")  # fmt: skip
+    if p.how == CUBLAS_HANDOFF:
+        return ("cuBLAS + head_scale, the norm from the sums of squares (its 1 / RMS and the "
+                "greedy tokens in one launch)")  # fmt: skip
+    if p.how == CUBLAS:
+        return f"norm + cuBLAS + {BESIDE[piece]}"
+    text = f"{'norm, then ' if p.how == SEPARATE else ''}{kernel} {tile_text(p.tile)}"
+    if p.how == HANDOFF:
+        text += SUMS
+        if layer0 is not None:  # layer 0's input is the embedding: no sums beside it
+            text += f" (layer 0: {proj_text(piece, layer0)})"
+    return text
+
+
+def choices(plan: StepPlan) -> dict[str, str]:
+    """``{piece: text}`` in the step's order, the attention's after qkv."""
+    return {
+        "qkv": proj_text("qkv", plan.qkv, plan.qkv0),
+        "attention": describe(plan.attention),
+        "o_proj": proj_text("o_proj", plan.o_proj),
+        "gate_up": proj_text("gate_up", plan.gate_up),
+        "down": proj_text("down", plan.down),
+        "lm_head": proj_text("lm_head", plan.lm_head),
+    }
+
+
+def path_text(plan: StepPlan) -> str:
+    """The bucket's line: the reference kernels and why, or the fused step's row class."""
+    if not plan.fused:
+        return f"reference kernels ({plan.reference})"
+    if plan.bucket == 1:
+        return "fused, one row (GEMV)"
+    text = f"fused, tensor cores (M padded to {block_m(plan.rows)})"
+    return text + (", no PDL (NO_PDL_BUCKETS)" if plan.no_pdl else "")
 
 
 def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None,
                 tuning: DecodeTuning | None = None):  # fmt: skip
-    """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``, the
-    pieces in the step's order, the attention's after qkv (choices empty where the reference
-    kernels run)."""
-    shapes, t = piece_shapes(config), default_tuning(tuning)
+    """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``: the
+    step's plan at each (choices empty where the reference kernels run)."""
+    shapes, t = config_shapes(config, elem_bytes), default_tuning(tuning)
     out = []
     for b in buckets or default_capture_sizes(FUSED_MAX_BS):
-        if b in t.reference_rows:
-            out.append((b, "reference kernels (reference_rows)", {}))
-            continue
-        if b > 1 and not all(measured(PIECES[p][0], b, *shapes[p], elem_bytes, t.tables)
-                             for p in PIECES):  # fmt: skip
-            out.append((b, f"reference kernels ({UNMEASURED})", {}))
-            continue
-        if reference_bucket(*shapes["qkv"], b, elem_bytes, t.tables):
-            out.append((b, "reference kernels (measured faster here: REFERENCE_BUCKETS)", {}))
-            continue
-        path = "fused, one row (GEMV)"
-        if b > 1:
-            path = f"fused, tensor cores (M padded to {block_m(b)})"
-            if _fd.no_pdl(*shapes["qkv"], b, elem_bytes, t):
-                path += ", no PDL (NO_PDL_BUCKETS)"
-        half, ho = config.head_dim // 2, t.handoff.enabled and b >= t.handoff.min_bucket
-        choices = {p: piece_choice(p, b, *shapes[p], elem_bytes, half, ho, t) for p in PIECES}
-        attn = (config.num_heads, config.num_kv_heads, config.head_dim)
-        use_pdl = _fd.step_pdl(*shapes["qkv"], b, b, elem_bytes, t)
-        choices = {"qkv": choices.pop("qkv"),
-                   "attention": attention_text(attn, b, use_pdl=use_pdl, tuning=t),
-                   **choices}  # fmt: skip
-        out.append((b, path, choices))
+        plan = plan_step(shapes, b, b, t)
+        out.append((b, path_text(plan), choices(plan) if plan.fused else {}))
     return out
 
 
@@ -132,11 +116,12 @@ def format_plan(name: str, dtype: str, config: ModelConfig, elem_bytes: int,
     """The plan as ``stepgraph info --model`` prints it."""
     lines = [f"decode kernels of {name} ({dtype}, the fused step on CUDA; `--kernels reference`"
              " runs the reference kernels everywhere):"]  # fmt: skip
-    for b, path, choices in kernel_plan(config, elem_bytes, tuning=tuning):
+    for b, path, pieces in kernel_plan(config, elem_bytes, tuning=tuning):
         lines.append(f"  bs bucket {b}: {path}")
-        lines += [f"    {p:<9} {c}" for p, c in choices.items()]
+        lines += [f"    {p:<9} {c}" for p, c in pieces.items()]
     lines.append(f"  above {FUSED_MAX_BS} rows: reference kernels (the fused kernels take 64 rows)")
     return "\n".join(lines)
 
 
-__all__ = ["PIECES", "format_plan", "kernel_plan", "piece_choice", "piece_shapes", "tile_text"]
+__all__ = ["UNMEASURED", "config_shapes", "format_plan", "kernel_plan", "piece_shapes",
+           "proj_text", "tile_text"]  # fmt: skip

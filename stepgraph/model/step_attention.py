@@ -4,37 +4,25 @@
   context for the batch size's class (``backend.bucket_splits(bucket) == 1``: from bs 34 for
   Llama-3.2-1B), and at the classes ``fold_merge`` names (``FOLD_MERGE_TABLE`` per attention
   shape, or ``DecodeTuning.fold_merge`` for every shape), where the last split of each (row,
-  KV head) to finish merges the group's partials.
+  KV head) to finish merges the group's partials (docs/experiments.md#fold-merge).
 - **Split + combine** (``backend.decode_attention``) everywhere else.
-- **PDL** (``default_pdl``): at one row the split kernel is launched plainly (it starts once the
-  qkv kernel has finished) but triggers at its start ("detached"), and the combine, a PDL
-  launch, triggers before its wait ("early"): the combine is resident when the split ends,
-  and o_proj's GEMV launches and streams its weights while the split runs (run K1,
-  ``benchmarks/ab_step.py``, graph, three rounds, ms, ctx 512 / 4096: 0.765 / 0.815 against
-  0.773 / 0.828 for the combine alone triggering at its wait; ``step_timeline.py``: a layer
-  39.8 µs). That keeps the rule of ``kernels/pdl.py`` that no more than one kernel waits
-  ahead: o_proj triggers after its own wait. From two rows the combine alone, with no explicit
-  trigger ("exit": it launches as the split's programs end; E5: bs 2 / 4 / 8 0.960 / 0.977 /
-  1.004 against 0.965 / 0.979 / 1.006 with none at ctx 512), since o_proj's tensor-core tiles
-  launched early lose (E5, the combine triggering at its wait: bs 8 1.093; K1, detached and
-  early: bs 2 / 4 / 8 0.985 / 1.000 / 1.027 against 0.950 / 0.961 / 0.988; detached and exit
-  tied, 0.946 / 0.958 / 0.987, and 1.219 against 1.216 at bs 8 ctx 4096). The split kernel
-  takes no PDL launch: launched early it waits on the qkv kernel and ends later than a plain
-  launch would (run E4, ``step_timeline.py``, bs 1: it advances the step 5.8 µs a layer against
-  3.9), also with its first tile loaded before the wait (runs E1-E2: bs 1 0.807 against 0.796,
-  the one launch at bs 16-64 slower still; reverted). Earlier runs: D1 (ctx 512, bs 8 / 16 /
-  32, ms): none 1.018 / 1.070 / 1.196; both kernels in the step's mode 1.111 / 1.153 / 1.257;
-  the split alone 1.027 / 1.072 / 1.200; D7, the one launch at bs 16 / 32: none 1.069 / 1.171,
-  late 1.099 / 1.209, exit 1.075 / 1.173. ``DecodeTuning.pdl.attention`` (``0``: none)
-  overrides the defaults for every class.
+- **PDL** (``default_pdl``): at one row the split kernel is launched plainly but triggers at
+  its start ("detached"), and the combine, a PDL launch, triggers before its wait ("early"), so
+  the combine is resident when the split ends and o_proj streams its weights meanwhile; from two
+  rows the combine alone, triggering at its exit, since o_proj's tensor-core tiles launched
+  early lose. The split kernel takes no PDL launch: launched early it waits on the qkv kernel
+  and ends later (docs/experiments.md#pdl). ``DecodeTuning.pdl.attention`` overrides these.
 
 Every choice is a function of the batch size's class (``bucket``, ``fused_decode.kernel_class``),
 so eager, graph and exact mode run the same kernels; the merge's block of splits is the class's
 largest split count, so a live count below it (eager, or exact mode retuning grid z) reduces
-over the same block.
+over the same block. ``attention_plan`` makes the choice (``model/step_plan.py`` holds it in the
+step's plan); ``attention`` executes it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -84,6 +72,33 @@ def fold_merge(backend, bucket: int, tuning: DecodeTuning | None = None) -> bool
     return merges((backend.num_heads, backend.num_kv_heads, backend.head_dim), bucket, tuning)
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The attention of one class: ``splits``, the class's largest split count (the merge's
+    block); ``fold``: one launch (``split_kv_fold``), else split + combine; ``pdl``:
+    ``flash_decode``'s ``use_pdl``."""
+
+    splits: int
+    fold: bool
+    pdl: bool | tuple
+
+
+def attention_plan(
+    shape: tuple[int, int, int],
+    splits: int,
+    bucket: int,
+    use_pdl=None,
+    tuning: DecodeTuning | None = None,
+    kernel: bool = True,
+) -> AttentionPlan:
+    """The attention of class ``bucket`` for attention ``shape`` with ``splits`` splits at most,
+    where the projections run ``use_pdl``: one launch where every row has one split or the
+    class merges (``merges``), with the kernels (``kernel``); else split + combine."""
+    t = default_tuning(tuning)
+    fold = kernel and (splits == 1 or merges(shape, bucket, t))
+    return AttentionPlan(splits, fold, attention_pdl(use_pdl, bucket, t))
+
+
 TRIGGER_TEXT = {1: "at its wait", 2: "after its key loop", 3: "at its exit",
                 4: "before its wait", 5: "at its start"}  # fmt: skip
 
@@ -100,40 +115,59 @@ def attention_text(
     H200's by default), and which of its launches take PDL."""
     t = default_tuning(tuning)
     cap = ladder_cap(shape[1], bucket, num_sms, ladder=t.split)
-    split, combine = attention_pdl(use_pdl, bucket, t) or (False, False)
+    return describe(attention_plan(shape, cap, bucket, use_pdl, t))
+
+
+def describe(plan: AttentionPlan) -> str:
+    """``plan`` as ``stepgraph info`` prints it: the launches, which take PDL, and how."""
+    split, combine = plan.pdl or (False, False)
 
     def pdl(kernel: str, mode) -> str:  # mode None or True: the device's default, 1
         trigger = "" if mode is False else TRIGGER_TEXT[int(mode or 1)]
         how = "launched plainly" if mode == TRIGGER_MODES["detached"] else "with PDL"
         return trigger and f"; {kernel}{how}, trigger {trigger}"
 
-    if cap == 1:
+    if plan.splits == 1:
         return f"split_kv_fold, one launch (one split at every context{pdl('', split)})"
-    if merges(shape, bucket, t):
-        return (f"split_kv_fold, one launch (up to {cap} splits; the last of each row merges "
-                f"them: FOLD_MERGE_TABLE{pdl('', split)})")  # fmt: skip
+    if plan.fold:
+        return (f"split_kv_fold, one launch (up to {plan.splits} splits; the last of each row "
+                f"merges them: FOLD_MERGE_TABLE{pdl('', split)})")  # fmt: skip
     both = pdl("the split ", split) + pdl("the combine ", combine)
-    return f"split_kv + combine (up to {cap} splits{both})"
+    return f"split_kv + combine (up to {plan.splits} splits{both})"
 
 
 def attention(
     backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None,
-    tuning: DecodeTuning | None = None,
+    tuning: DecodeTuning | None = None, plan: AttentionPlan | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Split-KV decode of ``q [bs, n_heads, head_dim]`` over layer ``layer_id``'s pages (its
-    K/V already written), for a batch of class ``bucket``."""
+    K/V already written), for a batch of class ``bucket``: as ``plan`` says (the step's plan,
+    ``model/step_plan.py``), else as ``attention_plan`` says for ``backend``."""
     t = default_tuning(tuning)
-    pdl = attention_pdl(use_pdl, bucket, t)
-    splits = backend.bucket_splits(bucket) if backend.use_kernel else 1
-    if not backend.use_kernel or (splits > 1 and not fold_merge(backend, bucket, t)):
-        return backend.decode_attention(layer_id, q, pdl)
+    if plan is None:
+        splits = backend.bucket_splits(bucket) if backend.use_kernel else 1
+        shape = (backend.num_heads, backend.num_kv_heads, backend.head_dim)
+        plan = attention_plan(shape, splits, bucket, use_pdl, t, backend.use_kernel)
+    if not plan.fold:
+        return backend.decode_attention(layer_id, q, plan.pdl)
     m, kv = backend.meta, backend.kv_cache
     return flash_decode(
         q, kv.k_caches[layer_id], kv.v_caches[layer_id], m.block_table, m.seq_lens,
         num_splits=m.num_splits, workspace=m.workspace, sm_scale=backend.sm_scale,
-        num_sms=backend.num_sms, use_pdl=pdl, fold_combine=True, merge_splits=splits, tuning=t,
+        num_sms=backend.num_sms, use_pdl=plan.pdl, fold_combine=True, merge_splits=plan.splits,
+        tuning=t,
     )  # fmt: skip
 
 
-__all__ = ["FOLD_MERGE_TABLE", "attention", "attention_pdl", "attention_text", "default_pdl",
-           "fold_merge", "merges"]  # fmt: skip
+__all__ = [
+    "FOLD_MERGE_TABLE",
+    "AttentionPlan",
+    "attention",
+    "attention_pdl",
+    "attention_plan",
+    "attention_text",
+    "default_pdl",
+    "describe",
+    "fold_merge",
+    "merges",
+]
