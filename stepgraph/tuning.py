@@ -35,8 +35,8 @@ ATTENTION_PARTS = {"1": (True, True), "both": (True, True), "split": (True, Fals
                    "combine": (False, True)}  # fmt: skip
 TABLE_KERNELS = ("norm_gemv", "gemv_residual", "lm_head", "gate_up_silu", "qkv_rope")
 # (n_heads, n_kv_heads, head_dim) -> the batch classes whose attention takes the fold with its
-# merge where they have more than one split: Llama-3.2-1B's 16-32 (docs/experiments.md#fold-merge;
-# Llama-3.1-8B lost at bs 16, so none there).
+# merge where they have more than one split: Llama-3.2-1B's 16-32; Llama-3.1-8B lost at bs 16,
+# so none there (docs/experiments.md#the-attention-in-one-launch).
 FOLD_MERGE_TABLE: Mapping[tuple[int, int, int], range] = types.MappingProxyType(
     {(32, 8, 64): range(16, 33)}
 )

@@ -9,7 +9,7 @@ rows on. Ties go to the smaller index at both levels, so the token is ``torch.ar
 occurrence). One row, or ``DecodeTuning.argmax.fold`` off, runs the reduce as a second
 launch (``_argmax_reduce_kernel``, grid ``(M,)``). Folded, it tied the two launches with a
 kernel fewer from two rows; one row keeps its second launch, since its 8016 programs each
-fence and take the ticket (docs/experiments.md#argmax-fold).
+fence and take the ticket (docs/experiments.md#argmax-folding).
 
 The float32 logits stay in their buffer for sampling at temperature > 0 and parity checks.
 """

@@ -60,8 +60,8 @@ except ImportError:  # pragma: no cover - older Triton: never called (USE_PDL is
 # right after its wait; 2 "late", after its main loop (the projections' K loop, the attention's
 # key loop; a kernel without one triggers at its wait); 3 "exit", never explicitly (the
 # dependents launch as its programs finish). The callers pick it (the fused step: "late" from
-# two rows, docs/experiments.md#pdl); ``DecodeTuning.pdl.trigger`` (wait, late or exit), when
-# set, overrides the mode of every launch in one of these three.
+# two rows, docs/experiments.md#pdl-placement); ``DecodeTuning.pdl.trigger`` (wait, late or
+# exit), when set, overrides the mode of every launch in one of these three.
 # Two more, for the attention at one row (``step_attention``): 4 "early", the trigger before
 # the wait (the combine: o_proj then launches while the split kernel runs; safe as long as the
 # dependent triggers after its own wait, so at most one more kernel waits on the SMs); 5

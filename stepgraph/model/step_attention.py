@@ -4,14 +4,15 @@
   context for the batch size's class (``backend.bucket_splits(bucket) == 1``: from bs 34 for
   Llama-3.2-1B), and at the classes ``fold_merge`` names (``FOLD_MERGE_TABLE`` per attention
   shape, or ``DecodeTuning.fold_merge`` for every shape), where the last split of each (row,
-  KV head) to finish merges the group's partials (docs/experiments.md#fold-merge).
+  KV head) to finish merges the group's partials (docs/experiments.md#the-attention-in-one-launch).
 - **Split + combine** (``backend.decode_attention``) everywhere else.
 - **PDL** (``default_pdl``): at one row the split kernel is launched plainly but triggers at
   its start ("detached"), and the combine, a PDL launch, triggers before its wait ("early"), so
   the combine is resident when the split ends and o_proj streams its weights meanwhile; from two
   rows the combine alone, triggering at its exit, since o_proj's tensor-core tiles launched
   early lose. The split kernel takes no PDL launch: launched early it waits on the qkv kernel
-  and ends later (docs/experiments.md#pdl). ``DecodeTuning.pdl.attention`` overrides these.
+  and ends later (docs/experiments.md#pdl-placement). ``DecodeTuning.pdl.attention``
+  overrides these.
 
 Every choice is a function of the batch size's class (``bucket``, ``fused_decode.kernel_class``),
 so eager, graph and exact mode run the same kernels; the merge's block of splits is the class's

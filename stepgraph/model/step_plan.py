@@ -9,9 +9,7 @@ takes, layer 0's norm beside the embedding, and the attention's launches. ``fuse
 prints it (``model/kernel_plan.py``). Plans are cached on the tuning by (shapes, rows, bucket):
 a step looks its plan up, it does not recompute it.
 
-The choices follow ``DecodeTuning`` (docs/tuning.md): which of them is measured where is in
-docs/experiments.md (#projection-tiles, #separate-norm, #reference-rows, #pdl,
-#norm-handoff).
+The choices follow ``DecodeTuning`` (docs/tuning.md), each field with its evidence there.
 """
 
 from __future__ import annotations
