@@ -121,8 +121,11 @@ def text_tokenizer(model: str, required: bool):
         said = " ".join(str(e).split())
         said = said if len(said) <= 160 else said[:159] + "…"
         if not required:
-            print(f"stepgraph: note: no usable tokenizer in {model} ({type(e).__name__}: "
-                  f"{said}); printing token ids only", file=sys.stderr)  # fmt: skip
+            print(
+                f"stepgraph: note: no usable tokenizer in {model} ({type(e).__name__}: "
+                f"{said}); printing token ids only",
+                file=sys.stderr,
+            )
             return None
         raise UsageError(
             f"argument --prompt: no usable tokenizer in {model} ({type(e).__name__}: {said}); "

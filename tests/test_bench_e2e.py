@@ -66,8 +66,13 @@ def test_with_32_new_tokens_alone_that_point_had_no_full_step():
     from stepgraph.engine import Engine
     from stepgraph.runner import RunnerConfig
 
-    engine = Engine(mr, "graph", RunnerConfig(capture_bs=[3], show_progress=False),
-                    max_running=3, max_prefill_tokens=4)  # fmt: skip
+    engine = Engine(
+        mr,
+        "graph",
+        RunnerConfig(capture_bs=[3], show_progress=False),
+        max_running=3,
+        max_prefill_tokens=4,
+    )
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, mr.config.vocab_size, (3, 100 - 32), generator=g).tolist()
     try:

@@ -150,8 +150,13 @@ def test_serve_end_to_end_json_tokens_and_plot(tmp_path, capsys):
         assert word in text, word
     data = json.loads(out.read_text())
     m = data["metrics"]
-    for key in ("completed", "duration", "request_throughput", "output_throughput",
-                "total_token_throughput"):  # fmt: skip
+    for key in (
+        "completed",
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+    ):
         assert m[key] > 0, key
     for name in ("ttft", "tpot", "itl", "e2el"):
         assert all(m[f"{s}_{name}_ms"] is not None for s in STATS), name
@@ -211,11 +216,13 @@ def _fake_cb_model(prompts_seen):
         n, t = config.max_new_tokens, 100.0
         return {
             f"req_{i}": SimpleNamespace(
-                generated_tokens=[1] * n, error=None, created_time=t,
+                generated_tokens=[1] * n,
+                error=None,
+                created_time=t,
                 timestamps=[t + 0.01 * (k + 1) for k in range(n)] if record_timestamps else None,
             )
             for i in range(len(prompts))
-        }  # fmt: skip
+        }
 
     return SimpleNamespace(generate_batch=generate_batch)
 

@@ -79,12 +79,16 @@ def test_truncated_safetensors_names_the_file(capsys, tmp_path):
 
     cfg = get_preset("tiny")
     hf = {
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size,
-        "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 256,
         "tie_word_embeddings": True,
-    }  # fmt: skip
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf))
     g = torch.Generator().manual_seed(0)
     save_file({"model.norm.weight": torch.randn(64, generator=g)}, tmp_path / "model.safetensors")

@@ -49,8 +49,17 @@ def test_max_graphs_below_one_names_the_flag(capsys, tmp_path, value):
     assert main(["buckets", "--trace", str(trace), "--max-graphs", "1"]) == 0  # the limit
 
 
-GEN = ["generate", "--model", "tiny", "--device", "cpu", "--prompt-ids", "1,2",
-       "--max-new-tokens", "2"]  # fmt: skip
+GEN = [
+    "generate",
+    "--model",
+    "tiny",
+    "--device",
+    "cpu",
+    "--prompt-ids",
+    "1,2",
+    "--max-new-tokens",
+    "2",
+]
 
 
 @pytest.mark.parametrize("ids,bad", [("-4", "[-4]"), ("2,512", "[512]"), ("x", "'x'")])
@@ -110,8 +119,9 @@ def test_serve_plot_legend_covers_no_data(tmp_path):
     close = plt.close
     plt.close = lambda fig=None: saved.setdefault("fig", fig)
     try:
-        serve_report.plot_requests(str(tmp_path / "serve.png"), report, SimpleNamespace(
-            timings=timings))  # fmt: skip
+        serve_report.plot_requests(
+            str(tmp_path / "serve.png"), report, SimpleNamespace(timings=timings)
+        )
     finally:
         plt.close = close
     fig = saved["fig"]

@@ -1,7 +1,6 @@
-"""Issue 23 on the command line ("the first ten minutes, round two"): every case through
-``main([...])``. A bad argument is refused before any work, as one line on stderr,
-``stepgraph: error: ...``, naming the flag, with exit status 2; limits are tested at the limit
-and one past it."""
+"""Refusals on the command line, every case through ``main([...])``. A bad argument is refused
+before any work, as one line on stderr, ``stepgraph: error: ...``, naming the flag, with exit
+status 2; limits are tested at the limit and one past it."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ def one_thread(monkeypatch):
     torch.set_num_threads(before)
 
 
-# -- 1. the tokens check of the CPU bench had empty prompts ----------------------------------
+# -- the tokens check of the CPU bench never has an empty prompt -----------------------------------
 
 
 @pytest.mark.parametrize("sizes,contexts", [("16", "16"), ("1,2", "1")])
@@ -66,7 +65,7 @@ def test_cpu_bench_runs_where_a_prompt_was_empty(tmp_path, capsys, one_thread, s
     assert json.loads(out.read_text())["meta"]["tokens_match"] is True
 
 
-# -- 2. --tp without torchrun ------------------------------------------------------------------
+# -- --tp without torchrun -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv", [[*BENCH, "--tp", "2"], [*GEN, "--prompt-ids", "1", "--tp", "2"]])
@@ -88,11 +87,30 @@ def test_tp_under_a_torchrun_of_another_size(capsys, monkeypatch):
 def test_cpu_bench_under_torchrun_prints_once_with_the_all_reduce(tmp_path):
     out = tmp_path / "tp.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "stepgraph", *BENCH, "--tp", "2", "--batch-sizes", "1,2", "--contexts",
-           "16", "--iters", "2", "--json", str(out)]  # fmt: skip
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO,
-                         start_new_session=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "stepgraph",
+        *BENCH,
+        "--tp",
+        "2",
+        "--batch-sizes",
+        "1,2",
+        "--contexts",
+        "16",
+        "--iters",
+        "2",
+        "--json",
+        str(out),
+    ]
+    run = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO, start_new_session=True
+    )
     # Known, not ours: about one torchrun-on-the-CPU exit in ten aborts in C++ teardown after
     # destroy_process_group ("terminate called without an active exception"; tests/
     # test_cli_tp.py's generate shows it too, at HEAD). Everything below is checked either way.
@@ -109,7 +127,7 @@ def test_cpu_bench_under_torchrun_prints_once_with_the_all_reduce(tmp_path):
     assert meta["tokens_match"] is True
 
 
-# -- 3. tracebacks where one line was promised -------------------------------------------------
+# -- one line, never a traceback -------------------------------------------------------------------
 
 
 def test_prompt_text_with_a_directory_without_tokenizer(capsys, tmp_path):
@@ -118,11 +136,15 @@ def test_prompt_text_with_a_directory_without_tokenizer(capsys, tmp_path):
 
     c = get_preset("tiny")
     hf = {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-        "vocab_size": c.vocab_size, "max_position_embeddings": 256,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": 256,
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf))
     argv = ["generate", "--device", "cpu", "--model", str(tmp_path), "--prompt", "hello"]
     _assert_fails(capsys, argv, "--prompt", "tokenizer", str(tmp_path), "--prompt-ids")
@@ -174,7 +196,7 @@ def test_check_seed_outside_64_bits(capsys):
     _assert_fails(capsys, [*CHECK, "--seed", str(2**64)], "--seed")
 
 
-# -- 4. what cannot fit is refused up front, with the memory it needs -------------------------
+# -- what cannot fit is refused up front, with the memory it needs ---------------------------------
 
 
 def test_bench_batch_that_cannot_fit_names_the_memory(capsys):
@@ -207,7 +229,7 @@ def test_cpu_bench_fast_points_are_quiet(capsys, one_thread):
     assert capsys.readouterr().err == ""
 
 
-# -- 5. every argument checked before any work ------------------------------------------------
+# -- every argument checked before any work --------------------------------------------------------
 
 
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
@@ -238,7 +260,7 @@ def test_check_shortest_context_runs(capsys):
     assert "error" not in out and out.strip().endswith("OK")
 
 
-# -- 6. messages that named the wrong problem --------------------------------------------------
+# -- each message names the problem it is about ----------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -260,11 +282,15 @@ def _hf_config(tmp_path, **changes):
 
     c = get_preset("tiny")
     hf = {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-        "vocab_size": c.vocab_size, "max_position_embeddings": 256,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": 256,
+    }
     hf.update(changes)
     hf = {k: v for k, v in hf.items() if v is not None}
     (tmp_path / "config.json").write_text(json.dumps(hf))
@@ -288,7 +314,7 @@ def test_missing_field_still_asks_about_the_file(capsys, tmp_path):
     _assert_fails(capsys, _hf_config(tmp_path, hidden_size=None), "'hidden_size'", HINT)
 
 
-# -- 7. stepgraph buckets: the sizes seen, and padding as a percentage over -------------------
+# -- stepgraph buckets: the sizes seen, and padding as a percentage over ---------------------------
 
 
 def test_buckets_say_the_sizes_seen_and_padding_over(capsys, tmp_path):
@@ -309,7 +335,7 @@ def test_buckets_trace_with_a_bool_is_refused(capsys, tmp_path):
     _assert_fails(capsys, ["buckets", "--trace", str(trace), "--max-graphs", "2"], "item 1", "True")
 
 
-# -- 9. --kernels fused on the CPU says what runs there ----------------------------------------
+# -- --kernels fused on the CPU says what runs there -----------------------------------------------
 
 
 def test_generate_kernels_fused_on_the_cpu_says_reference(capsys):
@@ -325,7 +351,7 @@ def test_bench_kernels_fused_on_the_cpu_says_reference(capsys, one_thread):
     assert "reference kernels" in capsys.readouterr().out
 
 
-# -- 11. a prompt file with true/false -----------------------------------------------------------
+# -- a prompt file with true/false -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text", ["[[1, true, 3]]", "[1, false]\n", "[[true]]"])
@@ -335,13 +361,16 @@ def test_prompt_file_with_booleans_is_refused(capsys, tmp_path, text):
     _assert_fails(capsys, [*GEN, "--prompt-file", str(path)], str(path), "not a list of token ids")
 
 
-# -- docs: --help says the defaults -----------------------------------------------------------
+# -- docs: --help says the defaults ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "command,needles",
     [
-        ("bench", ["(default: 10)", "(default: small)", "(default: cuda when a GPU", "(default: 1)"]),
+        (
+            "bench",
+            ["(default: 10)", "(default: small)", "(default: cuda when a GPU", "(default: 1)"],
+        ),
         ("generate", ["(default: 16)", "(default: tiny)", "(default: graph)", "(default: 0.0)"]),
         ("check", ["(default: 20)", "(default: 8)", "(default: 0)"]),
     ],

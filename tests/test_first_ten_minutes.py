@@ -1,7 +1,7 @@
 """Issue 23 in Python ("the first ten minutes, round two"): the names users import, the model
 runner checked against the protocol by name, configs that refuse floats and bools, what the
 bench needs counted before it builds anything, the plot a person reads, and the docs' facts.
-(The command-line cases are in ``test_cli_round2.py``.)"""
+(The command-line cases are in ``test_cli_refusals.py``.)"""
 
 from __future__ import annotations
 

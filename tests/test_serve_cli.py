@@ -32,11 +32,30 @@ class Served:
     """``python -m stepgraph serve ...`` on a free port; killed on exit if still running."""
 
     def __init__(self, *flags: str, session: bool = False) -> None:
-        cmd = [sys.executable, "-m", "stepgraph", "serve", "--model", "tiny", "--device", "cpu",
-               "--port", "0", "--max-running", "4", *flags]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "stepgraph",
+            "serve",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--max-running",
+            "4",
+            *flags,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env=env, start_new_session=session)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=session,
+        )
         self.lines: queue.Queue = queue.Queue()
         self.err: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -94,8 +113,15 @@ def gone(pid: int) -> bool:
 def _stream_in_thread(url: str, max_tokens: int):
     """A streamed request read in a thread: (lines, first chunk seen, thread)."""
     lines, first = [], threading.Event()
-    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": [1, 2, 3],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
 
     def read():
         try:
@@ -113,8 +139,9 @@ def _stream_in_thread(url: str, max_tokens: int):
     return lines, first, t
 
 
-@pytest.mark.parametrize("sig,timeout,n,finishes", [(signal.SIGTERM, "30", 300, True),
-                                                    (signal.SIGINT, "0", 2000, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "sig,timeout,n,finishes", [(signal.SIGTERM, "30", 300, True), (signal.SIGINT, "0", 2000, False)]
+)
 def test_a_signal_stops_the_server_with_exit_status_0(sig, timeout, n, finishes):
     with Served("--max-context", "2048", "--shutdown-timeout", timeout) as s:
         child = httpx.get(s.url + "/health", timeout=5).json()["engine_pid"]  # the default

@@ -137,8 +137,12 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
             fwd = mr.forward if runner is None else runner.replay
 
             def slow(s, p=p, mode=mode):
-                say(f"  {mode} bs={p.bs} ctx={p.context}: {s:.1f} s a step, {args.iters + 1} "
-                    "more steps for this point", file=sys.stderr, flush=True)  # fmt: skip
+                say(
+                    f"  {mode} bs={p.bs} ctx={p.context}: {s:.1f} s a step, {args.iters + 1} "
+                    "more steps for this point",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
             ms = host_ms(lambda b=batch, f=fwd: f(b).argmax(-1), args.iters, slow)
             for req_pages in pages:
@@ -146,17 +150,25 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
             cap = runner.stats.capture if runner is not None else None
             rows.append(
                 Row(
-                    mode, p.bs, p.context, ms, p.bs / ms * 1e3, None,
-                    cap.seconds if cap else None, cap.pool_bytes / 2**20 if cap else None,
+                    mode,
+                    p.bs,
+                    p.context,
+                    ms,
+                    p.bs / ms * 1e3,
+                    None,
+                    cap.seconds if cap else None,
+                    cap.pool_bytes / 2**20 if cap else None,
                     "CPU stand-in" if runner is not None else "",
                 )
-            )  # fmt: skip
+            )
             if mode == "eager":
                 eager[(p.bs, p.context)] = ms
             base = eager.get((p.bs, p.context))
             ratio = f"{base / ms:9.2f}x" if base else f"{'-':>10}"
-            say(f"{mode:<7}{p.bs:>4}{p.context:>7}{ms:>10.3f}{p.bs / ms * 1e3:>9.0f}{ratio}",
-                flush=True)  # fmt: skip
+            say(
+                f"{mode:<7}{p.bs:>4}{p.context:>7}{ms:>10.3f}{p.bs / ms * 1e3:>9.0f}{ratio}",
+                flush=True,
+            )
         if runner is not None:
             runner.shutdown()
     meta = {"model": model, "dtype": dtype, "device": "cpu", "torch": torch.__version__}
@@ -166,9 +178,11 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
         from .timing import host_call_ms
 
         ar = meta["allreduce_us_per_step"] = allreduce_us_per_step(mr, sizes, time_ms=host_call_ms)
-        say(f"tensor parallel x{tp}: all-reduce time per step (us) by bs: {ar} eager, timed on "
+        say(
+            f"tensor parallel x{tp}: all-reduce time per step (us) by bs: {ar} eager, timed on "
             "the host; inside a graph it is measured on GPUs only (the CPU stand-in re-runs the "
-            "forward, its all-reduces with it)")  # fmt: skip
+            "forward, its all-reduces with it)"
+        )
     same = True
     if set(CPU_MODES) <= set(modes):  # the tokens check: the same prompts through the engine
         outputs = {}
@@ -195,5 +209,14 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> 
     return 0 if same else 1
 
 
-__all__ = ["EXPLAIN", "FUSED_NOTE", "SMALL_HIDDEN", "cpu_modes", "host_ms", "run_cpu",
-           "set_cpu_threads", "TOKEN_CHECK_NEW", "token_check_prompts"]  # fmt: skip
+__all__ = [
+    "EXPLAIN",
+    "FUSED_NOTE",
+    "SMALL_HIDDEN",
+    "cpu_modes",
+    "host_ms",
+    "run_cpu",
+    "set_cpu_threads",
+    "TOKEN_CHECK_NEW",
+    "token_check_prompts",
+]

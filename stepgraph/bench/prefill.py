@@ -121,10 +121,15 @@ def run_prefill(args: argparse.Namespace) -> int:
             print(f"warning: {total} tokens ran eagerly (no shape holds {lens})", file=sys.stderr)
         rows.append(
             PrefillRow(
-                total, lens, eager_ms, pw_ms, eager_ms / pw_ms,
-                float((got - ref).abs().max()), bool((got.argmax(-1) == ref.argmax(-1)).all()),
+                total,
+                lens,
+                eager_ms,
+                pw_ms,
+                eager_ms / pw_ms,
+                float((got - ref).abs().max()),
+                bool((got.argmax(-1) == ref.argmax(-1)).all()),
             )
-        )  # fmt: skip
+        )
         for p in pages:
             mr.kv_cache.release(p)
     small = [r.speedup for r in rows if r.tokens <= SMALL_TOKENS]
@@ -136,8 +141,10 @@ def run_prefill(args: argparse.Namespace) -> int:
         <= large.eager_ms * LARGE_SLOWDOWN,
     }
     print(f"\nstepgraph bench --prefill: {model} ({dtype_name}, {device})")
-    print(f"{'tokens':>7} {'lengths':<20} {'eager ms':>9} {'piecewise ms':>13} {'speedup':>8}"
-          f" {'max|dlogit|':>12} {'argmax':>7}")  # fmt: skip
+    print(
+        f"{'tokens':>7} {'lengths':<20} {'eager ms':>9} {'piecewise ms':>13} {'speedup':>8}"
+        f" {'max|dlogit|':>12} {'argmax':>7}"
+    )
     for r in rows:
         print(
             f"{r.tokens:>7} {','.join(map(str, r.lengths)):<20} {r.eager_ms:>9.3f} "

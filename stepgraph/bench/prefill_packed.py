@@ -137,5 +137,12 @@ def rows_json(rows: list[PackedRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-__all__ = ["CPU_POINTS", "PACKED_POINTS", "PEAK_TFLOPS", "format_packed", "prefill_flops",
-           "run_packed", "rows_json"]  # fmt: skip
+__all__ = [
+    "CPU_POINTS",
+    "PACKED_POINTS",
+    "PEAK_TFLOPS",
+    "format_packed",
+    "prefill_flops",
+    "run_packed",
+    "rows_json",
+]

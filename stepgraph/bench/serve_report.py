@@ -280,5 +280,11 @@ def plot_requests(path: str, report: dict, main, hf_cb=None) -> None:
     plt.close(fig)
 
 
-__all__ = ["MIN_E2E_STEPS", "build_report", "plot_requests", "print_report", "rate_text",
-           "write_report"]  # fmt: skip
+__all__ = [
+    "MIN_E2E_STEPS",
+    "build_report",
+    "plot_requests",
+    "print_report",
+    "rate_text",
+    "write_report",
+]

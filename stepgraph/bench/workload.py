@@ -82,8 +82,9 @@ def param_count(config) -> int:
     return config.vocab_size * h + config.num_layers * layer + h + head
 
 
-def bench_bytes(config, dtype: torch.dtype, max_bs: int, max_context: int,
-                page_size: int = 64) -> dict[str, int]:  # fmt: skip
+def bench_bytes(
+    config, dtype: torch.dtype, max_bs: int, max_context: int, page_size: int = 64
+) -> dict[str, int]:
     """What the bench holds at once, by part, before anything is built: the KV cache for
     ``max_bs`` requests of ``max_context`` tokens (sized as ``ModelRunner.from_model`` sizes
     it), the weights, and two ``[max_bs, vocab]`` float32 logits (the eager step's and the
