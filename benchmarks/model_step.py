@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         policies += [("gemv-all", "all"), ("gemv-best", best)]
     steps = [time_policy(mr, name, pol, floor_ms, spec_ms=spec_ms) for name, pol in policies]
     # the fused step (every bs up to FUSED_MAX_BS; tensor-core tiles from 2 rows)
-    # (no GEMV policy: at bucket 2 the step's reference rows, ``fused_decode.REFERENCE_ROWS``)
+    # (no GEMV policy: the step's reference rows are ``DecodeTuning.reference_rows``)
     steps.append(time_policy(mr, "fused", None, floor_ms, kernels="fused", spec_ms=spec_ms))
     result = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__,

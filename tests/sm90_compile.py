@@ -6,10 +6,10 @@ Triton's device queries with an H200's target, every launch is turned into Trito
 (compile, no launch), and PDL and TMA are switched on as on a Hopper GPU. The step then runs
 its Python over CPU tensors at Llama-3.2-1B's shapes (two layers) at bs 1, 8, 32 and 64, so
 each kernel variant the GPU would compile is compiled here, to PTX and a cubin (Triton ships
-ptxas); the MLP half as one persistent launch (both schedules), the attention's split +
-combine and its folded merge, the greedy tokens after a cuBLAS head, the prefill's extend
-attention, the graph-input kernel and the reference path's GEMV and SiLU·mul are launched
-directly (the test checks that every kernel of the package is among them). The interpreter
+ptxas); the attention's split + combine and its folded merge, the greedy tokens after a
+cuBLAS head, the prefill's extend attention, the graph-input kernel, the reference path's GEMV
+and SiLU·mul and the FP8-weight GEMV (both scale layouts, one row and tensor-core rows) are
+launched directly (the test checks that every kernel of the package is among them). The interpreter
 takes what the GPU compiler refuses (a plain-int global, a type mismatch), so this
 is the CPU tier's only check of that. Prints one JSON line.
 """
@@ -81,6 +81,7 @@ from stepgraph.bench.workload import Point, decode_batch  # noqa: E402
 from stepgraph.kernels.argmax_rows import argmax_rows  # noqa: E402
 from stepgraph.kernels.decode_inputs import DecodeWorkspace  # noqa: E402
 from stepgraph.kernels.flash_decode import flash_decode  # noqa: E402
+from stepgraph.kernels.fp8_gemv import fp8_gemv  # noqa: E402
 from stepgraph.kernels.fused_act import silu_mul  # noqa: E402
 from stepgraph.kernels.gemv import gemv  # noqa: E402
 from stepgraph.model import ModelRunner, fused_decode  # noqa: E402
@@ -197,6 +198,16 @@ def main() -> dict:
         result["steps"]["reference kernels"] = _variants(since)
     except Exception as e:  # noqa: BLE001
         result["errors"]["reference kernels"] = f"{type(e).__name__}: {e}"[:600]
+    since = len(COMPILED)
+    try:  # the FP8-weight GEMV: scales per channel and per block, one row and eight
+        w8 = torch.randn(3072, 2048, generator=g).to(torch.float8_e4m3fn)
+        for rows in (1, 8):
+            x = torch.randn(rows, 2048, generator=g).bfloat16()
+            fp8_gemv(x, w8, torch.rand(3072, generator=g))
+            fp8_gemv(x, w8, torch.rand(24, 16, generator=g), block=(128, 128))
+        result["steps"]["fp8 gemv"] = _variants(since)
+    except Exception as e:  # noqa: BLE001
+        result["errors"]["fp8 gemv"] = f"{type(e).__name__}: {e}"[:600]
     try:
         _refused[(1,)](torch.zeros(1))
         result["refused"] = False

@@ -40,7 +40,7 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     steps = result["steps"]
     assert set(steps) == {"1", "8", "32", "64", "attention fold=False", "attention fold=True",
                           "attention detached", "greedy tokens", "prefill attention", "inputs",
-                          "reference kernels"}  # fmt: skip
+                          "reference kernels", "fp8 gemv"}  # fmt: skip
     variants = [v for vs in steps.values() for v in vs]
     assert variants and all(v["cubin"] for v in variants)
     names = {v["kernel"] for v in variants}
@@ -49,6 +49,7 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
         "_combine_kernel", "_split_kv_fold_kernel", "_argmax_reduce_kernel", "_rope_kv_kernel",
         "_add_rmsnorm_kernel", "_fill_inputs_kernel", "_extend_kernel", "_argmax_part_kernel",
         "_argmax_keys_kernel", "_gemv_kernel", "_silu_mul_kernel", "_head_scale_kernel",
+        "_fp8_gemv_kernel",
     }  # fmt: skip
     # the GPU's paths were the ones compiled: PDL at one row, TMA tiles from two rows
     assert any(v["pdl"] for v in steps["1"] if v["kernel"] == "_norm_gemv_kernel")
