@@ -29,14 +29,14 @@ def test_the_1b_plan_as_committed():
     assert plan[1][0] == "fused, one row (GEMV)"
     assert plan[1][1]["qkv"] == "qkv_rope 4x1024 w4"  # the launcher's one-row halving
     sums = ", the norm from the sums of squares"
-    # 2-16 rows: one plan of projections, the handoff and the 16-row tiles from bucket 2 (J3)
+    # 2-16 rows: one plan of projections, the handoff and the 16-row tiles from bucket 2
     proj = {b: {p: c for p, c in plan[b][1].items() if p != "attention"} for b in plan}
     assert proj[2] == proj[4] == proj[8] == proj[16] and plan[2][0] == plan[16][0]
-    # the attention: split + combine to bucket 8, one launch with the merge at 16-32 (run D2),
+    # the attention: split + combine to bucket 8, one launch with the merge at 16-32,
     # one split from 48 (the ladder's cap); keys in the step's order
     attn = {b: plan[b][1]["attention"] for b in plan}
-    # one row: the split detached, the combine's trigger before its wait (K1); from two rows
-    # the combine's at its exit (E5)
+    # one row: the split detached, the combine's trigger before its wait; from two rows
+    # the combine's at its exit
     pdl = "; the combine with PDL, trigger at its"
     assert attn[1] == (
         "split_kv + combine (up to 64 splits; the split launched plainly, "
@@ -52,10 +52,10 @@ def test_the_1b_plan_as_committed():
         assert c["qkv"].startswith("qkv_rope ") and "TMA" not in c["qkv"]
         assert c["qkv"].endswith(f"{sums} (layer 0: norm, then qkv_rope 32x256 w4 s3 split4)")
         assert c["gate_up"] == "gate_up_silu 64x128 w4 s4 TMA1" + sums  # the _normed tile
-        assert c["o_proj"] == "gemv_residual 32x128 w4 s4 split4 TMA2"  # four splits (E9)
+        assert c["o_proj"] == "gemv_residual 32x128 w4 s4 split4 TMA2"  # four splits
         assert c["down"] == "gemv_residual 64x128 w4 s5 split4 TMA1"
         assert c["lm_head"] == "lm_head 256x64 w8 s3 TMA2" + sums
-    # 17-32 rows: qkv and the LM head fused (I2-I3); 33-64: qkv's cuBLAS GEMM on the handoff
+    # 17-32 rows: qkv and the LM head fused; 33-64: qkv's cuBLAS GEMM on the handoff
     assert plan[32][1]["qkv"] == (f"qkv_rope 16x128 w4 s5 split4 TMA1{sums} (layer 0: norm, "
                                   "then qkv_rope 16x128 w4 s5 split4 TMA1)")  # fmt: skip
     assert plan[32][1]["lm_head"] == "lm_head 256x64 w8 s3 TMA1" + sums
@@ -68,7 +68,7 @@ def test_the_1b_plan_as_committed():
         "cuBLAS + head_scale, the norm from the sums of squares "
         "(its 1 / RMS and the greedy tokens in one launch)"
     )
-    assert plan[64][1]["o_proj"] == "gemv_residual 32x128 w4 s4 split2 TMA2"  # run I7
+    assert plan[64][1]["o_proj"] == "gemv_residual 32x128 w4 s4 split2 TMA2"
 
 
 def test_unmeasured_shapes_and_float32_run_the_reference_kernels():
@@ -85,8 +85,8 @@ def test_unmeasured_shapes_and_float32_run_the_reference_kernels():
     assert eight[8][1]["gate_up"].endswith("the norm from the sums of squares")
     assert eight[16][1]["gate_up"].endswith("the norm from the sums of squares")
     proj = {b: {p: c for p, c in eight[b][1].items() if p != "attention"} for b in (2, 4, 8)}
-    assert proj[2] == proj[4] == proj[8]  # one plan for 2-16 rows (run J9)
-    # the merge lost at the 8B's head_dim 128 (run D3): split + combine at 16
+    assert proj[2] == proj[4] == proj[8]  # one plan for 2-16 rows
+    # the merge lost at the 8B's head_dim 128: split + combine at 16
     assert eight[16][1]["attention"].startswith("split_kv + combine (up to 4 splits; the combine")
     assert eight[32][0].startswith("reference kernels (")
 
@@ -95,10 +95,10 @@ def test_info_prints_the_plan(capsys):
     assert main(["info", "--model", "llama-3.2-1b"]) == 0
     out = capsys.readouterr().out
     assert "decode kernels of llama-3.2-1b (bfloat16" in out
-    assert "  bs bucket 2: fused, tensor cores (M padded to 16)\n" in out  # run J3
-    assert "  bs bucket 8: fused, tensor cores (M padded to 16)\n" in out  # PDL there (run J1)
+    assert "  bs bucket 2: fused, tensor cores (M padded to 16)\n" in out
+    assert "  bs bucket 8: fused, tensor cores (M padded to 16)\n" in out  # PDL there
     assert "  bs bucket 32: fused, tensor cores (M padded to 32)\n" in out  # PDL there
-    assert "    attention split_kv_fold, one launch (up to 2 splits;" in out  # run D2
+    assert "    attention split_kv_fold, one launch (up to 2 splits;" in out
     assert "above 64 rows: reference kernels" in out
     assert main(["info", "--model", "no-such-model"]) == 2  # one line, naming the flag
     assert "argument --model: 'no-such-model' is neither a preset" in capsys.readouterr().err

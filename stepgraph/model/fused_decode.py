@@ -12,8 +12,8 @@
     logits, tokens = lm_head_argmax(r)   final norm, float32 logits, greedy argmax  1 (2 at bs 1)
 
 One row: the broadcast-multiply GEMV tiles (``gemv_tiles``), 100 kernels a step for
-Llama-3.2-1B (0.800 ms exact, 75% of the bandwidth floor, H200, run J5). Two rows and more
-(issue 21): the same kernels on tensor cores, M padded to 16/32/64, split-K where the output is
+Llama-3.2-1B (docs/results.md has the figures). Two rows and more: the same kernels on tensor
+cores, M padded to 16/32/64, split-K where the output is
 narrow, tiles per (shape, bs bucket) in ``kernels/tile_table.TILES`` (``benchmarks/
 proj_sweep.py``; some through TMA, ``kernels/tma_tiles.py``). Where cuBLAS measured faster
 (``tile_table.CUBLAS``: qkv and the LM head at 33-64 rows) the step runs cuBLAS with RoPE/KV-
@@ -23,7 +23,8 @@ the residual (``handoff``, ``kernels/norm_handoff.py``): no norm kernel, before 
 too (its rows' 1 / RMS applied after it). For layer 0 (and with the handoff off) the norm runs
 as its own kernel where ``tile_table.SEPARATE_NORM`` says (or cuBLAS follows), else in the
 prologue. ``DecodeTuning.reference_rows`` (none by default) and a model's reference buckets
-run the reference kernels inside the step. docs/results.md has the figures. The projections
+run the reference kernels inside the step. Every choice is the plan's (``model/step_plan``:
+``plan_step``, cached per bucket); this module executes it. The projections
 are launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``; from
 two rows each lets the next launch after its main loop, ``pdl.rows_trigger``), except where
 ``tile_table.NO_PDL_BUCKETS`` says; of the attention, the combine, and at one row the split
