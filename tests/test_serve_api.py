@@ -206,7 +206,8 @@ BAD = [
 
 
 def test_bad_requests_are_400s_naming_the_field_and_queue_nothing(server):
-    taken, prefills = server.worker._taken, server.worker.engine.stats.prefills
+    w = server.worker
+    handed = w.sent, w.taken, w.engine.stats.prefills  # sent, read by the engine, prefilled
     for body, field in BAD:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = httpx.post(server.url + "/v1/completions", content=raw, timeout=10,
@@ -221,7 +222,7 @@ def test_bad_requests_are_400s_naming_the_field_and_queue_nothing(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": "gpt-4", "prompt": [1]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"]
-    assert (server.worker._taken, server.worker.engine.stats.prefills) == (taken, prefills)
+    assert (w.sent, w.taken, w.engine.stats.prefills) == handed
     ok = server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
                                           temperature=0, extra_body=IDS)  # fmt: skip
     assert len(_ids(ok.choices[0])) == 4

@@ -116,14 +116,14 @@ def test_greedy_tokens_equal_stepgraph_generate_plain_and_streamed(server, capsy
 
 
 def test_bad_requests_are_400s_with_nothing_sent_and_past_max_waiting_a_503(server):
-    sent = server.worker._child.sent
+    sent = server.worker.sent
     for body, field in [
         ({"model": "tiny", "prompt": [1, 512]}, "prompt"),
         ({"model": "tiny", "prompt": [1], "max_tokens": -1}, "max_tokens"),
     ]:
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == field
-    assert server.worker._child.sent == sent  # nothing reached the engine
+    assert server.worker.sent == sent  # nothing reached the engine
     handlers = server.app.state.handlers
 
     async def crowd():

@@ -1,6 +1,7 @@
 """The ASGI app of `stepgraph serve` (Starlette): ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` over
-one worker: ``ProcessWorker`` (the engine in its own process) or ``EngineWorker`` (a thread).
+one ``EngineClient`` (``client.py``): ``ProcessWorker`` (the engine in its own process) or
+``EngineWorker`` (a thread), the same engine loop behind either.
 
 A handler checks its request (``protocol.py``; a 400 naming the field, nothing queued), refuses
 it with 503 and ``Retry-After`` while more than ``max_waiting`` requests wait (or while the
@@ -31,10 +32,10 @@ from starlette.routing import Route
 
 from .auth import RequireKey
 from .chat import parse_chat
+from .client import EngineClient, Stream
 from .errors import ApiError, RequestError, ServerBusy, error_body
 from .protocol import DEFAULT_MAX_WAITING, Limits, parse_completion
 from .responses import SSE_DONE, Shapes, TextStream, sse
-from .worker import Stream
 
 
 def _error(err: ApiError) -> JSONResponse:
@@ -65,8 +66,9 @@ class _Streamed(StreamingResponse):
     turn, so a callback queued before it has not run when it returns)."""
 
     def __init__(self, content: Any, on_end: Any, pace: _Pace) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self._on_end, self._pace = on_end, pace
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -99,7 +101,7 @@ def _merged(item: tuple, q: asyncio.Queue, merge: bool) -> tuple:
 
 async def _warm_streaming() -> None:
     """Import now what the first streamed answer would import on the event loop (anyio's task
-    group, about 50 ms): else every token that lands meanwhile waits for it, and the first
+    group, docs/serving.md): else every token that lands meanwhile waits for it, and the first
     client sees them all in one event."""
     import anyio
 
@@ -108,7 +110,9 @@ async def _warm_streaming() -> None:
 
 
 class Handlers:
-    def __init__(self, worker: Any, limits: Limits, tokenizer: Any, max_waiting: int) -> None:
+    def __init__(
+        self, worker: EngineClient, limits: Limits, tokenizer: Any, max_waiting: int
+    ) -> None:
         self.worker, self.limits, self.tokenizer = worker, limits, tokenizer
         self.max_waiting = max_waiting
 
@@ -135,13 +139,19 @@ class Handlers:
             return _error(e)
         stream = self.worker.submit(params, asyncio.get_running_loop(), arrival)
         prefix = "chatcmpl" if chat else "cmpl"
-        shapes = Shapes(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.limits.model,
-                        chat, params.return_token_ids)  # fmt: skip
+        shapes = Shapes(
+            f"{prefix}-{uuid.uuid4().hex}",
+            int(time.time()),
+            self.limits.model,
+            chat,
+            params.return_token_ids,
+        )
         text = TextStream(tok.decode if tok else None, params.stop_texts)
         if params.stream:
             pace = _Pace()
-            return _Streamed(self._events(stream, shapes, text, pace),
-                             lambda: self.worker.abort(stream), pace)  # fmt: skip
+            return _Streamed(
+                self._events(stream, shapes, text, pace), lambda: self.worker.abort(stream), pace
+            )
         answer = asyncio.ensure_future(self._collect(stream, shapes, text))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -221,17 +231,26 @@ class Handlers:
             self.worker.abort(stream)
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.limits.model, "object": "model", "created": int(time.time()),
-                "owned_by": "stepgraph", "max_model_len": self.limits.max_context}  # fmt: skip
+        card = {
+            "id": self.limits.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "stepgraph",
+            "max_model_len": self.limits.max_context,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
         w = self.worker
         ok = w.alive and w.accepting
-        body = {"status": "ok" if ok else "unavailable", "running": w.running,
-                "waiting": w.waiting, "kv_pages_free": w.kv_pages_free,
-                "kv_pages_total": w.kv_pages_total,
-                "engine_pid": getattr(w, "pid", None)}  # fmt: skip
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "running": w.running,
+            "waiting": w.waiting,
+            "kv_pages_free": w.kv_pages_free,
+            "kv_pages_total": w.kv_pages_total,
+            "engine_pid": w.pid,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request) -> Response:
@@ -242,7 +261,7 @@ class Handlers:
 
 
 def build_app(
-    worker: Any,
+    worker: EngineClient,
     limits: Limits,
     tokenizer: Any = None,
     max_waiting: int = DEFAULT_MAX_WAITING,
@@ -255,8 +274,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        if hasattr(worker, "attach"):  # the engine process's messages come on this loop
-            worker.attach(asyncio.get_running_loop())
+        worker.attach(asyncio.get_running_loop())  # the engine's answers come on this loop
         await _warm_streaming()
         yield
         await asyncio.get_running_loop().run_in_executor(None, worker.stop, stop_timeout)
@@ -265,8 +283,12 @@ def build_app(
         return _error(ApiError(f"internal error: {type(exc).__name__}: {exc}"))
 
     async def on_http(request: Request, exc: HTTPException) -> Response:  # 404, 405
-        err = {"message": f"{exc.detail}: {request.method} {request.url.path}",
-               "type": "invalid_request_error", "param": None, "code": None}  # fmt: skip
+        err = {
+            "message": f"{exc.detail}: {request.method} {request.url.path}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
         return JSONResponse({"error": err}, status_code=exc.status_code)
 
     routes = [

@@ -44,8 +44,9 @@ class RequireKey:
                     "missing or incorrect API key: send the server's key as the header "
                     "'Authorization: Bearer <key>' (the OpenAI client's api_key)."
                 )
-                answer = JSONResponse(error_body(err), status_code=err.status,
-                                      headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                answer = JSONResponse(
+                    error_body(err), status_code=err.status, headers={"WWW-Authenticate": "Bearer"}
+                )
                 await answer(scope, receive, send)
                 return
         await self.app(scope, receive, send)

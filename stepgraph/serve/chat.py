@@ -42,8 +42,10 @@ def parse_chat(
     for i, m in enumerate(msgs):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):  # OpenAI's content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and
-                       isinstance(p.get("text"), str) for p in content):  # fmt: skip
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
                 raise field_error(
                     f"messages[{i}].content", "text, or a list of text parts", content
                 )

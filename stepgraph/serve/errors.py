@@ -52,5 +52,12 @@ def error_body(err: ApiError) -> dict:
     return {"error": {"message": message, "type": err.type, "param": err.param, "code": err.code}}
 
 
-__all__ = ["ApiError", "EngineFault", "ModelNotFound", "RequestError", "ServerBusy", "Unauthorized",
-           "error_body"]  # fmt: skip
+__all__ = [
+    "ApiError",
+    "EngineFault",
+    "ModelNotFound",
+    "RequestError",
+    "ServerBusy",
+    "Unauthorized",
+    "error_body",
+]

@@ -14,7 +14,7 @@ from collections import deque
 RATE_WINDOW_S = 10.0
 # seconds; TTFT from a few ms (a short prompt on an idle GPU) to many seconds under load
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-# seconds per output token; the H200's decode step is ~1 ms at one request (README)
+# seconds per output token; from one request's GPU decode step to a loaded CPU
 TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
@@ -64,27 +64,37 @@ class ServeMetrics:
             registry=r,
         )
         self.ttft = Histogram(
-            "stepgraph_time_to_first_token_seconds", "request received to its first token",
-            buckets=TTFT_BUCKETS, registry=r,
-        )  # fmt: skip
+            "stepgraph_time_to_first_token_seconds",
+            "request received to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.tpot = Histogram(
-            "stepgraph_time_per_output_token_seconds", "mean gap between tokens after the first",
-            buckets=TPOT_BUCKETS, registry=r,
-        )  # fmt: skip
+            "stepgraph_time_per_output_token_seconds",
+            "mean gap between tokens after the first",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
         self.finished = Counter(
             "stepgraph_requests_finished", "requests ended, by reason", ["reason"], registry=r
         )
         self._rate = TokenRate()
         self.tokens_per_second.set_function(self._rate.rate)  # computed at each scrape
         self.engine_steps = Gauge(
-            "stepgraph_engine_steps", "engine steps since start: decode replayed by a graph, "
-            "decode run eagerly, packed prefill forwards", ["kind"], registry=r,
-        )  # fmt: skip
+            "stepgraph_engine_steps",
+            "engine steps since start: decode replayed by a graph, "
+            "decode run eagerly, packed prefill forwards",
+            ["kind"],
+            registry=r,
+        )
 
     def watch(self, engine) -> None:
         """Read ``engine.stats`` at each scrape (plain ints; nothing on the engine's path)."""
-        for kind, field in (("graph", "graph_steps"), ("eager", "eager_steps"),
-                            ("prefill", "prefill_steps")):  # fmt: skip
+        for kind, field in (
+            ("graph", "graph_steps"),
+            ("eager", "eager_steps"),
+            ("prefill", "prefill_steps"),
+        ):
             self.engine_steps.labels(kind).set_function(lambda f=field: getattr(engine.stats, f))
 
     def add_tokens(self, n: int, now: float) -> None:

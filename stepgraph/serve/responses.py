@@ -40,14 +40,24 @@ class Shapes:
         )
 
     def _wrap(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}  # fmt: skip
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def final(self, text: str, ids: Sequence[int], reason: str, prompt_tokens: int) -> dict:
         """The whole answer (``stream: false``)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": reason}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         if self.token_ids:

@@ -70,9 +70,12 @@ class Server(uvicorn.Server):
 
 def uvicorn_config(app: Any, shutdown_timeout: float, log_level: str = "warning"):
     return uvicorn.Config(
-        app, lifespan="on", log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+        app,
+        lifespan="on",
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout,
         access_log=False,
-    )  # fmt: skip
+    )
 
 
 class ServerThread:

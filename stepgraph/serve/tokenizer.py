@@ -43,9 +43,11 @@ def load_tokenizer(model: str) -> ServedTokenizer | None:
         return ServedTokenizer(AutoTokenizer.from_pretrained(model, local_files_only=True))
     except (ImportError, OSError, ValueError, TypeError, KeyError) as e:
         log.warning(
-            "no usable tokenizer in %s (%s: %s); serving token ids only", model,
-            type(e).__name__, " ".join(str(e).split())[:160],
-        )  # fmt: skip
+            "no usable tokenizer in %s (%s: %s); serving token ids only",
+            model,
+            type(e).__name__,
+            " ".join(str(e).split())[:160],
+        )
         return None
 
 
