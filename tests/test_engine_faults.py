@@ -1,6 +1,6 @@
 """Faults leak nothing: a step that raises (prefill, decode or sampling) drops every waiting
 and running request and frees its pages; bad sampling arguments are refused before anything
-is queued; the issue-13 hang (failed generates filling a 16-page cache) cannot happen."""
+is queued; failed generates can never fill a small cache and hang the next call."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def _assert_clean(engine: Engine, free: int) -> None:
     assert not engine.has_unfinished
 
 
-def test_hang_repro_is_refused_and_the_next_call_runs():
-    """The issue's repro: 16 pages, max_bs 4, eight generates with top_k=0, then a valid
+def test_failed_generates_never_fill_a_small_cache_and_the_next_call_runs():
+    """16 pages, max_bs 4, eight generates with top_k=0, then a valid
     one. Each bad call is a ConfigError before anything is queued; the valid one finishes."""
     mr = _runner()
     engine = _engine("eager", mr)

@@ -45,8 +45,9 @@ def _runner() -> ModelRunner:
 
 @pytest.fixture(scope="module")
 def server():
-    worker = EngineWorker(lambda: Engine(_runner(), "graph", max_running=MAX_RUNNING),
-                          ServeMetrics())  # fmt: skip
+    worker = EngineWorker(
+        lambda: Engine(_runner(), "graph", max_running=MAX_RUNNING), ServeMetrics()
+    )
     try:
         worker.start(timeout=120)
         app = build_app(worker, engine_limits(worker.engine, "tiny", False, False), None, 64)
@@ -104,8 +105,19 @@ def _ids(choice) -> list[int]:
 def test_completion_plain_and_streamed_equal_stepgraph_generate(server, capsys):
     prompts, n = _prompts(11, 3), 24
     ids = ";".join(",".join(map(str, p)) for p in prompts)
-    argv = ["generate", "--model", "tiny", "--device", "cpu", "--max-new-tokens", str(n),
-            "--ignore-eos", "--json", "--prompt-ids", ids]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        str(n),
+        "--ignore-eos",
+        "--json",
+        "--prompt-ids",
+        ids,
+    ]
     assert cli_main(argv) == 0
     want = json.loads(capsys.readouterr().out)["outputs"]
     for p, w in zip(prompts, want):
@@ -116,10 +128,17 @@ def test_completion_plain_and_streamed_equal_stepgraph_generate(server, capsys):
         assert _ids(ch) == w and ch.finish_reason == "length" and ch.text == ""
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(p), n)
         assert r.object == "text_completion" and r.model == "tiny"
-        chunks = list(server.client.completions.create(
-            model="tiny", prompt=p, max_tokens=n, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body=IDS,
-        ))  # fmt: skip
+        chunks = list(
+            server.client.completions.create(
+                model="tiny",
+                prompt=p,
+                max_tokens=n,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=IDS,
+            )
+        )
         body = [c for c in chunks if c.choices]
         assert [t for c in body for t in _ids(c.choices[0])] == w
         reasons = [c.choices[0].finish_reason for c in body]  # chunks may merge tokens
@@ -137,15 +156,21 @@ def test_32_concurrent_streams_and_5_that_leave_mid_stream(server, reference):
         CONTEXT - len(p) + 1 if i in quits else rng.randint(4, 90) for i, p in enumerate(prompts)
     ]
     url = server.url
-    before = {r: _metric(url, f'stepgraph_requests_finished_total{{reason="{r}"}}')
-              for r in ("abort", "length")}  # fmt: skip
+    before = {
+        r: _metric(url, f'stepgraph_requests_finished_total{{reason="{r}"}}')
+        for r in ("abort", "length")
+    }
     gen_before = _metric(url, "stepgraph_generation_tokens_total")
 
     async def one(client, i):
         stream = await client.completions.create(
-            model="tiny", prompt=prompts[i], max_tokens=lens[i], temperature=0, stream=True,
+            model="tiny",
+            prompt=prompts[i],
+            max_tokens=lens[i],
+            temperature=0,
+            stream=True,
             extra_body=IDS,
-        )  # fmt: skip
+        )
         ids = []
         async for chunk in stream:
             ids += _ids(chunk.choices[0])
@@ -210,8 +235,12 @@ def test_bad_requests_are_400s_naming_the_field_and_queue_nothing(server):
     handed = w.sent, w.taken, w.engine.stats.prefills  # sent, read by the engine, prefilled
     for body, field in BAD:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = httpx.post(server.url + "/v1/completions", content=raw, timeout=10,
-                       headers={"Content-Type": "application/json"})  # fmt: skip
+        r = httpx.post(
+            server.url + "/v1/completions",
+            content=raw,
+            timeout=10,
+            headers={"Content-Type": "application/json"},
+        )
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["param"] == field and err["type"] == "invalid_request_error", (body, err)
@@ -223,8 +252,9 @@ def test_bad_requests_are_400s_naming_the_field_and_queue_nothing(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"]
     assert (w.sent, w.taken, w.engine.stats.prefills) == handed
-    ok = server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
-                                          temperature=0, extra_body=IDS)  # fmt: skip
+    ok = server.client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0, extra_body=IDS
+    )
     assert len(_ids(ok.choices[0])) == 4
 
 
@@ -273,8 +303,9 @@ def test_an_engine_fault_fails_the_requests_in_flight_and_the_next_is_served(ser
         assert "injected decode fault" in err.body["message"]
     for err, ids in out[2:]:
         assert err.body["code"] == "engine_fault" and len(ids) <= 1  # a first token at most
-    r = server.client.completions.create(model="tiny", prompt=prompts[4], max_tokens=12,
-                                         temperature=0, extra_body=IDS)  # fmt: skip
+    r = server.client.completions.create(
+        model="tiny", prompt=prompts[4], max_tokens=12, temperature=0, extra_body=IDS
+    )
     assert _ids(r.choices[0]) == reference([prompts[4]], 12)[0]
 
 
@@ -303,8 +334,11 @@ def test_over_max_waiting_is_a_503_with_retry_after(server):
         deadline = time.monotonic() + 10
         while server.worker.waiting < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        r = httpx.post(server.url + "/v1/completions", timeout=10,
-                       json={"model": "tiny", "prompt": [9], "max_tokens": 2})  # fmt: skip
+        r = httpx.post(
+            server.url + "/v1/completions",
+            timeout=10,
+            json={"model": "tiny", "prompt": [9], "max_tokens": 2},
+        )
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert r.json()["error"]["code"] == "server_overloaded"
     finally:
@@ -326,15 +360,23 @@ def test_seeded_sampling_stop_ids_and_min_tokens(server, reference):
     greedy = reference([p], 40)[0]
     stop = greedy[3]
     r = server.client.completions.create(
-        model="tiny", prompt=p, max_tokens=40, temperature=0, stop=[stop],
+        model="tiny",
+        prompt=p,
+        max_tokens=40,
+        temperature=0,
+        stop=[stop],
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     first = greedy.index(stop)
     assert _ids(r.choices[0]) == greedy[: first + 1] and r.choices[0].finish_reason == "stop"
     r = server.client.completions.create(
-        model="tiny", prompt=p, max_tokens=40, temperature=0, stop=[stop],
+        model="tiny",
+        prompt=p,
+        max_tokens=40,
+        temperature=0,
+        stop=[stop],
         extra_body={"return_token_ids": True, "min_tokens": first + 2},
-    )  # fmt: skip
+    )
     later = [i for i, t in enumerate(greedy) if t == stop and i > first]
     n = later[0] + 1 if later else 40
     assert _ids(r.choices[0]) == greedy[:n]
@@ -347,11 +389,15 @@ def test_models_health_and_metrics(server):
     assert h["status"] == "ok" and h["kv_pages_total"] == server.worker.kv_pages_total
     server.client.completions.create(model="tiny", prompt=[1, 2], max_tokens=5, temperature=0)
     text = httpx.get(server.url + "/metrics").text
-    for name in ("stepgraph_requests_running", "stepgraph_requests_waiting",
-                 "stepgraph_kv_pages_free", "stepgraph_generation_tokens_total",
-                 "stepgraph_generation_tokens_per_second",
-                 "stepgraph_time_to_first_token_seconds_bucket",
-                 "stepgraph_time_per_output_token_seconds_count"):  # fmt: skip
+    for name in (
+        "stepgraph_requests_running",
+        "stepgraph_requests_waiting",
+        "stepgraph_kv_pages_free",
+        "stepgraph_generation_tokens_total",
+        "stepgraph_generation_tokens_per_second",
+        "stepgraph_time_to_first_token_seconds_bucket",
+        "stepgraph_time_per_output_token_seconds_count",
+    ):
         assert re.search(rf"^{name}[ {{]", text, re.M), name
     assert _metric(server.url, "stepgraph_time_to_first_token_seconds_count") >= 1
     assert _metric(server.url, "stepgraph_generation_tokens_per_second") > 0

@@ -61,8 +61,10 @@ def test_v1_needs_the_key_and_health_and_metrics_stay_open(worker):
     with ServerThread(_app(worker, KEY)) as url:
         refused = ["", "Bearer wrong", KEY, f"Bearer {KEY}x", "Bearer", f"Basic {KEY}"]
         for headers in [{"Authorization": v} if v else {} for v in refused]:
-            for r in (httpx.get(url + "/v1/models", headers=headers),
-                      httpx.post(url + "/v1/completions", json=BODY, headers=headers)):  # fmt: skip
+            for r in (
+                httpx.get(url + "/v1/models", headers=headers),
+                httpx.post(url + "/v1/completions", json=BODY, headers=headers),
+            ):
                 assert r.status_code == 401, (headers, r.text)
                 err = r.json()["error"]
                 assert (
@@ -92,8 +94,15 @@ def test_without_a_key_nothing_is_asked(worker):
 def test_the_bearer_header_is_matched_exactly():
     key = KEY.encode()
     assert bearer_matches(b"Bearer " + key, key) and bearer_matches(b"bearer  " + key, key)
-    for value in (None, b"", key, b"Basic " + key, b"Bearer " + key[:-1], b"Bearer " + key + b"x",
-                  b"Bearer"):  # fmt: skip
+    for value in (
+        None,
+        b"",
+        key,
+        b"Basic " + key,
+        b"Bearer " + key[:-1],
+        b"Bearer " + key + b"x",
+        b"Bearer",
+    ):
         assert not bearer_matches(value, key), value
 
 

@@ -45,8 +45,16 @@ def _engine() -> Engine:
 
 
 def _fields(prompt, max_tokens, temperature=0.0, seed=None):
-    p = SimpleNamespace(prompt_ids=prompt, max_tokens=max_tokens, stop_ids=None, ignore_eos=True,
-                        min_tokens=0, seed=seed, temperature=temperature, top_k=None)  # fmt: skip
+    p = SimpleNamespace(
+        prompt_ids=prompt,
+        max_tokens=max_tokens,
+        stop_ids=None,
+        ignore_eos=True,
+        min_tokens=0,
+        seed=seed,
+        temperature=temperature,
+        top_k=None,
+    )
     return submit_fields(p)
 
 
@@ -110,8 +118,13 @@ def test_one_message_per_step_with_the_tokens_generate_gives():
 
 
 def test_an_abort_before_it_runs_frees_it_and_an_unknown_id_is_ignored():
-    msgs = _run(_engine(), (SUBMIT, 1, _fields([1, 2], 40)), (ABORT, 1), (ABORT, 99),
-                (SUBMIT, 2, _fields([3], 2)))  # fmt: skip
+    msgs = _run(
+        _engine(),
+        (SUBMIT, 1, _fields([1, 2], 40)),
+        (ABORT, 1),
+        (ABORT, 99),
+        (SUBMIT, 2, _fields([3], 2)),
+    )
     toks, reasons = _tokens(msgs)
     assert 1 not in toks and reasons == {2: "length"} and len(toks[2]) == 2
 
@@ -166,9 +179,16 @@ def _stalled_engine() -> Engine:
 
 def test_the_thread_transport_refuses_what_is_in_flight_when_it_stops():
     w = EngineWorker(_stalled_engine).start(timeout=60)
-    params = SimpleNamespace(prompt_ids=[STALL, 2, 3], max_tokens=60, stop_ids=None,
-                             ignore_eos=True, min_tokens=0, seed=None, temperature=0.0,
-                             top_k=None)  # fmt: skip
+    params = SimpleNamespace(
+        prompt_ids=[STALL, 2, 3],
+        max_tokens=60,
+        stop_ids=None,
+        ignore_eos=True,
+        min_tokens=0,
+        seed=None,
+        temperature=0.0,
+        top_k=None,
+    )
 
     async def go():
         loop = asyncio.get_running_loop()

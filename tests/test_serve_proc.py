@@ -39,8 +39,16 @@ from tests.test_serve_api import IDS, _health, _ids, _metric, _wait_idle  # noqa
 from tests.test_serve_cli import Served, gone  # noqa: E402
 
 MAX_RUNNING, CONTEXT = 16, 256
-SPEC = EngineSpec("tiny", "cpu", "float32", "graph", MAX_RUNNING, CONTEXT, warmup=False,
-                  setup="tests.serve_hooks:arm")  # fmt: skip
+SPEC = EngineSpec(
+    "tiny",
+    "cpu",
+    "float32",
+    "graph",
+    MAX_RUNNING,
+    CONTEXT,
+    warmup=False,
+    setup="tests.serve_hooks:arm",
+)
 
 
 def _serve(worker):
@@ -57,8 +65,9 @@ def server():
             mp.setattr(engine_proc, "PIPE_BYTES", 4096)
             app, thread = _serve(worker)
             with thread as url:
-                client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                                       timeout=30)  # fmt: skip
+                client = openai.OpenAI(
+                    base_url=url + "/v1", api_key="none", max_retries=0, timeout=30
+                )
                 yield SimpleNamespace(url=url, worker=worker, app=app, client=client)
     finally:
         worker.stop(30)
@@ -81,8 +90,19 @@ def _prompts(seed: int, n: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
 def _generate(capsys, prompts: list[list[int]], n: int) -> list[list[int]]:
     """`stepgraph generate`, greedy, eos ignored: the reference outputs."""
     ids = ";".join(",".join(map(str, p)) for p in prompts)
-    argv = ["generate", "--model", "tiny", "--device", "cpu", "--max-new-tokens", str(n),
-            "--ignore-eos", "--json", "--prompt-ids", ids]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        str(n),
+        "--ignore-eos",
+        "--json",
+        "--prompt-ids",
+        ids,
+    ]
     assert cli_main(argv) == 0
     return json.loads(capsys.readouterr().out)["outputs"]
 
@@ -104,10 +124,14 @@ def test_greedy_tokens_equal_stepgraph_generate_plain_and_streamed(server, capsy
         assert chunks[-1].choices[0].finish_reason == "length"
     assert _health(server.url)["engine_pid"] not in (None, os.getpid())
     text = httpx.get(server.url + "/metrics").text  # kept by the front end from the messages
-    for name in ("stepgraph_requests_running", "stepgraph_requests_waiting",
-                 "stepgraph_kv_pages_free", "stepgraph_generation_tokens_per_second",
-                 "stepgraph_time_to_first_token_seconds_bucket",
-                 "stepgraph_time_per_output_token_seconds_bucket"):  # fmt: skip
+    for name in (
+        "stepgraph_requests_running",
+        "stepgraph_requests_waiting",
+        "stepgraph_kv_pages_free",
+        "stepgraph_generation_tokens_per_second",
+        "stepgraph_time_to_first_token_seconds_bucket",
+        "stepgraph_time_per_output_token_seconds_bucket",
+    ):
         assert name in text, name
     assert _metric(server.url, "stepgraph_time_to_first_token_seconds_count") >= 6
     assert _metric(server.url, "stepgraph_generation_tokens_total") >= 6 * n
@@ -128,8 +152,13 @@ def test_bad_requests_are_400s_with_nothing_sent_and_past_max_waiting_a_503(serv
 
     async def crowd():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
-            body = {"model": "tiny", "prompt": [SLOW, 1], "max_tokens": 4, "stream": True,
-                    "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": "tiny",
+                "prompt": [SLOW, 1],
+                "max_tokens": 4,
+                "stream": True,
+                "ignore_eos": True,
+            }
             async with c.stream("POST", "/v1/completions", json=body) as slow:
                 lines = slow.aiter_lines()
                 while not (await lines.__anext__()).startswith("data: "):
@@ -169,9 +198,13 @@ def test_concurrent_streams_while_some_clients_leave(server, capsys):
 
     async def one(client, i):
         stream = await client.completions.create(
-            model="tiny", prompt=prompts[i], max_tokens=lens[i], temperature=0, stream=True,
+            model="tiny",
+            prompt=prompts[i],
+            max_tokens=lens[i],
+            temperature=0,
+            stream=True,
             extra_body=IDS,
-        )  # fmt: skip
+        )
         ids = []
         async for chunk in stream:
             ids += _ids(chunk.choices[0])
@@ -181,8 +214,9 @@ def test_concurrent_streams_while_some_clients_leave(server, capsys):
         return ids
 
     async def run_all():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
-                                      max_retries=0, timeout=30) as c:  # fmt: skip
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30
+        ) as c:
             return await asyncio.gather(*(one(c, i) for i in range(20)))
 
     got = asyncio.run(run_all())
@@ -211,14 +245,21 @@ def test_a_full_pipe_holds_the_requests_back_in_order(server, capsys, monkeypatc
     want = _generate(capsys, prompts, 4)
 
     async def run_all():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
-                                      max_retries=0, timeout=30) as c:  # fmt: skip
-            slow = await c.completions.create(model="tiny", prompt=[STALL, 1], max_tokens=200,
-                                              temperature=0, stream=True)  # fmt: skip
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30
+        ) as c:
+            slow = await c.completions.create(
+                model="tiny", prompt=[STALL, 1], max_tokens=200, temperature=0, stream=True
+            )
             await slow.__anext__()  # it runs: every step sleeps now
-            outs = await asyncio.gather(*(
-                c.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0,
-                                     extra_body=IDS) for p in prompts))  # fmt: skip
+            outs = await asyncio.gather(
+                *(
+                    c.completions.create(
+                        model="tiny", prompt=p, max_tokens=4, temperature=0, extra_body=IDS
+                    )
+                    for p in prompts
+                )
+            )
             await slow.close()
             return [_ids(r.choices[0]) for r in outs]
 
@@ -228,10 +269,19 @@ def test_a_full_pipe_holds_the_requests_back_in_order(server, capsys, monkeypatc
 
 def _leave_at_once(port: int, prompt: list[int], max_tokens: int, wait_headers: bool) -> None:
     """A streamed request whose client resets the connection before reading a token."""
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                       "ignore_eos": True, "stream": True}).encode()  # fmt: skip
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
     s.sendall(head + body)
@@ -255,8 +305,9 @@ def _check_leavers_aborted(url: str, worker, spent_before: float) -> None:
 
 
 def test_clients_that_leave_before_their_first_byte_are_aborted(server):
-    _check_leavers_aborted(server.url, server.worker,
-                           _metric(server.url, "stepgraph_generation_tokens_total"))  # fmt: skip
+    _check_leavers_aborted(
+        server.url, server.worker, _metric(server.url, "stepgraph_generation_tokens_total")
+    )
 
 
 def test_clients_that_leave_before_their_first_byte_are_aborted_engine_thread():
@@ -280,15 +331,17 @@ async def _all_fail(url: str, running: list[list[int]], bad: list[int], n: int) 
             if not stream:
                 await c.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0)
                 return None
-            async for _ in await c.completions.create(model="tiny", prompt=p, max_tokens=n,
-                                                      temperature=0, stream=True):  # fmt: skip
+            async for _ in await c.completions.create(
+                model="tiny", prompt=p, max_tokens=n, temperature=0, stream=True
+            ):
                 pass
         except openai.APIError as e:
             return e
         return None
 
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
-                                  timeout=30) as c:  # fmt: skip
+    async with openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key="x", max_retries=0, timeout=30
+    ) as c:
         first = [asyncio.ensure_future(one(c, p, i % 2 == 1)) for i, p in enumerate(running)]
         await asyncio.sleep(0.3)  # they run (slowed: STALL), then the bad one joins them
         last = await one(c, bad, False)
@@ -304,8 +357,9 @@ def test_an_engine_fault_fails_what_is_in_flight_and_the_next_is_served(server, 
         assert "injected decode fault" in e.body["message"]
     assert errors[0].status_code == 500 and errors[-1].status_code == 500
     (p,) = _prompts(24, 1)
-    r = server.client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0,
-                                         extra_body=IDS)  # fmt: skip
+    r = server.client.completions.create(
+        model="tiny", prompt=p, max_tokens=10, temperature=0, extra_body=IDS
+    )
     assert _ids(r.choices[0]) == _generate(capsys, [p], 10)[0]
     assert _health(server.url)["engine_pid"] == pid  # the same process carried on
 
@@ -328,8 +382,9 @@ def test_a_dead_engine_process_fails_what_is_in_flight_and_is_started_again(serv
     h = _health(server.url)
     assert h["status"] == "ok" and h["engine_pid"] not in (pid, None), h
     (p,) = _prompts(26, 1)
-    r = server.client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0,
-                                         extra_body=IDS)  # fmt: skip
+    r = server.client.completions.create(
+        model="tiny", prompt=p, max_tokens=10, temperature=0, extra_body=IDS
+    )
     assert _ids(r.choices[0]) == _generate(capsys, [p], 10)[0]
     assert server.worker.restarts == 1
 

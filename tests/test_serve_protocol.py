@@ -32,17 +32,34 @@ def _ok(**kw) -> dict:
 def test_defaults_and_the_fields_that_reach_the_engine():
     p = parse_completion(_ok(), LIM)
     assert (p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.seed) == (
-        [1, 2, 3], DEFAULT_MAX_TOKENS, 1.0, None, None,
-    )  # fmt: skip
+        [1, 2, 3],
+        DEFAULT_MAX_TOKENS,
+        1.0,
+        None,
+        None,
+    )
     assert not (p.stream or p.ignore_eos or p.return_token_ids or p.include_usage or p.chat)
     p = parse_completion(
-        _ok(max_tokens=62, temperature=0, top_k=5, seed=2**64 - 1, stop=[7, 9],
-            stop_token_ids=[9, 4], ignore_eos=True, min_tokens=3, return_token_ids=True,
-            stream=True, stream_options={"include_usage": True}, n=1, top_p=1.0, logprobs=None,
+        _ok(
+            max_tokens=62,
+            temperature=0,
+            top_k=5,
+            seed=2**64 - 1,
+            stop=[7, 9],
+            stop_token_ids=[9, 4],
+            ignore_eos=True,
+            min_tokens=3,
+            return_token_ids=True,
+            stream=True,
+            stream_options={"include_usage": True},
+            n=1,
+            top_p=1.0,
+            logprobs=None,
             user="u",
-            unknown_field={"x": 1}),
+            unknown_field={"x": 1},
+        ),
         LIM,
-    )  # fmt: skip
+    )
     assert p.max_tokens == 62 and p.temperature == 0.0 and p.top_k == 5 and p.seed == 2**64 - 1
     assert p.stop_ids == (7, 9, 4) and p.ignore_eos and p.min_tokens == 3 and p.include_usage
     for off in (-1, 0):  # vLLM's "no top-k"
@@ -130,22 +147,30 @@ def test_text_prompts_stops_and_chat_go_through_the_tokenizer():
     with pytest.raises(RequestError) as e:
         parse_completion(_ok(prompt="a" * 600), TEXT, encode)  # an id >= vocab
     assert e.value.param == "prompt"
-    msgs = [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "hi"}]}]  # fmt: skip
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
     seen = []
     chat = parse_chat({"model": "tiny", "messages": msgs}, TEXT, lambda m: seen.append(m) or [4, 5])
     assert seen[0][1] == {"role": "user", "content": "hi"} and chat.chat
     assert chat.max_tokens == 64 - 2 + 1  # the context left
-    assert parse_chat({"model": "tiny", "messages": msgs, "max_completion_tokens": 5}, TEXT,
-                      lambda m: [4]).max_tokens == 5  # fmt: skip
+    assert (
+        parse_chat(
+            {"model": "tiny", "messages": msgs, "max_completion_tokens": 5}, TEXT, lambda m: [4]
+        ).max_tokens
+        == 5
+    )
     for body, field in [
         ({"model": "tiny"}, "messages"),
         ({"model": "tiny", "messages": []}, "messages"),
         ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages[0]"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image"}]}]},
-         "messages[0].content"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "messages[0].content",
+        ),
         ({"model": "tiny", "messages": msgs, "max_completion_tokens": 64}, "max_completion_tokens"),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises(RequestError) as e:
             parse_chat(body, TEXT, lambda m: [4, 5])
         assert e.value.param == field
@@ -162,7 +187,9 @@ def test_response_shapes():
     assert final["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
     c = Shapes("chatcmpl-1", 5, "m", chat=True, token_ids=False)
     assert c.final("hi", [1], "stop", 2)["choices"][0]["message"] == {
-        "role": "assistant", "content": "hi"}  # fmt: skip
+        "role": "assistant",
+        "content": "hi",
+    }
     first, later = c.chunk("a", [1], None, first=True), c.chunk("b", [2], "stop")
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
     assert (

@@ -22,8 +22,10 @@ def _engine(mode: str = "eager") -> Engine:
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, VOCAB, (int(k),), generator=g).tolist()
-            for k in torch.randint(3, 20, (n,), generator=g)]  # fmt: skip
+    return [
+        torch.randint(1, VOCAB, (int(k),), generator=g).tolist()
+        for k in torch.randint(3, 20, (n,), generator=g)
+    ]
 
 
 def _run(engine: Engine, specs: list[dict]) -> list[list[int]]:
@@ -55,8 +57,10 @@ def test_a_seeded_request_samples_the_same_alone_in_a_crowd_and_as_generate():
 
 def test_an_unseeded_sampled_request_draws_its_own_random_seed():
     p = _prompts(2, 1)[0]
-    outs = {tuple(_run(_engine(), [dict(prompt=p, kw=dict(sampling=Sampling(2.0)))])[0])
-            for _ in range(3)}  # fmt: skip
+    outs = {
+        tuple(_run(_engine(), [dict(prompt=p, kw=dict(sampling=Sampling(2.0)))])[0])
+        for _ in range(3)
+    }
     assert len(outs) > 1
 
 

@@ -32,8 +32,15 @@ SPEC = EngineSpec("tiny", "cpu", "float32", "graph", 4, 256, warmup=False)
 
 def _events(url: str, n: int, prompt: list[int]) -> list[list[int]]:
     """The token ids of each event of a streamed completion of ``n`` tokens."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     out = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -135,9 +142,11 @@ def test_the_engine_build_says_each_phase_as_it_begins_and_ends(capsys):
     finally:
         engine.shutdown()
     lines = [x for x in err.splitlines() if x.startswith("stepgraph serve: ")]
-    for what in ("building random (seed 0) weights of tiny on cpu (float32)",
-                 "building the engine (graph, capturing its decode graphs)",
-                 "one warm-up request"):  # fmt: skip
+    for what in (
+        "building random (seed 0) weights of tiny on cpu (float32)",
+        "building the engine (graph, capturing its decode graphs)",
+        "one warm-up request",
+    ):
         begin = next(i for i, x in enumerate(lines) if what in x and x.endswith("..."))
         end = next(i for i, x in enumerate(lines) if what in x and ": done in " in x)
         assert begin < end, lines

@@ -49,16 +49,27 @@ def _write_checkpoint(path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         pad_token="<pad>",
-    )  # fmt: skip
+    )
     fast.chat_template = TEMPLATE
     fast.save_pretrained(path)
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -108,8 +119,18 @@ def _text(seed: int, n: int) -> str:
 
 def _generate(capsys, path: str, n: int, **src) -> list[int]:
     flag, value = next(iter(src.items()))
-    argv = ["generate", "--model", path, "--device", "cpu", "--max-new-tokens", str(n), "--json",
-            f"--{flag.replace('_', '-')}", value]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        path,
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        str(n),
+        "--json",
+        f"--{flag.replace('_', '-')}",
+        value,
+    ]
     assert cli_main(argv) == 0
     return json.loads(capsys.readouterr().out)["outputs"][0]
 
@@ -117,8 +138,13 @@ def _generate(capsys, path: str, n: int, **src) -> list[int]:
 def test_text_prompt_equals_stepgraph_generate_and_streams_the_same_text(served, capsys):
     prompt = _text(1, 9)
     want = _generate(capsys, served.path, 20, prompt=prompt)
-    r = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
-                                         extra_body={"return_token_ids": True})  # fmt: skip
+    r = served.client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=20,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     (ch,) = r.choices
     assert ch.model_extra["token_ids"] == want and ch.text == served.tok.decode(want)
     assert len(set(want)) > 3 and len(ch.text.split()) == 20  # a varied text, one word a token
@@ -126,23 +152,34 @@ def test_text_prompt_equals_stepgraph_generate_and_streams_the_same_text(served,
     ids = served.tok.encode(prompt)
     by_ids = served.client.completions.create(model=NAME, prompt=ids, max_tokens=20, temperature=0)
     assert by_ids.choices[0].text == ch.text
-    pieces = [c.choices[0].text for c in served.client.completions.create(
-        model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True)]  # fmt: skip
+    pieces = [
+        c.choices[0].text
+        for c in served.client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True
+        )
+    ]
     assert "".join(pieces) == ch.text and 1 <= len(pieces) <= 20  # chunks may merge tokens
 
 
 def test_a_stop_string_cuts_the_text_and_ends_the_request(served):
     prompt = _text(2, 7)
-    full = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=30,
-                                            temperature=0).choices[0].text  # fmt: skip
+    full = (
+        served.client.completions.create(model=NAME, prompt=prompt, max_tokens=30, temperature=0)
+        .choices[0]
+        .text
+    )
     words = full.split()
     stop = f"{words[5]} {words[6]}"  # two words: a stop that spans two tokens
     cut = full[: full.index(stop)]
     for stream in (False, True):
         r = served.client.completions.create(
-            model=NAME, prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "zz-never"],
+            model=NAME,
+            prompt=prompt,
+            max_tokens=30,
+            temperature=0,
+            stop=[stop, "zz-never"],
             stream=stream,
-        )  # fmt: skip
+        )
         if stream:
             chunks = list(r)
             text = "".join(c.choices[0].text for c in chunks)
@@ -166,13 +203,17 @@ def test_chat_completions_go_through_the_chat_template(served, capsys):
     ids = served.tok.apply_template(msgs)
     assert ids[:2] == [WORDS.index("<s>"), WORDS.index("system")]
     want = _generate(capsys, served.path, 12, prompt_ids=",".join(map(str, ids)))
-    r = served.client.chat.completions.create(model=NAME, messages=msgs, max_tokens=12,
-                                              temperature=0)  # fmt: skip
+    r = served.client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=12, temperature=0
+    )
     (ch,) = r.choices
     assert ch.message.role == "assistant" and ch.message.content == served.tok.decode(want)
     assert r.object == "chat.completion" and r.usage.prompt_tokens == len(ids)
-    chunks = list(served.client.chat.completions.create(
-        model=NAME, messages=msgs, max_tokens=12, temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        served.client.chat.completions.create(
+            model=NAME, messages=msgs, max_tokens=12, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content for c in chunks) == ch.message.content
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -182,12 +223,22 @@ def test_streams_send_one_event_per_token_for_completions_and_chat(served):
     """One request alone: each engine step's token is an event of its own, as it lands."""
     n, prompt = 8, _text(5, 6)
     msgs = [{"role": "user", "content": _text(6, 4)}]
-    chunks = list(served.client.completions.create(
-        model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True,
-        extra_body={"return_token_ids": True}))  # fmt: skip
+    chunks = list(
+        served.client.completions.create(
+            model=NAME,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )
     assert [len(c.choices[0].model_extra["token_ids"]) for c in chunks] == [1] * n
     assert sum(c.choices[0].text != "" for c in chunks) > 1  # text as it comes, too
-    chunks = list(served.client.chat.completions.create(
-        model=NAME, messages=msgs, max_tokens=n, temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        served.client.chat.completions.create(
+            model=NAME, messages=msgs, max_tokens=n, temperature=0, stream=True
+        )
+    )
     assert len(chunks) == n and chunks[-1].choices[0].finish_reason == "length"
     assert sum(bool(c.choices[0].delta.content) for c in chunks) > 1
