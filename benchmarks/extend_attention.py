@@ -12,7 +12,7 @@ time over ours (above 1: we are faster). Each output is checked against SDPA's b
 
 ``--sweep`` also times every candidate tile of ``SWEEP`` on every shape and prints, per
 head_dim, "x SDPA" per tile and shape and its geomean over the shapes: the figures behind
-``DEFAULT_TILES`` in ``stepgraph/kernels/extend_attention.py``.
+``DEFAULT_TILES`` in ``stepgraph/kernels/prefill/extend_attention.py``.
 
 Target (reported, not tested): >= 0.9x SDPA's speed at 8 x 2048 for head_dim 64 and 128.
 Measured on the H200 (2026-12-01, torch 2.11, Triton 3.6, tile m64n64w4s2): 8 x 2048 hd 64
@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from stepgraph.bench.timing import cuda_time_ms
-from stepgraph.kernels.extend_attention import (
+from stepgraph.kernels.prefill.extend_attention import (
     ExtendTile,
     causal_flops,
     default_tile,

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from stepgraph.bench.timing import copy_bandwidth_gbps, cuda_time_ms
-from stepgraph.kernels.flash_decode import DecodeWorkspace, default_variant, flash_decode
-from stepgraph.kernels.splits import PROGRAMS_PER_SM, num_splits_for
+from stepgraph.kernels.decode.flash_decode import DecodeWorkspace, default_variant, flash_decode
+from stepgraph.kernels.decode.splits import PROGRAMS_PER_SM, num_splits_for
 
 N_HEADS, N_KV, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 64, 64, torch.bfloat16
 T_FIXED = 131072

@@ -15,7 +15,8 @@ the point. A variant that fails either is flagged and never picked.
 
 The last lines printed: per point the default next to the best variant, then the variant with
 the best geometric mean over all points. To adopt it, edit ``DEFAULT_VARIANTS`` in
-``stepgraph/kernels/flash_decode.py`` and ``PROGRAMS_PER_SM`` in ``stepgraph/kernels/splits.py``.
+``stepgraph/kernels/decode/flash_decode.py`` and ``PROGRAMS_PER_SM`` in
+``stepgraph/kernels/decode/splits.py``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 
 from benchmarks.flash_decode import DTYPE, HEAD_DIM, N_HEADS, N_KV, PAGE_SIZE, graph_of, time_us
 from stepgraph.bench.timing import copy_bandwidth_gbps
-from stepgraph.kernels.flash_decode import DecodeWorkspace, KernelVariant, flash_decode
-from stepgraph.kernels.flash_decode import default_variant as _default_variant
-from stepgraph.kernels.reference import paged_decode_reference
-from stepgraph.kernels.splits import PROGRAMS_PER_SM, num_splits_for
+from stepgraph.kernels.decode.flash_decode import DecodeWorkspace, KernelVariant, flash_decode
+from stepgraph.kernels.decode.flash_decode import default_variant as _default_variant
+from stepgraph.kernels.decode.reference import paged_decode_reference
+from stepgraph.kernels.decode.splits import PROGRAMS_PER_SM, num_splits_for
 
 MAX_SPLITS = 64
 POINTS = [(1, 512), (1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (8, 131072),

@@ -1,5 +1,5 @@
-"""FP8-weight GEMV (``kernels/fp8_gemv``, scales per channel and per 128x128 block) against our
-bf16 GEMV (``kernels/gemv``) at Llama-3.2-1B's and Llama-3.1-8B's projection shapes, 1 and 8
+"""FP8-weight GEMV (``kernels/proj/fp8_gemv``, scales per channel and per 128x128 block) against our
+bf16 GEMV (``kernels/proj/gemv``) at Llama-3.2-1B's and Llama-3.1-8B's projection shapes, 1 and 8
 rows of bf16 activations.
 
     PYTHONPATH=. python3 benchmarks/fp8_gemv.py --json $OUT/fp8_gemv.json [--sweep]
@@ -20,9 +20,9 @@ import os
 import torch
 
 from stepgraph.bench.timing import copy_bandwidth_gbps, graph_call_us
-from stepgraph.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference, fp8_tile
-from stepgraph.kernels.gemv import gemv
-from stepgraph.kernels.tile_table import Tile
+from stepgraph.kernels.proj.fp8_gemv import fp8_gemv, fp8_gemv_reference, fp8_tile
+from stepgraph.kernels.proj.gemv import gemv
+from stepgraph.kernels.proj.tile_table import Tile
 from stepgraph.model.fp8_weight import Fp8Weight, quantize_per_block, quantize_per_channel
 
 SHAPES = {  # (N, K) of the fused projections

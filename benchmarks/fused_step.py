@@ -34,11 +34,11 @@ from stepgraph.bench.workload import (
     kv_bytes,
     weight_bytes,
 )
-from stepgraph.kernels.flash_decode import flash_decode
-from stepgraph.kernels.gate_up_silu import gate_up_silu
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax
-from stepgraph.kernels.norm_gemv import gemv_residual
-from stepgraph.kernels.qkv_rope import qkv_rope
+from stepgraph.kernels.decode.flash_decode import flash_decode
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu
+from stepgraph.kernels.proj.norm_gemv import gemv_residual
+from stepgraph.kernels.proj.qkv_rope import qkv_rope
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax
 
 MODEL, DTYPE, PAGE_SIZE, CONTEXT = "llama-3.2-1b", torch.bfloat16, 64, 512
 BATCH_SIZES = (1, 8)

@@ -18,8 +18,8 @@ import torch
 
 from stepgraph.bench.timing import cuda_time_ms, host_time_us
 from stepgraph.graph_update import fa_apply, fa_plan, kernel_nodes
-from stepgraph.kernels.flash_decode import DecodeWorkspace, flash_decode
-from stepgraph.kernels.splits import num_splits_for
+from stepgraph.kernels.decode.flash_decode import DecodeWorkspace, flash_decode
+from stepgraph.kernels.decode.splits import num_splits_for
 
 # Llama-3.2-1B attention: 32 query heads, 8 KV heads, head dim 64, bf16, pages of 64 keys.
 N_HEADS, N_KV, HEAD_DIM, PAGE, BS = 32, 8, 64, 64, 1

@@ -43,7 +43,7 @@ from stepgraph.bench.workload import (
     kv_bytes,
     weight_bytes,
 )
-from stepgraph.kernels.gemv import gemv, gemv_blocks
+from stepgraph.kernels.proj.gemv import gemv, gemv_blocks
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 MODEL, DTYPE, PAGE_SIZE, CONTEXT = "llama-3.2-1b", torch.bfloat16, 64, 512
@@ -135,7 +135,7 @@ def profile_step(step, replays: int = PROFILE_REPLAYS) -> dict:
 def time_policy(mr, name: str, policy, floor_ms: dict, kernels: str = "reference",
                 spec_ms: dict | None = None) -> dict:  # fmt: skip
     mr.model.use_gemv(policy)
-    mr.set_kernels(kernels)  # "fused": one-row steps run model/fused_decode.py
+    mr.set_kernels(kernels)  # "fused": one-row steps run model/decode/fused_decode.py
     cfg = RunnerConfig(max_bs=max(BATCH_SIZES), capture_bs=BATCH_SIZES, show_progress=False)
     t0 = time.perf_counter()
     runner = CudaGraphRunner(mr, cfg)

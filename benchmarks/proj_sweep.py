@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from stepgraph.bench.timing import copy_bandwidth_gbps, graph_call_us
-from stepgraph.kernels.gate_up_silu import gate_up_silu, gate_up_silu_reference
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax, lm_head_argmax_reference
-from stepgraph.kernels.norm_gemv import gemv_residual
-from stepgraph.kernels.proj_tiles import Tile, block_m, tile_for
-from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
-from stepgraph.kernels.rope_kv import rope_kv_reference
+from stepgraph.kernels.elementwise.rope_kv import rope_kv_reference
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu, gate_up_silu_reference
+from stepgraph.kernels.proj.norm_gemv import gemv_residual
+from stepgraph.kernels.proj.proj_tiles import Tile, block_m, tile_for
+from stepgraph.kernels.proj.qkv_rope import qkv_rope, qkv_rope_reference
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax, lm_head_argmax_reference
 
 H, Q, KV, INTER, VOCAB, HD = 2048, 2048, 512, 8192, 128256, 64  # llama-3.2-1b; --preset
 DT = torch.bfloat16

@@ -6,7 +6,7 @@ and attention backend each), and every mode's tokens are compared with eager's:
     eager   the reference: ``ModelRunner.forward`` every step
     graph   ``CudaGraphRunner``, fixed split geometry (captured at the bucket's max context)
     exact   the same graphs, split geometry retuned to the live KV length before each replay
-    walk    ``ConfigGraphRunner`` over the model's decode walk (``model/graph_walks.py``)
+    walk    ``ConfigGraphRunner`` over the model's decode walk (``model/decode/graph_walks.py``)
 
 A mix: 1 to ``max_bs`` requests; prompts log-uniform from 1 token up to the context;
 1 to 24 new tokens; about a third run with ``max_running`` below the batch (requests join

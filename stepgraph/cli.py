@@ -51,7 +51,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("GPU: none visible (graphs run on the CPU stand-in; exact mode needs a GPU)")
     if args.model is not None:
         from .bench.constants import DTYPES
-        from .model.kernel_plan import format_plan
+        from .model.decode.kernel_plan import format_plan
 
         dtype = args.dtype or "bfloat16"
         print(format_plan(args.model, dtype, config, DTYPES[dtype].itemsize))

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import env
-from .kernels.splits import DEFAULT_LADDER, SplitLadder
-from .kernels.tile_table import (
+from .kernels.decode.splits import DEFAULT_LADDER, SplitLadder
+from .kernels.proj.tile_table import (
     CUBLAS,
     NO_PDL_BUCKETS,
     REFERENCE_BUCKETS,
@@ -62,8 +62,8 @@ def _check_pairs(name: str, pairs) -> None:
 
 @dataclass(frozen=True)
 class ProjTables:
-    """The projections' measured tables (``kernels/tile_table.py``): ``tiles`` per (kernel, n, k,
-    BLOCK_M); where norm + cuBLAS won (``cublas``), where the norm as its own kernel won
+    """The projections' measured tables (``kernels/proj/tile_table.py``): ``tiles`` per (kernel, n,
+    k, BLOCK_M); where norm + cuBLAS won (``cublas``), where the norm as its own kernel won
     (``separate_norm``), where a model's bucket ran faster on the reference kernels
     (``reference_buckets``, keyed by its qkv weight's shape) or without PDL
     (``no_pdl_buckets``); and (kernel, BLOCK_M) pairs that take cuBLAS or the separate norm at
@@ -164,7 +164,7 @@ class PdlPlacement:
 
 @dataclass(frozen=True)
 class NormHandoff:
-    """The norm handoff (``kernels/norm_handoff.py``): on from bucket ``min_bucket``, and into
+    """The norm handoff (``kernels/proj/norm_handoff.py``): on from bucket ``min_bucket``, and into
     a cuBLAS qkv or LM head too (``cublas``: the 1 / RMS applied after the GEMM)."""
 
     enabled: bool = True
@@ -232,7 +232,7 @@ class DecodeTuning:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.attention_variant is not None:
-            from .kernels.decode_inputs import KernelVariant
+            from .kernels.decode.decode_inputs import KernelVariant
 
             try:
                 KernelVariant.from_name(self.attention_variant)

@@ -60,8 +60,9 @@ def _warmup(self, *args, grid, warmup, **kwargs):  # every launch compiles and r
 
 jit.JITFunction.run = _warmup
 
-from stepgraph.kernels import extend_attention as ea  # noqa: E402
-from stepgraph.kernels import pdl, proj_tiles, tma_tiles  # noqa: E402
+from stepgraph.kernels import pdl  # noqa: E402
+from stepgraph.kernels.prefill import extend_attention as ea  # noqa: E402
+from stepgraph.kernels.proj import proj_tiles, tma_tiles  # noqa: E402
 
 
 def _tma_ready(*tensors):  # as on a Hopper GPU: the layout rules alone
@@ -78,13 +79,14 @@ _check_extend = ea.check_extend_inputs  # its CPU-tensor refusal lifted, as the 
 ea.check_extend_inputs = lambda *a, **k: _check_extend(*a, **{**k, "interpreted": True})
 
 from stepgraph.bench.workload import Point, decode_batch  # noqa: E402
-from stepgraph.kernels.argmax_rows import argmax_rows  # noqa: E402
-from stepgraph.kernels.decode_inputs import DecodeWorkspace  # noqa: E402
-from stepgraph.kernels.flash_decode import flash_decode  # noqa: E402
-from stepgraph.kernels.fp8_gemv import fp8_gemv  # noqa: E402
-from stepgraph.kernels.fused_act import silu_mul  # noqa: E402
-from stepgraph.kernels.gemv import gemv  # noqa: E402
-from stepgraph.model import ModelRunner, fused_decode  # noqa: E402
+from stepgraph.kernels.decode.decode_inputs import DecodeWorkspace  # noqa: E402
+from stepgraph.kernels.decode.flash_decode import flash_decode  # noqa: E402
+from stepgraph.kernels.elementwise.fused_act import silu_mul  # noqa: E402
+from stepgraph.kernels.proj.fp8_gemv import fp8_gemv  # noqa: E402
+from stepgraph.kernels.proj.gemv import gemv  # noqa: E402
+from stepgraph.kernels.sampling.argmax_rows import argmax_rows  # noqa: E402
+from stepgraph.model import ModelRunner  # noqa: E402
+from stepgraph.model.decode import fused_decode  # noqa: E402
 from stepgraph.runner.graph_inputs import fill_inputs  # noqa: E402
 from stepgraph.runner.input_buffers import GraphInputBuffers, pad_row  # noqa: E402
 from stepgraph.runner.staging import PinnedStaging  # noqa: E402

@@ -12,10 +12,11 @@ import pathlib
 
 import pytest
 
-from stepgraph.kernels import proj_tiles
-from stepgraph.kernels.splits import SplitLadder
-from stepgraph.kernels.tile_table import TILES, Tile
-from stepgraph.model import ModelRunner, fused_decode, step_attention
+from stepgraph.kernels.decode.splits import SplitLadder
+from stepgraph.kernels.proj import proj_tiles
+from stepgraph.kernels.proj.tile_table import TILES, Tile
+from stepgraph.model import ModelRunner
+from stepgraph.model.decode import fused_decode, step_attention
 from stepgraph.tuning import DecodeTuning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels.argmax_parts import fold_block
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax
-from stepgraph.kernels.proj_tiles import Tile, block_m, splitk_workspace
+from stepgraph.kernels.proj.proj_tiles import Tile, block_m, splitk_workspace
+from stepgraph.kernels.sampling.argmax_parts import fold_block
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax
 from stepgraph.tuning import ArgmaxFold, DecodeTuning
 
 EPS = 1e-5
@@ -75,7 +75,7 @@ def test_fold_block():
 
 @pytest.mark.parametrize("m, fold_env, launches", [(1, "1", 1), (2, "1", 0), (2, "0", 1)])
 def test_one_row_keeps_the_second_launch(monkeypatch, m, fold_env, launches):
-    from stepgraph.kernels import lm_head_argmax as lha
+    from stepgraph.kernels.sampling import lm_head_argmax as lha
 
     calls = []
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels.argmax_rows import argmax_rows
+from stepgraph.kernels.sampling.argmax_rows import argmax_rows
 
 
 def _logits(m: int, v: int, seed: int, dtype=torch.float32) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from stepgraph.engine import Engine
 from stepgraph.errors import ConfigError, ReplayError
 from stepgraph.model import ModelRunner
-from stepgraph.model.extend_batch import PrefillChunk
+from stepgraph.model.prefill.extend_batch import PrefillChunk
 from stepgraph.runner import RunnerConfig
 
 from .conftest import rel_err
@@ -173,7 +173,7 @@ def test_extend_refuses_chunks_past_their_pages():
 def test_extend_batch_keeps_the_kernels_specialisation(lens):
     """Whatever the chunk count and lengths, the int32 index tensors start 16-byte aligned and
     the table's row stride is a multiple of 16: Triton compiles no new variant per batch."""
-    from stepgraph.model.extend_batch import build_extend_batch
+    from stepgraph.model.prefill.extend_batch import build_extend_batch
 
     mr = _runner()
     chunks = [PrefillChunk(list(range(1, n + 1)), 0, mr.kv_cache.reserve(n)) for n in lens]

@@ -11,7 +11,7 @@ import torch
 from stepgraph.batch import PACKED
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
-from stepgraph.model.decode_rows import block_table, decode_rows
+from stepgraph.model.decode.decode_rows import block_table, decode_rows
 
 
 def _mr() -> ModelRunner:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from stepgraph.graph_update import fa_apply, fa_plan, kernel_nodes
-from stepgraph.kernels.reference import paged_decode_reference
-from stepgraph.kernels.splits import (
+from stepgraph.kernels.decode.reference import paged_decode_reference
+from stepgraph.kernels.decode.splits import (
     H200_NUM_SMS,
     fa_split_keys,
     ladder_cap,

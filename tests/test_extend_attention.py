@@ -16,10 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from stepgraph.errors import ConfigError
-from stepgraph.kernels.extend_attention import extend_attention
-from stepgraph.kernels.extend_inputs import ExtendTile, check_extend_inputs
-from stepgraph.kernels.extend_reference import extend_attention_reference, extend_attention_torch
-from stepgraph.kernels.reference import paged_decode_reference
+from stepgraph.kernels.decode.reference import paged_decode_reference
+from stepgraph.kernels.prefill.extend_attention import extend_attention
+from stepgraph.kernels.prefill.extend_inputs import ExtendTile, check_extend_inputs
+from stepgraph.kernels.prefill.extend_reference import (
+    extend_attention_reference,
+    extend_attention_torch,
+)
 from tests.conftest import rel_err
 
 NAN = float("nan")

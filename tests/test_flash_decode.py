@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from stepgraph.errors import ConfigError
-from stepgraph.kernels.reference import paged_decode_reference
+from stepgraph.kernels.decode.reference import paged_decode_reference
 
-fd = importlib.import_module("stepgraph.kernels.flash_decode")
+fd = importlib.import_module("stepgraph.kernels.decode.flash_decode")
 
 
 @dataclass
@@ -277,7 +277,7 @@ def test_editable_argument_layout():
     assert (fd.MAIN_KERNEL_NAME, fd.COMBINE_KERNEL_NAME) == ("_split_kv_kernel", "_combine_kernel")
     assert (fd.MAIN_PARTIAL_O_ARG, fd.COMBINE_PARTIAL_O_ARG, fd.COMBINE_N_SPLITS_ARG) == (0, 0, 1)
     code = (
-        "import stepgraph.kernels.flash_decode as fd\n"
+        "import stepgraph.kernels.decode.flash_decode as fd\n"
         "m, c = fd._split_kv_kernel, fd._combine_kernel\n"
         "assert m.__name__ == fd.MAIN_KERNEL_NAME and c.__name__ == fd.COMBINE_KERNEL_NAME\n"
         "assert m.arg_names[fd.MAIN_PARTIAL_O_ARG] == 'partial_o_ptr'\n"

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from stepgraph.errors import ConfigError
-from stepgraph.kernels import proj_tiles
-from stepgraph.kernels.fp8_gemv import (
+from stepgraph.kernels.proj import proj_tiles
+from stepgraph.kernels.proj.fp8_gemv import (
     MAX_M,
     TARGET_PROGRAMS,
     fp8_gemv,
     fp8_gemv_reference,
     fp8_tile,
 )
-from stepgraph.kernels.tile_table import Tile
+from stepgraph.kernels.proj.tile_table import Tile
 from stepgraph.model.fp8_weight import quantize_per_block, quantize_per_channel
 from tests.conftest import rel_err
 

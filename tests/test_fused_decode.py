@@ -1,4 +1,4 @@
-"""The fused decode step (``model/fused_decode.py``) on the CPU: its kernels under the Triton
+"""The fused decode step (``model/decode/fused_decode.py``) on the CPU: its kernels under the Triton
 interpreter against ``ModelRunner.forward``'s reference ops on the tiny preset (logits, greedy
 tokens, the K/V written), and the kernel switch of ``ModelRunner``."""
 
@@ -12,8 +12,8 @@ import torch
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.errors import ConfigError
 from stepgraph.kernels.pdl import TRIGGER_MODES
-from stepgraph.model import fused_decode, fused_mlp, step_plan
-from stepgraph.model.fused_decode import fused_decode_step, reference_rows, unfusable_reason
+from stepgraph.model.decode import fused_decode, fused_mlp, step_plan
+from stepgraph.model.decode.fused_decode import fused_decode_step, reference_rows, unfusable_reason
 from stepgraph.tuning import DecodeTuning, NormHandoff, PdlPlacement
 
 
@@ -41,7 +41,7 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch, tuning
     else:  # the norm handoff at every bucket above one
         tuning = dataclasses.replace(tuning, handoff=NormHandoff(min_bucket=2))
     if path == "separate norm":  # norm kernel, then the fused kernel's _normed variant
-        from stepgraph.kernels import proj_tiles
+        from stepgraph.kernels.proj import proj_tiles
 
         tables = dataclasses.replace(tuning.tables, separate_norm_everywhere={
             (k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)
@@ -81,7 +81,7 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
     unfused inside the fused step: same logits, tokens and K/V as the reference ops (tiny
     shapes listed here; the table is bf16-only, so the element-size check is lifted for this
     float32 model, and a spy counts the unfused choices the step made)."""
-    from stepgraph.kernels import proj_tiles
+    from stepgraph.kernels.proj import proj_tiles
 
     cfg = mr.config
     qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -109,7 +109,7 @@ def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr, monkeypatch):
     """The 1B preset's bf16 shapes have tiles at every tile class; the tiny preset's do not,
     and float32 never does: the step runs the reference kernels there (``proj_tiles.measured``),
     as the rule's tiles ran the 8B preset at half cuBLAS's speed."""
-    from stepgraph.kernels import proj_tiles
+    from stepgraph.kernels.proj import proj_tiles
     from stepgraph.model import ModelRunner
 
     big = ModelRunner.from_preset("llama-3.2-1b", "cpu", torch.bfloat16, num_layers=1,
@@ -223,7 +223,7 @@ def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention
 
 
 def test_no_pdl_table_keys():
-    from stepgraph.kernels.proj_tiles import no_pdl_bucket
+    from stepgraph.kernels.proj.proj_tiles import no_pdl_bucket
 
     # Llama-3.2-1B: PDL at every bucket since the late trigger (run J1; 8 and 16 were off)
     assert not any(no_pdl_bucket(3072, 2048, b) for b in (4, 8, 16, 32, 64))

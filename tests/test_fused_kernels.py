@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from stepgraph.errors import ConfigError
-from stepgraph.kernels.fused_act import silu_mul
-from stepgraph.kernels.fused_norm import add_rmsnorm, embed_rmsnorm
-from stepgraph.kernels.gemv import gemv
-from stepgraph.kernels.rope_kv import apply_rope, rope_kv
+from stepgraph.kernels.elementwise.fused_act import silu_mul
+from stepgraph.kernels.elementwise.fused_norm import add_rmsnorm, embed_rmsnorm
+from stepgraph.kernels.elementwise.rope_kv import apply_rope, rope_kv
+from stepgraph.kernels.proj.gemv import gemv
 from tests.conftest import rel_err
 from tests.references import rope64
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels.gate_up_silu import gate_up_silu, gate_up_silu_reference
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax
-from stepgraph.kernels.norm_gemv import (
+from stepgraph.kernels.pdl import launch_options, pdl_enabled, resolve_pdl
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu, gate_up_silu_reference
+from stepgraph.kernels.proj.norm_gemv import (
     gemv_residual,
     gemv_residual_reference,
     norm_gemv,
     norm_gemv_reference,
 )
-from stepgraph.kernels.pdl import launch_options, pdl_enabled, resolve_pdl
-from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
+from stepgraph.kernels.proj.qkv_rope import qkv_rope, qkv_rope_reference
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax
 from tests.conftest import rel_err
 from tests.references import check_qkv_rope, rms64
 

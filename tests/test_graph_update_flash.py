@@ -365,8 +365,8 @@ def test_spec_validation_and_registry_conflicts():
 
 
 def test_default_spec_matches_the_kernel_module_and_its_ladder():
-    fd_mod = pytest.importorskip("stepgraph.kernels.split_kv")
-    splits = pytest.importorskip("stepgraph.kernels.splits")
+    fd_mod = pytest.importorskip("stepgraph.kernels.decode.split_kv")
+    splits = pytest.importorskip("stepgraph.kernels.decode.splits")
     # the names the driver reports are the Triton functions' own names
     assert fd_mod.MAIN_KERNEL_NAME == fd_mod._split_kv_kernel.fn.__name__
     assert fd_mod.COMBINE_KERNEL_NAME == fd_mod._combine_kernel.fn.__name__
@@ -403,7 +403,7 @@ def test_without_edges_distinct_pointers_still_pair_and_shared_ones_are_refused(
 
 
 def test_monotone_ladder_table_agrees_with_direct_evaluation():
-    from stepgraph.kernels.splits import monotone_steps
+    from stepgraph.kernels.decode.splits import monotone_steps
 
     rng = random.Random(19)
     for _ in range(20):
@@ -472,7 +472,7 @@ def test_the_wide_head_ladder_retunes_as_the_backend_splits():
     from types import SimpleNamespace
 
     from stepgraph.graph_update.exec_updater import default_exec_updater
-    from stepgraph.kernels.splits import fa_split_keys, ladder_for, num_splits_for
+    from stepgraph.kernels.decode.splits import fa_split_keys, ladder_for, num_splits_for
     from stepgraph.model.attention import PagedAttentionBackend
 
     backend = PagedAttentionBackend(

@@ -10,7 +10,11 @@ import torch
 from stepgraph.engine import Engine
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
-from stepgraph.model.graph_walks import DECODE_WALK, DecodeGraphWalks, build_decode_graph_runner
+from stepgraph.model.decode.graph_walks import (
+    DECODE_WALK,
+    DecodeGraphWalks,
+    build_decode_graph_runner,
+)
 from stepgraph.model.kv_cache import SCRATCH_PAGE
 from stepgraph.runner import RunnerConfig
 

@@ -1,5 +1,5 @@
-"""``kernels/head_scale``: the cuBLAS LM head's rows on the norm handoff, scaled by 1 / RMS into
-float32 logits, and their greedy tokens by the folded reduce, in one launch; under the Triton
+"""``kernels/proj/head_scale``: the cuBLAS LM head's rows on the norm handoff, scaled by 1 / RMS
+into float32 logits, and their greedy tokens by the folded reduce, in one launch; under the Triton
 interpreter against float64 and ``torch.argmax``, with the logits poisoned first, a vocabulary
 of several programs a row (the last one ragged), ties, and the row limit at and past 64."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from stepgraph.errors import ConfigError
-from stepgraph.kernels import head_scale as hs
-from stepgraph.kernels.proj_tiles import splitk_workspace
+from stepgraph.kernels.proj import head_scale as hs
+from stepgraph.kernels.proj.proj_tiles import splitk_workspace
 from tests.conftest import rel_err
 
 

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from stepgraph.buckets import default_capture_sizes, pad_to_bucket, replay_bucket
-from stepgraph.kernels.proj_tiles import KERNELS, TILES, block_m, prefer_cublas, tile_for
-from stepgraph.kernels.splits import num_splits_for
+from stepgraph.kernels.decode.splits import num_splits_for
+from stepgraph.kernels.proj.proj_tiles import KERNELS, TILES, block_m, prefer_cublas, tile_for
 from stepgraph.model import ModelRunner
-from stepgraph.model.fused_decode import FUSED_MAX_BS, kernel_class, reference_rows
+from stepgraph.model.decode.fused_decode import FUSED_MAX_BS, kernel_class, reference_rows
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 
 SHAPES = sorted({(kernel, n, k) for kernel, n, k, _ in TILES})

@@ -1,6 +1,6 @@
-"""``model/kernel_plan``: what ``stepgraph info --model`` says runs at each bucket, printed from
-``model/step_plan.plan_step``. The 1B preset's plan as measured and committed; models without
-measured tiles and float32 on the reference kernels; and the plan equals what
+"""``model/decode/kernel_plan``: what ``stepgraph info --model`` says runs at each bucket, printed
+from ``model/decode/step_plan.plan_step``. The 1B preset's plan as measured and committed; models
+without measured tiles and float32 on the reference kernels; and the plan equals what
 ``fused_decode_step`` actually launches (spies on the tiny preset, with the tables set for it):
 the forms, the tiles each launcher is handed, the PDL mode, the attention's launches; plans
 are cached, and the step's modules hold no rule of their own."""
@@ -12,9 +12,9 @@ import torch
 
 from stepgraph.bench.workload import Point, build_model_runner, decode_batch, fill_kv_random
 from stepgraph.cli import main
-from stepgraph.kernels.proj_tiles import block_m
-from stepgraph.model import fused_decode, fused_mlp, kernel_plan, step_attention, step_plan
+from stepgraph.kernels.proj.proj_tiles import block_m
 from stepgraph.model.config import PRESETS
+from stepgraph.model.decode import fused_decode, fused_mlp, kernel_plan, step_attention, step_plan
 from stepgraph.tuning import DecodeTuning, NormHandoff
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stepgraph.errors import ConfigError
-from stepgraph.kernels.kv_write import write_kv
+from stepgraph.kernels.elementwise.kv_write import write_kv
 
 
 def caches(seed, pages=6, ps=16, n_kv=2, hd=64, dtype=torch.float16):

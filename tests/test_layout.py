@@ -113,3 +113,10 @@ def test_docs_structure_lists_every_module_and_no_missing_one():
     modules = {str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py")}
     assert modules - listed == set(), "add these modules to docs/structure.md"
     assert listed - modules == set(), "docs/structure.md lists modules that are gone"
+
+
+def test_kernels_keep_few_entries_at_their_top_level():
+    """The kernels sit in subpackages by role; the top level holds at most 12 entries."""
+    kernels = PKG / "kernels"
+    top = [p for p in kernels.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
+    assert len(top) <= 12, f"stepgraph/kernels/ holds {len(top)} entries; give them a subpackage"

@@ -1,4 +1,4 @@
-"""The norm handoff (``kernels/norm_handoff``) under the Triton interpreter: ``gemv_residual``
+"""The norm handoff (``kernels/proj/norm_handoff``) under the Triton interpreter: ``gemv_residual``
 leaves ``xw = y * next_norm`` and each row's sum of squares per column tile beside the residual
 ``y`` it writes, and the next projection (``qkv_rope``, ``gate_up_silu``, the LM head) given
 ``xw`` and the sums computes the projection of ``RMSNorm(y)``. Float64 references written here;
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from stepgraph.errors import ConfigError
-from stepgraph.kernels.gate_up_silu import gate_up_silu
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax
-from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
-from stepgraph.kernels.norm_handoff import ssq_args
-from stepgraph.kernels.proj_tiles import Tile
-from stepgraph.kernels.qkv_rope import qkv_rope
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu
+from stepgraph.kernels.proj.norm_gemv import gemv_residual, norm_gemv
+from stepgraph.kernels.proj.norm_handoff import ssq_args
+from stepgraph.kernels.proj.proj_tiles import Tile
+from stepgraph.kernels.proj.qkv_rope import qkv_rope
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax
 from tests.conftest import rel_err
 from tests.references import check_qkv_rope, rms64
 

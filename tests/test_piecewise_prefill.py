@@ -11,8 +11,8 @@ import torch
 from stepgraph.engine import Engine
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
-from stepgraph.model.extend_batch import PrefillChunk
-from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
+from stepgraph.model.prefill.extend_batch import PrefillChunk
+from stepgraph.model.prefill.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import RunnerConfig
 
 VOCAB = 512

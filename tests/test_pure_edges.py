@@ -10,7 +10,12 @@ import torch
 from stepgraph.batch import PACKED, ForwardBatch, pack_batch, unpacked_batch
 from stepgraph.buckets import default_capture_sizes, distribute_tokens, validate_buckets
 from stepgraph.errors import ConfigError
-from stepgraph.kernels.splits import fa_split_keys, ladder_cap, monotone_steps, num_splits_for
+from stepgraph.kernels.decode.splits import (
+    fa_split_keys,
+    ladder_cap,
+    monotone_steps,
+    num_splits_for,
+)
 
 
 @pytest.mark.parametrize(

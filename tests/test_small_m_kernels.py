@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from stepgraph.errors import ConfigError
-from stepgraph.kernels import proj_tiles
-from stepgraph.kernels.gate_up_silu import gate_up_silu
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax
-from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
-from stepgraph.kernels.proj_tiles import Tile, block_m, default_tile, tile_for
-from stepgraph.kernels.qkv_rope import qkv_rope
+from stepgraph.kernels.proj import proj_tiles
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu
+from stepgraph.kernels.proj.norm_gemv import gemv_residual, norm_gemv
+from stepgraph.kernels.proj.proj_tiles import Tile, block_m, default_tile, tile_for
+from stepgraph.kernels.proj.qkv_rope import qkv_rope
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax
 from tests.conftest import rel_err
 from tests.references import check_qkv_rope, rms64
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stepgraph.graph_update.registry import DEFAULT_REGISTRY, FLASH_DECODE_FOLD_SPEC
-from stepgraph.kernels.reference import paged_decode_reference
-from stepgraph.kernels.split_kv_fold import FOLD_KERNEL_NAME
+from stepgraph.kernels.decode.reference import paged_decode_reference
+from stepgraph.kernels.decode.split_kv_fold import FOLD_KERNEL_NAME
 from tests.conftest import rel_err
 from tests.test_flash_decode import make_case, run
 
@@ -66,7 +66,7 @@ def test_exact_plan_retunes_folded_mains_grid_only():
     import random
 
     from stepgraph.graph_update import fa_apply, fa_plan, kernel_nodes
-    from stepgraph.kernels.splits import num_splits_for
+    from stepgraph.kernels.decode.splits import num_splits_for
     from tests.fake_driver import FakeDriver
 
     rng = random.Random(21)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepgraph.kernels.splits import (
+from stepgraph.kernels.decode.splits import (
     BLOCK_N,
     H200_NUM_SMS,
     LADDER_MAX_SPLITS,
@@ -30,7 +30,7 @@ GRIDS = [  # (n_kv_heads, bs, num_sms, max_splits)
 
 def test_min_split_keys_is_the_tuned_tile():
     # two fallback tiles; one tile of the tuned variant (Llama-3.2-1B's attention)
-    from stepgraph.kernels.flash_decode import DEFAULT_VARIANTS
+    from stepgraph.kernels.decode.flash_decode import DEFAULT_VARIANTS
 
     assert MIN_SPLIT_KEYS == 2 * BLOCK_N == 128
     assert {v.block_n for v in DEFAULT_VARIANTS.values()} == {MIN_SPLIT_KEYS}
@@ -129,7 +129,7 @@ def test_bad_max_splits():
 
 
 def test_min_keys_default_field_and_refusals():
-    from stepgraph.kernels.splits import MIN_SPLIT_KEYS_DEFAULT, SplitLadder
+    from stepgraph.kernels.decode.splits import MIN_SPLIT_KEYS_DEFAULT, SplitLadder
 
     assert SplitLadder().min_keys == MIN_SPLIT_KEYS_DEFAULT == 128
     assert SplitLadder(min_keys=64).min_keys == 64  # one fallback tile: the A/B field
@@ -139,7 +139,7 @@ def test_min_keys_default_field_and_refusals():
 
 
 def test_cap2_min_keys_field():
-    from stepgraph.kernels import splits
+    from stepgraph.kernels.decode import splits
 
     assert splits.SplitLadder().cap2_min_keys == splits.CAP2_MIN_SPLIT_KEYS_DEFAULT == 384
     assert splits.SplitLadder(cap2_min_keys=64).cap2_min_keys == 64
@@ -149,7 +149,7 @@ def test_cap2_min_keys_field():
 
 
 def test_cap2_least_applies_at_cap_two_only():
-    from stepgraph.kernels import splits
+    from stepgraph.kernels.decode import splits
 
     ladder = splits.SplitLadder(cap2_min_keys=384)
     # bs 16 (cap 4), 17 and 33 (cap 2), 34 (cap 1) with 8 KV heads on 132 SMs
@@ -168,7 +168,7 @@ def test_cap2_least_applies_at_cap_two_only():
 
 
 def test_wide_heads_take_64_keys_a_split_at_the_limit_and_one_past():
-    from stepgraph.kernels import splits
+    from stepgraph.kernels.decode import splits
 
     assert splits.WIDE_MIN_SPLIT_KEYS == splits.WIDE_MIN_SPLIT_KEYS_DEFAULT == BLOCK_N == 64
     ns = lambda t, hd, bs=1: num_splits_for(t, 8, bs, H200_NUM_SMS, 64, head_dim=hd)  # noqa: E731
@@ -189,7 +189,7 @@ def test_wide_heads_take_64_keys_a_split_at_the_limit_and_one_past():
 
 
 def test_ladder_for_hands_out_one_monotone_ladder_a_head_dim():
-    from stepgraph.kernels import splits
+    from stepgraph.kernels.decode import splits
 
     assert splits.ladder_for(None) is splits.ladder_for(64) is fa_split_keys
     wide = splits.ladder_for(128)
@@ -206,7 +206,7 @@ def test_ladder_for_hands_out_one_monotone_ladder_a_head_dim():
 
 
 def test_wide_min_keys_field():
-    from stepgraph.kernels import splits
+    from stepgraph.kernels.decode import splits
 
     assert splits.SplitLadder().wide_min_keys == 64
     assert splits.SplitLadder(wide_min_keys=128).wide_min_keys == 128
@@ -216,7 +216,7 @@ def test_wide_min_keys_field():
 
 
 def test_programs_per_sm_field():
-    from stepgraph.kernels import splits
+    from stepgraph.kernels.decode import splits
 
     assert splits.SplitLadder(programs_per_sm=8).programs_per_sm == 8
     for bad in (0, -1):

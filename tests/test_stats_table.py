@@ -9,7 +9,7 @@ import torch
 
 from stepgraph.engine import Engine
 from stepgraph.model import ModelRunner
-from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
+from stepgraph.model.prefill.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.runner.stats_table import by_reason, compact_sizes
 from stepgraph.toy_model import ToyModelRunner

@@ -1,4 +1,4 @@
-"""The fused step's attention choice (``model/step_attention``): the folded launch with its
+"""The fused step's attention choice (``model/decode/step_attention``): the folded launch with its
 merge at the table's classes per attention shape, one split folded everywhere, split + combine
 elsewhere; the switch's override; PDL passed through. Pure logic: a stand-in backend, and
 ``flash_decode`` recorded (the kernels' numbers are tests/test_split_kv_fold.py's)."""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stepgraph.model import step_attention
+from stepgraph.model.decode import step_attention
 from stepgraph.tuning import DecodeTuning, PdlPlacement
 
 

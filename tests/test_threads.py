@@ -14,7 +14,7 @@ from stepgraph.configs import PiecewiseRunner  # noqa: F401  (one base: the rule
 from stepgraph.engine import Engine
 from stepgraph.errors import ReplayError
 from stepgraph.model import ModelRunner
-from stepgraph.model.graph_walks import build_decode_graph_runner
+from stepgraph.model.decode.graph_walks import build_decode_graph_runner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.toy_model import ToyModelRunner
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels import proj_tiles, tma_tiles
-from stepgraph.kernels.gate_up_silu import gate_up_silu
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax
-from stepgraph.kernels.norm_gemv import gemv_residual, norm_gemv
-from stepgraph.kernels.proj_tiles import Tile
-from stepgraph.kernels.qkv_rope import qkv_rope
+from stepgraph.kernels.proj import proj_tiles, tma_tiles
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu
+from stepgraph.kernels.proj.norm_gemv import gemv_residual, norm_gemv
+from stepgraph.kernels.proj.proj_tiles import Tile
+from stepgraph.kernels.proj.qkv_rope import qkv_rope
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax
 from stepgraph.tuning import DecodeTuning
 from tests.conftest import rel_err
 from tests.references import rms64, rope64
@@ -273,8 +273,8 @@ def test_tile_table_is_launchable():
 def test_table_rows_at_the_small_class_edges(m, keys, monkeypatch):
     """2-4 rows look up the small class (key 4) before 16; 5 rows on, 16 alone; 1 and 17 their
     own classes. (No table entry has a key 4 since run J3: one is put in for the test.)"""
-    from stepgraph.kernels.proj_tiles import table_rows, tile_for
-    from stepgraph.kernels.tile_table import TILES, Tile
+    from stepgraph.kernels.proj.proj_tiles import table_rows, tile_for
+    from stepgraph.kernels.proj.tile_table import TILES, Tile
 
     assert table_rows(m) == keys
     o = ("gemv_residual", 2048, 2048)

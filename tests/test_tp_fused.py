@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from stepgraph.model import step_plan
-from stepgraph.model.fused_decode import fused_decode_step, unfusable_reason
+from stepgraph.model.decode import step_plan
+from stepgraph.model.decode.fused_decode import fused_decode_step, unfusable_reason
 from stepgraph.model.model_runner import ModelRunner
 from stepgraph.model.parallel import shard_model
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from stepgraph import env
-from stepgraph.kernels import tile_table
-from stepgraph.kernels.splits import SplitLadder, fa_split_keys
+from stepgraph.kernels.decode.splits import SplitLadder, fa_split_keys
+from stepgraph.kernels.proj import tile_table
 from stepgraph.tuning import (
     FOLD_MERGE_TABLE,
     ArgmaxFold,

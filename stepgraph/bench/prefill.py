@@ -69,7 +69,7 @@ def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> floa
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    from ..model.piecewise_prefill import PiecewisePrefill, PrefillShapes
+    from ..model.prefill.piecewise_prefill import PiecewisePrefill, PrefillShapes
     from .constants import DTYPES
     from .workload import build_model_runner
 
@@ -157,7 +157,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         f"({capture_wall_s:.2f} s wall), pool {cap.pool_bytes / 2**20:.1f} MiB"
     )
     time_packed = lambda fn: _time_ms(fn, device, iters)  # noqa: E731
-    from ..model.graph_prefill import GraphPrefill
+    from ..model.prefill.graph_prefill import GraphPrefill
 
     graph = GraphPrefill(mr) if cuda else GraphPrefill(mr, (16, 64), max_chunks=4)
     packed, hf_error = run_packed(mr, points, time_packed, piecewise, with_hf=cuda, graph=graph)

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from ..batch import unpacked_batch
-from ..model.decode_rows import block_table
-from ..model.graph_walks import DECODE_WALK
+from ..model.decode.decode_rows import block_table
+from ..model.decode.graph_walks import DECODE_WALK
 from ..model.model_runner import ModelRunner
 from ..runner.feed import feed_id
 from .overlap import InFlight
@@ -40,7 +40,7 @@ class DecodePath:
                 model_runner, replace(config, mode=mode), feed=model_runner.greedy_tokens
             )
         else:
-            from ..model.graph_walks import build_decode_graph_runner
+            from ..model.decode.graph_walks import build_decode_graph_runner
 
             self.walks, self.config_runner = build_decode_graph_runner(
                 model_runner,

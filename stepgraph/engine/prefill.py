@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..model.extend_batch import PrefillChunk
+from ..model.prefill.extend_batch import PrefillChunk
 from .requests import EngineStats, Request
 from .scheduler import plan_prefill
 
@@ -18,11 +18,11 @@ def build_prefiller(model_runner: Any, prefill: str, config: Any | None) -> Any:
     ``PiecewisePrefill`` ("piecewise", ``config``: its ``PrefillShapes``) or a ``GraphPrefill``
     ("graph", ``config``: its keyword arguments). Each has ``extend(chunks) -> logits``."""
     if prefill == "piecewise":
-        from ..model.piecewise_prefill import PiecewisePrefill
+        from ..model.prefill.piecewise_prefill import PiecewisePrefill
 
         return PiecewisePrefill(model_runner, config)
     if prefill == "graph":
-        from ..model.graph_prefill import GraphPrefill
+        from ..model.prefill.graph_prefill import GraphPrefill
 
         return GraphPrefill(model_runner, **(config or {}))
     return model_runner

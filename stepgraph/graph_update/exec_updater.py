@@ -48,8 +48,8 @@ class FlashExecUpdater:
             raise CaptureError(
                 f"mode='exact' found no flash-decode attention nodes in the graph of batch size "
                 f"{bs}, so there is nothing to retune; use mode='graph', or route decode "
-                "attention through stepgraph.kernels.flash_decode (or register your own split "
-                "kernel with stepgraph.graph_update.register_split_kernel)."
+                "attention through stepgraph.kernels.decode.flash_decode (or register your own "
+                "split kernel with stepgraph.graph_update.register_split_kernel)."
             )
         return plan
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, GraphUpdateError
-from ..kernels.splits import fa_split_keys, monotone_steps, splits_from_keys
+from ..kernels.decode.splits import fa_split_keys, monotone_steps, splits_from_keys
 from .nodes import _GRID_FIELDS, KernelNode, read_i32_arg, read_ptr_arg
 from .registry import (
     DEFAULT_REGISTRY,
@@ -227,8 +227,8 @@ def fa_apply(
 
     Ladder: ``ceil(t_kv / split_keys(t_kv, n_kv_heads, bs, num_sms))``; self-limiting:
     ``ceil(t_kv / block_n)``; both clamped to ``[1, bucket_splits]``. ``split_keys`` defaults to
-    ``stepgraph.kernels.splits.fa_split_keys``, the ladder eager uses, so the two stay in step;
-    the seed's two-argument ladders ``split_keys(t_kv, n_kv_heads)`` work too.
+    ``stepgraph.kernels.decode.splits.fa_split_keys``, the ladder eager uses, so the two stay in
+    step; the seed's two-argument ladders ``split_keys(t_kv, n_kv_heads)`` work too.
     Per-token hot path: keep it lean.
     """
     if exec_ != plan._exec_key:  # first apply, or a new exec (re-instantiated): push all

@@ -1,8 +1,8 @@
 """The registry of retunable split kernels: which main/combine kernel pairs ``fa_plan`` finds in a
 graph, which arguments pair them, and how their split count follows the context length.
 
-Our Triton decode kernel (``stepgraph/kernels/flash_decode.py``) is registered by default. A user
-with their own split kernel describes it with a :class:`SplitKernelSpec` and calls
+Our Triton decode kernel (``stepgraph/kernels/decode/flash_decode.py``) is registered by default. A
+user with their own split kernel describes it with a :class:`SplitKernelSpec` and calls
 :func:`register_split_kernel`.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError
-from ..kernels import split_kv, split_kv_fold
+from ..kernels.decode import split_kv, split_kv_fold
 
 Rule = Literal["ladder", "self_limiting"]
 SplitKeys = Callable[[int, int, int, int], int]  # (t_kv, n_kv_heads, bs, num_sms) -> keys/split
@@ -98,7 +98,7 @@ class SplitKernelSpec:
             raise ConfigError(f"{self.main}: a pointer and a split count share an argument index")
 
 
-# Our kernel (``stepgraph/kernels/split_kv.py``): partial_o pairs the two; the main's split
+# Our kernel (``stepgraph/kernels/decode/split_kv.py``): partial_o pairs the two; the main's split
 # count is grid z; the combine's n_splits is an int32 argument in do_not_specialize.
 FLASH_DECODE_SPEC = SplitKernelSpec(
     main=split_kv.MAIN_KERNEL_NAME,
@@ -109,8 +109,8 @@ FLASH_DECODE_SPEC = SplitKernelSpec(
     split_axis=2,
     rule="ladder",
 )
-# The folded kernel (``stepgraph/kernels/split_kv_fold.py``, the fused decode step): no combine
-# node; the split count is grid z alone.
+# The folded kernel (``stepgraph/kernels/decode/split_kv_fold.py``, the fused decode step): no
+# combine node; the split count is grid z alone.
 FLASH_DECODE_FOLD_SPEC = SplitKernelSpec(
     main=split_kv_fold.FOLD_KERNEL_NAME,
     combine=None,

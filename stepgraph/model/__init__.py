@@ -1,5 +1,10 @@
 """The reference Llama / Qwen2 model: config and presets, decoder, paged KV cache, Hugging Face
-loader, attention backend, model runner and the serving engine."""
+loader, attention backend, model runner and the serving engine.
+
+Subpackages: ``decode`` (the fused decode step and the choices it makes per bucket, the decode rows
+and graph walks) and ``prefill`` (packed prefill over cached prefixes, eager, piecewise and
+whole-graph).
+"""
 
 from __future__ import annotations
 

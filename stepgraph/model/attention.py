@@ -27,14 +27,14 @@ import torch
 from ..batch import ForwardBatch
 from ..buckets import replay_bucket
 from ..errors import CaptureError, ConfigError
-from ..kernels.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_decode
-from ..kernels.reference import paged_decode_reference
-from ..kernels.rope_kv import rope_kv, rope_kv_reference
-from ..kernels.splits import ladder_for, num_splits_for
+from ..kernels.decode.flash_decode import DEFAULT_MAX_SPLITS, DecodeWorkspace, flash_decode
+from ..kernels.decode.reference import paged_decode_reference
+from ..kernels.decode.splits import ladder_for, num_splits_for
+from ..kernels.elementwise.rope_kv import rope_kv, rope_kv_reference
 from ..tuning import DecodeTuning, default_tuning
-from .extend_batch import ExtendBatch
 from .kv_cache import KVCache
-from .prefill_attention import extend_attention
+from .prefill.extend_batch import ExtendBatch
+from .prefill.prefill_attention import extend_attention
 
 SEQ_LEN_FILL_VALUE = 1  # a padded graph row attends to one slot of scratch page 0
 

@@ -6,7 +6,7 @@ A weight ``[N, K]`` is stored as ``data`` (``torch.float8_e4m3fn``) and ``scale`
 - per block ``(bn, bk)`` (Hugging Face's fine-grained FP8: 128 x 128): ``scale [ceil(N / bn),
   ceil(K / bk)]``, ``W[n, k] = data[n, k] * scale[n // bn, k // bk]`` (the last, partial blocks
   of N and K take their block's scale).
-The kernels (``kernels/fp8_gemv``) apply the scale in registers; ``dequantize`` is the
+The kernels (``kernels/proj/fp8_gemv``) apply the scale in registers; ``dequantize`` is the
 reference (tests, the CPU path), never a copy that stays in memory on the device.
 
 ``quantize_per_channel`` is what vLLM's ``fp8`` method does to a bf16 checkpoint on load:

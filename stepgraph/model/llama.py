@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from ..kernels.fused_act import silu_mul, silu_mul_reference
-from ..kernels.fused_norm import add_rmsnorm, add_rmsnorm_reference
-from ..kernels.gemv import MAX_M, gemv
+from ..kernels.elementwise.fused_act import silu_mul, silu_mul_reference
+from ..kernels.elementwise.fused_norm import add_rmsnorm, add_rmsnorm_reference
+from ..kernels.proj.gemv import MAX_M, gemv
 from .config import ModelConfig, rope_inv_freq
 
 

@@ -14,9 +14,8 @@ from ..errors import ConfigError
 from ..tuning import DecodeTuning, default_tuning
 from .attention import PagedAttentionBackend
 from .config import ModelConfig, get_preset
-from .decode_rows import block_table, decode_rows
-from .extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
-from .fused_decode import (
+from .decode.decode_rows import block_table, decode_rows
+from .decode.fused_decode import (
     FUSED_MAX_BS,
     check_kernels,
     check_rows,
@@ -27,6 +26,7 @@ from .fused_decode import (
 )
 from .kv_cache import KVCache
 from .llama import LlamaModel, build_model, init_random
+from .prefill.extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_CONTEXT_LEN = 4096

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels.argmax_rows import argmax_rows
+from stepgraph.kernels.sampling.argmax_rows import argmax_rows
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():

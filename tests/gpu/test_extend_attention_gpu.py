@@ -14,8 +14,11 @@ import importlib
 import pytest
 import torch
 
-from stepgraph.kernels.extend_attention import extend_attention
-from stepgraph.kernels.extend_reference import extend_attention_reference, extend_attention_torch
+from stepgraph.kernels.prefill.extend_attention import extend_attention
+from stepgraph.kernels.prefill.extend_reference import (
+    extend_attention_reference,
+    extend_attention_torch,
+)
 from tests.conftest import rel_err
 from tests.test_extend_attention import make_case, run
 

@@ -13,10 +13,10 @@ import itertools
 import pytest
 import torch
 
-from stepgraph.kernels.reference import paged_decode_reference
-from stepgraph.kernels.splits import num_splits_for
+from stepgraph.kernels.decode.reference import paged_decode_reference
+from stepgraph.kernels.decode.splits import num_splits_for
 
-fd = importlib.import_module("stepgraph.kernels.flash_decode")
+fd = importlib.import_module("stepgraph.kernels.decode.flash_decode")
 sweep = importlib.import_module("benchmarks.flash_decode_sweep")  # its VARIANTS; no CUDA at import
 
 DEV = "cuda"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels import proj_tiles
-from stepgraph.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference
+from stepgraph.kernels.proj import proj_tiles
+from stepgraph.kernels.proj.fp8_gemv import fp8_gemv, fp8_gemv_reference
 from stepgraph.model.fp8_weight import quantize_per_block, quantize_per_channel
 from tests.conftest import rel_err
 

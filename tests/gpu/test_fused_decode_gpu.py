@@ -16,8 +16,9 @@ import torch
 
 from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
 from stepgraph.engine import Engine
-from stepgraph.model import ModelRunner, fused_decode
-from stepgraph.model.fused_decode import FUSED_MAX_BS, reference_rows
+from stepgraph.model import ModelRunner
+from stepgraph.model.decode import fused_decode
+from stepgraph.model.decode.fused_decode import FUSED_MAX_BS, reference_rows
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.tuning import DecodeTuning, PdlPlacement
 

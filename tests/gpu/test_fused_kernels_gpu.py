@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels import fused_act, fused_norm
-from stepgraph.kernels import gemv as gemv_mod
-from stepgraph.kernels import rope_kv as rope_mod
+from stepgraph.kernels.elementwise import fused_act, fused_norm
+from stepgraph.kernels.elementwise import rope_kv as rope_mod
+from stepgraph.kernels.proj import gemv as gemv_mod
 from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from tests.conftest import rel_err
@@ -120,7 +120,7 @@ def test_head_scale_on_the_norm_handoff_bf16(m):
     """The 1B's LM head at 33-64 rows: cuBLAS on ``r * norm_w`` in bf16, then one launch scales
     the rows by 1 / RMS into float32 logits (poisoned first) and takes the greedy tokens,
     folded: against float64 and ``torch.argmax``, a tie across programs included."""
-    from stepgraph.kernels.head_scale import head_scale
+    from stepgraph.kernels.proj.head_scale import head_scale
 
     g = torch.Generator(DEV).manual_seed(m)
     r, nw = randn(m, HIDDEN, g=g, scale=4.0), 1 + randn(HIDDEN, g=g, scale=0.1)

@@ -14,17 +14,17 @@ import re
 import pytest
 import torch
 
-from stepgraph.kernels import gate_up_silu as gus
-from stepgraph.kernels import lm_head_argmax as lha
-from stepgraph.kernels import norm_gemv as ng
-from stepgraph.kernels import qkv_rope as qr
-from stepgraph.kernels import split_kv
-from stepgraph.kernels.flash_decode import flash_decode
-from stepgraph.kernels.fused_act import silu_mul
-from stepgraph.kernels.fused_norm import add_rmsnorm
-from stepgraph.kernels.gemv import gemv
+from stepgraph.kernels.decode import split_kv
+from stepgraph.kernels.decode.flash_decode import flash_decode
+from stepgraph.kernels.elementwise.fused_act import silu_mul
+from stepgraph.kernels.elementwise.fused_norm import add_rmsnorm
+from stepgraph.kernels.elementwise.rope_kv import rope_kv
 from stepgraph.kernels.pdl import pdl_enabled
-from stepgraph.kernels.rope_kv import rope_kv
+from stepgraph.kernels.proj import gate_up_silu as gus
+from stepgraph.kernels.proj import norm_gemv as ng
+from stepgraph.kernels.proj import qkv_rope as qr
+from stepgraph.kernels.proj.gemv import gemv
+from stepgraph.kernels.sampling import lm_head_argmax as lha
 from stepgraph.tuning import ArgmaxFold, DecodeTuning
 from tests.conftest import rel_err
 

@@ -9,8 +9,8 @@ import torch
 
 from stepgraph.engine import Engine
 from stepgraph.model import ModelRunner
-from stepgraph.model.extend_batch import PrefillChunk
-from stepgraph.model.graph_prefill import GraphPrefill
+from stepgraph.model.prefill.extend_batch import PrefillChunk
+from stepgraph.model.prefill.graph_prefill import GraphPrefill
 from stepgraph.runner import RunnerConfig
 from tests.conftest import rel_err
 

@@ -53,8 +53,8 @@ class _Step:
     """L decode-attention layers of static buffers, a matmul and an add between layers."""
 
     def __init__(self, shared_workspace: bool, seed: int = 0) -> None:
-        from stepgraph.kernels.flash_decode import DecodeWorkspace
-        from stepgraph.kernels.splits import num_splits_for
+        from stepgraph.kernels.decode.flash_decode import DecodeWorkspace
+        from stepgraph.kernels.decode.splits import num_splits_for
 
         torch.manual_seed(seed)
         dev, dt = "cuda", torch.bfloat16
@@ -79,7 +79,7 @@ class _Step:
         self.bucket = num_splits_for(MAX_CTX, N_KV, BS, self.sms, self.max_splits)
 
     def run(self, num_splits: int | None = None, max_seq_len: int | None = None) -> None:
-        from stepgraph.kernels.flash_decode import flash_decode
+        from stepgraph.kernels.decode.flash_decode import flash_decode
 
         for layer in range(LAYERS):
             flash_decode(
@@ -109,7 +109,7 @@ class _Step:
         return [o.clone() for o in self.outs]
 
     def check(self, graph_outs: list[torch.Tensor], t_kv: int) -> None:
-        from stepgraph.kernels.reference import paged_decode_reference
+        from stepgraph.kernels.decode.reference import paged_decode_reference
 
         for layer, out in enumerate(graph_outs):
             ref = paged_decode_reference(
@@ -125,7 +125,7 @@ class _Step:
 
 
 def _sweep_points(step: _Step, rng: random.Random) -> list[int]:
-    from stepgraph.kernels.splits import ladder_steps
+    from stepgraph.kernels.decode.splits import ladder_steps
 
     steps = ladder_steps(N_KV, BS, step.sms, step.max_splits, t_max=MAX_CTX)
     assert len(steps) > 2, steps  # the sweep must cross several ladder steps
@@ -138,7 +138,7 @@ def _sweep_points(step: _Step, rng: random.Random) -> list[int]:
 
 @pytest.mark.parametrize("shared_workspace", [False, True])
 def test_exact_geometry_matches_eager_at_every_ladder_step(shared_workspace):
-    from stepgraph.kernels.splits import num_splits_for
+    from stepgraph.kernels.decode.splits import num_splits_for
 
     rng = random.Random(0)
     step = _Step(shared_workspace)

@@ -13,7 +13,7 @@ import torch
 
 from stepgraph.engine import Engine
 from stepgraph.model import ModelRunner
-from stepgraph.model.piecewise_prefill import PiecewisePrefill, PrefillShapes
+from stepgraph.model.prefill.piecewise_prefill import PiecewisePrefill, PrefillShapes
 from stepgraph.runner import RunnerConfig
 
 pytestmark = pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""The norm handoff (``kernels/norm_handoff``) compiled, bf16 at Llama-3.2-1B sizes, rows 2 to
+"""The norm handoff (``kernels/proj/norm_handoff``) compiled, bf16 at Llama-3.2-1B sizes, rows 2 to
 64 with the committed tiles (split-K, TMA): what ``gemv_residual(..., next_norm=w)`` leaves
 (``xw = y * w`` and the sums of squares) against torch and float64 sums of the y it wrote, and
 each consumer (``qkv_rope``, ``gate_up_silu``, the LM head) given them against float64 and
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels.gate_up_silu import gate_up_silu, gate_up_silu_reference
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax
-from stepgraph.kernels.norm_gemv import gemv_residual
-from stepgraph.kernels.proj_tiles import tile_for
-from stepgraph.kernels.qkv_rope import qkv_rope
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu, gate_up_silu_reference
+from stepgraph.kernels.proj.norm_gemv import gemv_residual
+from stepgraph.kernels.proj.proj_tiles import tile_for
+from stepgraph.kernels.proj.qkv_rope import qkv_rope
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax
 from tests.conftest import rel_err
 from tests.references import check_qkv_rope, rms64
 

@@ -11,9 +11,9 @@ import torch
 
 from stepgraph.engine import Engine
 from stepgraph.model import ModelRunner
-from stepgraph.model import prefill_attention as pa
-from stepgraph.model.extend_batch import PrefillChunk
-from stepgraph.model.piecewise_prefill import PiecewisePrefill
+from stepgraph.model.prefill import prefill_attention as pa
+from stepgraph.model.prefill.extend_batch import PrefillChunk
+from stepgraph.model.prefill.piecewise_prefill import PiecewisePrefill
 from stepgraph.runner import RunnerConfig
 from tests.conftest import rel_err
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgraph.kernels import proj_tiles
-from stepgraph.kernels.gate_up_silu import gate_up_silu, gate_up_silu_reference
-from stepgraph.kernels.lm_head_argmax import lm_head_argmax
-from stepgraph.kernels.norm_gemv import gemv_residual
-from stepgraph.kernels.proj_tiles import Tile
-from stepgraph.kernels.qkv_rope import qkv_rope, qkv_rope_reference
+from stepgraph.kernels.proj import proj_tiles
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu, gate_up_silu_reference
+from stepgraph.kernels.proj.norm_gemv import gemv_residual
+from stepgraph.kernels.proj.proj_tiles import Tile
+from stepgraph.kernels.proj.qkv_rope import qkv_rope, qkv_rope_reference
+from stepgraph.kernels.sampling.lm_head_argmax import lm_head_argmax
 from stepgraph.tuning import DecodeTuning
 from tests.conftest import rel_err
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
-from stepgraph.kernels import splits
+from stepgraph.kernels.decode import splits
 from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 

@@ -1,0 +1,127 @@
+"""``stepgraph info --model NAME``: the plan the fused decode step executes at each batch
+bucket (``model/decode/step_plan.plan_step``), from a model's shapes alone, as text. A user sees
+what runs at their batch size under a ``DecodeTuning`` without a GPU or the weights; every choice
+printed here is the plan's, and the step runs the same plan."""
+
+from __future__ import annotations
+
+from ...buckets import default_capture_sizes
+from ...kernels.proj.proj_tiles import Tile, block_m
+from ...tuning import DecodeTuning, default_tuning
+from ..config import ModelConfig
+from .fused_decode import FUSED_MAX_BS
+from .step_attention import describe
+from .step_plan import (
+    CUBLAS,
+    CUBLAS_HANDOFF,
+    HANDOFF,
+    PIECE_KERNELS,
+    SEPARATE,
+    UNMEASURED,
+    ProjPlan,
+    StepPlan,
+    StepShapes,
+    plan_step,
+)
+
+# what the unfused pieces add beside cuBLAS
+BESIDE = {"qkv": "RoPE/KV write", "gate_up": "SiLU·mul", "lm_head": "argmax_rows"}
+SUMS = ", the norm from the sums of squares"
+
+
+def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``[n, k]`` of each projection's (fused) weight, as the model holds it unsharded."""
+    h, inter = config.hidden_size, config.intermediate_size
+    return {
+        "qkv": (config.q_size + 2 * config.kv_size, h),
+        "o_proj": (h, config.q_size),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+        "lm_head": (config.vocab_size, h),
+    }
+
+
+def config_shapes(config: ModelConfig, elem_bytes: int = 2) -> StepShapes:
+    """The plan's ``StepShapes`` of an unsharded model of ``config`` (the H200's
+    multiprocessors, any context: the split ladder's cap)."""
+    attn = (config.num_heads, config.num_kv_heads, config.head_dim)
+    return StepShapes(**piece_shapes(config), attention=attn, elem_bytes=elem_bytes)
+
+
+def tile_text(t: Tile) -> str:
+    """``Tile(64, 128, 4, 5, 4, 1)`` -> ``64x128 w4 s5 split4 TMA1`` (defaults left out)."""
+    parts = [f"{t.block_n}x{t.block_k}", f"w{t.num_warps}"]
+    parts += [f"s{t.num_stages}"] if t.num_stages else []
+    parts += [f"split{t.split_k}"] if t.split_k > 1 else []
+    parts += [f"TMA{t.tma}"] if t.tma else []
+    return " ".join(parts)
+
+
+def proj_text(piece: str, p: ProjPlan, layer0: ProjPlan | None = None) -> str:
+    """One projection of the plan as text (``layer0``: qkv's form at layer 0, where it
+    differs)."""
+    kernel = PIECE_KERNELS[piece]
+    if p.how == CUBLAS_HANDOFF and piece == "qkv":
+        return (f"cuBLAS + {BESIDE[piece]}, the norm from the sums of squares in the RoPE kernel "
+                f"(layer 0: {proj_text(piece, layer0)})")  # fmt: skip
+    if p.how == CUBLAS_HANDOFF:
+        return ("cuBLAS + head_scale, the norm from the sums of squares (its 1 / RMS and the "
+                "greedy tokens in one launch)")  # fmt: skip
+    if p.how == CUBLAS:
+        return f"norm + cuBLAS + {BESIDE[piece]}"
+    text = f"{'norm, then ' if p.how == SEPARATE else ''}{kernel} {tile_text(p.tile)}"
+    if p.how == HANDOFF:
+        text += SUMS
+        if layer0 is not None:  # layer 0's input is the embedding: no sums beside it
+            text += f" (layer 0: {proj_text(piece, layer0)})"
+    return text
+
+
+def choices(plan: StepPlan) -> dict[str, str]:
+    """``{piece: text}`` in the step's order, the attention's after qkv."""
+    return {
+        "qkv": proj_text("qkv", plan.qkv, plan.qkv0),
+        "attention": describe(plan.attention),
+        "o_proj": proj_text("o_proj", plan.o_proj),
+        "gate_up": proj_text("gate_up", plan.gate_up),
+        "down": proj_text("down", plan.down),
+        "lm_head": proj_text("lm_head", plan.lm_head),
+    }
+
+
+def path_text(plan: StepPlan) -> str:
+    """The bucket's line: the reference kernels and why, or the fused step's row class."""
+    if not plan.fused:
+        return f"reference kernels ({plan.reference})"
+    if plan.bucket == 1:
+        return "fused, one row (GEMV)"
+    text = f"fused, tensor cores (M padded to {block_m(plan.rows)})"
+    return text + (", no PDL (NO_PDL_BUCKETS)" if plan.no_pdl else "")
+
+
+def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None,
+                tuning: DecodeTuning | None = None):  # fmt: skip
+    """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``: the
+    step's plan at each (choices empty where the reference kernels run)."""
+    shapes, t = config_shapes(config, elem_bytes), default_tuning(tuning)
+    out = []
+    for b in buckets or default_capture_sizes(FUSED_MAX_BS):
+        plan = plan_step(shapes, b, b, t)
+        out.append((b, path_text(plan), choices(plan) if plan.fused else {}))
+    return out
+
+
+def format_plan(name: str, dtype: str, config: ModelConfig, elem_bytes: int,
+                tuning: DecodeTuning | None = None) -> str:  # fmt: skip
+    """The plan as ``stepgraph info --model`` prints it."""
+    lines = [f"decode kernels of {name} ({dtype}, the fused step on CUDA; `--kernels reference`"
+             " runs the reference kernels everywhere):"]  # fmt: skip
+    for b, path, pieces in kernel_plan(config, elem_bytes, tuning=tuning):
+        lines.append(f"  bs bucket {b}: {path}")
+        lines += [f"    {p:<9} {c}" for p, c in pieces.items()]
+    lines.append(f"  above {FUSED_MAX_BS} rows: reference kernels (the fused kernels take 64 rows)")
+    return "\n".join(lines)
+
+
+__all__ = ["UNMEASURED", "config_shapes", "format_plan", "kernel_plan", "piece_shapes",
+           "proj_text", "tile_text"]  # fmt: skip

@@ -1,0 +1,34 @@
+"""The fused step's cuBLAS LM head and its greedy tokens (the reference rows' head, and the fused
+step's where ``tile_table.CUBLAS`` measured cuBLAS faster)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels.sampling.argmax_rows import argmax_rows
+from ...tuning import DecodeTuning
+from ..llama import LlamaModel
+
+
+def cublas_head(model: LlamaModel, h: torch.Tensor, logits_out, tokens_out,
+                tuning: DecodeTuning | None = None) -> torch.Tensor:  # fmt: skip
+    """The LM head of the normed ``h`` as ``F.linear`` (into ``logits_out`` when given), then the
+    greedy tokens into ``tokens_out`` when given: the reference rows' head, and the fused step's
+    where cuBLAS measured faster."""
+    logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
+    if tokens_out is not None:
+        greedy_tokens(logits, tokens_out, tuning)
+    return logits
+
+
+def greedy_tokens(logits: torch.Tensor, tokens_out: torch.Tensor,
+                  tuning: DecodeTuning | None = None) -> None:  # fmt: skip
+    """The greedy tokens of logits a cuBLAS head wrote: ``argmax_rows`` on CUDA (two small
+    launches instead of torch's 27 µs one at bs 8), ``torch.argmax`` on the CPU (same tokens)."""
+    if logits.is_cuda and logits.stride(-1) == 1:
+        argmax_rows(logits, tokens_out, tuning=tuning)
+    else:
+        torch.argmax(logits, -1, out=tokens_out)
+
+
+__all__ = ["cublas_head", "greedy_tokens"]
