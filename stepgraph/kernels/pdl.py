@@ -15,10 +15,9 @@ The rules every kernel here keeps (tests/gpu/test_fused_step_kernels_gpu.py chec
   occupy the SMs), except in modes 4 and 5 below, for a kernel whose dependent triggers after
   its own wait, so that one kernel at most waits ahead. Where after it is the trigger mode,
   ``USE_PDL``'s value: 1 right after the wait, so the next kernel prefetches its weights while
-  this one streams, one kernel ahead (the one-row GEMVs: 0.795 ms a step against 0.832 with
-  mode 2); 2 after the main loop (the tensor-core tiles from two rows: bs 8 1.007 against 1.080
-  for mode 1, or without PDL; run J1-J2). The trigger only schedules; the wait still sees every
-  write.
+  this one streams, one kernel ahead (the one-row GEMVs); 2 after the main loop (the
+  tensor-core tiles from two rows: docs/experiments.md#the-late-trigger-from-two-rows). The
+  trigger only schedules; the wait still sees every write.
 The wait is transitive: a kernel finishes only after its own wait returned, so waiting on the
 predecessor also orders it after every earlier kernel.
 

@@ -92,8 +92,15 @@ class PagedAttentionBackend:
         """Split count of the ladder for live maximum KV length ``t_kv`` (a host int)."""
         if not self.use_kernel:
             return 1
-        return num_splits_for(t_kv, self.num_kv_heads, bs, self.num_sms, self.max_splits,
-                              head_dim=self.head_dim, ladder=self.tuning.split)  # fmt: skip
+        return num_splits_for(
+            t_kv,
+            self.num_kv_heads,
+            bs,
+            self.num_sms,
+            self.max_splits,
+            head_dim=self.head_dim,
+            ladder=self.tuning.split,
+        )
 
     @property
     def split_keys(self):
@@ -239,10 +246,18 @@ class PagedAttentionBackend:
             return extend_attention(q, k_cache, v_cache, m, self.sm_scale)
         if self.use_kernel:
             return flash_decode(
-                q, k_cache, v_cache, m.block_table, m.seq_lens,
-                num_splits=m.num_splits, workspace=m.workspace,
-                sm_scale=self.sm_scale, num_sms=self.num_sms, use_pdl=use_pdl, tuning=self.tuning,
-            )  # fmt: skip
+                q,
+                k_cache,
+                v_cache,
+                m.block_table,
+                m.seq_lens,
+                num_splits=m.num_splits,
+                workspace=m.workspace,
+                sm_scale=self.sm_scale,
+                num_sms=self.num_sms,
+                use_pdl=use_pdl,
+                tuning=self.tuning,
+            )
         return paged_decode_reference(
             q, k_cache, v_cache, m.block_table, m.seq_lens, sm_scale=self.sm_scale
         )

@@ -122,8 +122,11 @@ def build_tp_model(
         logger.info(
             "stepgraph TP: %d KV heads < world_size %d: KV heads replicated, rank %d keeps "
             "KV head %d",
-            config.num_kv_heads, layout.world_size, layout.rank, layout.kv_heads[0],
-        )  # fmt: skip
+            config.num_kv_heads,
+            layout.world_size,
+            layout.rank,
+            layout.kv_heads[0],
+        )
     hidden, w = config.hidden_size, layout.world_size
     with torch.device("meta"):  # nothing allocated until to_empty: the full vocab costs nothing
         model = LlamaModel(local, max_positions)
@@ -198,6 +201,13 @@ def load_hf_shard(
 
 
 __all__ = [
-    "ParallelLMHead", "RowParallelLinear", "TPLayout", "VocabParallelEmbedding",
-    "build_tp_model", "load_hf_shard", "rank_config", "shard_model", "tp_layout",
-]  # fmt: skip
+    "ParallelLMHead",
+    "RowParallelLinear",
+    "TPLayout",
+    "VocabParallelEmbedding",
+    "build_tp_model",
+    "load_hf_shard",
+    "rank_config",
+    "shard_model",
+    "tp_layout",
+]

@@ -87,11 +87,16 @@ def rank_config(config: ModelConfig, layout: TPLayout) -> ModelConfig:
 
 # Unfused part -> (split dim, layout span); norms and everything else are replicated.
 _RULES = {
-    "q_proj": (0, "q"), "k_proj": (0, "kv"), "v_proj": (0, "kv"),
-    "gate_proj": (0, "inter"), "up_proj": (0, "inter"),
-    "o_proj": (1, "q"), "down_proj": (1, "inter"),
-    "embed_tokens": (0, "vocab"), "lm_head": (0, "vocab"),
-}  # fmt: skip
+    "q_proj": (0, "q"),
+    "k_proj": (0, "kv"),
+    "v_proj": (0, "kv"),
+    "gate_proj": (0, "inter"),
+    "up_proj": (0, "inter"),
+    "o_proj": (1, "q"),
+    "down_proj": (1, "inter"),
+    "embed_tokens": (0, "vocab"),
+    "lm_head": (0, "vocab"),
+}
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 

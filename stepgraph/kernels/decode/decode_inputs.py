@@ -53,8 +53,14 @@ class KernelVariant:
                 "-kt, -pk, -fma, e.g. n64w4s3 or n128w4s2-kt"
             )
         flags = m.group(4)
-        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), page_tile="-pk" not in flags,
-                   k_rows="-kt" not in flags, use_dot="-fma" not in flags)  # fmt: skip
+        return cls(
+            int(m.group(1)),
+            int(m.group(2)),
+            int(m.group(3)),
+            page_tile="-pk" not in flags,
+            k_rows="-kt" not in flags,
+            use_dot="-fma" not in flags,
+        )
 
     @property
     def name(self) -> str:

@@ -143,8 +143,14 @@ def flash_decode(
         )
     if num_splits is None:
         sms = num_sms if num_sms is not None else _device_num_sms(q.device)
-        num_splits = num_splits_for(max_seq_len, n_kv_heads, max(bs, 1), sms, max_splits,
-                                    ladder=default_tuning(tuning).split)  # fmt: skip
+        num_splits = num_splits_for(
+            max_seq_len,
+            n_kv_heads,
+            max(bs, 1),
+            sms,
+            max_splits,
+            ladder=default_tuning(tuning).split,
+        )
     if not isinstance(num_splits, int) or not 1 <= num_splits <= max_splits:
         raise ConfigError(
             f"flash_decode: num_splits={num_splits!r} must be an int in [1, max_splits="
@@ -160,8 +166,10 @@ def flash_decode(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     t = default_tuning(tuning)
-    cfg = variant if variant is not None else default_variant(
-        head_dim, page_size, q.dtype, t.attention_variant
+    cfg = (
+        variant
+        if variant is not None
+        else default_variant(head_dim, page_size, q.dtype, t.attention_variant)
     )
     group = n_heads // n_kv_heads
     group_pad = max(16, _next_pow2(group)) if cfg.use_dot else _next_pow2(group)
@@ -187,33 +195,82 @@ def flash_decode(
                 f"workspace.max_splits={workspace.max_splits}]: pass the class's largest count"
             )
         return launch_fold(
-            q, k_cache, v_cache, block_table, seq_lens, workspace, out, num_splits, sm_scale,
-            cfg, group, group_pad, precision, upcast, _next_pow2(merge), pdl,
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            workspace,
+            out,
+            num_splits,
+            sm_scale,
+            cfg,
+            group,
+            group_pad,
+            precision,
+            upcast,
+            _next_pow2(merge),
+            pdl,
             launch_options(pdl),
-        )  # fmt: skip
+        )
 
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
-        po, lse, q, k_cache, v_cache, block_table, seq_lens, float(sm_scale),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        po,
+        lse,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        float(sm_scale),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_table.stride(0),
-        po.stride(0), po.stride(1), po.stride(2),
-        lse.stride(0), lse.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_N=cfg.block_n, PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
-        K_ROWS=cfg.k_rows, USE_DOT=cfg.use_dot, DOT_PRECISION=precision, UPCAST=upcast,
-        NUM_STAGES=cfg.num_stages, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
-    )  # fmt: skip
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n,
+        PAGE_TILE=cfg.page_tile and page_size % cfg.block_n == 0,
+        K_ROWS=cfg.k_rows,
+        USE_DOT=cfg.use_dot,
+        DOT_PRECISION=precision,
+        UPCAST=upcast,
+        NUM_STAGES=cfg.num_stages,
+        USE_PDL=pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch_options(pdl),
+    )
     _combine_kernel[(bs, n_heads)](
-        po, num_splits, lse, out,
-        po.stride(0), po.stride(1), po.stride(2),
-        lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(workspace.max_splits), USE_PDL=cpdl,
-        num_warps=4, **launch_options(cpdl),
-    )  # fmt: skip
+        po,
+        num_splits,
+        lse,
+        out,
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=_next_pow2(workspace.max_splits),
+        USE_PDL=cpdl,
+        num_warps=4,
+        **launch_options(cpdl),
+    )
     return out
 
 

@@ -50,14 +50,36 @@ COMBINE_N_SPLITS_ARG = 1  # driver-level index, 4-byte int32
 
 @triton.jit
 def split_partial(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, sm_scale,
-    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_bt, cur_batch, cur_kv_head, split_id,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr,
-    K_ROWS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    cur_batch,
+    cur_kv_head,
+    split_id,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    K_ROWS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     # One split of one (request, KV head): -> (o [GROUP_PAD, HEAD_DIM] normalised, lse
     # [GROUP_PAD] natural log, query head ids, their mask, the split's chunk of keys). An empty
     # split gives o = 0, lse = -inf, never NaN. (The body of both split kernels.)
@@ -190,12 +212,36 @@ def _split_kv_kernel(
     # wait first, before the pipelined key loop
     pdl_wait_then_trigger(USE_PDL)
     o, lse, cur_heads, mask_g, _ = split_partial(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, sm_scale,
-        stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        stride_bt, cur_batch, cur_kv_head, split_id,
-        GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, PAGE_TILE, K_ROWS, USE_DOT,
-        DOT_PRECISION, NUM_STAGES, UPCAST,
-    )  # fmt: skip
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        sm_scale,
+        stride_qb,
+        stride_qh,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_vp,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        cur_batch,
+        cur_kv_head,
+        split_id,
+        GROUP,
+        GROUP_PAD,
+        HEAD_DIM,
+        PAGE_SIZE,
+        BLOCK_N,
+        PAGE_TILE,
+        K_ROWS,
+        USE_DOT,
+        DOT_PRECISION,
+        NUM_STAGES,
+        UPCAST,
+    )
     pdl_trigger_late(USE_PDL)
     offs_d = tl.arange(0, HEAD_DIM)
     # -- write partials; an empty split gives o = 0, lse = -inf, never NaN --

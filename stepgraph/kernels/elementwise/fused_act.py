@@ -11,11 +11,13 @@ import triton.language as tl
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_up_ptr, out_ptr,
-    stride_g, stride_o,
+    gate_up_ptr,
+    out_ptr,
+    stride_g,
+    stride_o,
     INTER,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER

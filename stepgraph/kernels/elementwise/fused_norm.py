@@ -19,13 +19,22 @@ import triton.language as tl
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ids_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
-    N, eps,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    ids_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N,
+    eps,
     HAS_RESIDUAL: tl.constexpr,
     GATHER: tl.constexpr,  # x's row is ids[row] of x (an embedding table), copied to res_out
     BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -75,12 +84,23 @@ def add_rmsnorm(
     res = residual if has_res else x
     if t:
         _add_rmsnorm_kernel[(t,)](
-            x, res, weight, out, res_out, x,
-            x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-            n, eps,
-            HAS_RESIDUAL=has_res, GATHER=False, BLOCK_N=triton.next_power_of_2(n),
+            x,
+            res,
+            weight,
+            out,
+            res_out,
+            x,
+            x.stride(0),
+            res.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            n,
+            eps,
+            HAS_RESIDUAL=has_res,
+            GATHER=False,
+            BLOCK_N=triton.next_power_of_2(n),
             num_warps=8 if n >= 2048 else 4,
-        )  # fmt: skip
+        )
     return out, res_out
 
 
@@ -96,12 +116,23 @@ def embed_rmsnorm(
     rows = table.new_empty(t, n)
     if t:
         _add_rmsnorm_kernel[(t,)](
-            table, table, weight, out, rows, ids,
-            table.stride(0), 0, out.stride(0), rows.stride(0),
-            n, eps,
-            HAS_RESIDUAL=False, GATHER=True, BLOCK_N=triton.next_power_of_2(n),
+            table,
+            table,
+            weight,
+            out,
+            rows,
+            ids,
+            table.stride(0),
+            0,
+            out.stride(0),
+            rows.stride(0),
+            n,
+            eps,
+            HAS_RESIDUAL=False,
+            GATHER=True,
+            BLOCK_N=triton.next_power_of_2(n),
             num_warps=8 if n >= 2048 else 4,
-        )  # fmt: skip
+        )
     return out, rows
 
 

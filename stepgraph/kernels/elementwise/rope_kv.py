@@ -28,17 +28,31 @@ from .kv_write import write_kv
 
 @triton.jit
 def _rope_kv_kernel(
-    qkv_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr,
-    stride_qkv_t, stride_q_t, stride_cos, stride_cache_slot,
-    ssq_ptr, stride_sm, n_parts, hidden, eps, bias_ptr,
+    qkv_ptr,
+    positions_ptr,
+    slots_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_qkv_t,
+    stride_q_t,
+    stride_cos,
+    stride_cache_slot,
+    ssq_ptr,
+    stride_sm,
+    n_parts,
+    hidden,
+    eps,
+    bias_ptr,
     N_HEADS: tl.constexpr,
     N_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     SSQ_PAD: tl.constexpr = 0,  # > 0: the row scaled by 1 / RMS from the sums of squares
     HAS_BIAS: tl.constexpr = False,  # the bias added (after the scale)
-):  # fmt: skip
+):
     tok = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     d = tl.arange(0, HALF)
@@ -140,13 +154,32 @@ def rope_kv(
     q = torch.empty(t, n_heads, hd, dtype=qkv.dtype, device=qkv.device)
     if t:
         _rope_kv_kernel[(t, n_heads + 2 * n_kv)](
-            qkv, positions, slots, cos_table, sin_table,
-            q, k_cache, v_cache,
-            qkv.stride(0), q.stride(0), cos_table.stride(0), k_cache.stride(1),
-            sums, stride_s, n_parts, hidden, float(eps), bias if bias is not None else qkv,
-            N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=hd // 2, SSQ_PAD=ssq_pad,
-            HAS_BIAS=bias is not None, num_warps=1,
-        )  # fmt: skip
+            qkv,
+            positions,
+            slots,
+            cos_table,
+            sin_table,
+            q,
+            k_cache,
+            v_cache,
+            qkv.stride(0),
+            q.stride(0),
+            cos_table.stride(0),
+            k_cache.stride(1),
+            sums,
+            stride_s,
+            n_parts,
+            hidden,
+            float(eps),
+            bias if bias is not None else qkv,
+            N_HEADS=n_heads,
+            N_KV=n_kv,
+            HEAD_DIM=hd,
+            HALF=hd // 2,
+            SSQ_PAD=ssq_pad,
+            HAS_BIAS=bias is not None,
+            num_warps=1,
+        )
     return q
 
 

@@ -53,18 +53,28 @@ def default_tile(head_dim: int, dtype: torch.dtype) -> ExtendTile:
 
 @triton.jit
 def _attend_keys(
-    acc, l_i, m_i,  # [BLOCK_M, HEAD_DIM], [BLOCK_M], [BLOCK_M] fp32: the running state
+    acc,  # [BLOCK_M, HEAD_DIM] fp32: the running state with l_i and m_i
+    l_i,  # [BLOCK_M] fp32
+    m_i,  # [BLOCK_M] fp32
     q,  # [BLOCK_M, HEAD_DIM]
     q_pos,  # [BLOCK_M] absolute position of each query
-    k_head, v_head,  # K/V cache pointers, offset to this program's KV head
+    k_head,  # K cache pointer, offset to this program's KV head
+    v_head,  # V cache pointer, offset to this program's KV head
     bt_row,  # this request's block-table row
-    start, end,  # keys [start, end); start is a multiple of BLOCK_N
+    start,  # keys [start, end); start is a multiple of BLOCK_N
+    end,
     qk_scale,  # sm_scale * log2(e) > 0: the softmax runs on exp2
-    stride_kp, stride_ks, stride_vp, stride_vs,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_kp,
+    stride_ks,
+    stride_vp,
+    stride_vs,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # the diagonal band: mask keys past each query and past `end`
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(start, end, BLOCK_N):
@@ -123,17 +133,25 @@ def _extend_kernel(
     kv_lens_ptr,  # [bs] int32: prefix_len + q_len
     block_table_ptr,  # [bs, max_pages] int32
     sm_scale,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
     stride_bt,
     GROUP: tl.constexpr,  # query heads per KV head
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (the default)
     UPCAST: tl.constexpr,  # q, K, V in fp32: the interpreter's bf16 dot is wrong
-):  # fmt: skip
+):
     cur_head = tl.program_id(0)
     block_m = tl.num_programs(1) - 1 - tl.program_id(1)  # latest q block (most keys) first
     cur_batch = tl.program_id(2)
@@ -169,15 +187,51 @@ def _extend_kernel(
     k_head = k_cache_ptr + cur_kv_head * stride_kh
     v_head = v_cache_ptr + cur_kv_head * stride_vh
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, 0, full_end, qk_scale,
-        stride_kp, stride_ks, stride_vp, stride_vs,
-        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST,
-    )  # fmt: skip
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_head,
+        v_head,
+        bt_row,
+        0,
+        full_end,
+        qk_scale,
+        stride_kp,
+        stride_ks,
+        stride_vp,
+        stride_vs,
+        HEAD_DIM,
+        PAGE_SIZE,
+        BLOCK_N,
+        False,
+        DOT_PRECISION,
+        UPCAST,
+    )
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, full_end, causal_end, qk_scale,
-        stride_kp, stride_ks, stride_vp, stride_vs,
-        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST,
-    )  # fmt: skip
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_head,
+        v_head,
+        bt_row,
+        full_end,
+        causal_end,
+        qk_scale,
+        stride_kp,
+        stride_ks,
+        stride_vp,
+        stride_vs,
+        HEAD_DIM,
+        PAGE_SIZE,
+        BLOCK_N,
+        True,
+        DOT_PRECISION,
+        UPCAST,
+    )
 
     # -- normalise and write the block's live rows; l_i > 0 there (each sees key 0 at least) --
     o = acc / l_i[:, None]
@@ -212,9 +266,18 @@ def extend_attention(
     ``tile`` overrides ``default_tile(head_dim, dtype)``. Returns ``out`` (allocated when None).
     """
     check_extend_inputs(
-        q, k_cache, v_cache, qo_indptr, kv_lens, block_table, max_q_len, sm_scale, out, tile,
+        q,
+        k_cache,
+        v_cache,
+        qo_indptr,
+        kv_lens,
+        block_table,
+        max_q_len,
+        sm_scale,
+        out,
+        tile,
         interpreted=_INTERPRETED,
-    )  # fmt: skip
+    )
     if out is None:
         out = torch.empty_like(q)
     total, n_heads, head_dim = q.shape
@@ -228,16 +291,35 @@ def extend_attention(
 
     grid = (n_heads, triton.cdiv(max_q_len, cfg.block_m), bs)
     _extend_kernel[grid](
-        out, q, k_cache, v_cache, qo_indptr, kv_lens, block_table, float(sm_scale),
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out,
+        q,
+        k_cache,
+        v_cache,
+        qo_indptr,
+        kv_lens,
+        block_table,
+        float(sm_scale),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_table.stride(0),
-        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        GROUP=n_heads // n_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        DOT_PRECISION=precision,
+        UPCAST=upcast,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out
 
 

@@ -46,16 +46,24 @@ def load_w_chunk(w_ptrs, k0, k_hi, mask_n, BLOCK_K: tl.constexpr):
     # from k_hi on, and masked rows, read as 0); evict_first: never re-read this step
     offs_k = k0 + tl.arange(0, BLOCK_K)
     return tl.load(
-        w_ptrs + k0, mask=mask_n[:, None] & (offs_k < k_hi)[None, :], other=0.0,
+        w_ptrs + k0,
+        mask=mask_n[:, None] & (offs_k < k_hi)[None, :],
+        other=0.0,
         eviction_policy="evict_first",
-    )  # fmt: skip
+    )
 
 
 @triton.jit
 def chunk_scales(
-    s_ptr, stride_sn, offs_n, mask_n, k0,
-    W_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-):  # fmt: skip
+    s_ptr,
+    stride_sn,
+    offs_n,
+    mask_n,
+    k0,
+    W_FORMAT: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
+):
     # -> [BLOCK_N] float32: W_BLOCK, each row's block scale at column k0 (the whole chunk's:
     # BLOCK_K divides SCALE_BK); W_CHANNEL, each row's scale (masked rows: 0)
     if W_FORMAT == 2:
@@ -116,12 +124,30 @@ def x_chunk(x_ptr, stride_xm, M, k0, k_hi, BLOCK_M: tl.constexpr, BLOCK_K: tl.co
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, ticket_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-    W_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    y_ptr,
+    ws_ptr,
+    ticket_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    W_FORMAT: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -241,8 +267,11 @@ def fp8_gemv(
     """``x @ (weight * scale).T + bias`` in one launch, float32 accumulation; inputs checked on
     the host (shapes, dtypes, contiguity, devices) with a ConfigError naming the fix."""
     if block is not None:
-        if not (isinstance(block, (tuple, list)) and len(block) == 2
-                and all(isinstance(b, int) for b in block)):  # fmt: skip
+        if not (
+            isinstance(block, (tuple, list))
+            and len(block) == 2
+            and all(isinstance(b, int) for b in block)
+        ):
             got = block if isinstance(block, (tuple, list)) else type(block).__name__
             raise ConfigError(f"fp8_gemv: block must be None or (bn, bk) sizes; got {got}")
         block = (int(block[0]), int(block[1]))
@@ -257,14 +286,32 @@ def fp8_gemv(
         ws, tickets = splitk_workspace(x.device, tiles * t.split_k * t.block_n * bm, tiles)
     pdl = resolve_pdl(use_pdl, x.device)
     _fp8_gemv_kernel[(tiles, t.split_k)](
-        x, weight, scale, bias if bias is not None else scale, y, ws, tickets,
-        m, n, k, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+        x,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        y,
+        ws,
+        tickets,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        y.stride(0),
         W_FORMAT=W_CHANNEL if block is None else W_BLOCK,
-        SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
-        HAS_BIAS=bias is not None, USE_PDL=pdl,
-        BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
-        **t.launch(), **launch_options(pdl),
-    )  # fmt: skip
+        SCALE_BN=block[0] if block else 1,
+        SCALE_BK=block[1] if block else 1,
+        HAS_BIAS=bias is not None,
+        USE_PDL=pdl,
+        BLOCK_M=bm,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        SPLIT_K=t.split_k,
+        **t.launch(),
+        **launch_options(pdl),
+    )
     return y
 
 

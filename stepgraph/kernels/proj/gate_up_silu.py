@@ -34,14 +34,35 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 @triton.jit
 def _gate_up_silu_kernel(
-    x_ptr, norm_w_ptr, w_ptr, out_ptr, ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr,
-    M, INTER, K, eps, n_parts,
-    stride_xm, stride_wn, stride_om, stride_sm,
-    NORM: tl.constexpr, SSQ_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    TMA: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    norm_w_ptr,
+    w_ptr,
+    out_ptr,
+    ws_ptr,
+    ticket_ptr,
+    w_desc,
+    x_desc,
+    ssq_ptr,
+    M,
+    INTER,
+    K,
+    eps,
+    n_parts,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_sm,
+    NORM: tl.constexpr,
+    SSQ_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    TMA: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -54,15 +75,54 @@ def _gate_up_silu_kernel(
     # masked at the store) --
     n0 = pid_n * BLOCK_N
     wg, wu = weights_before_wait(
-        w_ptr, stride_wn, g_ptrs, u_ptrs, mask_n, n0, n0 + INTER, INTER, 2 * INTER, k_lo, k_hi,
-        TMA, True, PREFETCH, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+        w_ptr,
+        stride_wn,
+        g_ptrs,
+        u_ptrs,
+        mask_n,
+        n0,
+        n0 + INTER,
+        INTER,
+        2 * INTER,
+        k_lo,
+        k_hi,
+        TMA,
+        True,
+        PREFETCH,
+        BLOCK_N,
+        BLOCK_K,
+    )
     pdl_wait_then_trigger(USE_PDL)
     gate, up = proj_loop(  # -> [BLOCK_M, BLOCK_N] float32 each
-        w_desc, n0, n0 + INTER, x_desc, g_ptrs, u_ptrs, wg, wu, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
-        TMA, NORM, True, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK, SSQ_PAD,
-    )  # fmt: skip
+        w_desc,
+        n0,
+        n0 + INTER,
+        x_desc,
+        g_ptrs,
+        u_ptrs,
+        wg,
+        wu,
+        mask_n,
+        x_ptr,
+        norm_w_ptr,
+        stride_xm,
+        M,
+        K,
+        k_lo,
+        k_hi,
+        eps,
+        ssq_ptr,
+        stride_sm,
+        n_parts,
+        TMA,
+        NORM,
+        True,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        NORM_BLOCK,
+        SSQ_PAD,
+    )
     pdl_trigger_late(USE_PDL)
     rows = BLOCK_M
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
@@ -132,18 +192,46 @@ def gate_up_silu(
         descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)  # None: pointer loop
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, out)
         _gate_up_silu_kernel[(tiles, tile.split_k)](
-            x, norm_w if norm_w is not None else weight, weight, out, ws, tickets,
-            *(descs or (x, x)), sums,
-            m, inter, k, eps, n_parts,
-            x.stride(0), weight.stride(0), out.stride(0), stride_s,
-            NORM=norm_w is not None, SSQ_PAD=ssq_pad, USE_PDL=pdl, TMA=tile.tma if descs else 0,
-            PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k,
-                                    x.element_size(), True, t.l2_prefetch_bytes) if descs else 0,
+            x,
+            norm_w if norm_w is not None else weight,
+            weight,
+            out,
+            ws,
+            tickets,
+            *(descs or (x, x)),
+            sums,
+            m,
+            inter,
+            k,
+            eps,
+            n_parts,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            stride_s,
+            NORM=norm_w is not None,
+            SSQ_PAD=ssq_pad,
+            USE_PDL=pdl,
+            TMA=tile.tma if descs else 0,
+            PREFETCH=prefetch_lines(
+                tile.block_n,
+                k,
+                tile.split_k,
+                tile.block_k,
+                x.element_size(),
+                True,
+                t.l2_prefetch_bytes,
+            )
+            if descs
+            else 0,
             BLOCK_M=block_m(m),
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_BLOCK=norm_block(m, k),
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            NORM_BLOCK=norm_block(m, k),
             SPLIT_K=tile.split_k,
-            **tile.launch(), **launch_options(pdl),
-        )  # fmt: skip
+            **tile.launch(),
+            **launch_options(pdl),
+        )
     return out
 
 

@@ -19,14 +19,21 @@ MAX_M = 8  # batch rows one launch takes; larger batches belong to cuBLAS
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_ym,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-):  # fmt: skip
+):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,9 +51,11 @@ def _gemv_kernel(
             mask_k = (k0 + offs_k) < K
             x = tl.load(x_ptr + k0 + offs_k, mask=mask_k, other=0.0)  # [BLOCK_K]
             w = tl.load(
-                w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                w_ptrs,
+                mask=mask_n[:, None] & mask_k[None, :],
+                other=0.0,
                 eviction_policy="evict_first",
-            )  # fmt: skip
+            )
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
@@ -56,9 +65,11 @@ def _gemv_kernel(
             mask_k = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(
-                w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                w_ptrs,
+                mask=mask_n[:, None] & mask_k[None, :],
+                other=0.0,
                 eviction_policy="evict_first",
-            )  # fmt: skip
+            )
             # -- acc[m, n] += sum_k x[m, k] * w[n, k] --
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
             x_ptrs += BLOCK_K
@@ -100,12 +111,22 @@ def gemv(
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
         _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, bias if bias is not None else weight, y,
-            m, n, k,
-            x.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(m)),
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        )  # fmt: skip
+            x,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=max(1, triton.next_power_of_2(m)),
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=num_warps,
+        )
     return y
 
 

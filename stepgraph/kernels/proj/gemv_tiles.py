@@ -48,9 +48,11 @@ def first_w_tile(w_ptrs, mask_n, k_lo, k_hi, BLOCK_K: tl.constexpr):
     # read as 0), [BLOCK_N, BLOCK_K] in the weight dtype
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     return tl.load(
-        w_ptrs + k_lo, mask=mask_n[:, None] & (offs_k < k_hi)[None, :], other=0.0,
+        w_ptrs + k_lo,
+        mask=mask_n[:, None] & (offs_k < k_hi)[None, :],
+        other=0.0,
         eviction_policy="evict_first",
-    )  # fmt: skip
+    )
 
 
 @triton.jit
@@ -60,16 +62,28 @@ def gpu_fence():
     CTA's ticket is taken; the last program fences again before it reads the partials."""
     if FENCE:
         tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+            "fence.acq_rel.gpu; mov.u32 $0, $1;",
+            "=r,r",
+            [tl.program_id(0)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 @triton.jit
 def splitk_reduce(
-    acc1, acc2, ws_ptr, ticket_ptr, pid_n, pid_k,
-    PAIRED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    acc1,
+    acc2,
+    ws_ptr,
+    ticket_ptr,
+    pid_n,
+    pid_k,
+    PAIRED: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     # acc1 (and acc2 when PAIRED): this program's [BLOCK_M, BLOCK_N] float32 partials of column
     # tile pid_n. Stores them in ws [tiles, SPLIT_K, 1 or 2, BLOCK_M, BLOCK_N], takes a ticket;
     # -> (sum1, sum2, rows): the sums over the SPLIT_K partials in split order. Only the program
@@ -122,9 +136,14 @@ def k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def row_inv_rms(
-    x_ptr, stride_xm, M, K, eps,
-    BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    stride_xm,
+    M,
+    K,
+    eps,
+    BLOCK_M: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):
     # -> rsqrt(mean(x[m, :K]^2) + eps) in float32: a scalar when BLOCK_M == 1, else [BLOCK_M]
     # (padded rows get rsqrt(eps))
     # (one return statement: the compiler checks every return, constexpr branches included)
@@ -151,9 +170,17 @@ def row_inv_rms(
 
 @triton.jit
 def x_tile(
-    x_ptr, nw_ptr, stride_xm, k0, M, K, inv_rms,
-    NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    nw_ptr,
+    stride_xm,
+    k0,
+    M,
+    K,
+    inv_rms,
+    NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # -> x[:, k0:k0 + BLOCK_K], normed and weighted when NORM: [BLOCK_K] float32 when
     # BLOCK_M == 1 (1-D, so that x[None, :] is a slice of the weight tile's layout: no layout
     # conversion through shared memory in the loop), else [BLOCK_M, BLOCK_K] in x's dtype
@@ -195,11 +222,24 @@ def mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def gemv_loop(
-    w1_ptrs, w2_ptrs, w1, w2, mask_n,
-    x_ptr, nw_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-    NORM: tl.constexpr, PAIRED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    w1_ptrs,
+    w2_ptrs,
+    w1,
+    w2,
+    mask_n,
+    x_ptr,
+    nw_ptr,
+    stride_xm,
+    M,
+    k_lo,
+    k_hi,
+    inv_rms,
+    NORM: tl.constexpr,
+    PAIRED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # w1_ptrs, w2_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0; w1, w2: their tiles at k_lo,
     # loaded before the PDL wait. Sums over k in [k_lo, k_hi) (the whole row: 0, K).
     # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 each (acc2 = acc1 unless PAIRED)

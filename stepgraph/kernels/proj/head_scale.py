@@ -35,12 +35,29 @@ NUM_WARPS = 8
 
 @triton.jit
 def _head_scale_kernel(
-    raw_ptr, stride_rm, out_ptr, stride_om, V,
-    ssq_ptr, stride_sm, n_parts, hidden, eps,
-    part_val_ptr, part_idx_ptr, stride_pm, tok_ptr, ticket_ptr, M,
-    SSQ_PAD: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    raw_ptr,
+    stride_rm,
+    out_ptr,
+    stride_om,
+    V,
+    ssq_ptr,
+    stride_sm,
+    n_parts,
+    hidden,
+    eps,
+    part_val_ptr,
+    part_idx_ptr,
+    stride_pm,
+    tok_ptr,
+    ticket_ptr,
+    M,
+    SSQ_PAD: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     row = tl.program_id(0)
     part = tl.program_id(1)
     pdl_wait_then_trigger_short(USE_PDL)  # the GEMM's rows and the sums are the predecessors'
@@ -56,8 +73,17 @@ def _head_scale_kernel(
         first = tl.min(tl.where(vm == top, cols, _NO_INDEX), axis=0)
         tl.store(part_val_ptr + row * stride_pm + part, top)
         tl.store(part_idx_ptr + row * stride_pm + part, first)
-        fold_argmax(part_val_ptr, part_idx_ptr, stride_pm, M, tl.num_programs(1), tok_ptr,
-                    ticket_ptr, BLOCK_M, BLOCK_P)  # fmt: skip
+        fold_argmax(
+            part_val_ptr,
+            part_idx_ptr,
+            stride_pm,
+            M,
+            tl.num_programs(1),
+            tok_ptr,
+            ticket_ptr,
+            BLOCK_M,
+            BLOCK_P,
+        )
 
 
 def head_scale(
@@ -96,14 +122,31 @@ def head_scale(
     t = default_tuning(tuning)
     pdl = resolve_pdl(use_pdl, raw.device, t)
     _head_scale_kernel[(m, parts)](
-        raw, raw.stride(0), logits, logits.stride(0), v,
-        sums, stride_s, n_parts, hidden, float(eps),
-        part_val, part_idx, part_val.stride(0), tokens_out if argmax else part_idx, tickets, m,
-        SSQ_PAD=ssq_pad, ARGMAX=argmax, BLOCK_V=BLOCK_V, BLOCK_M=block_m,
-        BLOCK_P=fold_block(block_m, parts, NUM_WARPS, t.argmax.per_thread), USE_PDL=pdl,
+        raw,
+        raw.stride(0),
+        logits,
+        logits.stride(0),
+        v,
+        sums,
+        stride_s,
+        n_parts,
+        hidden,
+        float(eps),
+        part_val,
+        part_idx,
+        part_val.stride(0),
+        tokens_out if argmax else part_idx,
+        tickets,
+        m,
+        SSQ_PAD=ssq_pad,
+        ARGMAX=argmax,
+        BLOCK_V=BLOCK_V,
+        BLOCK_M=block_m,
+        BLOCK_P=fold_block(block_m, parts, NUM_WARPS, t.argmax.per_thread),
+        USE_PDL=pdl,
         num_warps=NUM_WARPS,
         **launch_options(pdl),
-    )  # fmt: skip
+    )
     return logits
 
 

@@ -35,10 +35,33 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 @triton.jit
 def _norm_gemv_kernel(
-    x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_val_ptr, part_idx_ptr,
-    ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr, xw_ptr, tok_ptr,
-    M, N, K, eps, n_parts,
-    stride_xm, stride_wn, stride_rm, stride_ym, stride_pm, stride_sm, stride_xw,
+    x_ptr,
+    norm_w_ptr,
+    w_ptr,
+    bias_ptr,
+    res_ptr,
+    y_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    ws_ptr,
+    ticket_ptr,
+    w_desc,
+    x_desc,
+    ssq_ptr,
+    xw_ptr,
+    tok_ptr,
+    M,
+    N,
+    K,
+    eps,
+    n_parts,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_ym,
+    stride_pm,
+    stride_sm,
+    stride_xw,
     NORM: tl.constexpr,  # RMSNorm prologue (norm_w, eps)
     SSQ_PAD: tl.constexpr,  # > 0: x is r * norm_w, rows scaled by 1 / RMS from ssq (handoff)
     SSQ_OUT: tl.constexpr,  # the handoff out: ssq[:, pid_n] and xw = y * norm_w (the next's)
@@ -48,10 +71,14 @@ def _norm_gemv_kernel(
     FOLD: tl.constexpr,  # ARGMAX, and the last program reduces them into tok_ptr (argmax_parts)
     BLOCK_P: tl.constexpr,  # FOLD's block of partials (argmax_parts.fold_block)
     USE_PDL: tl.constexpr,
-    TMA: tl.constexpr, PREFETCH: tl.constexpr,  # Tile.tma (tma_tiles), L2 lines before the wait
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
+    TMA: tl.constexpr,  # Tile.tma (tma_tiles)
+    PREFETCH: tl.constexpr,  # L2 lines before the wait
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -62,15 +89,54 @@ def _norm_gemv_kernel(
     # -- weights only before the wait: they are never written during a step --
     n0 = pid_n * BLOCK_N
     w, _ = weights_before_wait(
-        w_ptr, stride_wn, w_ptrs, w_ptrs, mask_n, n0, 0, N, N, k_lo, k_hi,
-        TMA, False, PREFETCH, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+        w_ptr,
+        stride_wn,
+        w_ptrs,
+        w_ptrs,
+        mask_n,
+        n0,
+        0,
+        N,
+        N,
+        k_lo,
+        k_hi,
+        TMA,
+        False,
+        PREFETCH,
+        BLOCK_N,
+        BLOCK_K,
+    )
     pdl_wait_then_trigger(USE_PDL)
     acc, _ = proj_loop(  # -> [BLOCK_M, BLOCK_N] float32
-        w_desc, n0, 0, x_desc, w_ptrs, w_ptrs, w, w, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
-        TMA, NORM, False, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK, SSQ_PAD,
-    )  # fmt: skip
+        w_desc,
+        n0,
+        0,
+        x_desc,
+        w_ptrs,
+        w_ptrs,
+        w,
+        w,
+        mask_n,
+        x_ptr,
+        norm_w_ptr,
+        stride_xm,
+        M,
+        K,
+        k_lo,
+        k_hi,
+        eps,
+        ssq_ptr,
+        stride_sm,
+        n_parts,
+        TMA,
+        NORM,
+        False,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        NORM_BLOCK,
+        SSQ_PAD,
+    )
     pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
         acc, _, rows = splitk_reduce(
@@ -79,9 +145,25 @@ def _norm_gemv_kernel(
         mask_m = mask_m & (offs_m < rows)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y = residual_out(acc, mask_m, mask_n, offs_n, pid_n, res_ptr, stride_rm, y_ptr, stride_ym,
-                     norm_w_ptr, xw_ptr, stride_xw, ssq_ptr, stride_sm, RESIDUAL, SSQ_OUT,
-                     BLOCK_M)  # fmt: skip
+    y = residual_out(
+        acc,
+        mask_m,
+        mask_n,
+        offs_n,
+        pid_n,
+        res_ptr,
+        stride_rm,
+        y_ptr,
+        stride_ym,
+        norm_w_ptr,
+        xw_ptr,
+        stride_xw,
+        ssq_ptr,
+        stride_sm,
+        RESIDUAL,
+        SSQ_OUT,
+        BLOCK_M,
+    )
     if ARGMAX:
         # -- over the values as stored (float32 logits: the same), masked columns at -inf --
         vals = tl.where(mask_n[None, :], y.to(tl.float32), float("-inf"))
@@ -91,8 +173,17 @@ def _norm_gemv_kernel(
         tl.store(part_idx_ptr + offs_m * stride_pm + pid_n, idx.to(tl.int32), mask=mask_m)
         if FOLD:  # the ticket after the split-K tickets [0, tiles)
             tiles = tl.num_programs(0)
-            fold_argmax(part_val_ptr, part_idx_ptr, stride_pm, M, tiles, tok_ptr,
-                        ticket_ptr + tiles, BLOCK_M, BLOCK_P)  # fmt: skip
+            fold_argmax(
+                part_val_ptr,
+                part_idx_ptr,
+                stride_pm,
+                M,
+                tiles,
+                tok_ptr,
+                ticket_ptr + tiles,
+                BLOCK_M,
+                BLOCK_P,
+            )
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,17 +204,33 @@ def gemv_residual_reference(x, weight, residual) -> torch.Tensor:
 
 
 def _launch(
-    x, norm_w, weight, bias, residual, y, parts, eps, *, norm, use_pdl, blocks, kernel,
-    ssq_in=None, next_norm=None, tokens=None, tuning=None,
-):  # fmt: skip
+    x,
+    norm_w,
+    weight,
+    bias,
+    residual,
+    y,
+    parts,
+    eps,
+    *,
+    norm,
+    use_pdl,
+    blocks,
+    kernel,
+    ssq_in=None,
+    next_norm=None,
+    tokens=None,
+    tuning=None,
+):
     # -> (xw [M, N], the sums of squares [M, column tiles] float32) given next_norm, else None
     m, k = x.shape
     n = weight.shape[0]
     t = default_tuning(tuning)
     tile = (
-        as_tile(blocks) if blocks is not None
+        as_tile(blocks)
+        if blocks is not None
         else tile_for(kernel, m, n, k, weight.element_size(), t.tables)
-    )  # fmt: skip
+    )
     check_tile(kernel, tile, m)
     bm = block_m(m)
     part_val, part_idx = parts if parts is not None else (y, y)
@@ -142,26 +249,63 @@ def _launch(
         stride_s, out = ssq.stride(0), (xw, ssq)
         norm_w = next_norm
     _norm_gemv_kernel[(tiles, tile.split_k)](
-        x, norm_w if norm_w is not None else weight, weight,
+        x,
+        norm_w if norm_w is not None else weight,
+        weight,
         bias if bias is not None else weight,
-        residual if residual is not None else y, y, part_val, part_idx, ws, tickets,
-        *(descs or (x, x)), ssq, xw, tokens if tokens is not None else y,
-        m, n, k, eps, n_parts,
-        x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, y.stride(0),
-        part_val.stride(0) if parts is not None else 0, stride_s, xw.stride(0),
-        NORM=norm, SSQ_PAD=ssq_pad, SSQ_OUT=next_norm is not None,
-        HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
-        ARGMAX=parts is not None, FOLD=tokens is not None,
+        residual if residual is not None else y,
+        y,
+        part_val,
+        part_idx,
+        ws,
+        tickets,
+        *(descs or (x, x)),
+        ssq,
+        xw,
+        tokens if tokens is not None else y,
+        m,
+        n,
+        k,
+        eps,
+        n_parts,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        y.stride(0),
+        part_val.stride(0) if parts is not None else 0,
+        stride_s,
+        xw.stride(0),
+        NORM=norm,
+        SSQ_PAD=ssq_pad,
+        SSQ_OUT=next_norm is not None,
+        HAS_BIAS=bias is not None,
+        RESIDUAL=residual is not None,
+        ARGMAX=parts is not None,
+        FOLD=tokens is not None,
         BLOCK_P=fold_block(bm, tiles, tile.num_warps, t.argmax.per_thread)
-        if tokens is not None else 2,
-        USE_PDL=pdl, TMA=tile.tma if descs else 0,
-        PREFETCH=prefetch_lines(tile.block_n, k, tile.split_k, tile.block_k, x.element_size(),
-                                False, t.l2_prefetch_bytes) if descs else 0,
-        BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
+        if tokens is not None
+        else 2,
+        USE_PDL=pdl,
+        TMA=tile.tma if descs else 0,
+        PREFETCH=prefetch_lines(
+            tile.block_n,
+            k,
+            tile.split_k,
+            tile.block_k,
+            x.element_size(),
+            False,
+            t.l2_prefetch_bytes,
+        )
+        if descs
+        else 0,
+        BLOCK_M=bm,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        NORM_BLOCK=norm_block(m, k),
+        SPLIT_K=tile.split_k,
+        **tile.launch(),
         **launch_options(pdl),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -189,12 +333,22 @@ def norm_gemv(
         y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     if x.shape[0]:
         _launch(
-            x, norm_w, weight, bias, None, y, argmax_parts, eps, norm=ssq is None,
+            x,
+            norm_w,
+            weight,
+            bias,
+            None,
+            y,
+            argmax_parts,
+            eps,
+            norm=ssq is None,
             use_pdl=use_pdl,
-            blocks=blocks, kernel="lm_head" if argmax_parts is not None else "norm_gemv",
-            ssq_in=ssq, tokens=argmax_tokens if argmax_parts is not None else None,
+            blocks=blocks,
+            kernel="lm_head" if argmax_parts is not None else "norm_gemv",
+            ssq_in=ssq,
+            tokens=argmax_tokens if argmax_parts is not None else None,
             tuning=tuning,
-        )  # fmt: skip
+        )
     return y
 
 
@@ -224,9 +378,21 @@ def gemv_residual(
     handed = None
     if x.shape[0]:
         handed = _launch(
-            x, None, weight, None, residual, y, None, 0.0, norm=False, use_pdl=use_pdl,
-            blocks=blocks, kernel="gemv_residual", next_norm=next_norm, tuning=tuning,
-        )  # fmt: skip
+            x,
+            None,
+            weight,
+            None,
+            residual,
+            y,
+            None,
+            0.0,
+            norm=False,
+            use_pdl=use_pdl,
+            blocks=blocks,
+            kernel="gemv_residual",
+            next_norm=next_norm,
+            tuning=tuning,
+        )
     if next_norm is None:
         return y
     if handed is None:  # no rows
@@ -234,11 +400,11 @@ def gemv_residual(
     return (y, *handed)
 
 
-def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2,
-                    tables=None) -> int:  # fmt: skip
+def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2, tables=None) -> int:
     """Programs of ``norm_gemv`` for an ``[n, k]`` LM head: columns of the argmax partials."""
-    tile = (as_tile(blocks) if blocks is not None
-            else tile_for("lm_head", m, n, k, elem_bytes, tables))  # fmt: skip
+    tile = (
+        as_tile(blocks) if blocks is not None else tile_for("lm_head", m, n, k, elem_bytes, tables)
+    )
     return triton.cdiv(n, tile.block_n)
 
 

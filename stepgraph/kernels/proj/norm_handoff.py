@@ -16,8 +16,8 @@ so eager and graph (and exact) steps, which launch the same tiles, give the same
 ``r / rms`` and then its product with the weight.
 
 A first version normed x inside the consumer's K loop instead (x from r, the RMS from the sums):
-slower on the H200 than the norm as its own kernel (bs 8, ctx 512, graph: 1.150 against 1.110
-ms; docs/results.md, run F2): the loop's operand then passes through registers.
+slower on the H200 than the norm as its own kernel (docs/experiments.md#the-norm-inside-the-k-loop):
+the loop's operand then passes through registers.
 """
 
 from __future__ import annotations
@@ -31,8 +31,15 @@ from ...errors import ConfigError
 
 @triton.jit
 def ssq_inv_rms(
-    ssq_ptr, stride_sm, M, n_parts, K, eps, BLOCK_M: tl.constexpr, SSQ_PAD: tl.constexpr,
-):  # fmt: skip
+    ssq_ptr,
+    stride_sm,
+    M,
+    n_parts,
+    K,
+    eps,
+    BLOCK_M: tl.constexpr,
+    SSQ_PAD: tl.constexpr,
+):
     # -> rsqrt(sum(ssq[m, :n_parts]) / K + eps) in float32, as gemv_tiles.row_inv_rms returns
     # it (a scalar when BLOCK_M == 1, else [BLOCK_M]; padded rows get rsqrt(eps))
     offs_p = tl.arange(0, SSQ_PAD)
@@ -49,9 +56,18 @@ def ssq_inv_rms(
 
 @triton.jit
 def handoff_out(
-    y, mask_m, mask_n, offs_n, pid_n, nw_ptr, xw_ptr, stride_xw, ssq_ptr, stride_sm,
+    y,
+    mask_m,
+    mask_n,
+    offs_n,
+    pid_n,
+    nw_ptr,
+    xw_ptr,
+    stride_xw,
+    ssq_ptr,
+    stride_sm,
     BLOCK_M: tl.constexpr,
-):  # fmt: skip
+):
     # y [BLOCK_M, BLOCK_N] as stored (the model dtype), columns offs_n (under mask_n), rows
     # under mask_m: each row's float32 sum of squares into ssq[m, pid_n], and y * norm_w
     # rounded to the dtype into xw (the next projection's x)
@@ -66,10 +82,24 @@ def handoff_out(
 
 @triton.jit
 def residual_out(
-    acc, mask_m, mask_n, offs_n, pid_n, res_ptr, stride_rm, y_ptr, stride_ym,
-    nw_ptr, xw_ptr, stride_xw, ssq_ptr, stride_sm,
-    RESIDUAL: tl.constexpr, SSQ_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
+    acc,
+    mask_m,
+    mask_n,
+    offs_n,
+    pid_n,
+    res_ptr,
+    stride_rm,
+    y_ptr,
+    stride_ym,
+    nw_ptr,
+    xw_ptr,
+    stride_xw,
+    ssq_ptr,
+    stride_sm,
+    RESIDUAL: tl.constexpr,
+    SSQ_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     # The projections' epilogue: acc [BLOCK_M, BLOCK_N] float32 (+ residual when RESIDUAL: the
     # projection rounded to the dtype, then proj + residual in the dtype, as `x + residual`),
     # stored to y under the masks; with SSQ_OUT the handoff beside it (handoff_out). -> y as
@@ -82,8 +112,9 @@ def residual_out(
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
     if SSQ_OUT:
-        handoff_out(y, mask_m, mask_n, offs_n, pid_n, nw_ptr, xw_ptr, stride_xw, ssq_ptr,
-                    stride_sm, BLOCK_M)  # fmt: skip
+        handoff_out(
+            y, mask_m, mask_n, offs_n, pid_n, nw_ptr, xw_ptr, stride_xw, ssq_ptr, stride_sm, BLOCK_M
+        )
     return y
 
 
@@ -94,11 +125,18 @@ def ssq_args(ssq: torch.Tensor | None, m: int, fallback: torch.Tensor) -> tuple:
     if ssq is None:
         return fallback, 0, 0, 0
     if (
-        not isinstance(ssq, torch.Tensor) or ssq.dtype != torch.float32 or ssq.dim() != 2
-        or ssq.shape[0] < m or ssq.shape[1] < 1 or ssq.stride(1) != 1
-    ):  # fmt: skip
-        got = (tuple(ssq.shape), ssq.dtype, tuple(ssq.stride())) if isinstance(
-            ssq, torch.Tensor) else type(ssq).__name__  # fmt: skip
+        not isinstance(ssq, torch.Tensor)
+        or ssq.dtype != torch.float32
+        or ssq.dim() != 2
+        or ssq.shape[0] < m
+        or ssq.shape[1] < 1
+        or ssq.stride(1) != 1
+    ):
+        got = (
+            (tuple(ssq.shape), ssq.dtype, tuple(ssq.stride()))
+            if isinstance(ssq, torch.Tensor)
+            else type(ssq).__name__
+        )
         raise ConfigError(
             f"ssq must be a [rows >= {m}, parts >= 1] float32 tensor with contiguous rows (the "
             f"sums of squares gemv_residual(..., next_norm=w) returns with x), got {got}"

@@ -102,8 +102,9 @@ def table_rows(m: int) -> tuple[int, ...]:
     return (4, 16) if 2 <= m <= 4 else (block_m(m),)
 
 
-def tile_for(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
-             tables: ProjTables | None = None) -> Tile:  # fmt: skip
+def tile_for(
+    kernel: str, m: int, n: int, k: int, elem_bytes: int = 2, tables: ProjTables | None = None
+) -> Tile:
     """The tile ``kernel`` launches for ``m`` rows of an ``[n, k]`` weight of ``elem_bytes``
     bytes an element, from ``tables.tiles`` (None: the default tuning's). The table was
     measured in bf16: other sizes (float32) take the rule, as does a table tile whose pipeline
@@ -111,8 +112,9 @@ def tile_for(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
     tile = None
     if elem_bytes == 2:
         tiles = _tables(tables).tiles
-        tile = next((tiles[key] for key in ((kernel, n, k, c) for c in table_rows(m))
-                     if key in tiles), None)  # fmt: skip
+        tile = next(
+            (tiles[key] for key in ((kernel, n, k, c) for c in table_rows(m)) if key in tiles), None
+        )
     if tile is not None and (smem := smem_bytes(kernel, tile, m, elem_bytes)) > SMEM_BUDGET:
         _over_budget(kernel, tile, block_m(m), smem)
         tile = None
@@ -124,20 +126,25 @@ def _over_budget(kernel: str, tile: Tile, rows: int, smem: int) -> None:
     warnings.warn(
         f"{kernel}: the table's {tile} needs about {smem >> 10} KB of shared memory at {rows} "
         f"rows, over SMEM_BUDGET ({SMEM_BUDGET >> 10} KB), so the rule's tile runs instead; "
-        "fewer stages or a smaller block_n or block_k would fit", stacklevel=3)  # fmt: skip
+        "fewer stages or a smaller block_n or block_k would fit",
+        stacklevel=3,
+    )
 
 
-def prefer_cublas(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
-                  tables: ProjTables | None = None) -> bool:  # fmt: skip
+def prefer_cublas(
+    kernel: str, m: int, n: int, k: int, elem_bytes: int = 2, tables: ProjTables | None = None
+) -> bool:
     """Whether the fused step runs ``kernel``'s unfused pieces (cuBLAS GEMM) at ``m`` rows
     (``tables.cublas``, measured in bf16; other element sizes keep the fused kernel)."""
     bm, t = block_m(m), _tables(tables)
-    return elem_bytes == 2 and ((kernel, n, k, bm) in t.cublas or (kernel, bm) in
-                                t.cublas_everywhere)  # fmt: skip
+    return elem_bytes == 2 and (
+        (kernel, n, k, bm) in t.cublas or (kernel, bm) in t.cublas_everywhere
+    )
 
 
-def separate_norm(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
-                  tables: ProjTables | None = None) -> bool:  # fmt: skip
+def separate_norm(
+    kernel: str, m: int, n: int, k: int, elem_bytes: int = 2, tables: ProjTables | None = None
+) -> bool:
     """Whether the fused step runs ``kernel`` (``qkv_rope``, ``gate_up_silu``) at ``m`` rows as
     the norm kernel, then the ``_normed`` variant on the normed x (``tables.separate_norm``,
     measured in bf16)."""
@@ -149,35 +156,40 @@ def separate_norm(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
     )
 
 
-def measured(kernel: str, m: int, n: int, k: int, elem_bytes: int = 2,
-             tables: ProjTables | None = None) -> bool:  # fmt: skip
+def measured(
+    kernel: str, m: int, n: int, k: int, elem_bytes: int = 2, tables: ProjTables | None = None
+) -> bool:
     """Whether ``kernel`` at ``m`` rows (2 or more) of an ``[n, k]`` weight has a measured choice:
     a tile in ``TILES`` or cuBLAS in ``CUBLAS`` (both measured in bf16). The rule's tiles ran
     llama-3.1-8b at bs 8 in 10.5 ms against 5.5 for cuBLAS (H200, 2026-12-01, before its tiles
     were measured), so the fused step runs its tensor-core kernels only where every projection
     was measured."""
     key, t = (kernel, n, k, block_m(m)), _tables(tables)
-    return elem_bytes == 2 and (key in t.tiles or key in t.cublas or
-                                (kernel, key[3]) in t.cublas_everywhere)  # fmt: skip
+    return elem_bytes == 2 and (
+        key in t.tiles or key in t.cublas or (kernel, key[3]) in t.cublas_everywhere
+    )
 
 
-def reference_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2,
-                     tables: ProjTables | None = None) -> bool:  # fmt: skip
+def reference_bucket(
+    qkv_n: int, k: int, bucket: int, elem_bytes: int = 2, tables: ProjTables | None = None
+) -> bool:
     """Whether a model whose fused qkv weight is ``[qkv_n, k]`` measured faster on the reference
     kernels at ``bucket`` although its tiles cover the rows (``tables.reference_buckets``,
     measured in bf16)."""
     return elem_bytes == 2 and (qkv_n, k, bucket) in _tables(tables).reference_buckets
 
 
-def no_pdl_bucket(qkv_n: int, k: int, bucket: int, elem_bytes: int = 2,
-                  tables: ProjTables | None = None) -> bool:  # fmt: skip
+def no_pdl_bucket(
+    qkv_n: int, k: int, bucket: int, elem_bytes: int = 2, tables: ProjTables | None = None
+) -> bool:
     """Whether the step at ``bucket`` measured faster without PDL on its projections, for a
     model whose fused qkv weight is ``[qkv_n, k]`` (``tables.no_pdl_buckets``, bf16)."""
     return elem_bytes == 2 and (qkv_n, k, bucket) in _tables(tables).no_pdl_buckets
 
 
-def tma_descriptors(tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int,
-                    tma: bool = True):  # fmt: skip
+def tma_descriptors(
+    tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int, tma: bool = True
+):
     """``(weight descriptor, x descriptor)`` when ``tile`` streams through TMA at ``m`` rows
     (``tma``, ``DecodeTuning.tma``; ``tile.tma``, tensor-core rows, boxes ``[rows, block_k]``
     and ``[BLOCK_M, block_k]`` that TMA takes, both tensors ``tma_ready``), else None: the

@@ -44,11 +44,30 @@ from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 @triton.jit
 def rope_kv_out(
-    acc1, acc2, mask_m, head, d, mask_n, bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_cos, stride_slot,
-    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
+    acc1,
+    acc2,
+    mask_m,
+    head,
+    d,
+    mask_n,
+    bias_ptr,
+    positions_ptr,
+    slots_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_qm,
+    stride_cos,
+    stride_slot,
+    N_HEADS: tl.constexpr,
+    N_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     # The epilogue of a qkv tile: acc1, acc2 [BLOCK_M, BLOCK_D] float32, the products of head
     # `head`'s rows d and d + HALF (+ bias), rounded to the dtype; value heads copied into the
     # cache at each row's slot, query and key heads rotated (rotate-half RoPE at each row's
@@ -89,16 +108,48 @@ def rope_kv_out(
 
 @triton.jit
 def _qkv_rope_kernel(
-    x_ptr, norm_w_ptr, w_ptr, bias_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, ws_ptr, ticket_ptr, w_desc, x_desc, ssq_ptr,
-    M, K, eps, n_parts,
-    stride_xm, stride_wn, stride_qm, stride_cos, stride_slot, stride_sm,
-    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SSQ_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    TMA: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    norm_w_ptr,
+    w_ptr,
+    bias_ptr,
+    positions_ptr,
+    slots_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    ws_ptr,
+    ticket_ptr,
+    w_desc,
+    x_desc,
+    ssq_ptr,
+    M,
+    K,
+    eps,
+    n_parts,
+    stride_xm,
+    stride_wn,
+    stride_qm,
+    stride_cos,
+    stride_slot,
+    stride_sm,
+    N_HEADS: tl.constexpr,
+    N_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    SSQ_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    TMA: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     pid = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
     D_TILES: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D  # BLOCK_D > HALF: one, masked
@@ -116,28 +167,90 @@ def _qkv_rope_kernel(
     r1 = head * HEAD_DIM + (pid % D_TILES) * BLOCK_D  # the tile's first row
     N_ROWS: tl.constexpr = (N_HEADS + 2 * N_KV) * HEAD_DIM
     w1, w2 = weights_before_wait(
-        w_ptr, stride_wn, w1_ptrs, w2_ptrs, mask_n, r1, r1 + HALF, N_ROWS, N_ROWS, k_lo, k_hi,
-        TMA, True, PREFETCH, BLOCK_D, BLOCK_K,
-    )  # fmt: skip
+        w_ptr,
+        stride_wn,
+        w1_ptrs,
+        w2_ptrs,
+        mask_n,
+        r1,
+        r1 + HALF,
+        N_ROWS,
+        N_ROWS,
+        k_lo,
+        k_hi,
+        TMA,
+        True,
+        PREFETCH,
+        BLOCK_D,
+        BLOCK_K,
+    )
     pdl_wait_then_trigger(USE_PDL)
     acc1, acc2 = proj_loop(  # -> [BLOCK_M, BLOCK_D] float32 each
-        w_desc, r1, r1 + HALF, x_desc, w1_ptrs, w2_ptrs, w1, w2, mask_n,
-        x_ptr, norm_w_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
-        TMA, NORM, True, BLOCK_M, BLOCK_D, BLOCK_K, NORM_BLOCK, SSQ_PAD,
-    )  # fmt: skip
+        w_desc,
+        r1,
+        r1 + HALF,
+        x_desc,
+        w1_ptrs,
+        w2_ptrs,
+        w1,
+        w2,
+        mask_n,
+        x_ptr,
+        norm_w_ptr,
+        stride_xm,
+        M,
+        K,
+        k_lo,
+        k_hi,
+        eps,
+        ssq_ptr,
+        stride_sm,
+        n_parts,
+        TMA,
+        NORM,
+        True,
+        BLOCK_M,
+        BLOCK_D,
+        BLOCK_K,
+        NORM_BLOCK,
+        SSQ_PAD,
+    )
     pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
         acc1, acc2, rows = splitk_reduce(
             acc1, acc2, ws_ptr, ticket_ptr, pid, pid_k, True, SPLIT_K, BLOCK_M, BLOCK_D
         )
         mask_m = mask_m & (offs_m < rows)
-    rope_kv_out(acc1, acc2, mask_m, head, d, mask_n, bias_ptr, positions_ptr, slots_ptr, cos_ptr,
-                sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_cos,
-                stride_slot, N_HEADS, N_KV, HEAD_DIM, HALF, HAS_BIAS, BLOCK_M)  # fmt: skip
+    rope_kv_out(
+        acc1,
+        acc2,
+        mask_m,
+        head,
+        d,
+        mask_n,
+        bias_ptr,
+        positions_ptr,
+        slots_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        stride_qm,
+        stride_cos,
+        stride_slot,
+        N_HEADS,
+        N_KV,
+        HEAD_DIM,
+        HALF,
+        HAS_BIAS,
+        BLOCK_M,
+    )
 
 
-def qkv_tile(norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2,
-             tables=None) -> Tile:  # fmt: skip
+def qkv_tile(
+    norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2, tables=None
+) -> Tile:
     """The tile ``qkv_rope`` launches for ``m`` rows (``norm``: with the norm prologue's pass
     over x; False for an x normed already or ``r * norm_w`` with its sums of squares): the
     table's, and at one row the one-row rule halved, since it counts both halves of a pair."""
@@ -148,9 +261,19 @@ def qkv_tile(norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int
 
 
 def qkv_rope_reference(
-    x, norm_w, weight, bias, eps, positions, cos_table, sin_table, k_cache, v_cache, slots,
+    x,
+    norm_w,
+    weight,
+    bias,
+    eps,
+    positions,
+    cos_table,
+    sin_table,
+    k_cache,
+    v_cache,
+    slots,
     n_heads,
-) -> torch.Tensor:  # fmt: skip  # [M, n_heads, head_dim], rotated q; k, v written at ``slots``
+) -> torch.Tensor:  # [M, n_heads, head_dim], rotated q; k, v written at ``slots``
     """RMSNorm, ``F.linear``, then ``rope_kv_reference``: the unfused ops."""
     qkv = torch.nn.functional.linear(rmsnorm_reference(x, norm_w, eps), weight, bias)
     return rope_kv_reference(
@@ -189,8 +312,7 @@ def qkv_rope(
         n_rows = (n_heads + 2 * n_kv) * hd
         t = default_tuning(tuning)
         if blocks is None:
-            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, weight.element_size(),
-                            t.tables)  # fmt: skip
+            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, weight.element_size(), t.tables)
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
@@ -208,22 +330,53 @@ def qkv_rope(
         descs = tma_descriptors(tile, m, x, weight, bd, t.tma)  # None: the pointer loop
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, q)
         _qkv_rope_kernel[(tiles, tile.split_k)](
-            x, norm_w if norm_w is not None else weight, weight,
+            x,
+            norm_w if norm_w is not None else weight,
+            weight,
             bias if bias is not None else weight,
-            positions, slots, cos_table, sin_table, q, k_cache, v_cache, ws, tickets,
-            *(descs or (x, x)), sums,
-            m, k, eps, n_parts,
-            x.stride(0), weight.stride(0), q.stride(0), cos_table.stride(0), k_cache.stride(1),
+            positions,
+            slots,
+            cos_table,
+            sin_table,
+            q,
+            k_cache,
+            v_cache,
+            ws,
+            tickets,
+            *(descs or (x, x)),
+            sums,
+            m,
+            k,
+            eps,
+            n_parts,
+            x.stride(0),
+            weight.stride(0),
+            q.stride(0),
+            cos_table.stride(0),
+            k_cache.stride(1),
             stride_s,
-            N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, HALF=half,
-            HAS_BIAS=bias is not None, NORM=norm_w is not None, SSQ_PAD=ssq_pad, USE_PDL=pdl,
+            N_HEADS=n_heads,
+            N_KV=n_kv,
+            HEAD_DIM=hd,
+            HALF=half,
+            HAS_BIAS=bias is not None,
+            NORM=norm_w is not None,
+            SSQ_PAD=ssq_pad,
+            USE_PDL=pdl,
             TMA=tile.tma if descs else 0,
-            PREFETCH=prefetch_lines(bd, k, tile.split_k, tile.block_k, x.element_size(), True,
-                                    t.l2_prefetch_bytes) if descs else 0,
-            BLOCK_M=block_m(m), BLOCK_D=bd, BLOCK_K=tile.block_k,
-            NORM_BLOCK=norm_block(m, k), SPLIT_K=tile.split_k, **tile.launch(),
+            PREFETCH=prefetch_lines(
+                bd, k, tile.split_k, tile.block_k, x.element_size(), True, t.l2_prefetch_bytes
+            )
+            if descs
+            else 0,
+            BLOCK_M=block_m(m),
+            BLOCK_D=bd,
+            BLOCK_K=tile.block_k,
+            NORM_BLOCK=norm_block(m, k),
+            SPLIT_K=tile.split_k,
+            **tile.launch(),
             **launch_options(pdl),
-        )  # fmt: skip
+        )
     return q
 
 

@@ -71,16 +71,18 @@ CUBLAS: set[tuple[str, int, int, int]] = {("qkv_rope", *_QKV, 64), ("lm_head", *
 # Llama-3.1-8B at 2-16 rows (BLOCK_M 16); rows 17-64 are not measured, so they run the
 # reference kernels (docs/experiments.md#the-8b-tiles).
 _Q8, _GU8, _O8, _D8, _LM8 = (6144, 4096), (28672, 4096), (4096, 4096), (4096, 14336), (128256, 4096)
-TILES.update({
-    ("qkv_rope", *_Q8, 16): Tile(32, 128, 4, 3, 4, 1),  # CUBLAS serves this class
-    ("qkv_rope_normed", *_Q8, 16): Tile(32, 256, 4, 3, 4),
-    # o_proj and gate-up on the handoff: TMA tiles that beat the sweep's pointer tiles in the step
-    ("gemv_residual", *_O8, 16): Tile(64, 128, 4, 4, 4, 1),
-    ("gemv_residual", *_D8, 16): Tile(64, 128, 4, 5, 4, 1),
-    ("gate_up_silu", *_GU8, 16): Tile(64, 128, 4, 3, 1, 2),
-    ("gate_up_silu_normed", *_GU8, 16): Tile(64, 128, 4, 4, 1, 1),
-    ("lm_head", *_LM8, 16): Tile(128, 128, 4, 4),
-})  # fmt: skip
+TILES.update(
+    {
+        ("qkv_rope", *_Q8, 16): Tile(32, 128, 4, 3, 4, 1),  # CUBLAS serves this class
+        ("qkv_rope_normed", *_Q8, 16): Tile(32, 256, 4, 3, 4),
+        # o_proj, gate-up on the handoff: TMA tiles beat the sweep's pointer tiles in the step
+        ("gemv_residual", *_O8, 16): Tile(64, 128, 4, 4, 4, 1),
+        ("gemv_residual", *_D8, 16): Tile(64, 128, 4, 5, 4, 1),
+        ("gate_up_silu", *_GU8, 16): Tile(64, 128, 4, 3, 1, 2),
+        ("gate_up_silu_normed", *_GU8, 16): Tile(64, 128, 4, 4, 1, 1),
+        ("lm_head", *_LM8, 16): Tile(128, 128, 4, 4),
+    }
+)
 CUBLAS.add(("qkv_rope", *_Q8, 16))
 
 # Where the norm runs as its own kernel (add_rmsnorm) before the fused kernel's ``_normed``
@@ -88,9 +90,12 @@ CUBLAS.add(("qkv_rope", *_Q8, 16))
 # kernels tied or lost (docs/experiments.md#the-norm-as-its-own-kernel). With the handoff on it
 # serves layer 0's qkv (normed with the embedding, embed_rmsnorm) and the handoff-off paths.
 SEPARATE_NORM: set[tuple[str, int, int, int]] = {
-    ("qkv_rope", *_QKV, 16), ("qkv_rope", *_QKV, 32), ("gate_up_silu", *_GU, 16),
-    ("gate_up_silu", *_GU, 32), ("gate_up_silu", *_GU, 64),
-}  # fmt: skip
+    ("qkv_rope", *_QKV, 16),
+    ("qkv_rope", *_QKV, 32),
+    ("gate_up_silu", *_GU, 16),
+    ("gate_up_silu", *_GU, 32),
+    ("gate_up_silu", *_GU, 64),
+}
 SEPARATE_NORM.add(("gate_up_silu", *_GU8, 16))  # the 8B's gate-up with the handoff off
 # Buckets where a model measured faster on the reference kernels inside the step although its
 # tiles cover the rows (keyed by its fused qkv weight's shape): none since the late PDL trigger

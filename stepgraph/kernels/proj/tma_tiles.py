@@ -81,8 +81,15 @@ def box_fits(block_n: int, block_k: int, bm: int) -> bool:
 
 @triton.jit
 def l2_prefetch(
-    w_ptr, stride_wn, row0, n_rows, k_lo, k_hi, BLOCK_N: tl.constexpr, LINES: tl.constexpr,
-):  # fmt: skip
+    w_ptr,
+    stride_wn,
+    row0,
+    n_rows,
+    k_lo,
+    k_hi,
+    BLOCK_N: tl.constexpr,
+    LINES: tl.constexpr,
+):
     # Before the PDL wait: ask L2 for the first LINES 128-byte lines of this program's weight
     # rows [row0, row0 + BLOCK_N) from k_lo, chunk by chunk across the rows (the order the K
     # loop reads them), rows past n_rows and columns past k_hi clamped to the last valid one.
@@ -96,9 +103,13 @@ def l2_prefetch(
         c = tl.minimum(idx // BLOCK_N, per_row - 1)
         ptrs = w_ptr + r.to(tl.int64) * stride_wn + k_lo + c * (128 // ELEM)
         tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 @triton.jit
@@ -126,10 +137,25 @@ def tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.c
 
 @triton.jit
 def tma_loop(
-    w_desc, row1, row2, x_desc, x_ptr, nw_ptr, stride_xm, M, K, k_lo, k_hi, inv_rms,
-    NORM: tl.constexpr, PAIRED: tl.constexpr, SWAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    w_desc,
+    row1,
+    row2,
+    x_desc,
+    x_ptr,
+    nw_ptr,
+    stride_xm,
+    M,
+    K,
+    k_lo,
+    k_hi,
+    inv_rms,
+    NORM: tl.constexpr,
+    PAIRED: tl.constexpr,
+    SWAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # gemv_tiles.gemv_loop with the weight through its descriptor, every load inside the loop
     # (the software pipeliner keeps num_stages of them in flight; a tile loaded before the
     # loop into registers measured 1.5-2 µs slower a call). SWAP: acc [BLOCK_N, BLOCK_M] =
@@ -166,10 +192,23 @@ def tma_loop(
 
 @triton.jit
 def weights_before_wait(
-    w_ptr, stride_wn, w1_ptrs, w2_ptrs, mask_n, row1, row2, n1, n2, k_lo, k_hi,
-    TMA: tl.constexpr, PAIRED: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    w_ptr,
+    stride_wn,
+    w1_ptrs,
+    w2_ptrs,
+    mask_n,
+    row1,
+    row2,
+    n1,
+    n2,
+    k_lo,
+    k_hi,
+    TMA: tl.constexpr,
+    PAIRED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # The part of every projection kernel before the PDL wait: weights only (never written
     # during a step). Pointer loop: the first tile at k_lo of rows w1_ptrs (and w2_ptrs),
     # held in registers -> (w1, w2). TMA tiles: the L2 prefetch of rows [row1, +BLOCK_N) (and
@@ -191,12 +230,35 @@ def weights_before_wait(
 
 @triton.jit
 def proj_loop(
-    w_desc, row1, row2, x_desc, w1_ptrs, w2_ptrs, w1, w2, mask_n,
-    x_ptr, nw_ptr, stride_xm, M, K, k_lo, k_hi, eps, ssq_ptr, stride_sm, n_parts,
-    TMA: tl.constexpr, NORM: tl.constexpr, PAIRED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, SSQ_PAD: tl.constexpr,
-):  # fmt: skip
+    w_desc,
+    row1,
+    row2,
+    x_desc,
+    w1_ptrs,
+    w2_ptrs,
+    w1,
+    w2,
+    mask_n,
+    x_ptr,
+    nw_ptr,
+    stride_xm,
+    M,
+    K,
+    k_lo,
+    k_hi,
+    eps,
+    ssq_ptr,
+    stride_sm,
+    n_parts,
+    TMA: tl.constexpr,
+    NORM: tl.constexpr,
+    PAIRED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    SSQ_PAD: tl.constexpr,
+):
     # The part after the wait: each row's 1 / RMS when NORM (ones for an x that needs no norm:
     # o_proj, down, or x normed by its own kernel), then the K loop through descriptors
     # (tma_loop) or pointers (gemv_tiles.gemv_loop, from the tiles weights_before_wait held).
@@ -210,14 +272,45 @@ def proj_loop(
         inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     if TMA:
         a1, a2 = tma_loop(
-            w_desc, row1, row2, x_desc, x_ptr, nw_ptr, stride_xm, M, K, k_lo, k_hi, inv_rms,
-            NORM, PAIRED, TMA == 1, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+            w_desc,
+            row1,
+            row2,
+            x_desc,
+            x_ptr,
+            nw_ptr,
+            stride_xm,
+            M,
+            K,
+            k_lo,
+            k_hi,
+            inv_rms,
+            NORM,
+            PAIRED,
+            TMA == 1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
     else:
         a1, a2 = gemv_loop(
-            w1_ptrs, w2_ptrs, w1, w2, mask_n, x_ptr, nw_ptr, stride_xm, M, k_lo, k_hi, inv_rms,
-            NORM, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+            w1_ptrs,
+            w2_ptrs,
+            w1,
+            w2,
+            mask_n,
+            x_ptr,
+            nw_ptr,
+            stride_xm,
+            M,
+            k_lo,
+            k_hi,
+            inv_rms,
+            NORM,
+            PAIRED,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
     if SSQ_PAD > 0:
         scale = ssq_inv_rms(ssq_ptr, stride_sm, M, n_parts, K, eps, BLOCK_M, SSQ_PAD)
         if BLOCK_M == 1:
@@ -229,8 +322,15 @@ def proj_loop(
     return a1, a2
 
 
-def prefetch_lines(block_n: int, k: int, split_k: int, block_k: int, elem: int, paired: bool,
-                   budget: int = PREFETCH_BYTES) -> int:  # fmt: skip
+def prefetch_lines(
+    block_n: int,
+    k: int,
+    split_k: int,
+    block_k: int,
+    elem: int,
+    paired: bool,
+    budget: int = PREFETCH_BYTES,
+) -> int:
     """``LINES`` of ``l2_prefetch`` for one row set of a program: ``budget`` bytes
     (``DecodeTuning.l2_prefetch_bytes``, of both row sets when paired) or the program's whole
     range if smaller, as a power of two of 128-byte lines, 0 when ``budget`` is 0."""

@@ -21,8 +21,8 @@ import triton.language as tl
 from ..proj.gemv_tiles import gpu_fence
 
 # Partials one reduce step holds per thread of the launch. The reduce's registers count for the
-# whole kernel: at one row a block of 8192 partials (64 a thread) slowed the LM head from 0.802
-# to 0.860 ms a step (run G2, 2026-12-01), the streaming part running at a lower occupancy.
+# whole kernel: at one row a block of 8192 partials (64 a thread) slowed the LM head, the
+# streaming part running at a lower occupancy (docs/experiments.md#argmax-folding).
 PER_THREAD = 8  # DecodeTuning.argmax.per_thread's default
 _NO_INDEX = tl.constexpr(2**31 - 1)  # a global a kernel reads: a constexpr
 
@@ -36,9 +36,16 @@ def fold_block(m_block: int, parts: int, num_warps: int, per_thread: int = PER_T
 
 @triton.jit
 def parts_argmax(
-    part_val_ptr, part_idx_ptr, stride_pm, row0, M, P, out_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    part_val_ptr,
+    part_idx_ptr,
+    stride_pm,
+    row0,
+    M,
+    P,
+    out_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     # Rows [row0, row0 + BLOCK_M) below M: the first index of each row's largest partial of P
     # into out_ptr (int64). Loads bypass L1 (.cg): other programs wrote them in this launch.
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -62,9 +69,16 @@ def parts_argmax(
 
 @triton.jit
 def fold_argmax(
-    part_val_ptr, part_idx_ptr, stride_pm, M, P, out_ptr, ticket_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    part_val_ptr,
+    part_idx_ptr,
+    stride_pm,
+    M,
+    P,
+    out_ptr,
+    ticket_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     # After this program's partials are stored: its ticket; the last of the launch's programs
     # reduces every row (ticket_ptr: int32, zero between launches; reset here).
     gpu_fence()

@@ -30,11 +30,15 @@ BLOCK_V = 4096  # columns a program of the first launch reads: 32 programs a row
 
 @triton.jit
 def _argmax_part_kernel(
-    x_ptr, key_ptr, idx_ptr,
-    V, stride_xm, P,
+    x_ptr,
+    key_ptr,
+    idx_ptr,
+    V,
+    stride_xm,
+    P,
     USE_PDL: tl.constexpr,
     BLOCK_V: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     part = tl.program_id(1)
     pdl_wait_then_trigger_short(USE_PDL)  # the logits are the predecessor's output
@@ -54,10 +58,13 @@ def _argmax_part_kernel(
 
 @triton.jit
 def _argmax_keys_kernel(
-    key_ptr, idx_ptr, out_ptr, P,
+    key_ptr,
+    idx_ptr,
+    out_ptr,
+    P,
     USE_PDL: tl.constexpr,
     BLOCK_P: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     pdl_wait_then_trigger_short(USE_PDL)
     offs = tl.arange(0, BLOCK_P)
@@ -98,14 +105,27 @@ def argmax_rows(
     cols = torch.empty(m, parts, dtype=torch.int32, device=logits.device)
     pdl = resolve_pdl(use_pdl, logits.device, tuning)
     _argmax_part_kernel[(m, parts)](
-        logits, keys, cols, v, logits.stride(0), parts,
-        USE_PDL=pdl, BLOCK_V=block_v, num_warps=8, **launch_options(pdl),
-    )  # fmt: skip
-    _argmax_keys_kernel[(m,)](
-        keys, cols, tokens, parts,
-        USE_PDL=pdl, BLOCK_P=min(1024, triton.next_power_of_2(parts)), num_warps=1,
+        logits,
+        keys,
+        cols,
+        v,
+        logits.stride(0),
+        parts,
+        USE_PDL=pdl,
+        BLOCK_V=block_v,
+        num_warps=8,
         **launch_options(pdl),
-    )  # fmt: skip
+    )
+    _argmax_keys_kernel[(m,)](
+        keys,
+        cols,
+        tokens,
+        parts,
+        USE_PDL=pdl,
+        BLOCK_P=min(1024, triton.next_power_of_2(parts)),
+        num_warps=1,
+        **launch_options(pdl),
+    )
     return tokens
 
 

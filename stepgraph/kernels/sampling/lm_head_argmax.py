@@ -28,11 +28,14 @@ from .argmax_parts import parts_argmax
 
 @triton.jit
 def _argmax_reduce_kernel(
-    part_val_ptr, part_idx_ptr, out_ptr,
-    P, stride_pm,
+    part_val_ptr,
+    part_idx_ptr,
+    out_ptr,
+    P,
+    stride_pm,
     USE_PDL: tl.constexpr,
     BLOCK_P: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     pdl_wait_then_trigger_short(USE_PDL)  # the partials are the predecessor's output
     parts_argmax(part_val_ptr, part_idx_ptr, stride_pm, row, row + 1, P, out_ptr, 1, BLOCK_P)
@@ -73,17 +76,33 @@ def lm_head_argmax(
     tokens = tokens_out if tokens_out is not None else x.new_empty(m, dtype=torch.int64)
     fold = m > 1 and t.argmax.fold  # one row: two launches (above)
     logits = norm_gemv(
-        x, norm_w, weight, None, eps, torch.float32,
-        argmax_parts=(part_val, part_idx), argmax_tokens=tokens if fold else None,
-        out=logits_out, use_pdl=use_pdl, blocks=blocks, ssq=ssq, tuning=t,
-    )  # fmt: skip
+        x,
+        norm_w,
+        weight,
+        None,
+        eps,
+        torch.float32,
+        argmax_parts=(part_val, part_idx),
+        argmax_tokens=tokens if fold else None,
+        out=logits_out,
+        use_pdl=use_pdl,
+        blocks=blocks,
+        ssq=ssq,
+        tuning=t,
+    )
     if m and not fold:
         pdl = resolve_pdl(use_pdl, x.device, t)
         _argmax_reduce_kernel[(m,)](
-            part_val, part_idx, tokens, n_prog, part_val.stride(0),
-            USE_PDL=pdl, BLOCK_P=min(1024, triton.next_power_of_2(n_prog)),
-            num_warps=4, **launch_options(pdl),
-        )  # fmt: skip
+            part_val,
+            part_idx,
+            tokens,
+            n_prog,
+            part_val.stride(0),
+            USE_PDL=pdl,
+            BLOCK_P=min(1024, triton.next_power_of_2(n_prog)),
+            num_warps=4,
+            **launch_options(pdl),
+        )
     return logits, tokens
 
 

@@ -88,16 +88,18 @@ def kernel_class(bs: int, backend=None) -> int:
     return replay_bucket(bs)
 
 
-def step_plan(bs: int, model: LlamaModel, backend=None,
-              tuning: DecodeTuning | None = None) -> StepPlan:  # fmt: skip
+def step_plan(
+    bs: int, model: LlamaModel, backend=None, tuning: DecodeTuning | None = None
+) -> StepPlan:
     """The plan (``model/decode/step_plan.plan_step``) the fused step executes for ``bs`` rows of
     ``model`` over ``backend``: cached, so a step looks it up."""
     t = default_tuning(tuning)
     return plan_step(step_shapes(model, backend), bs, kernel_class(bs, backend), t)
 
 
-def reference_rows(bs: int, backend=None, model: LlamaModel | None = None,
-                   tuning: DecodeTuning | None = None) -> bool:  # fmt: skip
+def reference_rows(
+    bs: int, backend=None, model: LlamaModel | None = None, tuning: DecodeTuning | None = None
+) -> bool:
     """Whether the fused step runs ``bs`` rows on the reference kernels: ``tuning``'s
     ``reference_rows``, or, given ``model``, rows above one where one of its projections has no
     measured tile or the model measured faster on the reference kernels
@@ -119,8 +121,9 @@ def _embed(model, input_ids: torch.Tensor, plan: StepPlan):
     return r, x0
 
 
-def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0, plan,
-         t: DecodeTuning) -> torch.Tensor:  # fmt: skip
+def _qkv(
+    model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0, plan, t: DecodeTuning
+) -> torch.Tensor:
     """Layer ``i``'s q ``[bs, n_heads, head_dim]``, rotated; this token's K/V into the pages,
     as ``plan`` (a ``ProjPlan``) says: cuBLAS + RoPE/KV write (on what ``hand`` holds, the 1 /
     RMS and the bias applied by the RoPE kernel; else after the norm's kernel), else
@@ -130,15 +133,30 @@ def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0, pl
     w_qkv = attn.qkv_proj.weight
     if plan.how == CUBLAS_HANDOFF:  # GEMM, then RoPE with the rows' 1 / RMS and the bias
         return rope_kv(
-            F.linear(hand[0], w_qkv), positions, model.rope_cos, model.rope_sin,
-            kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, ssq=hand[1],
-            hidden=r.shape[1], eps=norm1.eps, bias=attn.qkv_proj.bias,
-        )  # fmt: skip
+            F.linear(hand[0], w_qkv),
+            positions,
+            model.rope_cos,
+            model.rope_sin,
+            kv.k_caches[i],
+            kv.v_caches[i],
+            meta.out_cache_loc,
+            n_heads,
+            ssq=hand[1],
+            hidden=r.shape[1],
+            eps=norm1.eps,
+            bias=attn.qkv_proj.bias,
+        )
     if plan.how == CUBLAS:  # norm, GEMM, RoPE
         return rope_kv(
-            attn.qkv_proj(norm1(r)[0] if x0 is None else x0), positions, model.rope_cos,
-            model.rope_sin, kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads,
-        )  # fmt: skip
+            attn.qkv_proj(norm1(r)[0] if x0 is None else x0),
+            positions,
+            model.rope_cos,
+            model.rope_sin,
+            kv.k_caches[i],
+            kv.v_caches[i],
+            meta.out_cache_loc,
+            n_heads,
+        )
     if plan.how == HANDOFF:  # x = r * norm1.weight, the rows scaled by down's 1 / RMS
         x, nw, ssq = hand[0], None, hand[1]
     elif plan.how == SEPARATE:
@@ -146,10 +164,23 @@ def _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0, pl
     else:
         x, nw, ssq = r, norm1.weight, None
     return qkv_rope(
-        x, nw, w_qkv, attn.qkv_proj.bias, norm1.eps, positions, model.rope_cos, model.rope_sin,
-        kv.k_caches[i], kv.v_caches[i], meta.out_cache_loc, n_heads, use_pdl=use_pdl,
-        blocks=plan.tile, ssq=ssq, tuning=t,
-    )  # fmt: skip
+        x,
+        nw,
+        w_qkv,
+        attn.qkv_proj.bias,
+        norm1.eps,
+        positions,
+        model.rope_cos,
+        model.rope_sin,
+        kv.k_caches[i],
+        kv.v_caches[i],
+        meta.out_cache_loc,
+        n_heads,
+        use_pdl=use_pdl,
+        blocks=plan.tile,
+        ssq=ssq,
+        tuning=t,
+    )
 
 
 def check_rows(bs: int, max_bs: int) -> None:
@@ -184,45 +215,86 @@ def fused_decode_step(
     bs = input_ids.shape[0]
     plan = step_plan(bs, model, backend, t)
     if not plan.fused:  # the reference kernels, greedy tokens taken here
-        return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out,
-                            t)  # fmt: skip
+        return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out, t)
     attn = plan.attention
     if use_pdl is None:
         use_pdl = plan.use_pdl
     else:  # the caller's mode: the attention's PDL follows it
         attn = step_attention.attention_plan(
-            (backend.num_heads, backend.num_kv_heads, backend.head_dim), attn.splits,
-            plan.bucket, use_pdl, t, backend.use_kernel,
-        )  # fmt: skip
+            (backend.num_heads, backend.num_kv_heads, backend.head_dim),
+            attn.splits,
+            plan.bucket,
+            use_pdl,
+            t,
+            backend.use_kernel,
+        )
     r, x0 = _embed(model, input_ids, plan)  # [bs, hidden], the residual stream; layer 0's norm
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
-        q = _qkv(model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl,
-                 x0 if i == 0 else None, plan.qkv if i else plan.qkv0, t)  # fmt: skip
+        q = _qkv(
+            model,
+            layer,
+            i,
+            r,
+            hand,
+            positions,
+            meta,
+            kv,
+            n_heads,
+            use_pdl,
+            x0 if i == 0 else None,
+            plan.qkv if i else plan.qkv0,
+            t,
+        )
         o = step_attention.attention(backend, i, q, plan.bucket, use_pdl, t, plan=attn)
-        r, hand = fused_mlp.mlp_half(model, i, o.reshape(bs, -1), r, plan, use_pdl, t,
-                                     last=i == last)  # fmt: skip
+        r, hand = fused_mlp.mlp_half(
+            model, i, o.reshape(bs, -1), r, plan, use_pdl, t, last=i == last
+        )
     head = plan.lm_head
     if head.how == PARALLEL:  # its slice, then every rank's
-        local = norm_gemv(r, model.norm.weight, model.lm_head.weight, None, model.norm.eps,
-                          torch.float32, use_pdl=use_pdl, blocks=head.tile, tuning=t)  # fmt: skip
+        local = norm_gemv(
+            r,
+            model.norm.weight,
+            model.lm_head.weight,
+            None,
+            model.norm.eps,
+            torch.float32,
+            use_pdl=use_pdl,
+            blocks=head.tile,
+            tuning=t,
+        )
         logits = model.lm_head.gather(local)  # [bs, vocab]: every rank's slice
         logits = logits if logits_out is None else logits_out.copy_(logits)
         if tokens_out is not None:
             _greedy(logits, tokens_out, t)
         return logits
     if head.how == CUBLAS_HANDOFF:  # GEMM, then the rows' 1 / RMS and the argmax in one launch
-        return head_scale(F.linear(hand[0], model.lm_head.weight), hand[1], r.shape[1],
-                          model.norm.eps, logits_out=logits_out, tokens_out=tokens_out,
-                          use_pdl=use_pdl, tuning=t)  # fmt: skip
+        return head_scale(
+            F.linear(hand[0], model.lm_head.weight),
+            hand[1],
+            r.shape[1],
+            model.norm.eps,
+            logits_out=logits_out,
+            tokens_out=tokens_out,
+            use_pdl=use_pdl,
+            tuning=t,
+        )
     if head.how == CUBLAS:  # norm, GEMM
         return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out, t)
     x, nw, ssq = (r, model.norm.weight, None) if head.how != HANDOFF else (hand[0], None, hand[1])
     logits, _ = lm_head_argmax(
-        x, nw, model.lm_head.weight, model.norm.eps, logits_out=logits_out,
-        tokens_out=tokens_out, use_pdl=use_pdl, blocks=head.tile, ssq=ssq, tuning=t,
-    )  # fmt: skip
+        x,
+        nw,
+        model.lm_head.weight,
+        model.norm.eps,
+        logits_out=logits_out,
+        tokens_out=tokens_out,
+        use_pdl=use_pdl,
+        blocks=head.tile,
+        ssq=ssq,
+        tuning=t,
+    )
     return logits
 
 

@@ -20,8 +20,15 @@ from ..parallel import RowParallelLinear
 from .step_plan import CUBLAS, HANDOFF, SEPARATE, StepPlan
 
 
-def row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl, next_norm=None,
-        tuning: DecodeTuning | None = None, blocks=None):  # fmt: skip
+def row(
+    x: torch.Tensor,
+    proj,
+    r: torch.Tensor,
+    use_pdl,
+    next_norm=None,
+    tuning: DecodeTuning | None = None,
+    blocks=None,
+):
     """``(r + x @ W.T, handoff)`` in one launch; ``handoff`` is ``(r * next_norm, its sums of
     squares)`` given the next norm's weight (``kernels/proj/norm_handoff``, unsharded), else None.
     A row-parallel shard: rank 0 adds the residual in the epilogue, the others project alone,
@@ -30,19 +37,40 @@ def row(x: torch.Tensor, proj, r: torch.Tensor, use_pdl, next_norm=None,
     two agree within bf16 rounding, not bit for bit)."""
     if type(proj) is not RowParallelLinear or proj.world_size == 1:
         if next_norm is not None:
-            y, xw, ssq = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, blocks=blocks,
-                                       next_norm=next_norm, tuning=tuning)  # fmt: skip
+            y, xw, ssq = gemv_residual(
+                x,
+                proj.weight,
+                r,
+                use_pdl=use_pdl,
+                blocks=blocks,
+                next_norm=next_norm,
+                tuning=tuning,
+            )
             return y, (xw, ssq)
         y = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, blocks=blocks, tuning=tuning)
         return y, None
-    y = gemv_residual(x, proj.weight, r if dist.get_rank(proj.group) == 0 else None,
-                      use_pdl=use_pdl, blocks=blocks, tuning=tuning)  # fmt: skip
+    y = gemv_residual(
+        x,
+        proj.weight,
+        r if dist.get_rank(proj.group) == 0 else None,
+        use_pdl=use_pdl,
+        blocks=blocks,
+        tuning=tuning,
+    )
     dist.all_reduce(y, group=proj.group)  # in place, on the stream: graph-capturable
     return y, None
 
 
-def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, plan: StepPlan, use_pdl,
-             tuning: DecodeTuning | None = None, last: bool = False):  # fmt: skip
+def mlp_half(
+    model,
+    i: int,
+    o: torch.Tensor,
+    r: torch.Tensor,
+    plan: StepPlan,
+    use_pdl,
+    tuning: DecodeTuning | None = None,
+    last: bool = False,
+):
     """Layer ``i``'s o_proj, gate-up and down on the attention's rows ``o`` ``[bs, heads *
     head_dim]`` and the residual ``r``, as ``plan`` (``model/decode/step_plan``) says: ``(r,
     hand)``, ``hand`` the handoff to the next norm (layer ``i + 1``'s, or the final one where
@@ -53,19 +81,30 @@ def mlp_half(model, i: int, o: torch.Tensor, r: torch.Tensor, plan: StepPlan, us
     down = plan.down_last if last else plan.down
     nw_next = (model.norm if last else model.layers[i + 1].input_layernorm).weight
     gate_up, w_gu = plan.gate_up, mlp.gate_up_proj.weight
-    r, hand = row(o, attn.o_proj, r, use_pdl, norm2.weight if plan.o_proj.hands else None, t,
-                  plan.o_proj.tile)  # fmt: skip
+    r, hand = row(
+        o, attn.o_proj, r, use_pdl, norm2.weight if plan.o_proj.hands else None, t, plan.o_proj.tile
+    )
     if gate_up.how == CUBLAS:
         a = silu_mul(mlp.gate_up_proj(norm2(r)[0]))  # norm, GEMM, SiLU·mul
     elif gate_up.how == HANDOFF:  # x = r * norm2.weight, the rows scaled by o_proj's 1 / RMS
-        a = gate_up_silu(hand[0], None, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile,
-                         ssq=hand[1], tuning=t)  # fmt: skip
+        a = gate_up_silu(
+            hand[0],
+            None,
+            w_gu,
+            norm2.eps,
+            use_pdl=use_pdl,
+            blocks=gate_up.tile,
+            ssq=hand[1],
+            tuning=t,
+        )
     elif gate_up.how == SEPARATE:
-        a = gate_up_silu(norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl,
-                         blocks=gate_up.tile, tuning=t)  # fmt: skip
+        a = gate_up_silu(
+            norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile, tuning=t
+        )
     else:
-        a = gate_up_silu(r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile,
-                         tuning=t)  # fmt: skip
+        a = gate_up_silu(
+            r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile, tuning=t
+        )
     return row(a, mlp.down_proj, r, use_pdl, nw_next if down.hands else None, t, down.tile)
 
 

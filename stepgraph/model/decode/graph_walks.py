@@ -1,5 +1,5 @@
 """The reference model's decode step as a graph walk: ``forward_batched(walk, inputs)`` for a
-``BatchedCudaGraphConfig`` driven by ``ConfigGraphRunner`` (issue 7, part 4).
+``BatchedCudaGraphConfig`` driven by ``ConfigGraphRunner``.
 
     walks, runner = build_decode_graph_runner(model_runner)       # captures every bucket
     logits = runner.run(DECODE_WALK, walks.requests(batch))       # [bs, vocab] float32

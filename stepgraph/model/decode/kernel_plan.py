@@ -62,11 +62,15 @@ def proj_text(piece: str, p: ProjPlan, layer0: ProjPlan | None = None) -> str:
     differs)."""
     kernel = PIECE_KERNELS[piece]
     if p.how == CUBLAS_HANDOFF and piece == "qkv":
-        return (f"cuBLAS + {BESIDE[piece]}, the norm from the sums of squares in the RoPE kernel "
-                f"(layer 0: {proj_text(piece, layer0)})")  # fmt: skip
+        return (
+            f"cuBLAS + {BESIDE[piece]}, the norm from the sums of squares in the RoPE kernel "
+            f"(layer 0: {proj_text(piece, layer0)})"
+        )
     if p.how == CUBLAS_HANDOFF:
-        return ("cuBLAS + head_scale, the norm from the sums of squares (its 1 / RMS and the "
-                "greedy tokens in one launch)")  # fmt: skip
+        return (
+            "cuBLAS + head_scale, the norm from the sums of squares (its 1 / RMS and the "
+            "greedy tokens in one launch)"
+        )
     if p.how == CUBLAS:
         return f"norm + cuBLAS + {BESIDE[piece]}"
     text = f"{'norm, then ' if p.how == SEPARATE else ''}{kernel} {tile_text(p.tile)}"
@@ -99,8 +103,9 @@ def path_text(plan: StepPlan) -> str:
     return text + (", no PDL (NO_PDL_BUCKETS)" if plan.no_pdl else "")
 
 
-def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None,
-                tuning: DecodeTuning | None = None):  # fmt: skip
+def kernel_plan(
+    config: ModelConfig, elem_bytes: int = 2, buckets=None, tuning: DecodeTuning | None = None
+):
     """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``: the
     step's plan at each (choices empty where the reference kernels run)."""
     shapes, t = config_shapes(config, elem_bytes), default_tuning(tuning)
@@ -111,11 +116,14 @@ def kernel_plan(config: ModelConfig, elem_bytes: int = 2, buckets=None,
     return out
 
 
-def format_plan(name: str, dtype: str, config: ModelConfig, elem_bytes: int,
-                tuning: DecodeTuning | None = None) -> str:  # fmt: skip
+def format_plan(
+    name: str, dtype: str, config: ModelConfig, elem_bytes: int, tuning: DecodeTuning | None = None
+) -> str:
     """The plan as ``stepgraph info --model`` prints it."""
-    lines = [f"decode kernels of {name} ({dtype}, the fused step on CUDA; `--kernels reference`"
-             " runs the reference kernels everywhere):"]  # fmt: skip
+    lines = [
+        f"decode kernels of {name} ({dtype}, the fused step on CUDA; `--kernels reference`"
+        " runs the reference kernels everywhere):"
+    ]
     for b, path, pieces in kernel_plan(config, elem_bytes, tuning=tuning):
         lines.append(f"  bs bucket {b}: {path}")
         lines += [f"    {p:<9} {c}" for p, c in pieces.items()]
@@ -123,5 +131,12 @@ def format_plan(name: str, dtype: str, config: ModelConfig, elem_bytes: int,
     return "\n".join(lines)
 
 
-__all__ = ["UNMEASURED", "config_shapes", "format_plan", "kernel_plan", "piece_shapes",
-           "proj_text", "tile_text"]  # fmt: skip
+__all__ = [
+    "UNMEASURED",
+    "config_shapes",
+    "format_plan",
+    "kernel_plan",
+    "piece_shapes",
+    "proj_text",
+    "tile_text",
+]

@@ -100,8 +100,13 @@ def attention_plan(
     return AttentionPlan(splits, fold, attention_pdl(use_pdl, bucket, t))
 
 
-TRIGGER_TEXT = {1: "at its wait", 2: "after its key loop", 3: "at its exit",
-                4: "before its wait", 5: "at its start"}  # fmt: skip
+TRIGGER_TEXT = {
+    1: "at its wait",
+    2: "after its key loop",
+    3: "at its exit",
+    4: "before its wait",
+    5: "at its start",
+}
 
 
 def attention_text(
@@ -131,16 +136,23 @@ def describe(plan: AttentionPlan) -> str:
     if plan.splits == 1:
         return f"split_kv_fold, one launch (one split at every context{pdl('', split)})"
     if plan.fold:
-        return (f"split_kv_fold, one launch (up to {plan.splits} splits; the last of each row "
-                f"merges them: FOLD_MERGE_TABLE{pdl('', split)})")  # fmt: skip
+        return (
+            f"split_kv_fold, one launch (up to {plan.splits} splits; the last of each row "
+            f"merges them: FOLD_MERGE_TABLE{pdl('', split)})"
+        )
     both = pdl("the split ", split) + pdl("the combine ", combine)
     return f"split_kv + combine (up to {plan.splits} splits{both})"
 
 
 def attention(
-    backend, layer_id: int, q: torch.Tensor, bucket: int, use_pdl=None,
-    tuning: DecodeTuning | None = None, plan: AttentionPlan | None = None,
-) -> torch.Tensor:  # fmt: skip
+    backend,
+    layer_id: int,
+    q: torch.Tensor,
+    bucket: int,
+    use_pdl=None,
+    tuning: DecodeTuning | None = None,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
     """Split-KV decode of ``q [bs, n_heads, head_dim]`` over layer ``layer_id``'s pages (its
     K/V already written), for a batch of class ``bucket``: as ``plan`` says (the step's plan,
     ``model/decode/step_plan.py``), else as ``attention_plan`` says for ``backend``."""
@@ -153,11 +165,20 @@ def attention(
         return backend.decode_attention(layer_id, q, plan.pdl)
     m, kv = backend.meta, backend.kv_cache
     return flash_decode(
-        q, kv.k_caches[layer_id], kv.v_caches[layer_id], m.block_table, m.seq_lens,
-        num_splits=m.num_splits, workspace=m.workspace, sm_scale=backend.sm_scale,
-        num_sms=backend.num_sms, use_pdl=plan.pdl, fold_combine=True, merge_splits=plan.splits,
+        q,
+        kv.k_caches[layer_id],
+        kv.v_caches[layer_id],
+        m.block_table,
+        m.seq_lens,
+        num_splits=m.num_splits,
+        workspace=m.workspace,
+        sm_scale=backend.sm_scale,
+        num_sms=backend.num_sms,
+        use_pdl=plan.pdl,
+        fold_combine=True,
+        merge_splits=plan.splits,
         tuning=t,
-    )  # fmt: skip
+    )
 
 
 __all__ = [

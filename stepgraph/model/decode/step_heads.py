@@ -10,8 +10,9 @@ from ...tuning import DecodeTuning
 from ..llama import LlamaModel
 
 
-def cublas_head(model: LlamaModel, h: torch.Tensor, logits_out, tokens_out,
-                tuning: DecodeTuning | None = None) -> torch.Tensor:  # fmt: skip
+def cublas_head(
+    model: LlamaModel, h: torch.Tensor, logits_out, tokens_out, tuning: DecodeTuning | None = None
+) -> torch.Tensor:
     """The LM head of the normed ``h`` as ``F.linear`` (into ``logits_out`` when given), then the
     greedy tokens into ``tokens_out`` when given: the reference rows' head, and the fused step's
     where cuBLAS measured faster."""
@@ -21,8 +22,9 @@ def cublas_head(model: LlamaModel, h: torch.Tensor, logits_out, tokens_out,
     return logits
 
 
-def greedy_tokens(logits: torch.Tensor, tokens_out: torch.Tensor,
-                  tuning: DecodeTuning | None = None) -> None:  # fmt: skip
+def greedy_tokens(
+    logits: torch.Tensor, tokens_out: torch.Tensor, tuning: DecodeTuning | None = None
+) -> None:
     """The greedy tokens of logits a cuBLAS head wrote: ``argmax_rows`` on CUDA (two small
     launches instead of torch's 27 µs one at bs 8), ``torch.argmax`` on the CPU (same tokens)."""
     if logits.is_cuda and logits.stride(-1) == 1:

@@ -150,8 +150,9 @@ def reference_reason(shapes: StepShapes, bucket: int, tuning: DecodeTuning) -> s
     return None
 
 
-def no_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int,
-           tuning: DecodeTuning | None = None) -> bool:  # fmt: skip
+def no_pdl(
+    qkv_n: int, k: int, bucket: int, elem_bytes: int, tuning: DecodeTuning | None = None
+) -> bool:
     """Whether the projections at ``bucket`` launch without PDL, for a model whose fused qkv
     weight is ``[qkv_n, k]``: ``tuning.pdl.no_pdl_buckets`` if set, else the tables'."""
     t = default_tuning(tuning)
@@ -160,8 +161,9 @@ def no_pdl(qkv_n: int, k: int, bucket: int, elem_bytes: int,
     return no_pdl_bucket(qkv_n, k, bucket, elem_bytes, t.tables)
 
 
-def step_pdl(qkv_n: int, k: int, bs: int, bucket: int, elem_bytes: int,
-             tuning: DecodeTuning | None = None) -> int | bool | None:  # fmt: skip
+def step_pdl(
+    qkv_n: int, k: int, bs: int, bucket: int, elem_bytes: int, tuning: DecodeTuning | None = None
+) -> int | bool | None:
     """The projections' ``use_pdl`` for ``bs`` rows in class ``bucket``: None at one row (the
     GEMVs, whatever the bucket), else False where ``no_pdl`` says, else
     ``tuning.pdl.rows_trigger``'s mode."""
@@ -180,8 +182,15 @@ def bucket_splits(shapes: StepShapes, bucket: int, tuning: DecodeTuning) -> int:
     ladder = shapes.split_ladder or tuning.split
     if shapes.split_context is None:
         return ladder_cap(n_kv, bucket, shapes.num_sms, ladder=ladder)
-    return num_splits_for(shapes.split_context, n_kv, bucket, shapes.num_sms, shapes.max_splits,
-                          head_dim=hd, ladder=ladder)  # fmt: skip
+    return num_splits_for(
+        shapes.split_context,
+        n_kv,
+        bucket,
+        shapes.num_sms,
+        shapes.max_splits,
+        head_dim=hd,
+        ladder=ladder,
+    )
 
 
 def _cublas(shapes: StepShapes, piece: str, rows: int, tuning: DecodeTuning) -> bool:
@@ -228,8 +237,10 @@ def _plan(shapes: StepShapes, rows: int, bucket: int, t: DecodeTuning) -> StepPl
         gate_up = ProjPlan(CUBLAS)
     else:
         how = HANDOFF if o_hands else SEPARATE if _separate(shapes, "gate_up", rows, t) else FUSED
-        gate_up = ProjPlan(how, _tile(shapes, "gate_up_silu" + ("" if how == FUSED else "_normed"),
-                                      "gate_up", rows, t))  # fmt: skip
+        gate_up = ProjPlan(
+            how,
+            _tile(shapes, "gate_up_silu" + ("" if how == FUSED else "_normed"), "gate_up", rows, t),
+        )
     to_qkv = ho and _takes_handoff(shapes, "qkv", rows, t)
     to_head = ho and _takes_handoff(shapes, "lm_head", rows, t)
     if shapes.parallel_head:
@@ -241,19 +252,33 @@ def _plan(shapes: StepShapes, rows: int, bucket: int, t: DecodeTuning) -> StepPl
     first = _qkv(shapes, rows, False, t)
     down = _tile(shapes, "gemv_residual", "down", rows, t)
     return StepPlan(
-        rows, bucket, use_pdl=use_pdl, no_pdl=off, handoff=ho,
+        rows,
+        bucket,
+        use_pdl=use_pdl,
+        no_pdl=off,
+        handoff=ho,
         embed_norm=shapes.plain_embed and first.how in (CUBLAS, SEPARATE),
-        qkv0=first, qkv=_qkv(shapes, rows, to_qkv, t),
-        attention=attention_plan(shapes.attention, bucket_splits(shapes, bucket, t), bucket,
-                                 use_pdl, t, shapes.attention_kernel),
+        qkv0=first,
+        qkv=_qkv(shapes, rows, to_qkv, t),
+        attention=attention_plan(
+            shapes.attention,
+            bucket_splits(shapes, bucket, t),
+            bucket,
+            use_pdl,
+            t,
+            shapes.attention_kernel,
+        ),
         o_proj=ProjPlan(FUSED, _tile(shapes, "gemv_residual", "o_proj", rows, t), o_hands),
-        gate_up=gate_up, down=ProjPlan(FUSED, down, to_qkv),
-        down_last=ProjPlan(FUSED, down, to_head), lm_head=head,
-    )  # fmt: skip
+        gate_up=gate_up,
+        down=ProjPlan(FUSED, down, to_qkv),
+        down_last=ProjPlan(FUSED, down, to_head),
+        lm_head=head,
+    )
 
 
-def plan_step(shapes: StepShapes, rows: int, bucket: int,
-              tuning: DecodeTuning | None = None) -> StepPlan:  # fmt: skip
+def plan_step(
+    shapes: StepShapes, rows: int, bucket: int, tuning: DecodeTuning | None = None
+) -> StepPlan:
     """The fused step's plan for ``rows`` rows replaying in ``bucket`` (``rows == bucket`` for
     a captured graph; eager steps of a live batch choose the tile classes on ``rows``, the
     rest on ``bucket``), computed once per (shapes, rows, bucket) and cached on ``tuning``."""
@@ -286,18 +311,27 @@ def step_shapes(model, backend=None) -> StepShapes:
     extra = {}
     if backend is not None:
         shape = (backend.num_heads, backend.num_kv_heads, backend.head_dim)
-        extra = dict(num_sms=backend.num_sms, split_context=backend.max_context_len,
-                     max_splits=backend.max_splits, attention_kernel=backend.use_kernel,
-                     split_ladder=backend.tuning.split)  # fmt: skip
+        extra = dict(
+            num_sms=backend.num_sms,
+            split_context=backend.max_context_len,
+            max_splits=backend.max_splits,
+            attention_kernel=backend.use_kernel,
+            split_ladder=backend.tuning.split,
+        )
     shapes = StepShapes(
-        qkv=tuple(w.shape), o_proj=tuple(attn.o_proj.weight.shape),
-        gate_up=tuple(mlp.gate_up_proj.weight.shape), down=tuple(down.weight.shape),
-        lm_head=tuple(model.lm_head.weight.shape), attention=shape, elem_bytes=w.element_size(),
+        qkv=tuple(w.shape),
+        o_proj=tuple(attn.o_proj.weight.shape),
+        gate_up=tuple(mlp.gate_up_proj.weight.shape),
+        down=tuple(down.weight.shape),
+        lm_head=tuple(model.lm_head.weight.shape),
+        attention=shape,
+        elem_bytes=w.element_size(),
         sharded=type(down) is RowParallelLinear and down.world_size > 1,
         parallel_head=isinstance(model.lm_head, ParallelLMHead),
         head_bias=getattr(model.lm_head, "bias", None) is not None,
-        plain_embed=type(model.embed_tokens) is nn.Embedding, **extra,
-    )  # fmt: skip
+        plain_embed=type(model.embed_tokens) is nn.Embedding,
+        **extra,
+    )
     ref = weakref.ref(backend) if backend is not None else (lambda: None)
     _SHAPES[model] = (ref, shapes)
     return shapes

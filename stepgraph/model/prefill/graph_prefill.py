@@ -86,8 +86,9 @@ class GraphPrefill(GraphRunnerBase):
         # a pool of its own (as PiecewisePrefill): its graphs replay between the decode
         # runner's, so sharing that pool would leave their outputs open to each other's scratch
         self._init_graphs(self.device, backend, pool or GraphPool())
-        self._static = torch.zeros(self._layout(self.token_buckets[-1]).numel, dtype=torch.int64,
-                                   device=self.device)  # fmt: skip
+        self._static = torch.zeros(
+            self._layout(self.token_buckets[-1]).numel, dtype=torch.int64, device=self.device
+        )
         self._live: tuple[list[int], list[int], list[list[int]]] = ([1], [1], [[0]])
         self.stats = GraphPrefillStats()
         if capture:
@@ -116,9 +117,11 @@ class GraphPrefill(GraphRunnerBase):
         self._release_graphs()
         try:
             stats = capture_loop(
-                reversed(self.token_buckets), self._capture_one,
-                show_progress=False, backend=self._backend,
-            )  # fmt: skip
+                reversed(self.token_buckets),
+                self._capture_one,
+                show_progress=False,
+                backend=self._backend,
+            )
         except BaseException:
             self._release_graphs()
             raise

@@ -1,5 +1,4 @@
-"""Packed prefill of several prompts at once, everything but attention replayed from graphs
-(issue 7, part 4).
+"""Packed prefill of several prompts at once, everything but attention replayed from graphs.
 
     prefill = PiecewisePrefill(model_runner)                  # captures every region and shape
     logits = prefill.extend(chunks)                           # [n, vocab], like ModelRunner.extend

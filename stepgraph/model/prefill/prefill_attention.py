@@ -41,9 +41,15 @@ def extend_attention(
     kernel on CUDA for the head sizes it takes, else one SDPA per chunk."""
     if q.is_cuda and q.shape[-1] in HEAD_DIMS:
         return extend_kernel(
-            q, k_cache, v_cache, batch.qo_indptr, batch.kv_lens, batch.block_table,
-            max_q_len=batch.max_q_len, sm_scale=scale,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            batch.qo_indptr,
+            batch.kv_lens,
+            batch.block_table,
+            max_q_len=batch.max_q_len,
+            sm_scale=scale,
+        )
     live = sum(batch.q_lens)  # a graph's padded rows past it (GraphPrefill) stay zero
     with _backends(q):
         o = extend_attention_torch(
