@@ -44,5 +44,14 @@ def api_key() -> str | None:
     return os.environ.get(API_KEY) or None
 
 
-__all__ = ["API_KEY", "PDL", "PROJ_TILES", "SWITCHES", "TMA", "api_key", "pdl",
-           "proj_tiles_path", "tma"]  # fmt: skip
+__all__ = [
+    "API_KEY",
+    "PDL",
+    "PROJ_TILES",
+    "SWITCHES",
+    "TMA",
+    "api_key",
+    "pdl",
+    "proj_tiles_path",
+    "tma",
+]

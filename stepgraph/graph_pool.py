@@ -21,7 +21,7 @@ class GraphPool:
     after another on one stream reuse each other's temporaries (largest captured first).
 
     ``handle`` is what ``torch.cuda.graph(pool=...)`` takes; ``None`` until the first capture
-    creates one, which is then handed to ``on_create`` (the seed's global pool adopts it).
+    creates one, which is then handed to ``on_create`` (the process-wide pool adopts it).
     Releasing graphs frees the pool's memory; the handle stays valid for later captures."""
 
     def __init__(

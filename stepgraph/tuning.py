@@ -31,8 +31,12 @@ from .kernels.proj.tile_table import (
 )
 
 TRIGGER_MODES = {"wait": 1, "late": 2, "exit": 3, "early": 4, "detached": 5}  # kernels/pdl.py's
-ATTENTION_PARTS = {"1": (True, True), "both": (True, True), "split": (True, False),
-                   "combine": (False, True)}  # fmt: skip
+ATTENTION_PARTS = {
+    "1": (True, True),
+    "both": (True, True),
+    "split": (True, False),
+    "combine": (False, True),
+}
 TABLE_KERNELS = ("norm_gemv", "gemv_residual", "lm_head", "gate_up_silu", "qkv_rope")
 # (n_heads, n_kv_heads, head_dim) -> the batch classes whose attention takes the fold with its
 # merge where they have more than one split: Llama-3.2-1B's 16-32; Llama-3.1-8B lost at bs 16,
@@ -46,14 +50,20 @@ def _check_range(name: str, value, none_ok: bool) -> None:
     if value is None and none_ok:
         return
     if not isinstance(value, range) or value.step != 1:
-        raise ValueError(f"{name}={value!r} must be a range of buckets (range(lo, hi + 1))"
-                         + (" or None" if none_ok else ""))  # fmt: skip
+        raise ValueError(
+            f"{name}={value!r} must be a range of buckets (range(lo, hi + 1))"
+            + (" or None" if none_ok else "")
+        )
 
 
 def _check_pairs(name: str, pairs) -> None:
     for pair in pairs:
-        if (not isinstance(pair, tuple) or len(pair) != 2 or pair[0] not in TABLE_KERNELS
-                or pair[1] not in (16, 32, 64)):  # fmt: skip
+        if (
+            not isinstance(pair, tuple)
+            or len(pair) != 2
+            or pair[0] not in TABLE_KERNELS
+            or pair[1] not in (16, 32, 64)
+        ):
             raise ValueError(
                 f"{name}: {pair!r} must be (kernel, BLOCK_M), kernel one of {TABLE_KERNELS} "
                 "and BLOCK_M one of 16, 32, 64"
@@ -85,8 +95,14 @@ class ProjTables:
                 raise ValueError(f"tables.tiles[{name!r}]={tile!r} must be a Tile")
         if not isinstance(self.tiles, types.MappingProxyType):  # read-only, like the object
             object.__setattr__(self, "tiles", types.MappingProxyType(dict(self.tiles)))
-        for name in ("cublas", "separate_norm", "reference_buckets", "no_pdl_buckets",
-                     "cublas_everywhere", "separate_norm_everywhere"):  # fmt: skip
+        for name in (
+            "cublas",
+            "separate_norm",
+            "reference_buckets",
+            "no_pdl_buckets",
+            "cublas_everywhere",
+            "separate_norm_everywhere",
+        ):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         _check_pairs("tables.cublas_everywhere", self.cublas_everywhere)
         _check_pairs("tables.separate_norm_everywhere", self.separate_norm_everywhere)
@@ -220,8 +236,13 @@ class DecodeTuning:
     attention_variant: str | None = None
 
     def __post_init__(self) -> None:
-        for name, kind in (("tables", ProjTables), ("pdl", PdlPlacement), ("split", SplitLadder),
-                           ("handoff", NormHandoff), ("argmax", ArgmaxFold)):  # fmt: skip
+        for name, kind in (
+            ("tables", ProjTables),
+            ("pdl", PdlPlacement),
+            ("split", SplitLadder),
+            ("handoff", NormHandoff),
+            ("argmax", ArgmaxFold),
+        ):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         _check_range("reference_rows", self.reference_rows, False)

@@ -74,8 +74,9 @@ def with_overrides(tuning: DecodeTuning, overrides: Mapping[str, str]) -> Decode
         head, _, leaf = name.partition(".")
         names = {f.name for f in dataclasses.fields(DecodeTuning)}
         if head not in names:
-            raise ValueError(f"{name!r}: DecodeTuning has no field {head!r}; one of "
-                             f"{sorted(names)}")  # fmt: skip
+            raise ValueError(
+                f"{name!r}: DecodeTuning has no field {head!r}; one of {sorted(names)}"
+            )
         if not leaf:
             value = _parse(name, getattr(tuning, head), text)
             tuning = dataclasses.replace(tuning, **{head: value})

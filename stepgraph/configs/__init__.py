@@ -1,4 +1,4 @@
-"""Seed 004: declarative capture configs and the runners that serve them.
+"""Declarative capture configs (mstar's ``cuda_graph_config`` API) and the runners that serve them.
 
 - ``forward.py``          whole-forward configs: ``CudaGraphConfig``, batched and packed
 - ``piecewise.py``        piecewise configs: one sub-region of a forward, per shape

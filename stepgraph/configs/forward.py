@@ -1,13 +1,14 @@
-"""Whole-forward capture configs (seed 004): which forward method (walk) of a model is captured,
-at which keys ``(walk, bs, total_tokens, additional_key_info)``, and with which input layout.
+"""Whole-forward capture configs (mstar's ``cuda_graph_config`` API): which forward method (walk) of
+a model is captured, at which keys ``(walk, bs, total_tokens, additional_key_info)``, and with which
+input layout.
 
 - ``BatchedCudaGraphConfig`` stacks equal requests as ``[bs, tokens_per_request, ...]``.
 - ``PackedCudaGraphConfig`` packs variable-length requests as ``[total_tokens, ...]`` plus
   ``cu_seqlens [bs + 2] int32`` (``bs`` request slots and one spare: ``padding.py``).
 
-A subclass needs only the seed's three abstract methods (``get_config_type``,
+A subclass needs only mstar's three abstract methods (``get_config_type``,
 ``get_node_inputs``, ``get_total_tokens``); the layout, the padding and the token counts follow
-from the config type. Arguments keep the seed's positional order.
+from the config type. Arguments keep mstar's positional order.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class CudaGraphConfig(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.capture_graph_walk!r})"
 
-    # -- the seed's three abstract methods ----------------------------------------------------
+    # -- mstar's three abstract methods ---------------------------------------------------------
 
     @abstractmethod
     def get_config_type(self) -> CudaGraphConfigType: ...

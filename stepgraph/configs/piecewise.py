@@ -1,5 +1,6 @@
-"""Piecewise capture configs (seed 004): one sub-region of a submodule's forward, captured per
-shape while the surrounding preamble stays eager (run by ``piecewise_runner.PiecewiseRunner``).
+"""Piecewise capture configs (mstar's ``cuda_graph_config`` API): one sub-region of a submodule's
+forward, captured per shape while the surrounding preamble stays eager (run by
+``piecewise_runner.PiecewiseRunner``).
 """
 
 from __future__ import annotations

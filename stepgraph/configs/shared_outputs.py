@@ -1,11 +1,12 @@
 """One set of static outputs per piecewise region, sized once, with a view per capture shape.
 
 A graph's outputs stay allocated in the pool for the runner's life, and with them the blocks
-around them: 17 prefill regions x 16 shapes held 4106 MiB (issue 14). So each captured step
-copies its outputs into rows ``[:n]`` of one buffer per output name, allocated outside the pool
-by the first (largest) shape's eager warm-up; the region's own outputs are then temporaries
-the next capture reuses. ``n`` is the shape's request slots or tokens, whichever the output's
-first dim is (``PrefillShapes`` keeps the two apart).
+around them: 17 prefill regions x 16 shapes held gigabytes
+(docs/experiments.md#one-output-buffer-per-region). So each captured step copies its outputs
+into rows ``[:n]`` of one buffer per output name, allocated outside the pool by the first
+(largest) shape's eager warm-up; the region's own outputs are then temporaries the next capture
+reuses. ``n`` is the shape's request slots or tokens, whichever the output's first dim is
+(``PrefillShapes`` keeps the two apart).
 
     per-token output   [max total_tokens, ...]   shape (bs, T) gets rows [:T]
     per-request output [max num_requests, ...]   shape (bs, T) gets rows [:num_requests]

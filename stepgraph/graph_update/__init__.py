@@ -1,4 +1,4 @@
-"""Per-token update of a captured graph's kernel nodes (DESIGN §5, seed 000).
+"""Per-token update of a captured graph's kernel nodes (DESIGN §5), llama.cpp-style exec updates.
 
 Capture a decode step once; before each replay, retune the split-KV attention nodes' grid and
 split count to the live context through ``cuGraphExecKernelNodeSetParams``::

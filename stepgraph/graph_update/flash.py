@@ -23,10 +23,10 @@ from ..kernels.decode.splits import fa_split_keys, monotone_steps, splits_from_k
 from .nodes import _GRID_FIELDS, KernelNode, read_i32_arg, read_ptr_arg
 from .registry import (
     DEFAULT_REGISTRY,
-    SeedSplitKeys,
     SplitKernelRegistry,
     SplitKernelSpec,
     SplitKeys,
+    TwoArgSplitKeys,
     as_split_keys,
 )
 
@@ -125,8 +125,12 @@ def _pairs(spec: SplitKernelSpec, ptr: int, ms: list[KernelNode], cs: list[Kerne
     seq = sorted(ms + cs, key=lambda n: n.order)
     mains, combines = seq[0::2], seq[1::2]
     if any(n.name != spec.main for n in mains) or any(n.name != spec.combine for n in combines):
-        raise _pair_error(spec, ms[0].name, spec.main_ptr_arg, shared + " that do not alternate "
-                          "main, combine in graph order")  # fmt: skip
+        raise _pair_error(
+            spec,
+            ms[0].name,
+            spec.main_ptr_arg,
+            shared + " that do not alternate main, combine in graph order",
+        )
     return list(zip(mains, combines))
 
 
@@ -219,7 +223,7 @@ def fa_apply(
     plan: FaPlan,
     exec_: Any,
     t_kv: int,
-    split_keys: SplitKeys | SeedSplitKeys | None = None,
+    split_keys: SplitKeys | TwoArgSplitKeys | None = None,
     driver: Any = None,
 ) -> int:
     """Retune every main and combine of ``plan`` in ``exec_`` to the eager split count for
@@ -228,7 +232,7 @@ def fa_apply(
     Ladder: ``ceil(t_kv / split_keys(t_kv, n_kv_heads, bs, num_sms))``; self-limiting:
     ``ceil(t_kv / block_n)``; both clamped to ``[1, bucket_splits]``. ``split_keys`` defaults to
     ``stepgraph.kernels.decode.splits.fa_split_keys``, the ladder eager uses, so the two stay in
-    step; the seed's two-argument ladders ``split_keys(t_kv, n_kv_heads)`` work too.
+    step; two-argument ladders ``split_keys(t_kv, n_kv_heads)`` work too.
     Per-token hot path: keep it lean.
     """
     if exec_ != plan._exec_key:  # first apply, or a new exec (re-instantiated): push all

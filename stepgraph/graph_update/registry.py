@@ -18,11 +18,11 @@ from ..kernels.decode import split_kv, split_kv_fold
 
 Rule = Literal["ladder", "self_limiting"]
 SplitKeys = Callable[[int, int, int, int], int]  # (t_kv, n_kv_heads, bs, num_sms) -> keys/split
-SeedSplitKeys = Callable[[int, int], int]  # the seed's signature: (t_kv, n_kv_heads) -> keys
+TwoArgSplitKeys = Callable[[int, int], int]  # (t_kv, n_kv_heads) -> keys
 
 
-def as_split_keys(ladder: SplitKeys | SeedSplitKeys | None) -> SplitKeys | None:
-    """``ladder`` with our four-argument signature. The seed's two-argument ladders
+def as_split_keys(ladder: SplitKeys | TwoArgSplitKeys | None) -> SplitKeys | None:
+    """``ladder`` with our four-argument signature. Two-argument ladders
     ``split_keys(t_kv, n_kv)`` are wrapped (they ignore ``bs`` and ``num_sms``); a ``monotone``
     mark carries over."""
     if ladder is None:

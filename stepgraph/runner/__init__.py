@@ -1,5 +1,6 @@
-"""Seed 001: the decode graph runner. One graph per batch-size bucket, static input buffers,
-one shared memory pool; replay pads a live batch to its bucket and slices the output.
+"""The decode graph runner (pymllm's ``CudaGraphRunner`` API). One graph per batch-size bucket,
+static input buffers, one shared memory pool; replay pads a live batch to its bucket and slices the
+output.
 
 - ``graph_runner.py``  ``CudaGraphRunner``: capture, can_run, replay, shutdown
 - ``config.py``        ``RunnerConfig``

@@ -1,11 +1,12 @@
 """``GraphRunnerBase``: what the three runners share (decode, config-driven, piecewise).
 
 Each runner captures into one graph memory pool: the one given, else the process-wide pool of
-the seed API (``set_global_graph_memory_pool``), else a new one that becomes the global pool.
+pymllm's ``CudaGraphRunner`` API (``set_global_graph_memory_pool``), else a new one that
+becomes the global pool.
 
 One thread drives a runner: its outputs are static buffers that the next call overwrites, and
 its static inputs are filled per call, so two threads replaying one runner get each other's
-values with no error (issue 13: 155 to 180 of 200 results per thread wrong). The runner
+values with no error. The runner
 remembers the thread that created it and refuses calls from any other. Who serializes calls
 and consumes each output before the next one sets ``runner.check_same_thread = False`` (as
 sqlite's ``check_same_thread``).

@@ -1,7 +1,7 @@
-"""Capture: the process-wide pool and capture-mode state of the seed API, GC freezing, and the
+"""Capture: the process-wide pool and capture-mode state of pymllm's API, GC freezing, and the
 one capture loop every runner uses (decode, config-driven and piecewise).
 
-The seed (pymllm/sglang) exposes module-level getters and setters. We keep their names, but they
+pymllm (after sglang) exposes module-level getters and setters. We keep their names, but they
 read and write one explicit ``CaptureState`` instead of scattered globals, and
 ``model_capture_mode()`` refuses nesting instead of silently flattening it.
 
@@ -39,7 +39,7 @@ SYNC_HINT = (
 
 @dataclass
 class CaptureState:
-    """Process-wide capture state behind the seed's helper functions.
+    """Process-wide capture state behind pymllm's helper functions.
 
     ``pool`` is the graph memory pool handle every runner created while it is set captures into
     (set by the first runner that captures, or by ``set_global_graph_memory_pool``)."""

@@ -123,12 +123,26 @@ def fill_inputs(
         ticket = buffers.seq_lens
     table = buffers.block_table
     _fill_inputs_kernel[(bucket,)](
-        src, src.stride(0), slot_stride, copies, parity, ticket, copied,
-        feed if feed is not None else buffers.input_ids, 0 if feed is None else feed.shape[0],
-        buffers.input_ids, buffers.positions, buffers.out_cache_loc, buffers.seq_lens,
-        table, table.stride(0), src.shape[-1] - PACKED.table_col,
-        STAGED=staging is not None, FEED=feed is not None, BLOCK=BLOCK_P,
-    )  # fmt: skip
+        src,
+        src.stride(0),
+        slot_stride,
+        copies,
+        parity,
+        ticket,
+        copied,
+        feed if feed is not None else buffers.input_ids,
+        0 if feed is None else feed.shape[0],
+        buffers.input_ids,
+        buffers.positions,
+        buffers.out_cache_loc,
+        buffers.seq_lens,
+        table,
+        table.stride(0),
+        src.shape[-1] - PACKED.table_col,
+        STAGED=staging is not None,
+        FEED=feed is not None,
+        BLOCK=BLOCK_P,
+    )
 
 
 __all__ = ["BLOCK_P", "captured_inputs", "fill_inputs"]
