@@ -1,12 +1,16 @@
 """Load a local Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` directory.
 
 Reads ``config.json`` and the ``*.safetensors`` shards (``model.safetensors.index.json`` when
-sharded), fuses q/k/v and gate/up on load, and never downloads anything.
+sharded), fuses q/k/v and gate/up on load, and never downloads anything. FP8 checkpoints
+(``model/quant.py``: Hugging Face's fine-grained ``fp8``, ``compressed-tensors``) load with their
+projections in FP8 (``model/fp8_linear.Fp8Linear``); ``quantization="fp8"`` quantizes an
+unquantized checkpoint's projections per channel on load, on the device.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +18,10 @@ import torch
 
 from ..errors import ConfigError
 from .config import ModelConfig, eos_token_ids
-from .llama import LlamaModel, build_model
+from .fp8_linear import check_quantization, swap_in_fp8
+from .fp8_weight import Fp8Weight, concat_rows, quantize_per_channel
+from .llama import LlamaModel
+from .quant import detect_format, fp8_weights, is_projection, read_safetensors
 
 
 def load_hf_config(path: str | Path) -> ModelConfig:
@@ -81,26 +88,48 @@ def shard_files(path: Path) -> list[Path]:
 
 
 def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, by their Hugging Face names (on the CPU)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    """All tensors of the checkpoint, by their Hugging Face names (on the CPU); a truncated,
+    corrupt or unreadable shard is a one-line ConfigError naming it."""
     state: dict[str, torch.Tensor] = {}
     for f in shard_files(Path(path)):
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError) as e:  # truncated, corrupt or unreadable
-            raise ConfigError(
-                f"{f} cannot be read as safetensors ({e}); the file is truncated or corrupt: "
-                "re-copy the checkpoint."
-            ) from e
+        state.update(read_safetensors(f))
     return state
 
 
+def _cat(parts: list, name: str):
+    """``parts`` stacked on the output dim: tensors by ``torch.cat``, FP8 weights by
+    ``concat_rows`` (block scales whose row blocks do not tile every part but the last are
+    re-expressed on finer row blocks first: the same scale per element)."""
+    fp8 = [isinstance(p, Fp8Weight) for p in parts]
+    if not any(fp8):
+        return torch.cat(parts)
+    if not all(fp8):
+        raise ConfigError(
+            f"{name}: the checkpoint stores some of its parts in FP8 and some not; the stacked "
+            "projections (q/k/v, gate/up) take one format: quantize all of them or none"
+        )
+    block = parts[0].block
+    if block is not None and all(p.block == block for p in parts):
+        bn = block[0]
+        for p in parts[:-1]:
+            bn = math.gcd(bn, p.shape[0])
+        if bn != block[0]:
+            parts = [_finer_rows(p, bn) for p in parts]
+    return concat_rows(parts, name)
+
+
+def _finer_rows(fw: Fp8Weight, bn: int) -> Fp8Weight:
+    """``fw`` with its block scales on row blocks of ``bn`` (a divisor of its ``block[0]``)."""
+    rows = -(-fw.shape[0] // bn)
+    scale = fw.scale.repeat_interleave(fw.block[0] // bn, 0)[:rows].contiguous()
+    return Fp8Weight(fw.data, scale, (bn, fw.block[1]))
+
+
 def convert_hf_state_dict(
-    hf: dict[str, torch.Tensor], config: ModelConfig
-) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> ours, with q/k/v and gate/up concatenated on the output dim."""
+    hf: dict[str, torch.Tensor | Fp8Weight], config: ModelConfig
+) -> dict[str, torch.Tensor | Fp8Weight]:
+    """Hugging Face names -> ours, with q/k/v and gate/up concatenated on the output dim
+    (projections in FP8 stay ``Fp8Weight``s, stacked with their scales)."""
     hf = {k.removeprefix("model."): v for k, v in hf.items()}
     # Buffers some exports carry; they are recomputed.
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -124,12 +153,12 @@ def convert_hf_state_dict(
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = ("q_proj", "k_proj", "v_proj")
-        out[attn + "qkv_proj.weight"] = torch.cat([take(f"{attn}{n}.weight") for n in qkv])
+        out[attn + "qkv_proj.weight"] = _cat([take(f"{attn}{n}.weight") for n in qkv], attn + "qkv")
         if config.attention_bias:
             out[attn + "qkv_proj.bias"] = torch.cat([take(f"{attn}{n}.bias") for n in qkv])
         out[attn + "o_proj.weight"] = take(attn + "o_proj.weight")
         gate_up = [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-        out[mlp + "gate_up_proj.weight"] = torch.cat(gate_up)
+        out[mlp + "gate_up_proj.weight"] = _cat(gate_up, mlp + "gate_up")
         out[mlp + "down_proj.weight"] = take(mlp + "down_proj.weight")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{p}{norm}.weight"] = take(f"{p}{norm}.weight")
@@ -142,20 +171,68 @@ def convert_hf_state_dict(
     return out
 
 
+def fp8_state(path: str | Path, config: ModelConfig, quantization: str | None = None) -> dict:
+    """The checkpoint's tensors by our names (``convert_hf_state_dict``), its FP8 projections
+    as ``Fp8Weight``s: an FP8 checkpoint's own (``quant.fp8_weights`` checks them), or none;
+    ``quantization`` is checked here, applied by ``load_hf_model`` on the device."""
+    check_quantization(quantization)
+    fmt = detect_format(read_json(Path(path) / "config.json"))
+    hf = read_hf_state_dict(path)
+    if fmt is not None:
+        fp8, rest = fp8_weights(fmt, hf)
+        hf = {**rest, **fp8}
+    return convert_hf_state_dict(hf, config)
+
+
+def _build(config: ModelConfig, device, dtype: torch.dtype, max_positions: int | None,
+           blocks: dict[str, tuple[int, int] | None]) -> LlamaModel:  # fmt: skip
+    # llama.build_model with the FP8 projections swapped in on meta, before any allocation
+    with torch.device("meta"):
+        model = LlamaModel(config, max_positions)
+    model = model.to(dtype=dtype)
+    swap_in_fp8(model, blocks)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
 def load_hf_model(
     path: str | Path,
     device: torch.device | str,
     dtype: torch.dtype,
     *,
     max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> LlamaModel:
-    """Build the model of ``path`` on ``device`` in ``dtype`` with the checkpoint's weights."""
+    """Build the model of ``path`` on ``device`` in ``dtype`` with the checkpoint's weights: an
+    FP8 checkpoint's projections in FP8; ``quantization="fp8"``: an unquantized checkpoint's
+    projections quantized per channel on the device (an FP8 checkpoint loads as it is)."""
     config = load_hf_config(path)
-    state = convert_hf_state_dict(read_hf_state_dict(path), config)
-    model = build_model(config, device, dtype, max_positions=max_positions)
-    params = dict(model.named_parameters())
+    state = fp8_state(path, config, quantization)
+    if quantization == "fp8":
+        for name, t in list(state.items()):
+            if is_projection(name) and not isinstance(t, Fp8Weight):
+                state[name] = quantize_per_channel(t.to(device), name)
+    blocks = {
+        name.removesuffix(".weight"): t.block
+        for name, t in state.items()
+        if isinstance(t, Fp8Weight)
+    }
+    model = _build(config, device, dtype, max_positions, blocks)
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with torch.no_grad():
         for name, t in state.items():
+            if isinstance(t, Fp8Weight):
+                mod = model.get_submodule(name.removesuffix(".weight"))
+                if tuple(t.shape) != tuple(mod.weight.shape):
+                    raise ConfigError(
+                        f"checkpoint tensor {name} has shape {tuple(t.shape)}, the config "
+                        f"implies {tuple(mod.weight.shape)}; config.json and the weights disagree."
+                    )
+                mod.weight.copy_(t.data)
+                mod.weight_scale.copy_(t.scale)
+                continue
             if tuple(t.shape) != tuple(params[name].shape):
                 raise ConfigError(
                     f"checkpoint tensor {name} has shape {tuple(t.shape)}, the config implies "
@@ -166,4 +243,10 @@ def load_hf_model(
     return model
 
 
-__all__ = ["convert_hf_state_dict", "load_hf_config", "load_hf_model", "read_hf_state_dict"]
+__all__ = [
+    "convert_hf_state_dict",
+    "fp8_state",
+    "load_hf_config",
+    "load_hf_model",
+    "read_hf_state_dict",
+]

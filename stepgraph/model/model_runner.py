@@ -24,6 +24,7 @@ from .decode.fused_decode import (
     kernel_class,
     unfusable_reason,
 )
+from .fp8_linear import check_quantization, quantize_model
 from .kv_cache import KVCache
 from .llama import LlamaModel, build_model, init_random
 from .prefill.extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
@@ -100,9 +101,12 @@ class ModelRunner:
         """Whether a decode step of ``bs`` rows runs the fused kernels (a pure function of
         ``bs``'s graph bucket and the set-up: eager, graph and exact steps agree)."""
         fits = 1 <= bs and kernel_class(bs, self.attn_backend) <= FUSED_MAX_BS
-        return self.kernels == "fused" and fits and self.attn_backend.use_kernel and (
-            unfusable_reason(self.model) is None
-        )  # fmt: skip
+        return (
+            self.kernels == "fused"
+            and fits
+            and self.attn_backend.use_kernel
+            and (unfusable_reason(self.model) is None)
+        )
 
     def fused_tokens(self, bs: int) -> torch.Tensor | None:
         """``[bs]`` int64 greedy tokens of the last decode step of ``bs`` rows, computed inside
@@ -155,13 +159,25 @@ class ModelRunner:
         page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int | None = None,
         tuning: DecodeTuning | None = None,
+        quantization: str | None = None,
     ) -> ModelRunner:
-        """A model of ``config`` with random weights from ``seed`` (see ``init_random``)."""
+        """A model of ``config`` with random weights from ``seed`` (see ``init_random``);
+        ``quantization="fp8"``: its projections then quantized per channel (``Fp8Linear``)."""
+        check_quantization(quantization)
         max_context_len = default_context_len(config, max_context_len)
         model = init_random(build_model(config, device, dtype, max_positions=max_context_len), seed)
-        return cls.from_model(model, device=device, dtype=dtype, max_bs=max_bs,
-                              max_context_len=max_context_len, page_size=page_size,
-                              num_pages=num_pages, tuning=tuning)  # fmt: skip
+        if quantization == "fp8":
+            quantize_model(model)
+        return cls.from_model(
+            model,
+            device=device,
+            dtype=dtype,
+            max_bs=max_bs,
+            max_context_len=max_context_len,
+            page_size=page_size,
+            num_pages=num_pages,
+            tuning=tuning,
+        )
 
     @classmethod
     def from_preset(
@@ -173,13 +189,17 @@ class ModelRunner:
         *,
         num_layers: int | None = None,
         tuning: DecodeTuning | None = None,
+        quantization: str | None = None,
         **kwargs,
     ) -> ModelRunner:
-        """Preset ``name`` (``config.PRESETS``), random weights; ``num_layers`` trims it."""
+        """Preset ``name`` (``config.PRESETS``), random weights; ``num_layers`` trims it.
+        ``quantization="fp8"``: the projections quantized per channel on load."""
         config = get_preset(name)
         if num_layers is not None:
             config = config.with_layers(num_layers)
-        return cls.from_config(config, device, dtype, seed, tuning=tuning, **kwargs)
+        return cls.from_config(
+            config, device, dtype, seed, tuning=tuning, quantization=quantization, **kwargs
+        )
 
     @classmethod
     def from_hf_dir(
@@ -190,14 +210,20 @@ class ModelRunner:
         *,
         max_context_len: int | None = None,
         tuning: DecodeTuning | None = None,
+        quantization: str | None = None,
         **kwargs,
     ) -> ModelRunner:
-        """A local Hugging Face checkpoint directory (nothing is downloaded)."""
+        """A local Hugging Face checkpoint directory (nothing is downloaded). An FP8 checkpoint
+        (``model/quant.py``'s formats) loads with its projections in FP8;
+        ``quantization="fp8"`` quantizes an unquantized one's per channel on load."""
         from .hf_loader import load_hf_config, load_hf_model
 
+        check_quantization(quantization)
         config = load_hf_config(path)
         max_context_len = default_context_len(config, max_context_len)
-        model = load_hf_model(path, device, dtype, max_positions=max_context_len)
+        model = load_hf_model(
+            path, device, dtype, max_positions=max_context_len, quantization=quantization
+        )
         kwargs.update(device=device, dtype=dtype, max_context_len=max_context_len, tuning=tuning)
         return cls.from_model(model, **kwargs)
 
@@ -267,9 +293,14 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(batch)
         if self.uses_fused(bs):
             return fused_decode_step(
-                self.model, self.attn_backend, batch.input_ids, batch.positions,
-                logits_out=out, tokens_out=self.greedy_tokens[:bs], tuning=self.tuning,
-            )  # fmt: skip
+                self.model,
+                self.attn_backend,
+                batch.input_ids,
+                batch.positions,
+                logits_out=out,
+                tokens_out=self.greedy_tokens[:bs],
+                tuning=self.tuning,
+            )
         h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [bs, hidden]
         if out is None:
             return self.model.logits(h)

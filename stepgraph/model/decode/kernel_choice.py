@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ..fp8_linear import Fp8Linear
 from ..llama import Linear, LlamaModel
 from ..parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
@@ -39,7 +40,7 @@ def unfusable_reason(model: LlamaModel) -> str | None:
     if type(model.embed_tokens) not in (nn.Embedding, VocabParallelEmbedding):
         return f"an embedding of type {type(model.embed_tokens).__name__}"
     for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-        if type(proj) not in (Linear, RowParallelLinear):
+        if type(proj) not in (Linear, RowParallelLinear, Fp8Linear):
             return f"an o_proj or down_proj of type {type(proj).__name__}"
     half = model.config.head_dim // 2
     if half & (half - 1):

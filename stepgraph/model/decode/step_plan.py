@@ -33,6 +33,7 @@ from ...kernels.proj.proj_tiles import (
 )
 from ...kernels.proj.qkv_rope import qkv_tile
 from ...tuning import DecodeTuning, default_tuning
+from ..fp8_linear import fp8_modules, weight_format
 from ..parallel import ParallelLMHead, RowParallelLinear
 from .step_attention import AttentionPlan, attention_plan
 
@@ -81,6 +82,7 @@ class StepShapes:
     parallel_head: bool = False
     head_bias: bool = False
     plain_embed: bool = True
+    weight_format: str = "plain"  # or fp8_linear.weight_format's "fp8-channel", "fp8-block", ...
 
     def shape(self, piece: str) -> tuple[int, int]:
         return getattr(self, piece)
@@ -127,6 +129,7 @@ class StepPlan:
 
 
 UNMEASURED = "no measured tiles for these shapes; docs/tuning.md"
+FP8_REFERENCE = "FP8 weights: the projections run the FP8-weight GEMV (kernels/proj/fp8_gemv)"
 
 
 def measured_all(shapes: StepShapes, bucket: int, tables=None) -> bool:
@@ -143,6 +146,8 @@ def reference_reason(shapes: StepShapes, bucket: int, tuning: DecodeTuning) -> s
     shapes, float32, shards); a bucket the model measured faster on the reference kernels."""
     if bucket in tuning.reference_rows:
         return "reference_rows"
+    if shapes.weight_format != "plain":
+        return FP8_REFERENCE
     if bucket > 1 and not measured_all(shapes, bucket, tuning.tables):
         return UNMEASURED
     if reference_bucket(*shapes.qkv, bucket, shapes.elem_bytes, tuning.tables):
@@ -294,6 +299,11 @@ def plan_step(
     return plan
 
 
+def step_weight_format(model) -> str:
+    """"plain" (the projections in the model's dtype) or ``fp8_linear.weight_format``'s."""
+    return weight_format(model) if fp8_modules(model) else "plain"
+
+
 # model -> (a weak reference to the backend, their StepShapes)
 _SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -330,6 +340,7 @@ def step_shapes(model, backend=None) -> StepShapes:
         parallel_head=isinstance(model.lm_head, ParallelLMHead),
         head_bias=getattr(model.lm_head, "bias", None) is not None,
         plain_embed=type(model.embed_tokens) is nn.Embedding,
+        weight_format=step_weight_format(model),
         **extra,
     )
     ref = weakref.ref(backend) if backend is not None else (lambda: None)
@@ -339,6 +350,7 @@ def step_shapes(model, backend=None) -> StepShapes:
 
 __all__ = [
     "PIECE_KERNELS",
+    "FP8_REFERENCE",
     "UNMEASURED",
     "ProjPlan",
     "StepPlan",
@@ -350,4 +362,5 @@ __all__ = [
     "reference_reason",
     "step_pdl",
     "step_shapes",
+    "step_weight_format",
 ]
