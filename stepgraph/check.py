@@ -250,14 +250,16 @@ def run(args: argparse.Namespace) -> int:
     mixes = [
         random_mix(rng, config.vocab_size, args.max_bs, max_prompt) for _ in range(args.trials)
     ]
+    fp8 = ", FP8 weights" if args.quantization else ""
     print(
-        f"stepgraph check: {args.model}, {str(dtype).removeprefix('torch.')} on {device}, "
+        f"stepgraph check: {args.model}{fp8}, {str(dtype).removeprefix('torch.')} on {device}, "
         f"{len(mixes)} mixes of 1-{args.max_bs} requests, prompts 1-{max_prompt} tokens, "
         f"1-{MAX_NEW_TOKENS} new tokens, seed {args.seed}; modes {','.join(modes)}"
     )
     mr = build_model_runner(
-        args.model, device, dtype, seed=args.seed, max_bs=args.max_bs, max_context_len=context
-    )
+        args.model, device, dtype, seed=args.seed, max_bs=args.max_bs, max_context_len=context,
+        quantization=args.quantization,
+    )  # fmt: skip
     results = run_check(mr, mixes, modes, args.max_bs)
     strict = {"exact"} if device == "cuda" else {"graph", "walk", "exact"}
     return report(results, strict & set(modes), len(mixes))

@@ -98,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tp=args.tp,
         max_bs=max(len(prompts), 1),
         max_context_len=min(max(longest, 64), config.max_position_embeddings),
+        quantization=args.quantization,
     )
     if args.kernels:
         mr.set_kernels(args.kernels)  # default: fused on CUDA (one-row steps), reference on CPU
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, GPU, driver, and what is missing")
     add_model_args(
         info,
+        quantization_help=None,
         model_help="also print which decode kernels run at each batch bucket for this preset "
         "or local HF directory (no weights are read)",
     )

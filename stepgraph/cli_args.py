@@ -294,6 +294,11 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DECODE_MODES = ("eager", "graph", "exact")
 KERNELS = ("fused", "reference")
 MODEL_HELP = "preset name or local HF directory"
+QUANTIZATIONS = ("fp8",)  # model/fp8_linear.QUANTIZATIONS (that module imports torch)
+QUANTIZATION_HELP = (
+    "fp8: the projections' weights in FP8 (e4m3), quantized per channel on load (an FP8 "
+    "checkpoint loads in FP8 without it); default: the checkpoint's own weights"
+)
 DEVICE_HELP = "default: cuda when a GPU is seen"
 DTYPE_HELP = "default: bfloat16 on CUDA, float32 on the CPU"
 TP_HELP = "tensor-parallel ranks (launch with torchrun --nproc-per-node N)"
@@ -322,12 +327,17 @@ def add_model_args(
     seed_help: str | None = None,
     tp_help: str | None = None,
     threads: bool = False,
+    quantization_help: str | None = QUANTIZATION_HELP,
 ) -> argparse._ArgumentGroup:
     """The model and how its decode steps run: ``--model`` (``model_config``) always, and each
-    of ``--mode``, ``--kernels``, ``--seed`` (``seed_int``), ``--tp`` (``check_tp``) when its
-    help is given, ``--threads`` (``cpu_threads``, ``check_threads``) when ``threads``."""
+    of ``--quantization``, ``--mode``, ``--kernels``, ``--seed`` (``seed_int``), ``--tp``
+    (``check_tp``) when its help is given, ``--threads`` (``cpu_threads``, ``check_threads``)
+    when ``threads``."""
     g = p.add_argument_group("model")
     g.add_argument("--model", default=model, required=required, help=model_help)
+    if quantization_help is not None:
+        g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help=quantization_help)  # fmt: skip
     if mode_help is not None:
         g.add_argument("--mode", default="graph", choices=DECODE_MODES, help=mode_help)
     if kernels_help is not None:
@@ -345,6 +355,7 @@ __all__ = [
     "DECODE_MODES",
     "DEVICES",
     "DTYPE_NAMES",
+    "QUANTIZATIONS",
     "HelpFormatter",
     "KERNELS",
     "Parser",

@@ -1,4 +1,7 @@
-"""`stepgraph bench`: every mode and peer, side by side, on one model in one run."""
+"""`stepgraph bench`: every mode and peer, side by side, on one model in one run; with
+``--quantization fp8``, our modes again on the same weights in FP8 (rows ``MODE fp8``, each
+with its own floor: e4m3 weights and scales, the head in the model's dtype, the KV), and the
+fidelity of FP8's next-token distributions against the model dtype's (``bench/fidelity.py``)."""
 
 from __future__ import annotations
 
@@ -75,7 +78,32 @@ def peer_allowed(peer: str, points: list[Point], which: str) -> set[Point]:
     return {p for p in points if p.bs == 1 and p.context == min(q.context for q in points)}
 
 
+def check_quantization_args(args: argparse.Namespace) -> str | None:
+    """``--quantization``, refused where the bench cannot run it beside the model dtype: the
+    CPU stand-in, ``--tp``, ``--serve``, ``--prefill``."""
+    quant = getattr(args, "quantization", None)
+    where = [
+        flag
+        for flag, on in (
+            ("the CPU (--device cpu, or no GPU)", args.device == "cpu"),
+            ("--tp", getattr(args, "tp", 1) > 1),
+            ("--serve", getattr(args, "serve", False)),
+            ("--prefill", getattr(args, "prefill", False)),
+        )
+        if on
+    ]
+    if quant and where:
+        from ..cli_args import UsageError
+
+        raise UsageError(
+            f"--quantization {quant} benchmarks the decode step in FP8 beside the model dtype on "
+            f"CUDA, unsharded; it does not run with {', '.join(where)}"
+        )
+    return quant
+
+
 def run(args: argparse.Namespace) -> int:
+    quant = check_quantization_args(args)
     if getattr(args, "serve", False):
         from .serve import run_serve
 
@@ -112,22 +140,36 @@ def run(args: argparse.Namespace) -> int:
     floor_ms = {key: bw.floor_ms(n) for key, n in step_bytes.items()}
     spec_ms = {key: bw.spec_ms(n) for key, n in step_bytes.items()}
     rows: list[Row] = []
+    mr8 = fid = None
+    if quant:  # the same weights in FP8, its KV filled alike; fidelity before any mode runs
+        from . import fidelity
 
-    def add(mode, p, ms, capture_s=None, pool=None, note="", kernels=None):
+        mr8 = build_model_runner(model, "cuda", DTYPES[args.dtype], max(sizes), max(contexts) + 64,
+                                 quantization=quant)  # fmt: skip
+        mr8.set_kernels(args.kernels or "fused")
+        fill_kv_random(mr8)
+        fid = fidelity.compare(mr, mr8, points)
+        wbytes8 = weight_bytes(mr8)
+        floor8 = {(p.bs, p.context): bw.floor_ms(wbytes8 + kv_bytes(mr8, p)) for p in points}
+        spec8 = {(p.bs, p.context): bw.spec_ms(wbytes8 + kv_bytes(mr8, p)) for p in points}
+
+    def add(mode, p, ms, capture_s=None, pool=None, note="", kernels=None, fp8=False):
         key = (p.bs, p.context)
+        floor, spec = (floor8[key], spec8[key]) if fp8 else (floor_ms[key], spec_ms[key])
         rows.append(
             Row(
-                mode,
+                f"{mode} fp8" if fp8 else mode,
                 p.bs,
                 p.context,
                 ms,
                 p.bs / ms * 1e3 if ms else None,
-                share(floor_ms[key], ms),
+                share(floor, ms),
                 capture_s,
                 pool,
                 note,
                 kernels,
-                share(spec_ms[key], ms),
+                share(spec, ms),
+                floor if fp8 else None,
             )
         )
 
@@ -158,6 +200,18 @@ def run(args: argparse.Namespace) -> int:
             for p in points:
                 note = res.error or res.skipped.get(p, "")
                 add(mode, p, res.ms_per_token.get(p), res.compile_seconds, None, note)
+    if mr8 is not None:  # our modes on the FP8 weights (peers run the model dtype only)
+        for mode in tqdm([m for m in modes if m in OUR_MODES], desc="stepgraph bench fp8",
+                         unit="mode", disable=not main_rank):  # fmt: skip
+            if mode == "engine":
+                res = run_engine(mr8, points)
+            else:
+                res = run_mode(mode, mr8, points, args.iters)
+            per_bs = {q.bs: k for q, k in res.kernels_per_step.items()}
+            for p in points:
+                note = res.error or fid[p].text()
+                add(mode, p, res.ms_per_token.get(p), res.capture_seconds, res.pool_mib, note,
+                    per_bs.get(p.bs), fp8=True)  # fmt: skip
     ar = ar_graph = None
     if args.tp > 1:
         from .collectives import allreduce_in_graph, allreduce_us_per_step
@@ -178,6 +232,13 @@ def run(args: argparse.Namespace) -> int:
         f"\nmodel {model} ({wbytes / 1e9:.2f} GB of weights, {args.dtype}), "
         f"{time.perf_counter() - t0:.0f} s"
     )
+    if mr8 is not None:
+        total = fidelity.overall(fid)
+        print(
+            f"FP8 weights ({weight_bytes(mr8) / 1e9:.2f} GB read a step, e4m3 projections): "
+            f"against {args.dtype} on the same weights over {total.rows} next-token "
+            f"distributions: mean {total.text()}"
+        )
     print(format_table(rows, floor_ms, bw))
     meta = {
         "model": model,
@@ -194,6 +255,13 @@ def run(args: argparse.Namespace) -> int:
         "allreduce_us_per_step": ar,
         "allreduce_in_graph": ar_graph,  # step with vs without its all-reduces, replayed
     }
+    if mr8 is not None:
+        meta["quantization"] = quant
+        meta["fp8_weight_bytes"] = weight_bytes(mr8)
+        meta["fp8_fidelity"] = {
+            "overall": fidelity.overall(fid).as_dict(),
+            "by_point": [{"bs": p.bs, "context": p.context, **f.as_dict()} for p, f in fid.items()],
+        }
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:

@@ -21,6 +21,7 @@ class Row:
     note: str = ""
     kernels_per_step: float | None = None  # ours: device kernels one step launches
     spec_fraction: float | None = None  # the same bytes at the GPU's specification bandwidth
+    floor_ms: float | None = None  # this row's floor where it is not its point's (FP8 weights)
 
 
 # the table's columns: name and width (the first left-aligned, the rest right-aligned)
@@ -53,9 +54,10 @@ def format_table(rows: list[Row], floor_ms: dict[tuple[int, int], float], bw: Ba
         key = (r.bs, r.context)
         base = eager.get(key)
         speed = f"{base / r.ms_per_token:8.1f}x" if r.ms_per_token and base else f"{'-':>9}"
+        floor = r.floor_ms if r.floor_ms is not None else floor_ms[key]
         lines.append(
             f"{r.mode:<18}{r.bs:>4}{r.context:>7}{_cell(r.ms_per_token, 9, '.3f')}"
-            f"{_cell(r.tokens_per_s, 10, '.0f')}{floor_ms[key]:8.3f}"
+            f"{_cell(r.tokens_per_s, 10, '.0f')}{floor:8.3f}"
             f"{_cell(r.floor_fraction, 9, '.0%')}{_cell(r.spec_fraction, 8, '.0%', no_spec)}"
             f"{speed}{_cell(r.kernels_per_step, 8, '.0f')}  {r.note}"
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import ForwardBatch
+from ..model.fp8_linear import fp8_modules
 from ..model.model_runner import ModelRunner
 
 
@@ -26,9 +27,11 @@ def build_model_runner(
     seed: int = 0,
     page_size: int = 64,
     tp: int = 1,
+    quantization: str | None = None,
 ) -> ModelRunner:
     """A preset (random weights from ``seed``) or a local HF directory, with a KV cache that
-    holds ``max_bs`` requests of ``max_context`` tokens; ``tp > 1``: this rank's shard."""
+    holds ``max_bs`` requests of ``max_context`` tokens; ``tp > 1``: this rank's shard;
+    ``quantization="fp8"``: the projections in FP8, quantized on load."""
     from ..model.launch import build_model_runner as build
 
     return build(
@@ -40,6 +43,7 @@ def build_model_runner(
         max_bs=max_bs,
         max_context_len=max_context,
         page_size=page_size,
+        quantization=quantization,
     )
 
 
@@ -63,9 +67,11 @@ def decode_batch(mr: ModelRunner, point: Point, seed: int = 0) -> tuple[ForwardB
 
 def weight_bytes(mr: ModelRunner) -> int:
     """Bytes of weights a decode step reads: every parameter once, except an untied input
-    embedding, of which a step reads only ``bs`` rows."""
+    embedding, of which a step reads only ``bs`` rows; FP8 projections as they are held (e4m3
+    data and float32 scales, ``Fp8Linear.nbytes``), the head in the model's dtype."""
     model = mr.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(m.weight.numel() + 4 * m.weight_scale.numel() for m in fp8_modules(model).values())
     if not mr.config.tie_word_embeddings:
         emb = model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()

@@ -20,12 +20,17 @@ def build_model_runner(
     max_bs: int = 8,
     max_context_len: int | None = None,
     page_size: int = 16,
+    quantization: str | None = None,
 ) -> ModelRunner:
     """``model``: a preset name or a local HF directory. ``tp > 1`` joins the torchrun process
     group (nccl on CUDA, gloo on the CPU) and returns this rank's shard; every rank builds the
-    same preset from ``seed`` before slicing, or reads only its slices of the checkpoint."""
-    kw = dict(max_bs=max_bs, max_context_len=max_context_len, page_size=page_size)
+    same preset from ``seed`` before slicing, or reads only its slices of the checkpoint.
+    ``quantization="fp8"``: the projections in FP8, quantized on load (unsharded only)."""
+    kw = dict(max_bs=max_bs, max_context_len=max_context_len, page_size=page_size,
+              quantization=quantization)  # fmt: skip
     is_dir = Path(model).is_dir()
+    if tp > 1:
+        _refuse_fp8_shards(model, is_dir, quantization)
     if tp <= 1:
         if is_dir:
             return ModelRunner.from_hf_dir(model, device, dtype, **kw)
@@ -62,6 +67,21 @@ def build_model_runner(
         max_context_len=max_context_len,
         page_size=page_size,
     )
+
+
+def _refuse_fp8_shards(model: str, is_dir: bool, quantization: str | None) -> None:
+    """ConfigError before any process group: tensor-parallel shards take no FP8 weights."""
+    from ..errors import ConfigError
+    from .hf_loader import read_json
+    from .quant import detect_format
+
+    fmt = detect_format(read_json(Path(model) / "config.json")) if is_dir else None
+    if quantization is not None or fmt is not None:
+        found = f"quantization={quantization!r}" if quantization else fmt.describe()
+        raise ConfigError(
+            f"{found} with tensor parallelism is not supported: FP8 weights run unsharded "
+            "(tp=1)"
+        )
 
 
 def is_main_rank() -> bool:

@@ -166,6 +166,7 @@ def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int)
         args.kernels,
         args.max_prefill_tokens,
         args.threads,
+        quantization=args.quantization,
     )
 
 

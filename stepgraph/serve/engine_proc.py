@@ -49,6 +49,7 @@ class EngineSpec:
     threads: int | None = None
     warmup: bool = True
     setup: str | None = None
+    quantization: str | None = None  # "fp8": FP8 weights (build_model_runner's)
 
     def __call__(self) -> Any:
         from ..bench.constants import DTYPES
@@ -70,6 +71,7 @@ class EngineSpec:
                 seed=self.seed,
                 max_bs=self.max_running,
                 max_context_len=self.context,
+                quantization=self.quantization,
             )
             if self.kernels:
                 mr.set_kernels(self.kernels)
