@@ -129,6 +129,8 @@ def test_admission_error_leaves_others_unaffected():
     while engine.has_unfinished:
         engine.step()
     assert [engine.finished[r].output for r in rids] == ref
+    assert engine.prefix_cache.num_available == free  # free, or cached and unreferenced
+    engine.prefix_cache.clear()
     assert mr.kv_cache.allocator.num_free == free
 
 
@@ -139,6 +141,8 @@ def test_requests_wait_for_pages():
     small = _runner(num_pages=9)  # 8 usable pages of 16 tokens
     engine = _graph_engine(small)
     assert engine.generate(prompts, max_new_tokens=6) == ref
+    assert engine.prefix_cache.num_available == 8
+    engine.prefix_cache.clear()
     assert small.kv_cache.allocator.num_free == 8
 
 

@@ -45,8 +45,15 @@ def _prompts(seed: int, n: int = 4) -> list[list[int]]:
     return [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in lengths]
 
 
-def _assert_clean(engine: Engine, free: int) -> None:
+def _assert_clean(engine: Engine, free: int, held_outside: bool = False) -> None:
+    """No page held: every page is free or cached and unreferenced, and free once cleared
+    (``held_outside``: the test holds allocator pages the cache does not know)."""
     assert not engine.waiting and not engine.running
+    cache = engine.prefix_cache
+    if not held_outside:
+        cache.check()
+    assert cache.num_available == free and not cache._tree.refs
+    cache.clear()
     assert engine.model_runner.kv_cache.allocator.num_free == free
     assert not engine.has_unfinished
 
@@ -193,6 +200,6 @@ def test_nothing_admissible_and_nothing_running_raises_instead_of_spinning():
     engine.add_request(_prompts(4)[0] + [1] * 20, 8)  # needs more than one page
     with time_limit(20), pytest.raises(ConfigError, match="pages"):
         engine.step()
-    _assert_clean(engine, 1)
+    _assert_clean(engine, 1, held_outside=True)
     mr.kv_cache.release(held)
     assert math.isfinite(engine.generate([[1, 2, 3]], 2)[0][0])

@@ -114,25 +114,33 @@ class LaggingDevice:
         monkeypatch.setattr(overlap_mod.InFlight, "launch", classmethod(lagging_launch))
         monkeypatch.setattr(overlap_mod.InFlight, "synchronize", lagging_sync)
         monkeypatch.setattr(overlap_mod.InFlight, "done", property(lambda s: s not in self.running))
-        kv = engine.model_runner.kv_cache
-        reserve, release = kv.reserve, kv.release
+        kv, cache = engine.model_runner.kv_cache, engine.prefix_cache
+        allocate, free, evict = cache.allocate, kv.allocator.free, cache._tree.evict_leaf
 
-        def checked_reserve(num_tokens):
-            pages = reserve(num_tokens)
+        def checked_allocate(n):  # new pages only: matched cached pages are shared, read-only
+            pages = allocate(n)
             busy = {r.rid for step in self.running for r in step.rows}
             reused = [p for p in pages if self.owner.get(p) in busy]
             assert not reused, f"pages {reused} reused while a step holding them still runs"
             return pages
 
-        def poisoned_release(pages):
+        def poison(pages):
             for c in (*kv.k_caches, *kv.v_caches):
                 c[pages] = float("nan")  # a live request reading a freed page gets NaN
-            release(pages)
 
-        monkeypatch.setattr(kv, "reserve", checked_reserve)
-        monkeypatch.setattr(kv, "release", poisoned_release)
-        engine._pending._release = poisoned_release
-        self.kv = kv
+        def poisoned_free(pages):
+            poison(pages)
+            free(pages)
+
+        def poisoned_evict():
+            page = evict()
+            poison([page])
+            return page
+
+        monkeypatch.setattr(cache, "allocate", checked_allocate)
+        monkeypatch.setattr(kv.allocator, "free", poisoned_free)
+        monkeypatch.setattr(cache._tree, "evict_leaf", poisoned_evict)
+        self.kv, self.cache = kv, cache
 
     def track(self, engine: Engine) -> None:
         for req in engine.running:
@@ -140,10 +148,25 @@ class LaggingDevice:
                 self.owner[p] = req.rid
 
 
+def _shared_mix(seed: int):
+    """``_mix`` whose prompts mostly start with one of two shared prefixes (16 and 35 tokens):
+    full cached pages matched by later requests, chunks that start after them."""
+    g = torch.Generator().manual_seed(seed)
+    heads = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (16, 35)]
+    out = []
+    for i, (at, prompt, new) in enumerate(_mix(seed)):
+        head = heads[i % 2] if i else []
+        out.append((at + 2 * i, (head + prompt)[:60], new))  # later: after a prefix is written
+    return out
+
+
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_no_page_is_reused_while_a_step_holding_it_runs(monkeypatch, seed):
-    """12 pages: requests must reuse each other's pages, with stop ids cutting some short."""
-    mix = _mix(10 + seed)
+def test_no_page_is_reused_while_a_step_holding_it_runs(monkeypatch, seed, shared):
+    """12 pages: requests must reuse each other's pages (new, freed or evicted from the prefix
+    cache), with stop ids cutting some short; shared prefixes are matched while requests that
+    wrote them still run or wait for their late release."""
+    mix = _shared_mix(10 + seed) if shared else _mix(10 + seed)
     want = _drive(_engine("graph", False, 3, num_pages=12), mix)
     stops = {want[0][0]}
     want = _drive(_engine("graph", False, 3, num_pages=12), mix, stops)
@@ -158,7 +181,12 @@ def test_no_page_is_reused_while_a_step_holding_it_runs(monkeypatch, seed):
 
     monkeypatch.setattr(engine, "step", tracked_step)
     assert _drive(engine, mix, stops) == want  # and no poison was read
+    device.cache.check()
+    assert device.cache.num_available == 11 and not device.cache._tree.refs
+    device.cache.clear()
     assert device.kv.allocator.num_free == 11
+    if shared:
+        assert engine.stats.cached_tokens > 0  # the shared prefixes did hit
 
 
 def test_a_fault_while_a_step_is_in_flight_frees_everything():

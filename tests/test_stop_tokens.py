@@ -118,16 +118,16 @@ def test_stop_ids_free_pages_at_once(saved):
     stop = _pick_eos(full)
     prompts = _prompts()
     rids = [engine.add_request(p, NEW, stop_ids=[stop]) for p in prompts]
-    free0 = mr.kv_cache.allocator.num_free
+    free0 = engine.prefix_cache.num_available
     engine.step()  # admits and prefills all four
-    held = free0 - mr.kv_cache.allocator.num_free
+    held = free0 - engine.prefix_cache.num_available
     while engine.has_unfinished:
-        before = (len(engine.running), mr.kv_cache.allocator.num_free)
+        before = (len(engine.running), engine.prefix_cache.num_available)
         engine.step()
         stopped = before[0] - len(engine.running)
         if stopped:  # freed in this very step
-            assert mr.kv_cache.allocator.num_free > before[1]
-    assert mr.kv_cache.allocator.num_free == free0 and held > 0
+            assert engine.prefix_cache.num_available > before[1]
+    assert engine.prefix_cache.num_available == free0 and held > 0
     outs = [engine.finished.pop(r).output for r in rids]
     assert outs == [_cut(f, {stop}) for f in full] and len(outs[0]) < NEW
     assert min(engine.stats.batch_sizes) < 4  # the decode batch shrank after the stop

@@ -30,10 +30,12 @@ import torch
 from ..errors import ConfigError, ReplayError, StepGraphError
 from ..model.model_runner import ModelRunner
 from ..runner.base import raise_other_thread
+from .cache_use import EngineCache
 from .decode import DecodePath
 from .offline import check_prompts, prefill_bar, seeded_generator
 from .overlap import InFlight, PendingPages
 from .prefill import build_prefiller, prefill_step
+from .prefix_match import check_salt
 from .requests import (
     DECODE_VIAS,
     GREEDY,
@@ -70,7 +72,12 @@ class Engine:
     arguments: whole-forward graphs per token bucket). ``max_prefill_tokens``: the most prompt
     tokens one step prefills; longer prompts are chunked across steps. ``decode_via``:
     "runner" (default, ``CudaGraphRunner``) or "configs" (``ConfigGraphRunner`` over the decode
-    walk, buckets and backend from ``runner_config``; ``mode="graph"`` only)."""
+    walk, buckets and backend from ``runner_config``; ``mode="graph"`` only).
+
+    ``prefix_caching`` (default True): a request's prompt starts from the longest prefix of
+    full pages already in the KV cache (``prefix_cache.py``; one cache per KV cache, shared by
+    the engines over it), and only the rest is prefilled; finished requests leave their full
+    pages cached until the pages are needed. False: every prompt is prefilled whole."""
 
     def __init__(
         self,
@@ -85,7 +92,10 @@ class Engine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         overlap: bool = True,
         check_same_thread: bool = True,
+        prefix_caching: bool = True,
     ) -> None:
+        if not isinstance(prefix_caching, bool):
+            raise ConfigError(f"prefix_caching must be True or False, got {prefix_caching!r}.")
         mode = default_mode(model_runner, decode_via) if mode is None else mode
         check_engine_args(mode, prefill, decode_via)
         check_budget(max_prefill_tokens)
@@ -107,7 +117,10 @@ class Engine:
         self.overlap = overlap
         self._inflight: InFlight | None = None  # the step launched last, tokens on the device
         self._draining: list[Request] = []  # budget spent, the last token still in flight
-        self._pending = PendingPages(model_runner.kv_cache.release)
+        self.prefix_caching = prefix_caching
+        self._cache = EngineCache(model_runner, prefix_caching)
+        self.prefix_cache = self._cache.cache  # the KV cache's PrefixCache
+        self._pending = PendingPages(self._cache.release)
         self._closed = False
         self._sync = ScheduleSync.for_model(model_runner)  # tensor parallel: rank 0 decides
         self._landed: list[tuple[int, int]] = []  # the last step's (id, token) pairs
@@ -160,6 +173,7 @@ class Engine:
         min_tokens: int = 0,
         sampling: Sampling | None = None,
         seed: int | None = None,
+        cache_salt: str | None = None,
     ) -> int:
         """Queue a request; its id keys ``finished``. ``ConfigError`` at once (and nothing
         queued) if it could never fit the KV cache; other requests are unaffected. It stops
@@ -167,12 +181,15 @@ class Engine:
         ``eos_token_ids`` (the stop id is kept in the output, as transformers does), the stop
         ids only from its ``min_tokens``-th token on; ``ignore_eos`` drops the eos ids
         (``stop_ids`` still apply). ``sampling``: its own temperature and top-k instead of the
-        step's, drawn from its own generator, seeded with ``seed`` (None: a random seed)."""
+        step's, drawn from its own generator, seeded with ``seed`` (None: a random seed).
+        ``cache_salt``: the request shares cached prompt pages only with requests that pass the
+        same salt (None: with every request without one)."""
         self._check_thread("add_request")
         check_prompt_ids(prompt, "the prompt")  # before len(): text, a number
         what = f"request of {len(prompt)} prompt tokens"
         check_request(self.model_runner, prompt, max_new_tokens, what)
         check_min_tokens(min_tokens, max_new_tokens)
+        check_salt(cache_salt)
         stops = self.stop_ids(stop_ids, ignore_eos)
         rid = next(self._ids)
         if seed is None and self._sync is not None:
@@ -187,6 +204,7 @@ class Engine:
                 min_tokens=min_tokens,
                 sampling=sampling,
                 generator=generator,
+                cache_salt=cache_salt,
             )
         )
         return rid
@@ -229,6 +247,7 @@ class Engine:
             # pages, and its running slot is free now, as in the synchronous loop
             self.running.remove(req)
             self._draining.append(req)
+            self._cache.insert(req)  # its written pages, cached before they are released
             self._pending.add(prev, req.pages)
             req.pages = []
         self._pending.reclaim(wait=bool(self.waiting))  # a waiting request may need them now
@@ -250,7 +269,10 @@ class Engine:
         self._admit()
         logits, rows = [], []
         # one packed forward of this step's chunks: requests whose prompt is now all cached
+        prefilling = [r for r in self.running if r.prefilled < len(r.prompt)]
         first = prefill_step(self.prefiller, self.running, self.max_prefill_tokens, self.stats)
+        for req in prefilling:  # full prompt pages cached at once, as vLLM caches blocks:
+            self._cache.insert(req)  # a later step that matches them reads after the writes
         if first is not None:
             rows, prefill_logits = first
             logits.append(prefill_logits)
@@ -273,23 +295,31 @@ class Engine:
         return InFlight.launch(rows, tokens)
 
     def _admit(self) -> None:
-        """Start the requests at the head of the queue that fit (``scheduler.admit_count``)."""
-        kv = self.model_runner.kv_cache
-        needs = (kv.pages_for(r.kv_tokens) for r in self.waiting)
-        count = admit_count(needs, kv.allocator.num_free, len(self.running), self.max_running)
+        """Start the requests at the head of the queue that fit (``scheduler.admit_count``),
+        each counting only the pages it must still allocate beyond its cached prefix."""
+        cache = self._cache
+
+        def costs():
+            for req in self.waiting:
+                yield cache.cost(req, cache.match(req))
+
+        count = admit_count(costs(), cache.num_available, len(self.running), self.max_running)
         if self._sync is not None:  # tensor parallel: rank 0's count on every rank
             rids = [r.rid for r in self.waiting], [r.rid for r in self.running]
-            count = self._sync.admit(count, *rids, self._landed)
+            count = self._sync.admit(count, *rids, self._landed, cache.state())
         for _ in range(count):
             req = self.waiting.popleft()
-            req.pages = kv.reserve(req.kv_tokens)
+            req.pages, req.cached_tokens = cache.reserve(req)
+            req.prefilled = req.cached_tokens  # the prefill starts after the cached prefix
+            self.stats.queried_tokens += len(req.prompt)
+            self.stats.cached_tokens += req.cached_tokens
             self.running.append(req)
         if self.waiting and not self.running:
             head = self.waiting[0]
             raise ConfigError(
-                f"request {head.rid} needs {kv.pages_for(head.kv_tokens)} pages but only "
-                f"{kv.allocator.num_free} are free and nothing is running; pages are held "
-                "outside this engine."
+                f"request {head.rid} needs {cache.cost(head, cache.match(head))} pages but "
+                f"only {cache.num_available} are free or evictable and nothing is running; "
+                "pages are held outside this engine."
             )
 
     def _land(self, step: InFlight, after: InFlight | None) -> list[tuple[int, int]]:
@@ -311,6 +341,7 @@ class Engine:
         req.closed = True
         (self.running if req in self.running else self._draining).remove(req)
         in_flight = after is not None and req.rid in after.row_of
+        self._cache.insert(req)  # before the release: the pages are still held
         self._pending.add(after if in_flight else None, req.pages)
         req.pages = []
 
@@ -332,8 +363,10 @@ class Engine:
 
     def abort_all(self) -> list[int]:
         """Drop every waiting and running request and the step in flight, wait until the
-        device is idle, then free every page; return their ids. The KV cache is then as free
-        as it was before they were added."""
+        device is idle, then free every page; return their ids. Nothing of theirs is cached
+        (after a fault their pages may hold anything) and the prefix cache drops every page
+        nothing references, since a failed step may have written any page it reached: the KV
+        cache is then as free as it was before any request was added."""
         everyone = list(itertools.chain(self.waiting, self.running, self._draining))
         for req in everyone:
             req.closed = True
@@ -347,6 +380,7 @@ class Engine:
             with contextlib.suppress(Exception):  # a faulted device may fail here too
                 torch.cuda.synchronize(self.model_runner.device)
         self._pending.reclaim(wait=True)
+        self.prefix_cache.clear()
         return [r.rid for r in everyone]
 
     def drain(self) -> list[tuple[int, int]]:
@@ -401,8 +435,10 @@ class Engine:
         return [self.finished.pop(rid).output for rid in rids]
 
     def shutdown(self) -> None:
-        """Release the graph runners; any later step, request or generate raises."""
+        """Release the graph runners and drop the prefix cache's unreferenced pages; any
+        later step, request or generate raises."""
         self._closed = True
+        self.prefix_cache.clear()
         self.decoder.shutdown()
         if self.prefiller is not self.model_runner:
             self.prefiller.shutdown()

@@ -76,18 +76,20 @@ class PendingPages:
             self._items.append((step, pages))
 
     def reclaim(self, wait: bool = False) -> int:
-        """Release the pages whose step is done (``wait``: wait for every step first);
-        return how many went back."""
-        keep, freed = [], 0
-        for step, pages in self._items:
-            if step is None or wait or step.done:
-                if step is not None and wait:
-                    step.synchronize()
-                self._release(pages)
-                freed += len(pages)
-            else:
-                keep.append((step, pages))
-        self._items = keep
+        """Release the pages whose step is done, in the order they were added, up to the
+        first whose step is not (``wait``: wait for every step first); return how many went
+        back. In order: the prefix cache's eviction order follows the releases, so it is the
+        same on every tensor-parallel rank however early each rank's steps finish."""
+        freed = 0
+        while self._items:
+            step, pages = self._items[0]
+            if not (step is None or wait or step.done):
+                break
+            if step is not None and wait:
+                step.synchronize()
+            del self._items[0]  # first: a release that raises is never retried
+            self._release(pages)
+            freed += len(pages)
         return freed
 
 

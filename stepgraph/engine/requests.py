@@ -33,6 +33,8 @@ class Request:
     min_tokens: int = 0  # stop ids are not checked before this many tokens (vLLM's min_tokens)
     sampling: Sampling | None = None  # its own sampling (None: the step's, ``sample_rows``)
     generator: torch.Generator | None = None  # its own draws, with ``sampling`` (seeded)
+    cache_salt: str | None = None  # shares cached pages only with requests of the same salt
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     @property
     def kv_tokens(self) -> int:
@@ -129,8 +131,15 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens prefilled
     decode_tokens: int = 0
     landed_tokens: int = 0  # tokens returned to the host (one step after launch, overlapped)
+    queried_tokens: int = 0  # prompt tokens of admitted requests (prefix cache queries)
+    cached_tokens: int = 0  # of those, the ones served from the prefix cache (its hits)
     # decode steps by batch size: the trace `stepgraph buckets --trace` picks buckets from
     batch_sizes: Counter[int] = field(default_factory=Counter)
+
+    @property
+    def hit_rate(self) -> float:
+        """``cached_tokens / queried_tokens``: the prefix cache's hit rate (0.0 before any)."""
+        return self.cached_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def write_trace(self, path: str) -> None:
         """Write ``batch_sizes`` as a trace, one batch size per decode step and line."""

@@ -11,6 +11,12 @@ CPU (gloo) group, as SGLang and vLLM broadcast their scheduler's output. Every o
 admits what rank 0 admits, and a rank whose signature differs raises ``StepGraphError`` naming
 what differs instead of entering a collective its peers will not.
 
+The prefix cache: which pages match and which are evicted is a pure function of the sequence
+of cache operations (``prefix_cache.py``), and every rank makes the same ones in the same order
+(inserts when requests end, releases in launch order: ``PendingPages``, every pending page back
+before an admission that has requests waiting). The signature includes the cache's counts
+(cached, evictable, free pages) too, so a rank whose cache drifted stops before it admits.
+
 Sampling: a request or step without a seed draws from a generator seeded by rank 0 (once, at
 the engine's construction), so a sampled token is the same on every rank too.
 """
@@ -60,19 +66,30 @@ class ScheduleSync:
             return None  # a shard built without a group (tests): no collective runs anyway
         return cls()
 
-    def admit(self, count: int, waiting: Sequence[int], running: Sequence[int], landed) -> int:
+    def admit(
+        self,
+        count: int,
+        waiting: Sequence[int],
+        running: Sequence[int],
+        landed,
+        cache_state: Sequence[int] = (),
+    ) -> int:
         """Rank 0's ``count`` of requests to admit this step, on every rank; ``StepGraphError``
-        on a rank whose waiting or running request ids, or last landed tokens, differ from rank
-        0's (``landed``: the ``(request id, token)`` pairs of its last step)."""
-        mine = torch.tensor(
-            [count, _signature(waiting), _signature(running), _signature(landed)],
-            dtype=torch.long,
-        )
+        on a rank whose waiting or running request ids, last landed tokens or prefix cache
+        state differ from rank 0's (``landed``: the ``(request id, token)`` pairs of its last
+        step; ``cache_state``: the cache's page counts)."""
+        sig = [_signature(waiting), _signature(running), _signature(landed)]
+        mine = torch.tensor([count, *sig, _signature(cache_state)], dtype=torch.long)
         theirs = mine.clone()
         self._dist.broadcast(theirs, src=0, group=self.group)
         self.steps += 1
         if self.rank != 0:
-            whats = ("waiting requests", "running requests", "last landed tokens")
+            whats = (
+                "waiting requests",
+                "running requests",
+                "last landed tokens",
+                "prefix cache pages (cached, evictable, free)",
+            )
             for k, what in enumerate(whats, start=1):
                 if int(theirs[k]) != int(mine[k]):
                     raise StepGraphError(
