@@ -17,7 +17,7 @@ import torch
 from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
 from stepgraph.engine import Engine
 from stepgraph.model import ModelRunner
-from stepgraph.model.decode import fused_decode
+from stepgraph.model.decode import step_plan
 from stepgraph.model.decode.fused_decode import FUSED_MAX_BS, reference_rows
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.tuning import DecodeTuning, PdlPlacement
@@ -31,9 +31,15 @@ MAX_CONTEXT = 4096 + 64
 @pytest.fixture(scope="module", params=PRESETS)
 def mr(request):
     runner = ModelRunner.from_preset(
-        request.param, DEV, torch.bfloat16, seed=3, num_layers=NUM_LAYERS, max_bs=64,
-        max_context_len=MAX_CONTEXT, page_size=64,
-    )  # fmt: skip
+        request.param,
+        DEV,
+        torch.bfloat16,
+        seed=3,
+        num_layers=NUM_LAYERS,
+        max_bs=64,
+        max_context_len=MAX_CONTEXT,
+        page_size=64,
+    )
     fill_kv_random(runner)
     return runner
 
@@ -66,10 +72,14 @@ def rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def tensor_cores(monkeypatch) -> None:
+def tensor_cores(monkeypatch, *tunings: DecodeTuning) -> None:
     """The tensor-core kernels at every bs above one (as shipped, shapes without a measured
-    tile, qwen2.5-0.5b's and float32, run the reference kernels inside the step)."""
-    monkeypatch.setattr(fused_decode, "_measured", lambda *a: True)
+    tile, qwen2.5-0.5b's and float32, run the reference kernels inside the step). Plans are
+    cached on their tuning, so the default tuning's and ``tunings``' caches start empty for
+    the test and come back afterwards."""
+    monkeypatch.setattr(step_plan, "measured_all", lambda *a: True)
+    for t in {id(t): t for t in (DecodeTuning.default(), *tunings)}.values():
+        monkeypatch.setitem(t.__dict__, "_step_plans", {})
 
 
 def use_tuning(monkeypatch, mr, tuning: DecodeTuning) -> None:
@@ -82,7 +92,7 @@ def use_tuning(monkeypatch, mr, tuning: DecodeTuning) -> None:
 @pytest.mark.parametrize("context", [1, 17, 4096])
 @pytest.mark.parametrize("bs", [1, 2, 3, 8, 32, 64])
 def test_fused_step_against_reference(mr, bs, context, monkeypatch):
-    tensor_cores(monkeypatch)
+    tensor_cores(monkeypatch, mr.tuning)
     batch, pages = decode_batch(mr, Point(bs, context), seed=bs + context)
     try:
         assert FUSED_MAX_BS >= 64 and mr.uses_fused(bs)
@@ -178,9 +188,15 @@ def test_exact_equals_eager_bit_for_bit_every_bucket(mr):
 def test_float32_greedy_tokens_equal_reference(bs, monkeypatch):
     tensor_cores(monkeypatch)
     runner = ModelRunner.from_preset(
-        "llama-3.2-1b", DEV, torch.float32, seed=4, num_layers=2, max_bs=64,
-        max_context_len=256, page_size=64,
-    )  # fmt: skip
+        "llama-3.2-1b",
+        DEV,
+        torch.float32,
+        seed=4,
+        num_layers=2,
+        max_bs=64,
+        max_context_len=256,
+        page_size=64,
+    )
     fill_kv_random(runner)
     batch, pages = decode_batch(runner, Point(bs, 100), seed=bs)
     ref, _ = step(runner, batch, "reference")
