@@ -60,9 +60,15 @@ def variant_tuning(overrides: dict[str, str], base: DecodeTuning | None = None) 
 
 def variant_runner(mr: ModelRunner, tuning: DecodeTuning, max_bs: int) -> ModelRunner:
     """A ``ModelRunner`` over ``mr``'s model (the same weights) with ``tuning``."""
-    return ModelRunner.from_model(mr.model, device=mr.device, dtype=mr.dtype, max_bs=max_bs,
-                                  max_context_len=mr.max_context_len, page_size=mr.page_size,
-                                  tuning=tuning)  # fmt: skip
+    return ModelRunner.from_model(
+        mr.model,
+        device=mr.device,
+        dtype=mr.dtype,
+        max_bs=max_bs,
+        max_context_len=mr.max_context_len,
+        page_size=mr.page_size,
+        tuning=tuning,
+    )
 
 
 def main() -> None:
@@ -106,8 +112,10 @@ def main() -> None:
                     for p in pages:
                         vr.kv_cache.release(p)
     print(f"{args.model}, ctx {args.context}, graph, copy bandwidth {gbps:.0f} GB/s")
-    print(f"{'variant':<16}{'bs':>4}{'ms (each round)':>28}{'median':>9}{'floor':>7}{'kern':>6}"
-          f"{'logits vs first':>17}")  # fmt: skip
+    print(
+        f"{'variant':<16}{'bs':>4}{'ms (each round)':>28}{'median':>9}{'floor':>7}{'kern':>6}"
+        f"{'logits vs first':>17}"
+    )
     rows = []
     for name, _ in variants:
         for bs in sizes:
@@ -117,10 +125,21 @@ def main() -> None:
             each = " ".join(f"{x:.3f}" for x in t)
             d = diff[(name, bs)]
             same = "same bits" if d == 0 else f"max diff {d:.2e}"
-            print(f"{name:<16}{bs:>4}{each:>28}{med:>9.3f}{floor / med:>7.0%}"
-                  f"{kernels[(name, bs)]:>6.0f}{same:>17}")  # fmt: skip
-            rows.append(dict(variant=name, bs=bs, ms=t, median=med, of_floor=floor / med,
-                             kernels=kernels[(name, bs)], logits_max_diff=d))  # fmt: skip
+            print(
+                f"{name:<16}{bs:>4}{each:>28}{med:>9.3f}{floor / med:>7.0%}"
+                f"{kernels[(name, bs)]:>6.0f}{same:>17}"
+            )
+            rows.append(
+                dict(
+                    variant=name,
+                    bs=bs,
+                    ms=t,
+                    median=med,
+                    of_floor=floor / med,
+                    kernels=kernels[(name, bs)],
+                    logits_max_diff=d,
+                )
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, context=args.context, gbps=gbps, rows=rows), f)

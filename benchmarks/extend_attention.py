@@ -55,13 +55,31 @@ SHAPES = [  # (bs, prefix, q_len, head_dim); the first two carry the target
 ]
 _T = ExtendTile
 SWEEP = {  # candidate tiles per head_dim: (block_m, block_n, num_warps, num_stages)
-    64: [_T(64, 64, 4, 2), _T(128, 128, 4, 2), _T(128, 64, 8, 3), _T(128, 64, 4, 3),
-         _T(64, 128, 4, 3), _T(64, 64, 4, 3), _T(64, 32, 4, 2), _T(64, 128, 4, 2),
-         _T(32, 64, 4, 2), _T(64, 64, 4, 1)],
-    128: [_T(64, 64, 4, 2), _T(128, 32, 4, 3), _T(64, 64, 4, 3), _T(128, 64, 8, 2),
-          _T(64, 32, 4, 3), _T(128, 64, 8, 3), _T(64, 32, 4, 2), _T(64, 128, 4, 2),
-          _T(32, 64, 4, 2), _T(64, 64, 4, 1)],
-}  # fmt: skip
+    64: [
+        _T(64, 64, 4, 2),
+        _T(128, 128, 4, 2),
+        _T(128, 64, 8, 3),
+        _T(128, 64, 4, 3),
+        _T(64, 128, 4, 3),
+        _T(64, 64, 4, 3),
+        _T(64, 32, 4, 2),
+        _T(64, 128, 4, 2),
+        _T(32, 64, 4, 2),
+        _T(64, 64, 4, 1),
+    ],
+    128: [
+        _T(64, 64, 4, 2),
+        _T(128, 32, 4, 3),
+        _T(64, 64, 4, 3),
+        _T(128, 64, 8, 2),
+        _T(64, 32, 4, 3),
+        _T(128, 64, 8, 3),
+        _T(64, 32, 4, 2),
+        _T(64, 128, 4, 2),
+        _T(32, 64, 4, 2),
+        _T(64, 64, 4, 1),
+    ],
+}
 PEER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
@@ -100,9 +118,17 @@ class Work:
 
     def ours(self, tile: ExtendTile | None):
         return lambda: extend_attention(
-            self.q, self.k, self.v, self.indptr, self.kv_lens, self.bt,
-            max_q_len=self.q_len, sm_scale=self.scale, out=self.out, tile=tile,
-        )  # fmt: skip
+            self.q,
+            self.k,
+            self.v,
+            self.indptr,
+            self.kv_lens,
+            self.bt,
+            max_q_len=self.q_len,
+            sm_scale=self.scale,
+            out=self.out,
+            tile=tile,
+        )
 
     def peer(self):
         """SDPA on the gathered keys; where no backend takes GQA with the lower-right causal
@@ -152,12 +178,20 @@ def bench_shape(w: Work, tiles: list[ExtendTile]) -> list[dict]:
             print(f"{w.name()} {tile.name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
             continue
         us = time_us(w.ours(tile))
-        rows.append(dict(
-            shape=w.name(), tile=tile.name, default=tile == default_tile(w.hd, DTYPE),
-            us=us, sdpa_us=peer_us, tflops=w.flops / us / 1e6,
-            sdpa_tflops=w.flops / peer_us / 1e6, x_sdpa=peer_us / us,
-            rel_err_vs_sdpa=err, sdpa_gqa=w.peer_gqa,
-        ))  # fmt: skip
+        rows.append(
+            dict(
+                shape=w.name(),
+                tile=tile.name,
+                default=tile == default_tile(w.hd, DTYPE),
+                us=us,
+                sdpa_us=peer_us,
+                tflops=w.flops / us / 1e6,
+                sdpa_tflops=w.flops / peer_us / 1e6,
+                x_sdpa=peer_us / us,
+                rel_err_vs_sdpa=err,
+                sdpa_gqa=w.peer_gqa,
+            )
+        )
         print(f"row {rows[-1]}", flush=True)
     return rows
 
@@ -198,16 +232,25 @@ def main() -> None:
     if args.sweep:
         print_sweep(rows)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, page {PAGE_SIZE}")
-    print(f"{'shape':>22} {'tile':>12} {'us':>8} {'TFLOP/s':>8} {'SDPA us':>8} {'SDPA TF/s':>9} "
-          f"{'x SDPA':>7}")  # fmt: skip
+    print(
+        f"{'shape':>22} {'tile':>12} {'us':>8} {'TFLOP/s':>8} {'SDPA us':>8} {'SDPA TF/s':>9} "
+        f"{'x SDPA':>7}"
+    )
     for r in (r for r in rows if r["default"]):
-        print(f"{r['shape']:>22} {r['tile']:>12} {r['us']:8.1f} {r['tflops']:8.1f} "
-              f"{r['sdpa_us']:8.1f} {r['sdpa_tflops']:9.1f} {r['x_sdpa']:7.2f}")  # fmt: skip
+        print(
+            f"{r['shape']:>22} {r['tile']:>12} {r['us']:8.1f} {r['tflops']:8.1f} "
+            f"{r['sdpa_us']:8.1f} {r['sdpa_tflops']:9.1f} {r['x_sdpa']:7.2f}"
+        )
     if args.json:
         import triton
 
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                    triton=triton.__version__, dtype="bf16", page_size=PAGE_SIZE)  # fmt: skip
+        meta = dict(
+            device=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            triton=triton.__version__,
+            dtype="bf16",
+            page_size=PAGE_SIZE,
+        )
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

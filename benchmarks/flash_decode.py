@@ -123,8 +123,12 @@ def table(rows: list[dict], copy_gbps: float) -> str:
         f"{'%copy':>6} | {'sdpa_us':>8} {'x_sdpa':>6}"
     )
     cfg = default_variant(HEAD_DIM, PAGE_SIZE, DTYPE).name
-    lines = [f"copy bandwidth {copy_gbps:.0f} GB/s (read+write); kernel {cfg}, ladder "
-             f"{PROGRAMS_PER_SM} programs/SM", head, "-" * len(head)]  # fmt: skip
+    lines = [
+        f"copy bandwidth {copy_gbps:.0f} GB/s (read+write); kernel {cfg}, ladder "
+        f"{PROGRAMS_PER_SM} programs/SM",
+        head,
+        "-" * len(head),
+    ]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['bs']:>3} {r['t_kv']:>7}  skipped: {r['skipped']}")
@@ -171,10 +175,15 @@ def main(argv: list[str] | None = None) -> None:
         "copy_gbps": copy_gbps,
         "config": default_variant(HEAD_DIM, PAGE_SIZE, DTYPE).name,
         "programs_per_sm": PROGRAMS_PER_SM,
-        "shape": {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HEAD_DIM,
-                  "page_size": PAGE_SIZE, "dtype": str(DTYPE)},
+        "shape": {
+            "n_heads": N_HEADS,
+            "n_kv_heads": N_KV,
+            "head_dim": HEAD_DIM,
+            "page_size": PAGE_SIZE,
+            "dtype": str(DTYPE),
+        },
         "rows": rows,
-    }  # fmt: skip
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -37,8 +37,18 @@ from stepgraph.kernels.decode.reference import paged_decode_reference
 from stepgraph.kernels.decode.splits import PROGRAMS_PER_SM, num_splits_for
 
 MAX_SPLITS = 64
-POINTS = [(1, 512), (1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (8, 131072),
-          (32, 4096), (32, 32768), (32, 131072)]  # fmt: skip
+POINTS = [
+    (1, 512),
+    (1, 4096),
+    (1, 32768),
+    (1, 131072),
+    (8, 4096),
+    (8, 32768),
+    (8, 131072),
+    (32, 4096),
+    (32, 32768),
+    (32, 131072),
+]
 LADDER_TARGETS = tuple(sorted({2, 4, 8, PROGRAMS_PER_SM}))  # programs_per_sm values tried
 DEV = "cuda"
 REL_TOL = 2e-2  # bf16 output against an fp32 / fp64 reference
@@ -46,8 +56,12 @@ REL_TOL = 2e-2  # bf16 output against an fp32 / fp64 reference
 
 def _variants() -> list[KernelVariant]:
     seed = KernelVariant(block_n=64, num_warps=4, num_stages=2, page_tile=False, k_rows=False)
-    grid = [KernelVariant(block_n=n, num_warps=w, num_stages=s)
-            for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]  # fmt: skip
+    grid = [
+        KernelVariant(block_n=n, num_warps=w, num_stages=s)
+        for n in (64, 128)
+        for w in (4, 8)
+        for s in (2, 3, 4)
+    ]
     one_off = [  # one factor changed from the predicted default (n64w4s3)
         KernelVariant(num_stages=3, k_rows=False),
         KernelVariant(num_stages=3, page_tile=False),
@@ -128,9 +142,17 @@ def sweep_point(
             by_ns[ns] = (us, err)
         for pps, ns in ns_of.items():
             us, err = by_ns[ns]
-            rows.append({"variant": cfg.name, "config": dataclasses.asdict(cfg),
-                         "programs_per_sm": pps, "ns": ns, "us": us, "frac_copy": frac(us),
-                         "rel_err": err})  # fmt: skip
+            rows.append(
+                {
+                    "variant": cfg.name,
+                    "config": dataclasses.asdict(cfg),
+                    "programs_per_sm": pps,
+                    "ns": ns,
+                    "us": us,
+                    "frac_copy": frac(us),
+                    "rel_err": err,
+                }
+            )
     torch.cuda.empty_cache()
     return {"bs": bs, "t_kv": t_kv, "kv_bytes": kv_bytes, "rows": rows}
 
@@ -142,8 +164,10 @@ def geomean(xs: list[float]) -> float:
 def summary(points: list[dict], bad: set[str], copy_gbps: float) -> str:
     dflt = (default_variant().name, PROGRAMS_PER_SM)
     key = lambda r: (r["variant"], r["programs_per_sm"])
-    lines = [f"copy bandwidth {copy_gbps:.0f} GB/s; {len(VARIANTS)} configs x programs_per_sm "
-             f"{LADDER_TARGETS}; default {dflt[0]} pps {dflt[1]}"]  # fmt: skip
+    lines = [
+        f"copy bandwidth {copy_gbps:.0f} GB/s; {len(VARIANTS)} configs x programs_per_sm "
+        f"{LADDER_TARGETS}; default {dflt[0]} pps {dflt[1]}"
+    ]
     head = f"{'bs':>3} {'t_kv':>7} | dflt ns {'us':>8} {'%copy':>6} | {'best variant':<18} "
     head += f"{'pps':>3} {'ns':>3} {'us':>8} {'%copy':>6} {'x_dflt':>6}"
     lines += [head, "-" * len(head)]
@@ -163,13 +187,17 @@ def summary(points: list[dict], bad: set[str], copy_gbps: float) -> str:
         )
     gm = {kk: geomean(v) for kk, v in per_key.items() if len(v) == len(points)}
     ranked = sorted((v, kk) for kk, v in gm.items() if kk[0] not in bad)
-    lines.append("geomean us over the points, best five: " + ", ".join(
-        f"{n} pps {p}: {v:.1f}" for v, (n, p) in ranked[:5]))  # fmt: skip
+    lines.append(
+        "geomean us over the points, best five: "
+        + ", ".join(f"{n} pps {p}: {v:.1f}" for v, (n, p) in ranked[:5])
+    )
     if ranked:
         v, (n, p) = ranked[0]
-        lines.append(f"BEST OVERALL {n} pps {p}: geomean {v:.1f} us; DEFAULT {dflt[0]} pps "
-                     f"{dflt[1]}: {gm.get(dflt, float('nan')):.1f} us "
-                     f"(x{gm.get(dflt, float('nan')) / v:.2f})")  # fmt: skip
+        lines.append(
+            f"BEST OVERALL {n} pps {p}: geomean {v:.1f} us; DEFAULT {dflt[0]} pps "
+            f"{dflt[1]}: {gm.get(dflt, float('nan')):.1f} us "
+            f"(x{gm.get(dflt, float('nan')) / v:.2f})"
+        )
     lines.append(f"flagged wrong (never picked): {sorted(bad) or 'none'}")
     return "\n".join(lines)
 
@@ -208,10 +236,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  bs={bs} t_kv={t_kv} done at {time.perf_counter() - t0:.1f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "num_sms": num_sms,
-                       "copy_gbps": copy_gbps, "default": default_variant().name,
-                       "programs_per_sm_default": PROGRAMS_PER_SM, "small_check": checks,
-                       "flagged": sorted(bad), "points": results}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(0),
+                    "num_sms": num_sms,
+                    "copy_gbps": copy_gbps,
+                    "default": default_variant().name,
+                    "programs_per_sm_default": PROGRAMS_PER_SM,
+                    "small_check": checks,
+                    "flagged": sorted(bad),
+                    "points": results,
+                },
+                f,
+                indent=1,
+            )
     print(summary(results, bad, copy_gbps))
 
 

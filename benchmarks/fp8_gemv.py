@@ -26,18 +26,34 @@ from stepgraph.kernels.proj.tile_table import Tile
 from stepgraph.model.fp8_weight import Fp8Weight, quantize_per_block, quantize_per_channel
 
 SHAPES = {  # (N, K) of the fused projections
-    "1b qkv": (3072, 2048), "1b o": (2048, 2048), "1b gate_up": (16384, 2048),
-    "1b down": (2048, 8192), "8b qkv": (6144, 4096), "8b o": (4096, 4096),
-    "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
-}  # fmt: skip
+    "1b qkv": (3072, 2048),
+    "1b o": (2048, 2048),
+    "1b gate_up": (16384, 2048),
+    "1b down": (2048, 8192),
+    "8b qkv": (6144, 4096),
+    "8b o": (4096, 4096),
+    "8b gate_up": (28672, 4096),
+    "8b down": (4096, 14336),
+}
 ROWS = (1, 8)
 L2_BYTES = 200 << 20  # read this much per replay: well past the H200's 50 MB L2
 SWEEP = {  # --sweep: (block_n, block_k, num_warps, num_stages, split_k) beside the rule's tile
-    1: [Tile(16, 512, 4), Tile(8, 1024, 4), Tile(32, 256, 4), Tile(64, 128, 4),
-        Tile(32, 128, 4), Tile(16, 512, 8)],
-    8: [Tile(32, 128, 4, 3), Tile(64, 128, 4, 3), Tile(32, 128, 4, 4), Tile(16, 128, 4, 4),
-        Tile(64, 128, 8, 3)],
-}  # fmt: skip
+    1: [
+        Tile(16, 512, 4),
+        Tile(8, 1024, 4),
+        Tile(32, 256, 4),
+        Tile(64, 128, 4),
+        Tile(32, 128, 4),
+        Tile(16, 512, 8),
+    ],
+    8: [
+        Tile(32, 128, 4, 3),
+        Tile(64, 128, 4, 3),
+        Tile(32, 128, 4, 4),
+        Tile(16, 128, 4, 4),
+        Tile(64, 128, 8, 3),
+    ],
+}
 
 
 def copies_for(nbytes: int) -> int:
@@ -80,10 +96,14 @@ def run_case(name, m, fmt, gbps, sweep, g) -> list[dict]:
             call = lambda w, t=tile: gemv(x, w)  # noqa: E731
         else:
             call = lambda w, t=tile: fp8_gemv(x, w.data, w.scale, block, tile=t)  # noqa: E731
-        shown = "gemv" if fmt == "bf16" else str(list((tile or fp8_tile(m, n, k, block))
-                                                      .__dict__.values())[:5])  # fmt: skip
-        row = dict(shape=name, m=m, format=fmt, n=n, k=k, tile=shown, bytes=nbytes,
-                   rule=tile is None)  # fmt: skip
+        shown = (
+            "gemv"
+            if fmt == "bf16"
+            else str(list((tile or fp8_tile(m, n, k, block)).__dict__.values())[:5])
+        )
+        row = dict(
+            shape=name, m=m, format=fmt, n=n, k=k, tile=shown, bytes=nbytes, rule=tile is None
+        )
         try:
             row["rel_err"] = ((call(ws[0]).double() - want).norm() / want.norm()).item()
             if row["rel_err"] < 2e-2:
@@ -111,8 +131,10 @@ def main(argv=None) -> dict:
             for fmt in ("bf16", "channel", "block"):
                 rows += run_case(name, m, fmt, gbps, args.sweep, g)
     print(f"copy bandwidth {gbps:.0f} GB/s ({torch.cuda.get_device_name()})")
-    print(f"{'shape':>11} {'m':>2} {'format':>7} {'tile':>26} {'us':>7} {'GB/s':>6} {'of bw':>6} "
-          f"{'x bf16':>6} err")  # fmt: skip
+    print(
+        f"{'shape':>11} {'m':>2} {'format':>7} {'tile':>26} {'us':>7} {'GB/s':>6} {'of bw':>6} "
+        f"{'x bf16':>6} err"
+    )
     bf16 = {(r["shape"], r["m"]): r.get("us") for r in rows if r["format"] == "bf16"}
     for r in rows:
         head = f"{r['shape']:>11} {r['m']:>2} {r['format']:>7} {r['tile']:>26}"

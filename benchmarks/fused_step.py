@@ -60,24 +60,52 @@ def fused_forward(mr, batch, use_pdl: bool, blocks: dict | None = None):
         kc, vc = mr.kv_cache.k_caches[i], mr.kv_cache.v_caches[i]
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
         q = qkv_rope(
-            r, norm1.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.eps,
-            batch.positions, model.rope_cos, model.rope_sin, kc, vc, m.out_cache_loc,
-            cfg.num_heads, use_pdl=use_pdl, blocks=blk("qkv_rope"),
-        )  # fmt: skip
+            r,
+            norm1.weight,
+            attn.qkv_proj.weight,
+            attn.qkv_proj.bias,
+            norm1.eps,
+            batch.positions,
+            model.rope_cos,
+            model.rope_sin,
+            kc,
+            vc,
+            m.out_cache_loc,
+            cfg.num_heads,
+            use_pdl=use_pdl,
+            blocks=blk("qkv_rope"),
+        )
         o = flash_decode(
-            q, kc, vc, m.block_table, m.seq_lens, num_splits=m.num_splits,
-            workspace=m.workspace, sm_scale=be.sm_scale, num_sms=be.num_sms,
-        )  # fmt: skip
+            q,
+            kc,
+            vc,
+            m.block_table,
+            m.seq_lens,
+            num_splits=m.num_splits,
+            workspace=m.workspace,
+            sm_scale=be.sm_scale,
+            num_sms=be.num_sms,
+        )
         r = gemv_residual(
             o.view(bs, -1), attn.o_proj.weight, r, use_pdl=use_pdl, blocks=blk("o_proj+res")
         )
         a = gate_up_silu(
-            r, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, use_pdl=use_pdl,
+            r,
+            norm2.weight,
+            mlp.gate_up_proj.weight,
+            norm2.eps,
+            use_pdl=use_pdl,
             blocks=blk("gate_up_silu"),
-        )  # fmt: skip
+        )
         r = gemv_residual(a, mlp.down_proj.weight, r, use_pdl=use_pdl, blocks=blk("down+res"))
-    return lm_head_argmax(r, model.norm.weight, model.lm_head.weight, model.norm.eps,
-                          use_pdl=use_pdl, blocks=blk("lm_head+argmax"))  # fmt: skip
+    return lm_head_argmax(
+        r,
+        model.norm.weight,
+        model.lm_head.weight,
+        model.norm.eps,
+        use_pdl=use_pdl,
+        blocks=blk("lm_head+argmax"),
+    )
 
 
 def reference_forward(mr, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,24 +182,51 @@ def time_kernels(mr, gbps: float) -> tuple[list[dict], dict]:
     slot = torch.tensor([PAGE_SIZE * 2 + 3], device=mr.device)
     layers = list(model.layers)
     cases = {
-        "qkv_rope": (lambda L, p, b: qkv_rope(
-            r, L.input_layernorm.weight, L.self_attn.qkv_proj.weight, L.self_attn.qkv_proj.bias,
-            1e-5, pos, model.rope_cos, model.rope_sin, mr.kv_cache.k_caches[0],
-            mr.kv_cache.v_caches[0], slot, cfg.num_heads, use_pdl=p, blocks=b),
-            lambda L: L.self_attn.qkv_proj.weight),
-        "o_proj+res": (lambda L, p, b: gemv_residual(
-            o, L.self_attn.o_proj.weight, r, use_pdl=p, blocks=b),
-            lambda L: L.self_attn.o_proj.weight),
-        "gate_up_silu": (lambda L, p, b: gate_up_silu(
-            r, L.post_attention_layernorm.weight, L.mlp.gate_up_proj.weight, 1e-5, use_pdl=p,
-            blocks=b), lambda L: L.mlp.gate_up_proj.weight),
-        "down+res": (lambda L, p, b: gemv_residual(
-            act, L.mlp.down_proj.weight, r, use_pdl=p, blocks=b),
-            lambda L: L.mlp.down_proj.weight),
-        "lm_head+argmax": (lambda L, p, b: lm_head_argmax(
-            r, model.norm.weight, model.lm_head.weight, 1e-5, use_pdl=p, blocks=b),
-            lambda L: model.lm_head.weight),
-    }  # fmt: skip
+        "qkv_rope": (
+            lambda L, p, b: qkv_rope(
+                r,
+                L.input_layernorm.weight,
+                L.self_attn.qkv_proj.weight,
+                L.self_attn.qkv_proj.bias,
+                1e-5,
+                pos,
+                model.rope_cos,
+                model.rope_sin,
+                mr.kv_cache.k_caches[0],
+                mr.kv_cache.v_caches[0],
+                slot,
+                cfg.num_heads,
+                use_pdl=p,
+                blocks=b,
+            ),
+            lambda L: L.self_attn.qkv_proj.weight,
+        ),
+        "o_proj+res": (
+            lambda L, p, b: gemv_residual(o, L.self_attn.o_proj.weight, r, use_pdl=p, blocks=b),
+            lambda L: L.self_attn.o_proj.weight,
+        ),
+        "gate_up_silu": (
+            lambda L, p, b: gate_up_silu(
+                r,
+                L.post_attention_layernorm.weight,
+                L.mlp.gate_up_proj.weight,
+                1e-5,
+                use_pdl=p,
+                blocks=b,
+            ),
+            lambda L: L.mlp.gate_up_proj.weight,
+        ),
+        "down+res": (
+            lambda L, p, b: gemv_residual(act, L.mlp.down_proj.weight, r, use_pdl=p, blocks=b),
+            lambda L: L.mlp.down_proj.weight,
+        ),
+        "lm_head+argmax": (
+            lambda L, p, b: lm_head_argmax(
+                r, model.norm.weight, model.lm_head.weight, 1e-5, use_pdl=p, blocks=b
+            ),
+            lambda L: model.lm_head.weight,
+        ),
+    }
     best = {}
     for name, (fn, weight) in cases.items():
         calls = layers[:1] if name == "lm_head+argmax" else layers
@@ -179,8 +234,16 @@ def time_kernels(mr, gbps: float) -> tuple[list[dict], dict]:
         for pdl, blocks in [(False, None)] + [(True, b) for b in SWEEP[name]]:
             graph, _ = capture(lambda fn=fn, p=pdl, b=blocks, c=calls: [fn(L, p, b) for L in c])
             us = cuda_time_ms(graph.replay, warmup=5, iters=20) * 1e3 / len(calls)
-            rows.append(dict(kernel=name, pdl=pdl, blocks=blocks, us=us,
-                             gbps=nbytes / us / 1e3, floor_us=nbytes / gbps / 1e3))  # fmt: skip
+            rows.append(
+                dict(
+                    kernel=name,
+                    pdl=pdl,
+                    blocks=blocks,
+                    us=us,
+                    gbps=nbytes / us / 1e3,
+                    floor_us=nbytes / gbps / 1e3,
+                )
+            )
             if pdl and us < best.get(name, (float("inf"), None))[0]:
                 best[name] = (us, blocks)
             del graph
@@ -225,8 +288,15 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.synchronize()
             outs[name] = [t.clone() for t in out]
             ms, runs = time_graph_ms(graph)
-            row = dict(bs=bs, variant=name, ms=ms, ms_runs=runs, floor_ms=floor,
-                       fraction=floor / ms, **profile_replays(graph))  # fmt: skip
+            row = dict(
+                bs=bs,
+                variant=name,
+                ms=ms,
+                ms_runs=runs,
+                floor_ms=floor,
+                fraction=floor / ms,
+                **profile_replays(graph),
+            )
             if name != "reference":
                 ref_lg, ref_tok = outs["reference"]
                 lg, tok = outs[name]
@@ -239,10 +309,18 @@ def main(argv: list[str] | None = None) -> dict:
             del graph
         for p in pages:
             mr.kv_cache.release(p)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  copy_gbps=gbps, model=MODEL, context=CONTEXT, kernels=kernel_rows,
-                  best_blocks=best_blocks, logit_err_cublas_vs_gemv=yardstick,
-                  steps=steps, seconds=time.perf_counter() - t_start)  # fmt: skip
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        copy_gbps=gbps,
+        model=MODEL,
+        context=CONTEXT,
+        kernels=kernel_rows,
+        best_blocks=best_blocks,
+        logit_err_cublas_vs_gemv=yardstick,
+        steps=steps,
+        seconds=time.perf_counter() - t_start,
+    )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -253,19 +331,26 @@ def main(argv: list[str] | None = None) -> dict:
         for t in s["top"]:
             print(f"  {t['us']:8.1f} {t['calls']:5.0f}  {t['name']}")
     print(f"\ncopy bandwidth {gbps:.0f} GB/s; {result['seconds']:.0f} s in all")
-    print(f"{'kernel (bs=1)':>15} {'pdl':>5} {'tiles':>16} {'us/call':>8} {'GB/s':>6} "
-          f"{'floor us':>8}")  # fmt: skip
+    print(
+        f"{'kernel (bs=1)':>15} {'pdl':>5} {'tiles':>16} {'us/call':>8} {'GB/s':>6} {'floor us':>8}"
+    )
     for k in kernel_rows:
-        print(f"{k['kernel']:>15} {k['pdl']!s:>5} {str(k['blocks'] or 'default'):>16} "
-              f"{k['us']:8.2f} {k['gbps']:6.0f} {k['floor_us']:8.2f}")  # fmt: skip
+        print(
+            f"{k['kernel']:>15} {k['pdl']!s:>5} {str(k['blocks'] or 'default'):>16} "
+            f"{k['us']:8.2f} {k['gbps']:6.0f} {k['floor_us']:8.2f}"
+        )
     print(f"best tiles {best_blocks}; logit error cuBLAS vs GEMV reference: {yardstick:.2e}")
-    print(f"{'variant':>14} {'bs':>3} {'ms/step':>8} {'floor':>6} {'% floor':>7} {'kernels':>7} "
-          f"{'logit err':>9} tokens")  # fmt: skip
+    print(
+        f"{'variant':>14} {'bs':>3} {'ms/step':>8} {'floor':>6} {'% floor':>7} {'kernels':>7} "
+        f"{'logit err':>9} tokens"
+    )
     for s in steps:
-        print(f"{s['variant']:>14} {s['bs']:>3} {s['ms']:8.3f} {s['floor_ms']:6.3f} "
-              f"{100 * s['fraction']:6.1f}% {s['kernels_per_step']:7.0f} "
-              f"{s.get('logits_rel_err', 0):9.2e} {s.get('tokens_equal', '')}"
-              f"{' pdl==nopdl' if s.get('pdl_identical') else ''}")  # fmt: skip
+        print(
+            f"{s['variant']:>14} {s['bs']:>3} {s['ms']:8.3f} {s['floor_ms']:6.3f} "
+            f"{100 * s['fraction']:6.1f}% {s['kernels_per_step']:7.0f} "
+            f"{s.get('logits_rel_err', 0):9.2e} {s.get('tokens_equal', '')}"
+            f"{' pdl==nopdl' if s.get('pdl_identical') else ''}"
+        )
     return result
 
 

@@ -65,15 +65,22 @@ def graph_time_us(fns: list, repeats: int = 3) -> float:
 
 def time_shapes(mr, gbps: float) -> tuple[list[dict], dict]:
     """Each projection shape alone, cuBLAS vs GEMV configs; returns rows and the best policy."""
-    shapes = sorted({(m.out_features, m.in_features) for m in mr.model.modules()
-                     if isinstance(m, torch.nn.Linear)})  # fmt: skip
+    shapes = sorted(
+        {
+            (m.out_features, m.in_features)
+            for m in mr.model.modules()
+            if isinstance(m, torch.nn.Linear)
+        }
+    )
     rows, policy = [], {}
     g = torch.Generator(device=mr.device).manual_seed(0)
     for n, k in shapes:
         nbytes = n * k * 2
         copies = max(1, min(32, ROTATE_BYTES // nbytes))
-        ws = [torch.randn(n, k, device=mr.device, generator=g).to(DTYPE) * k**-0.5
-              for _ in range(copies)]  # fmt: skip
+        ws = [
+            torch.randn(n, k, device=mr.device, generator=g).to(DTYPE) * k**-0.5
+            for _ in range(copies)
+        ]
         wins_up_to, wins_so_far = 0, True
         for bs in BATCH_SIZES:
             x = torch.randn(bs, k, device=mr.device, generator=g).to(DTYPE)
@@ -90,10 +97,17 @@ def time_shapes(mr, gbps: float) -> tuple[list[dict], dict]:
                     continue
                 us = graph_time_us([lambda x=x, w=w, kw=kw: gemv(x, w, **kw) for w in ws])
                 best = min(best, (us, cfg))
-            row = dict(shape=[n, k], bs=bs, cublas_us=cublas, gemv_us=best[0],
-                       gemv_config=list(best[1] or ()), weight_mb=nbytes / 1e6,
-                       cublas_gbps=nbytes / cublas / 1e3, gemv_gbps=nbytes / best[0] / 1e3,
-                       floor_us=nbytes / gbps / 1e3)  # fmt: skip
+            row = dict(
+                shape=[n, k],
+                bs=bs,
+                cublas_us=cublas,
+                gemv_us=best[0],
+                gemv_config=list(best[1] or ()),
+                weight_mb=nbytes / 1e6,
+                cublas_gbps=nbytes / cublas / 1e3,
+                gemv_gbps=nbytes / best[0] / 1e3,
+                floor_us=nbytes / gbps / 1e3,
+            )
             rows.append(row)
             if best[0] < cublas and wins_so_far:
                 wins_up_to = bs  # the GEMV wins at every measured bs up to this one
@@ -128,12 +142,13 @@ def profile_step(step, replays: int = PROFILE_REPLAYS) -> dict:
         top=[
             dict(name=n[:90], us_per_step=total[n] / replays, calls_per_step=count[n] / replays)
             for n in top
-        ],  # fmt: skip
+        ],
     )
 
 
-def time_policy(mr, name: str, policy, floor_ms: dict, kernels: str = "reference",
-                spec_ms: dict | None = None) -> dict:  # fmt: skip
+def time_policy(
+    mr, name: str, policy, floor_ms: dict, kernels: str = "reference", spec_ms: dict | None = None
+) -> dict:
     mr.model.use_gemv(policy)
     mr.set_kernels(kernels)  # "fused": one-row steps run model/decode/fused_decode.py
     cfg = RunnerConfig(max_bs=max(BATCH_SIZES), capture_bs=BATCH_SIZES, show_progress=False)
@@ -153,12 +168,14 @@ def time_policy(mr, name: str, policy, floor_ms: dict, kernels: str = "reference
                 prof = profile_step(step)
             except Exception as e:  # the timing stands without the profile
                 prof = dict(error=f"{type(e).__name__}: {e}"[:200])
-            out["points"][bs] = dict(ms=statistics.median(ms), ms_runs=ms,
-                                     floor_ms=floor_ms[bs],
-                                     fraction_of_floor=floor_ms[bs] / statistics.median(ms),
-                                     fraction_of_spec=share((spec_ms or {}).get(bs),
-                                                            statistics.median(ms)),
-                                     **prof)  # fmt: skip
+            out["points"][bs] = dict(
+                ms=statistics.median(ms),
+                ms_runs=ms,
+                floor_ms=floor_ms[bs],
+                fraction_of_floor=floor_ms[bs] / statistics.median(ms),
+                fraction_of_spec=share((spec_ms or {}).get(bs), statistics.median(ms)),
+                **prof,
+            )
             for p in pages:
                 mr.kv_cache.release(p)
     finally:
@@ -172,11 +189,17 @@ def main(argv: list[str] | None = None) -> dict:
     global BATCH_SIZES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the full results here")
-    ap.add_argument("--quick", action="store_true",
-                    help="skip the shape sweep and the GEMV policies: cuBLAS (the reference "
-                    "kernels) against the fused step only")  # fmt: skip
-    ap.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
-                    help="the steps' batch sizes (up to 64; default %(default)s)")  # fmt: skip
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="skip the shape sweep and the GEMV policies: cuBLAS (the reference "
+        "kernels) against the fused step only",
+    )
+    ap.add_argument(
+        "--batch-sizes",
+        default=",".join(map(str, BATCH_SIZES)),
+        help="the steps' batch sizes (up to 64; default %(default)s)",
+    )
     args = ap.parse_args(argv)
     BATCH_SIZES = tuple(int(b) for b in args.batch_sizes.split(","))
     t_start = time.perf_counter()
@@ -184,8 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
     reads = read_bandwidth()  # the floor's bandwidth: a read-only stream, before the model
     gbps, copy_gbps = max(reads.values()), copy_bandwidth_gbps()
     spec = spec_gbps(torch.cuda.get_device_name())
-    mr = build_model_runner(MODEL, "cuda", DTYPE, max_bs=max(32, *BATCH_SIZES), max_context=1024,
-                            page_size=PAGE_SIZE)  # fmt: skip
+    mr = build_model_runner(
+        MODEL, "cuda", DTYPE, max_bs=max(32, *BATCH_SIZES), max_context=1024, page_size=PAGE_SIZE
+    )
     fill_kv_random(mr)
     step_bytes = {bs: weight_bytes(mr) + kv_bytes(mr, Point(bs, CONTEXT)) for bs in BATCH_SIZES}
     floor_ms = {bs: n / gbps / 1e6 for bs, n in step_bytes.items()}
@@ -199,12 +223,19 @@ def main(argv: list[str] | None = None) -> dict:
     # (no GEMV policy: the step's reference rows are ``DecodeTuning.reference_rows``)
     steps.append(time_policy(mr, "fused", None, floor_ms, kernels="fused", spec_ms=spec_ms))
     result = dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__,
-        read_gbps=gbps, read_gbps_by_stream=reads, copy_gbps=copy_gbps, spec_gbps=spec,
-        model=MODEL, context=CONTEXT, shapes=shape_rows,
-        gemv_best={f"{n}x{k}": v for (n, k), v in best.items()}, steps=steps,
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        read_gbps=gbps,
+        read_gbps_by_stream=reads,
+        copy_gbps=copy_gbps,
+        spec_gbps=spec,
+        model=MODEL,
+        context=CONTEXT,
+        shapes=shape_rows,
+        gemv_best={f"{n}x{k}": v for (n, k), v in best.items()},
+        steps=steps,
         seconds=time.perf_counter() - t_start,
-    )  # fmt: skip
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
@@ -215,21 +246,29 @@ def main(argv: list[str] | None = None) -> dict:
             for t in p.get("top", []):
                 print(f"  {t['us_per_step']:8.1f} {t['calls_per_step']:5.0f}  {t['name']}")
     spec_text = f"{spec:.0f} GB/s" if spec else "– (unknown GPU)"
-    print(f"\nread stream {gbps:.0f} GB/s (the floor), copy {copy_gbps:.0f} GB/s, "
-          f"specification {spec_text}; {result['seconds']:.0f} s in all")  # fmt: skip
-    print(f"{'shape (N x K)':>15} {'bs':>3} {'cuBLAS us':>9} {'GB/s':>5} {'GEMV us':>8} "
-          f"{'GB/s':>5} {'floor us':>8}  GEMV tile")  # fmt: skip
+    print(
+        f"\nread stream {gbps:.0f} GB/s (the floor), copy {copy_gbps:.0f} GB/s, "
+        f"specification {spec_text}; {result['seconds']:.0f} s in all"
+    )
+    print(
+        f"{'shape (N x K)':>15} {'bs':>3} {'cuBLAS us':>9} {'GB/s':>5} {'GEMV us':>8} "
+        f"{'GB/s':>5} {'floor us':>8}  GEMV tile"
+    )
     for r in shape_rows:
         if "error" in r:
             print(f"{r['shape']} bs={r['bs']} config {r['config']}: WRONG, rel err {r['error']}")
             continue
         n, k = r["shape"]
-        print(f"{f'{n} x {k}':>15} {r['bs']:>3} {r['cublas_us']:9.2f} {r['cublas_gbps']:5.0f} "
-              f"{r['gemv_us']:8.2f} {r['gemv_gbps']:5.0f} {r['floor_us']:8.2f}  "
-              f"{r['gemv_config']}")  # fmt: skip
+        print(
+            f"{f'{n} x {k}':>15} {r['bs']:>3} {r['cublas_us']:9.2f} {r['cublas_gbps']:5.0f} "
+            f"{r['gemv_us']:8.2f} {r['gemv_gbps']:5.0f} {r['floor_us']:8.2f}  "
+            f"{r['gemv_config']}"
+        )
     print(f"GEMV policy 'best' {{shape: max bs}}: {result['gemv_best']}")
-    print(f"{'policy':>10} {'bs':>3} {'ms/step':>8} {'floor ms':>8} {'% floor':>7} {'% spec':>7} "
-          f"{'kernels':>7}")  # fmt: skip
+    print(
+        f"{'policy':>10} {'bs':>3} {'ms/step':>8} {'floor ms':>8} {'% floor':>7} {'% spec':>7} "
+        f"{'kernels':>7}"
+    )
     for s in steps:
         for bs, p in s["points"].items():
             of_spec = p["fraction_of_spec"]

@@ -37,40 +37,127 @@ CANDIDATES = {  # (block_n, block_k, num_warps, num_stages, split_k[, tma]); blo
     # pointer tiles (among them one-chunk tiles, the program's whole K range loaded before the
     # PDL wait), then TMA tiles of both kinds (tma 1: swap-AB, x by descriptor; 2: x from
     # pointers) near the best of a plain skinny GEMM (docs/experiments.md#tma-swap-ab)
-    "o_proj": [T(32, 128, 4, 4, 2), T(16, 512, 4, 1, 4), T(32, 512, 4, 1, 4),
-               *(T(*t, mode) for mode in (1, 2) for t in
-                 ((64, 128, 4, 3, 4), (64, 128, 4, 3, 8), (64, 256, 4, 3, 4), (32, 128, 4, 4, 4)))],
-    "down": [T(32, 128, 4, 4, 4), T(32, 128, 4, 3, 4), T(16, 1024, 4, 1, 8),
-             *(T(*t, mode) for mode in (1, 2) for t in
-               ((64, 128, 4, 3, 8), (64, 256, 4, 3, 4), (64, 128, 4, 5, 4), (32, 128, 4, 4, 4)))],
-    "gate_up": [T(64, 128, 8, 4, 1), T(64, 128, 8, 3, 1), T(16, 512, 4, 1, 4),
-                *(T(*t, mode) for mode in (1, 2) for t in
-                  ((32, 128, 4, 3, 1), (64, 128, 4, 3, 1), (64, 128, 8, 4, 1),
-                   (32, 128, 4, 5, 1)))],
-    "qkv": [T(32, 256, 4, 3, 4), T(16, 128, 4, 3, 4), T(32, 128, 4, 3, 4), T(16, 512, 4, 1, 4),
-            *(T(*t, mode) for mode in (1, 2) for t in
-              ((32, 128, 4, 3, 4), (32, 256, 4, 3, 4), (32, 128, 4, 4, 8), (16, 128, 4, 3, 4)))],
-    "lm_head": [T(256, 64, 8, 3), T(128, 128, 8, 3), T(128, 64, 4, 4), T(128, 128, 4, 4),
-                *(T(*t, mode) for mode in (1, 2) for t in
-                  ((128, 128, 4, 3, 1), (256, 64, 8, 3, 1), (128, 64, 4, 4, 1),
-                   (64, 128, 4, 3, 1)))],
+    "o_proj": [
+        T(32, 128, 4, 4, 2),
+        T(16, 512, 4, 1, 4),
+        T(32, 512, 4, 1, 4),
+        *(
+            T(*t, mode)
+            for mode in (1, 2)
+            for t in (
+                (64, 128, 4, 3, 4),
+                (64, 128, 4, 3, 8),
+                (64, 256, 4, 3, 4),
+                (32, 128, 4, 4, 4),
+            )
+        ),
+    ],
+    "down": [
+        T(32, 128, 4, 4, 4),
+        T(32, 128, 4, 3, 4),
+        T(16, 1024, 4, 1, 8),
+        *(
+            T(*t, mode)
+            for mode in (1, 2)
+            for t in (
+                (64, 128, 4, 3, 8),
+                (64, 256, 4, 3, 4),
+                (64, 128, 4, 5, 4),
+                (32, 128, 4, 4, 4),
+            )
+        ),
+    ],
+    "gate_up": [
+        T(64, 128, 8, 4, 1),
+        T(64, 128, 8, 3, 1),
+        T(16, 512, 4, 1, 4),
+        *(
+            T(*t, mode)
+            for mode in (1, 2)
+            for t in (
+                (32, 128, 4, 3, 1),
+                (64, 128, 4, 3, 1),
+                (64, 128, 8, 4, 1),
+                (32, 128, 4, 5, 1),
+            )
+        ),
+    ],
+    "qkv": [
+        T(32, 256, 4, 3, 4),
+        T(16, 128, 4, 3, 4),
+        T(32, 128, 4, 3, 4),
+        T(16, 512, 4, 1, 4),
+        *(
+            T(*t, mode)
+            for mode in (1, 2)
+            for t in (
+                (32, 128, 4, 3, 4),
+                (32, 256, 4, 3, 4),
+                (32, 128, 4, 4, 8),
+                (16, 128, 4, 3, 4),
+            )
+        ),
+    ],
+    "lm_head": [
+        T(256, 64, 8, 3),
+        T(128, 128, 8, 3),
+        T(128, 64, 4, 4),
+        T(128, 128, 4, 4),
+        *(
+            T(*t, mode)
+            for mode in (1, 2)
+            for t in (
+                (128, 128, 4, 3, 1),
+                (256, 64, 8, 3, 1),
+                (128, 64, 4, 4, 1),
+                (64, 128, 4, 3, 1),
+            )
+        ),
+    ],
     # the _normed variants (x normed by its own kernel before: tile_table.SEPARATE_NORM)
-    "qkv_normed": [T(32, 256, 4, 3, 4), T(32, 128, 4, 3, 4, 1), T(32, 128, 4, 3, 8, 1),
-                   T(32, 256, 4, 3, 4, 1), T(32, 128, 4, 3, 4, 2), T(16, 128, 4, 3, 4, 1)],
-    "gate_up_normed": [T(64, 128, 8, 4, 1), T(32, 128, 4, 5, 1, 1), T(32, 128, 4, 3, 1, 1),
-                       T(64, 128, 4, 3, 1, 1), T(64, 128, 8, 4, 1, 2), T(32, 128, 4, 3, 2, 1)],
-}  # fmt: skip
+    "qkv_normed": [
+        T(32, 256, 4, 3, 4),
+        T(32, 128, 4, 3, 4, 1),
+        T(32, 128, 4, 3, 8, 1),
+        T(32, 256, 4, 3, 4, 1),
+        T(32, 128, 4, 3, 4, 2),
+        T(16, 128, 4, 3, 4, 1),
+    ],
+    "gate_up_normed": [
+        T(64, 128, 8, 4, 1),
+        T(32, 128, 4, 5, 1, 1),
+        T(32, 128, 4, 3, 1, 1),
+        T(64, 128, 4, 3, 1, 1),
+        T(64, 128, 8, 4, 1, 2),
+        T(32, 128, 4, 3, 2, 1),
+    ],
+}
 # One split or two, 16-32 weight rows a program, deeper TMA pipelines: no split-K reduce tail
 # for the narrow projections (docs/experiments.md#tensor-core-tiles-with-split-k)
-_FEW_SPLIT_TILES = {  # fmt: skip
-    "o_proj": [(16, 128, 4, 6, 1, 1), (16, 256, 4, 4, 1, 1), (16, 128, 4, 8, 1, 1),
-               (16, 128, 4, 6, 1, 2), (16, 256, 4, 4, 2, 1), (32, 256, 4, 4, 1, 1)],
-    "down": [(16, 256, 4, 4, 1, 1), (16, 128, 4, 8, 1, 1), (16, 256, 4, 6, 1, 1),
-             (16, 256, 4, 4, 2, 1), (32, 256, 4, 4, 2, 1)],
-    "qkv_normed": [(16, 128, 4, 6, 1, 1), (16, 256, 4, 4, 1, 1), (16, 128, 4, 4, 2, 1),
-                   (32, 128, 4, 4, 1, 1)],
+_FEW_SPLIT_TILES = {
+    "o_proj": [
+        (16, 128, 4, 6, 1, 1),
+        (16, 256, 4, 4, 1, 1),
+        (16, 128, 4, 8, 1, 1),
+        (16, 128, 4, 6, 1, 2),
+        (16, 256, 4, 4, 2, 1),
+        (32, 256, 4, 4, 1, 1),
+    ],
+    "down": [
+        (16, 256, 4, 4, 1, 1),
+        (16, 128, 4, 8, 1, 1),
+        (16, 256, 4, 6, 1, 1),
+        (16, 256, 4, 4, 2, 1),
+        (32, 256, 4, 4, 2, 1),
+    ],
+    "qkv_normed": [
+        (16, 128, 4, 6, 1, 1),
+        (16, 256, 4, 4, 1, 1),
+        (16, 128, 4, 4, 2, 1),
+        (32, 128, 4, 4, 1, 1),
+    ],
     "gate_up_normed": [(32, 128, 4, 6, 1, 1), (32, 256, 4, 4, 1, 1)],
-}  # fmt: skip
+}
 for _name, _tiles in _FEW_SPLIT_TILES.items():
     CANDIDATES[_name] += [T(*t) for t in _tiles]
 
@@ -78,12 +165,14 @@ for _name, _tiles in _FEW_SPLIT_TILES.items():
 def shapes() -> dict[str, tuple[str, int, int]]:
     """Case -> (proj_tiles kernel name, n, k) at the current model sizes."""
     return {
-        "o_proj": ("gemv_residual", H, Q), "down": ("gemv_residual", H, INTER),
-        "gate_up": ("gate_up_silu", 2 * INTER, H), "qkv": ("qkv_rope", Q + 2 * KV, H),
+        "o_proj": ("gemv_residual", H, Q),
+        "down": ("gemv_residual", H, INTER),
+        "gate_up": ("gate_up_silu", 2 * INTER, H),
+        "qkv": ("qkv_rope", Q + 2 * KV, H),
         "lm_head": ("lm_head", VOCAB, H),
         "qkv_normed": ("qkv_rope_normed", Q + 2 * KV, H),
         "gate_up_normed": ("gate_up_silu_normed", 2 * INTER, H),
-    }  # fmt: skip
+    }
 
 
 SHAPES = shapes()
@@ -143,8 +232,21 @@ def case(name: str, m: int, g: torch.Generator, copies: int):
     normed = name == "qkv_normed"
 
     def call(w, t):
-        return qkv_rope(x, None if normed else nw, w, None, 1e-5, pos, cos, sin, kc, vc, slots,
-                        Q // HD, blocks=t)  # fmt: skip
+        return qkv_rope(
+            x,
+            None if normed else nw,
+            w,
+            None,
+            1e-5,
+            pos,
+            cos,
+            sin,
+            kc,
+            vc,
+            slots,
+            Q // HD,
+            blocks=t,
+        )
 
     def ref(w):
         if normed:
@@ -166,8 +268,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--tiles-out", help="write the best tiles here ($STEPGRAPH_PROJ_TILES)")
     ap.add_argument("--cases", default="", help=f"comma list of {', '.join(CANDIDATES)}")
-    ap.add_argument("--rows", default=",".join(map(str, ROWS)),
-                    help="comma list of batch rows (one per BLOCK_M: 8, 32, 64)")  # fmt: skip
+    ap.add_argument(
+        "--rows",
+        default=",".join(map(str, ROWS)),
+        help="comma list of batch rows (one per BLOCK_M: 8, 32, 64)",
+    )
     ap.add_argument(
         "--preset",
         default="llama-3.2-1b",
@@ -192,8 +297,15 @@ def main(argv=None) -> dict:
         if not args.compile_only:
             cublas = graph_call_us([lambda w=w, xk=xk: F.linear(xk, w) for w in ws])
         for t in dict.fromkeys(cands):
-            row = dict(kernel=name, m=m, block_m=block_m(m), n=n, k=k,
-                       tile=list(t.__dict__.values()), default=t == cands[0])  # fmt: skip
+            row = dict(
+                kernel=name,
+                m=m,
+                block_m=block_m(m),
+                n=n,
+                k=k,
+                tile=list(t.__dict__.values()),
+                default=t == cands[0],
+            )
             try:
                 out = call(ws[0], t).double()
                 row["rel_err"] = ((out - want).norm() / want.norm()).item()
@@ -203,8 +315,12 @@ def main(argv=None) -> dict:
                     rows.append(row)
                     continue
                 us = graph_call_us([lambda w=w, t=t, c=call: c(w, t) for w in ws])
-                row.update(us=us, gbps=n * k * 2 / us / 1e3, floor_us=n * k * 2 / gbps / 1e3,
-                           cublas_us=cublas)  # fmt: skip
+                row.update(
+                    us=us,
+                    gbps=n * k * 2 / us / 1e3,
+                    floor_us=n * k * 2 / gbps / 1e3,
+                    cublas_us=cublas,
+                )
                 key = (kern, n, k, block_m(m))
                 if us < best.get(key, (float("inf"), None))[0]:
                     best[key] = (us, t)
@@ -226,16 +342,21 @@ def main(argv=None) -> dict:
             json.dump(result, f, indent=1)
     if args.tiles_out:
         with open(args.tiles_out, "w") as f:
-            json.dump({",".join(map(str, k)): list(t.__dict__.values())
-                       for k, (_, t) in best.items()}, f)  # fmt: skip
+            json.dump(
+                {",".join(map(str, k)): list(t.__dict__.values()) for k, (_, t) in best.items()}, f
+            )
     print(f"copy bandwidth {gbps:.0f} GB/s")
-    print(f"{'kernel':>8} {'m':>3} {'tile (bn,bk,w,s,split)':>24} {'us':>7} {'GB/s':>6} "
-          f"{'floor':>6} {'cuBLAS':>7} err")  # fmt: skip
+    print(
+        f"{'kernel':>8} {'m':>3} {'tile (bn,bk,w,s,split)':>24} {'us':>7} {'GB/s':>6} "
+        f"{'floor':>6} {'cuBLAS':>7} err"
+    )
     for r in rows:
         if "us" in r:
-            print(f"{r['kernel']:>8} {r['m']:>3} {str(r['tile']):>24} {r['us']:7.2f} "
-                  f"{r['gbps']:6.0f} {r['floor_us']:6.2f} {r['cublas_us']:7.2f} "
-                  f"{r['rel_err']:.1e}{' default' if r['default'] else ''}")  # fmt: skip
+            print(
+                f"{r['kernel']:>8} {r['m']:>3} {str(r['tile']):>24} {r['us']:7.2f} "
+                f"{r['gbps']:6.0f} {r['floor_us']:6.2f} {r['cublas_us']:7.2f} "
+                f"{r['rel_err']:.1e}{' default' if r['default'] else ''}"
+            )
         else:
             print(
                 f"{r['kernel']:>8} {r['m']:>3} {str(r['tile']):>24} "

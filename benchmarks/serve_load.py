@@ -42,16 +42,36 @@ import httpx
 
 from stepgraph.bench.serve_metrics import RequestTiming, random_prompts, serving_metrics
 
-VOCAB = {"tiny": 512, "tiny-qwen2": 512, "llama-3.2-1b": 128256, "qwen2.5-0.5b": 151936,
-         "llama-3.1-8b": 128256}  # fmt: skip
+VOCAB = {
+    "tiny": 512,
+    "tiny-qwen2": 512,
+    "llama-3.2-1b": 128256,
+    "qwen2.5-0.5b": 151936,
+    "llama-3.1-8b": 128256,
+}
 LATENCY_IN, LATENCY_OUT, LATENCY_REQUESTS = 512, 256, 4
 MAIN_REQUESTS, MAIN_IN, MAIN_RATIO, MAIN_OUT = 64, 576, 7 / 9, 128  # prompts of 128-1024
 
 
 def launch(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "stepgraph", "serve", "--model", args.model, "--port", "0",
-           "--max-running", str(args.max_running), "--max-context", str(args.max_context),
-           "--mode", args.mode, "--engine", args.engine]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "stepgraph",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        "0",
+        "--max-running",
+        str(args.max_running),
+        "--max-context",
+        str(args.max_context),
+        "--mode",
+        args.mode,
+        "--engine",
+        args.engine,
+    ]
     if args.device:
         cmd += ["--device", args.device]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -90,8 +110,21 @@ def gone(pid: int | None) -> bool:
 def offline(args) -> float:
     """`stepgraph bench --serve`'s output tokens/s on this model: the engine alone."""
     path = f"/tmp/serve_load_offline_{os.getpid()}.json"
-    cmd = [sys.executable, "-m", "stepgraph", "bench", "--serve", "--peers", "none", "--model",
-           args.model, "--max-running", str(args.max_running), "--json", path]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "stepgraph",
+        "bench",
+        "--serve",
+        "--peers",
+        "none",
+        "--model",
+        args.model,
+        "--max-running",
+        str(args.max_running),
+        "--json",
+        path,
+    ]
     if args.device:
         cmd += ["--device", args.device]
     subprocess.run(cmd, check=True, stdout=sys.stderr)
@@ -119,9 +152,17 @@ async def scrape(client, url: str) -> dict[str, float]:
 
 
 def request_body(model: str, prompt: list[int], max_tokens: int) -> bytes:
-    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                       "stream": True}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
+    ).encode()
 
 
 def take_event(data: bytes, ids: list[int], timing: RequestTiming, now: float) -> bool:
@@ -156,8 +197,10 @@ class RawClient:
         return await asyncio.open_connection(self.host, self.port)
 
     async def one(self, body: bytes, timing: RequestTiming) -> list[int]:
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
-                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         ids: list[int] = []
         timing.arrival = time.perf_counter()
         for fresh in (False, True):  # a kept-alive connection the server closed: once more
@@ -241,8 +284,9 @@ async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
         await level(client, url, args.model, lat_prompts, 8, 1)
         print(f"warm-up: {time.perf_counter() - t:.1f} s", file=sys.stderr)
         for c in map(int, args.concurrency.split(",")):
-            name, prompts, out = ("latency", lat_prompts, outs[1]) if c == 1 else (
-                "main", main_prompts, outs[0])  # fmt: skip
+            name, prompts, out = (
+                ("latency", lat_prompts, outs[1]) if c == 1 else ("main", main_prompts, outs[0])
+            )
             before = await scrape(scraper, url)
             m = await level(client, url, args.model, prompts, out, c)
             d = {k: v - before[k] for k, v in (await scrape(scraper, url)).items()}
@@ -256,22 +300,28 @@ async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
 
 
 def report(rows: list[dict]) -> None:
-    head = (f"{'level':>10} {'conc':>4} {'reqs':>4} {'out tok/s':>10} {'TTFT p50':>9} "
-            f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-            f"{'srv TPOT':>8}")  # fmt: skip
+    head = (
+        f"{'level':>10} {'conc':>4} {'reqs':>4} {'out tok/s':>10} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+        f"{'srv TPOT':>8}"
+    )
     print(head)
     f = lambda x: "-" if x is None else f"{x:.3f}"
     for m in rows:
-        print(f"{m['level']:>10} {m['concurrency']:>4} {m['completed']:>4} "
-              f"{m['output_throughput']:>10.1f} {f(m['median_ttft_ms']):>9} "
-              f"{f(m['p99_ttft_ms']):>9} {f(m['median_tpot_ms']):>9} {f(m['p99_tpot_ms']):>9} "
-              f"{f(m['median_itl_ms']):>8} {f(m['p99_itl_ms']):>8} "
-              f"{f(m['server_tpot_ms']):>8}")  # fmt: skip
+        print(
+            f"{m['level']:>10} {m['concurrency']:>4} {m['completed']:>4} "
+            f"{m['output_throughput']:>10.1f} {f(m['median_ttft_ms']):>9} "
+            f"{f(m['p99_ttft_ms']):>9} {f(m['median_tpot_ms']):>9} {f(m['p99_tpot_ms']):>9} "
+            f"{f(m['median_itl_ms']):>8} {f(m['p99_itl_ms']):>8} "
+            f"{f(m['server_tpot_ms']):>8}"
+        )
     print("ms; srv TPOT: the server's engine's mean TPOT over the same requests")
     for m in rows:
         steps = ", ".join(f"{k} {v:.0f}" for k, v in m["server_steps"].items())
-        print(f"{m['level']} (concurrency {m['concurrency']}): engine {steps}; "
-              f"longest token gap {m['max_gap_ms']:.1f} ms")  # fmt: skip
+        print(
+            f"{m['level']} (concurrency {m['concurrency']}): engine {steps}; "
+            f"longest token gap {m['max_gap_ms']:.1f} ms"
+        )
 
 
 def main() -> int:
@@ -284,9 +334,13 @@ def main() -> int:
     p.add_argument("--mode", default="graph", help="--launch: the server's --mode")
     p.add_argument("--engine", default="process", help="--launch: the server's --engine")
     p.add_argument("--offline", action="store_true", help="also `stepgraph bench --serve`")
-    p.add_argument("--client", default="raw", choices=("raw", "httpx"),
-                   help="the streamed requests' client: connections of our own, or httpx's "
-                   "pool (it measured every H200 figure of 2026-12-01)")  # fmt: skip
+    p.add_argument(
+        "--client",
+        default="raw",
+        choices=("raw", "httpx"),
+        help="the streamed requests' client: connections of our own, or httpx's "
+        "pool (it measured every H200 figure of 2026-12-01)",
+    )
     p.add_argument("--max-running", type=int, default=64, help="--launch: --max-running")
     p.add_argument("--max-context", type=int, default=2048, help="--launch: --max-context")
     p.add_argument("--concurrency", default="1,16,64", help="levels, comma list")
@@ -313,13 +367,18 @@ def main() -> int:
     out = {"model": args.model, "engine": args.engine, "levels": rows, "server_exit": status}
     if proc is not None:
         out["engine_process_gone"] = None if child is None else gone(child)
-        where = "" if child is None else f"; its engine process {child}: " + (
-            "gone" if gone(child) else "STILL RUNNING")  # fmt: skip
+        where = (
+            ""
+            if child is None
+            else f"; its engine process {child}: " + ("gone" if gone(child) else "STILL RUNNING")
+        )
         print(f"server: exit status {status} after SIGTERM{where}")
     if args.offline:
         out["offline_output_throughput"] = base = offline(args)
-        print(f"engine offline (bench --serve): {base:.1f} output tok/s; over HTTP: " + ", ".join(
-            f"c{m['concurrency']} {m['output_throughput'] / base:.0%}" for m in rows))  # fmt: skip
+        print(
+            f"engine offline (bench --serve): {base:.1f} output tok/s; over HTTP: "
+            + ", ".join(f"c{m['concurrency']} {m['output_throughput'] / base:.0%}" for m in rows)
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

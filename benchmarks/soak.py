@@ -126,9 +126,13 @@ def main() -> int:
         return 2
     t0 = time.perf_counter()
     mr = ModelRunner.from_preset(
-        args.model, "cuda", torch.bfloat16, args.seed, max_bs=args.max_bs,
+        args.model,
+        "cuda",
+        torch.bfloat16,
+        args.seed,
+        max_bs=args.max_bs,
         max_context_len=args.context,
-    )  # fmt: skip
+    )
     # max_running = the largest bucket: every decode step replays a graph, none runs eagerly
     config = RunnerConfig(max_bs=args.max_bs, show_progress=False)
     engine = Engine(mr, "exact", config, max_running=args.max_bs)
@@ -152,9 +156,12 @@ def main() -> int:
     assert not engine.has_unfinished and mr.kv_cache.allocator.num_free == mr.kv_cache.num_pages - 1
 
     eager_mr = ModelRunner.from_model(
-        mr.model, device="cuda", dtype=torch.bfloat16, max_bs=args.max_bs,
+        mr.model,
+        device="cuda",
+        dtype=torch.bfloat16,
+        max_bs=args.max_bs,
         max_context_len=args.context,
-    )  # fmt: skip
+    )
     eager_out = run_segment(Engine(eager_mr, "eager", max_running=args.max_bs), schedule)
     differ = sum(a != b for a, b in zip(exact_out, eager_out))
     growth = {k: after[k] - before[k] for k in before}

@@ -42,8 +42,11 @@ def replay_kernels(step, replays: int) -> list[list[tuple[str, float, float]]]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        ks = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-              if e.device_type == DeviceType.CUDA and "emcpy" not in e.name]  # fmt: skip
+        ks = [
+            (e.name, e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and "emcpy" not in e.name
+        ]
         runs.append(sorted(ks, key=lambda k: k[1]))
     return runs
 
@@ -77,8 +80,15 @@ def layer_rows(runs, num_layers: int) -> tuple[list[dict], float]:
             own[key].append(t1 - t0)
             gap[key].append(t0 - ks[i - 1][2])
             adv[key].append(t1 - ks[i - 1][2])
-    rows = [dict(kernel=k, own=statistics.median(own[k]), gap=statistics.median(gap[k]),
-                 advance=statistics.median(adv[k])) for k in keys]  # fmt: skip
+    rows = [
+        dict(
+            kernel=k,
+            own=statistics.median(own[k]),
+            gap=statistics.median(gap[k]),
+            advance=statistics.median(adv[k]),
+        )
+        for k in keys
+    ]
     return rows, statistics.median(steps)
 
 
@@ -115,8 +125,17 @@ def main() -> None:
         print(f"  {'kernel (position in the layer)':<40}{'own':>8}{'gap':>8}{'advance':>9}")
         for r in rows:
             print(f"  {r['kernel'][:40]:<40}{r['own']:8.2f}{r['gap']:8.2f}{r['advance']:9.2f}")
-        out.append(dict(bs=bs, context=args.context, step_us=ms * 1e3, traced_us=span,
-                        kernels=len(runs[0]), layer_us=per_layer, rows=rows))  # fmt: skip
+        out.append(
+            dict(
+                bs=bs,
+                context=args.context,
+                step_us=ms * 1e3,
+                traced_us=span,
+                kernels=len(runs[0]),
+                layer_us=per_layer,
+                rows=rows,
+            )
+        )
     if args.json:  # "summary": what scripts/gpu-check's closing table prints
         summary = {f"layer_us_bs{p['bs']}": round(p["layer_us"], 2) for p in out}
         with open(args.json, "w") as f:

@@ -175,8 +175,16 @@ class FakeCuda:
             assert len(raw) == s
             ctypes.memmove(base + off, raw, s)
         array = (ctypes.c_void_p * max(len(layout), 1))(*[base + o for o, _ in layout])
-        self.nodes[nid] = _Node(graph, CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL, kid, by_kern,
-                                tuple(grid), args, array, extra)  # fmt: skip
+        self.nodes[nid] = _Node(
+            graph,
+            CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL,
+            kid,
+            by_kern,
+            tuple(grid),
+            args,
+            array,
+            extra,
+        )
         return nid
 
     def _snapshot(self, node: _Node, grid, array_addr: int) -> tuple:

@@ -67,10 +67,13 @@ from stepgraph.kernels.proj import proj_tiles, tma_tiles  # noqa: E402
 
 def _tma_ready(*tensors):  # as on a Hopper GPU: the layout rules alone
     return all(
-        t.dim() == 2 and t.stride(1) == 1 and t.shape[0] > 0 and t.data_ptr() % 16 == 0
+        t.dim() == 2
+        and t.stride(1) == 1
+        and t.shape[0] > 0
+        and t.data_ptr() % 16 == 0
         and (t.stride(0) * t.element_size()) % 16 == 0
         for t in tensors
-    )  # fmt: skip
+    )
 
 
 pdl.pdl_enabled = lambda device: device is not None and pdl.HAS_GDC
@@ -125,15 +128,31 @@ def _variants(since: int) -> list[dict]:
         tma = "cp.async.bulk.tensor" in ptx
         wait, go = (ptx.find(f"griddepcontrol.{op}") for op in ("wait", "launch_dependents"))
         first = "trigger" if go >= 0 and not 0 <= wait < go else "wait" if wait >= 0 else ""
-        out.append(dict(kernel=name, pdl="griddepcontrol.wait" in ptx, tma=tma, first=first,
-                        trigger=_trigger(ptx), cubin=bool(k.asm.get("cubin"))))  # fmt: skip
+        out.append(
+            dict(
+                kernel=name,
+                pdl="griddepcontrol.wait" in ptx,
+                tma=tma,
+                first=first,
+                trigger=_trigger(ptx),
+                cubin=bool(k.asm.get("cubin")),
+            )
+        )
     return out
 
 
 def main() -> dict:
     result: dict = {"steps": {}, "errors": {}}
-    mr = ModelRunner.from_preset("llama-3.2-1b", "cpu", torch.bfloat16, seed=0, num_layers=2,
-                                 max_bs=64, max_context_len=640, page_size=64)  # fmt: skip
+    mr = ModelRunner.from_preset(
+        "llama-3.2-1b",
+        "cpu",
+        torch.bfloat16,
+        seed=0,
+        num_layers=2,
+        max_bs=64,
+        max_context_len=640,
+        page_size=64,
+    )
     backend = mr.attn_backend
     backend.use_kernel = True  # the Triton attention, as on CUDA
     for bs in (1, 8, 32, 64):
@@ -142,8 +161,9 @@ def main() -> dict:
         try:
             backend.init_forward_metadata(batch)
             tokens = torch.empty(bs, dtype=torch.int64)  # greedy tokens in the step, as served
-            fused_decode.fused_decode_step(mr.model, backend, batch.input_ids, batch.positions,
-                                           tokens_out=tokens)  # fmt: skip
+            fused_decode.fused_decode_step(
+                mr.model, backend, batch.input_ids, batch.positions, tokens_out=tokens
+            )
             result["steps"][bs] = _variants(since)
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it
             result["errors"][f"step bs {bs}"] = f"{type(e).__name__}: {e}"[:600]
@@ -156,14 +176,17 @@ def main() -> dict:
     table = torch.arange(16, dtype=torch.int32).reshape(8, 2)
     lens = torch.full((8,), 100, dtype=torch.int32)
     modes = pdl.TRIGGER_MODES
-    for name, fold, mode in (("fold=False", False, modes["late"]), ("fold=True", True,
-                             modes["late"]), ("detached", False, (modes["detached"],
-                             modes["early"]))):  # fmt: skip
+    for name, fold, mode in (
+        ("fold=False", False, modes["late"]),
+        ("fold=True", True, modes["late"]),
+        ("detached", False, (modes["detached"], modes["early"])),
+    ):
         since = len(COMPILED)
         try:
             ws = DecodeWorkspace.allocate(8, 32, 64, 8, q.device)
-            flash_decode(q, kc, vc, table, lens, num_splits=8, workspace=ws, fold_combine=fold,
-                         use_pdl=mode)  # fmt: skip
+            flash_decode(
+                q, kc, vc, table, lens, num_splits=8, workspace=ws, fold_combine=fold, use_pdl=mode
+            )
             result["steps"][f"attention {name}"] = _variants(since)
         except Exception as e:  # noqa: BLE001
             result["errors"][f"attention {name}"] = f"{type(e).__name__}: {e}"[:600]
@@ -194,8 +217,11 @@ def main() -> dict:
     since = len(COMPILED)
     try:  # the reference path's own kernels (bucket 2, `--kernels reference`): GEMV, SiLU·mul
         x = torch.randn(2, 2048, generator=g).bfloat16()
-        gemv(x, torch.randn(3072, 2048, generator=g).bfloat16(),
-             torch.randn(3072, generator=g).bfloat16())  # fmt: skip
+        gemv(
+            x,
+            torch.randn(3072, 2048, generator=g).bfloat16(),
+            torch.randn(3072, generator=g).bfloat16(),
+        )
         silu_mul(torch.randn(2, 16384, generator=g).bfloat16())
         result["steps"]["reference kernels"] = _variants(since)
     except Exception as e:  # noqa: BLE001

@@ -33,8 +33,9 @@ def test_parse_variant():
     ab = load_ab()
     assert ab.parse_variant("base:") == ("base", {})
     assert ab.parse_variant("x:tables.cublas_everywhere=qkv_rope:16,lm_head:32;tma=0") == (
-        "x", {"tables.cublas_everywhere": "qkv_rope:16,lm_head:32", "tma": "0"},
-    )  # fmt: skip
+        "x",
+        {"tables.cublas_everywhere": "qkv_rope:16,lm_head:32", "tma": "0"},
+    )
     assert ab.parse_variant("y: reference_rows = 2-4 ;") == ("y", {"reference_rows": "2-4"})
 
 
@@ -42,10 +43,17 @@ def test_variants_are_tunings_from_the_defaults():
     ab = load_ab()
     base = DecodeTuning()
     first = ab.variant_tuning(
-        {"pdl.no_pdl_buckets": "2-64", "handoff.enabled": "0", "handoff.min_bucket": "8",
-         "pdl.attention": "1", "fold_merge": "8-32", "split.min_keys": "128",
-         "split.cap2_min_keys": "512"}, base,
-    )  # fmt: skip
+        {
+            "pdl.no_pdl_buckets": "2-64",
+            "handoff.enabled": "0",
+            "handoff.min_bucket": "8",
+            "pdl.attention": "1",
+            "fold_merge": "8-32",
+            "split.min_keys": "128",
+            "split.cap2_min_keys": "512",
+        },
+        base,
+    )
     assert first.pdl.no_pdl_buckets == range(2, 65) and first.handoff.enabled is False
     assert first.handoff.min_bucket == 8
     assert first.pdl.attention_modes == (True, True, None)
@@ -59,7 +67,8 @@ def test_variants_are_tunings_from_the_defaults():
     assert ab.variant_tuning({}, base) == base  # the defaults, unchanged by the variants
     # the step's decisions follow each variant's tuning
     assert fused_decode.no_pdl(3072, 2048, 8, 2, first) and not fused_decode.no_pdl(
-        3072, 2048, 8, 2, second)  # fmt: skip
+        3072, 2048, 8, 2, second
+    )
     assert step_attention.merges((32, 8, 64), 8, first)
     assert not step_attention.merges((32, 8, 64), 8, second)
 
@@ -80,13 +89,19 @@ def test_the_cublas_handoff_and_the_table_overrides():
     ab = load_ab()
     eight = (6144, 4096, 4)  # a reference bucket (the shipped table has none)
     base = dataclasses.replace(
-        DecodeTuning(), tables=dataclasses.replace(DecodeTuning().tables,
-                                                   reference_buckets={eight}),
-    )  # fmt: skip
+        DecodeTuning(),
+        tables=dataclasses.replace(DecodeTuning().tables, reference_buckets={eight}),
+    )
     assert proj_tiles.reference_bucket(*eight, tables=base.tables)
-    t = ab.variant_tuning({"handoff.cublas": "0", "tables.separate_norm_everywhere": "qkv_rope:64",
-                           "tables.cublas_everywhere": "gate_up_silu:16",
-                           "tables.reference_buckets": "none"}, base)  # fmt: skip
+    t = ab.variant_tuning(
+        {
+            "handoff.cublas": "0",
+            "tables.separate_norm_everywhere": "qkv_rope:64",
+            "tables.cublas_everywhere": "gate_up_silu:16",
+            "tables.reference_buckets": "none",
+        },
+        base,
+    )
     assert t.handoff.cublas is False
     assert not proj_tiles.reference_bucket(*eight, tables=t.tables)
     assert t.tables.separate_norm_everywhere == {("qkv_rope", 64)}
@@ -107,13 +122,16 @@ def test_the_swept_tiles_serve_their_variant_alone(tmp_path):
     base = DecodeTuning()
     assert qkv64 in base.tables.cublas
     path = tmp_path / "tiles.json"
-    path.write_text('{"gate_up_silu_normed,16384,2048,16": [64, 128, 4, 5, 1, 1], '
-                    '"qkv_rope,3072,2048,64": [16, 128, 4, 3, 4]}')  # fmt: skip
+    path.write_text(
+        '{"gate_up_silu_normed,16384,2048,16": [64, 128, 4, 5, 1, 1], '
+        '"qkv_rope,3072,2048,64": [16, 128, 4, 3, 4]}'
+    )
     swept = ab.variant_tuning({"tables.tiles_file": str(path)}, base)
     assert swept.tables.tiles[gu] == Tile(64, 128, 4, 5, 1, 1) != TILES[gu]
     assert qkv64 not in swept.tables.cublas and swept.tables.tiles[qkv64] == Tile(16, 128, 4, 3, 4)
     assert proj_tiles.tile_for("gate_up_silu_normed", 16, 16384, 2048, 2, swept.tables) == Tile(
-        64, 128, 4, 5, 1, 1)  # fmt: skip
+        64, 128, 4, 5, 1, 1
+    )
     other = ab.variant_tuning({}, base)
     assert other.tables.tiles[gu] == TILES[gu] and qkv64 in other.tables.cublas
 

@@ -42,8 +42,13 @@ def test_trace_to_buckets_to_runner(tmp_path, capsys):
 
     assert main(["buckets", "--trace", str(trace), "--max-graphs", "2", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert set(plan) == {"buckets", "padding_waste", "padding_waste_pct",
-                         "default_padding_waste", "default_padding_waste_pct"}  # fmt: skip
+    assert set(plan) == {
+        "buckets",
+        "padding_waste",
+        "padding_waste_pct",
+        "default_padding_waste",
+        "default_padding_waste_pct",
+    }
     assert len(plan["buckets"]) <= 2 and plan["buckets"][-1] == 5
     assert plan["padding_waste"] == pytest.approx(padding_waste(hist, plan["buckets"]))
 

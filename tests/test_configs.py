@@ -1,4 +1,5 @@
-"""Capture configs (seed 004): every method on hand-checked examples, every validation error."""
+"""Capture configs (mstar's ``cuda_graph_config`` API): every method on hand-checked examples,
+every validation error."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_distribute_tokens_hand_checked():
         distribute_tokens(2, 3)
 
 
-def test_enums_and_defaults_follow_the_seed():
+def test_enums_and_defaults_follow_mstars_api():
     assert CudaGraphConfigType.BASIC_BATCHED.value == "basic_batched"
     assert CudaGraphConfigType.FLASH_INFER_PACKED.value == "flash_infer_packed"
     assert PiecewiseConfigType.BATCHED.value == "batched"

@@ -22,7 +22,7 @@ def _seeded():
     torch.manual_seed(21)  # the tests below draw their inputs from the global generator
 
 
-def test_positional_arguments_follow_the_seed_order():
+def test_positional_arguments_follow_mstars_order():
     one = {"x": torch.randn(2, D)}
     b = BatchedCudaGraphConfig("decode", one, ["verify"], "key", False, [1, 2], "fwd", False, 3)
     assert (b.capture_graph_walk, b.single_request_inputs) == ("decode", one)
@@ -37,7 +37,7 @@ def test_positional_arguments_follow_the_seed_order():
 
 
 class MinimalBatched(CudaGraphConfig):
-    """Only the seed's three abstract methods: two tokens per request, a [2, D] input."""
+    """Only mstar's three abstract methods: two tokens per request, a [2, D] input."""
 
     def get_config_type(self):
         return CudaGraphConfigType.BASIC_BATCHED

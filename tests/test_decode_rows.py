@@ -32,7 +32,7 @@ def test_rows_equal_the_per_request_layout():
             out_cache_loc=kv.slot(pg, p),
             seq_lens=p + 1,
             block_table=kv.block_table_row(pg),
-        )  # fmt: skip
+        )
         for t, p, pg in zip(toks, pos, pages)
     ]
     table = block_table(pages, mr.max_pages_per_request)

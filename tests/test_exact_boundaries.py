@@ -155,10 +155,16 @@ def test_combine_reads_exactly_n_splits_of_finite_partials():
     for n in (1, 2, 3, 7, 8):
         out = torch.full((bs, n_heads, hd), float("nan"))
         fd._combine_kernel[(bs, n_heads)](
-            ws.partial_o, n, ws.partial_lse, out,
-            *ws.partial_o.stride()[:3], *ws.partial_lse.stride()[:2], *out.stride()[:2],
-            HEAD_DIM=hd, SPLITS_PAD=ms,
-        )  # fmt: skip
+            ws.partial_o,
+            n,
+            ws.partial_lse,
+            out,
+            *ws.partial_o.stride()[:3],
+            *ws.partial_lse.stride()[:2],
+            *out.stride()[:2],
+            HEAD_DIM=hd,
+            SPLITS_PAD=ms,
+        )
         w = torch.softmax(ws.partial_lse[..., :n].double(), -1)
         want = (w[..., None] * ws.partial_o[..., :n, :].double()).sum(2)
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6, msg=f"n={n}")

@@ -224,9 +224,17 @@ _TOTAL = 8
 
 def _bad(**change):
     a = dict(
-        q=_C.q, k_cache=_C.k, v_cache=_C.v, qo_indptr=_C.qo_indptr, kv_lens=_C.kv_lens,
-        block_table=_C.bt, max_q_len=5, sm_scale=0.125, out=None, tile=None,
-    )  # fmt: skip
+        q=_C.q,
+        k_cache=_C.k,
+        v_cache=_C.v,
+        qo_indptr=_C.qo_indptr,
+        kv_lens=_C.kv_lens,
+        block_table=_C.bt,
+        max_q_len=5,
+        sm_scale=0.125,
+        out=None,
+        tile=None,
+    )
     a.update(change)
     return a
 

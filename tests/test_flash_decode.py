@@ -253,10 +253,16 @@ def test_combine_ignores_empty_splits():
     ws.partial_o[:, :, :5] = po
     out = torch.full((bs, n_heads, hd), float("nan"))
     fd._combine_kernel[(bs, n_heads)](
-        ws.partial_o, 5, ws.partial_lse, out,
-        *ws.partial_o.stride()[:3], *ws.partial_lse.stride()[:2], *out.stride()[:2],
-        HEAD_DIM=hd, SPLITS_PAD=ms,
-    )  # fmt: skip
+        ws.partial_o,
+        5,
+        ws.partial_lse,
+        out,
+        *ws.partial_o.stride()[:3],
+        *ws.partial_lse.stride()[:2],
+        *out.stride()[:2],
+        HEAD_DIM=hd,
+        SPLITS_PAD=ms,
+    )
     w = torch.softmax(lse.double(), -1).nan_to_num(0.0)  # [bs, h, 5]; all -inf row -> 0
     expect = (w[..., None] * po.double()).sum(2)
     assert not out.isnan().any()
@@ -264,10 +270,16 @@ def test_combine_ignores_empty_splits():
     assert (out[0, 1] == 0).all()
     # n_splits = 1 takes only the first split
     fd._combine_kernel[(bs, n_heads)](
-        ws.partial_o, 1, ws.partial_lse, out,
-        *ws.partial_o.stride()[:3], *ws.partial_lse.stride()[:2], *out.stride()[:2],
-        HEAD_DIM=hd, SPLITS_PAD=ms,
-    )  # fmt: skip
+        ws.partial_o,
+        1,
+        ws.partial_lse,
+        out,
+        *ws.partial_o.stride()[:3],
+        *ws.partial_lse.stride()[:2],
+        *out.stride()[:2],
+        HEAD_DIM=hd,
+        SPLITS_PAD=ms,
+    )
     torch.testing.assert_close(out[0, 0], po[0, 0, 0])
     assert (out[1] == 0).all()  # request 1's first split is empty
 
@@ -317,8 +329,14 @@ BAD = {  # id: (change, message fragments)
     "q_rank": (lambda c: {"q": c.q[0]}, ["q", "[bs, n_heads, head_dim]", "(4, 64)"]),
     "k_head_dim": (lambda c: {"k_cache": c.k[..., :32]}, ["k_cache", "64]", "32)"]),
     "v_shape": (lambda c: {"v_cache": c.v[:, :8]}, ["v_cache", "(7, 8, 2, 64)"]),
-    "head_dim": (lambda c: {"q": c.q[..., :48], "k_cache": c.k[..., :48].contiguous(),
-                            "v_cache": c.v[..., :48].contiguous()}, ["head_dim", "48"]),
+    "head_dim": (
+        lambda c: {
+            "q": c.q[..., :48],
+            "k_cache": c.k[..., :48].contiguous(),
+            "v_cache": c.v[..., :48].contiguous(),
+        },
+        ["head_dim", "48"],
+    ),
     "gqa": (lambda c: {"q": c.q[:, :3]}, ["n_heads", "n_kv_heads=2", "3"]),
     "bt_rows": (lambda c: {"block_table": c.bt[:1]}, ["block_table", "[2, max_pages]", "(1, 4)"]),
     "lens_rows": (lambda c: {"seq_lens": c.lens[:1]}, ["seq_lens", "[2]", "(1,)"]),
@@ -329,25 +347,37 @@ BAD = {  # id: (change, message fragments)
     "bt_dtype": (lambda c: {"block_table": c.bt.long()}, ["block_table.dtype", "int32"]),
     "lens_dtype": (lambda c: {"seq_lens": c.lens.long()}, ["seq_lens.dtype", "int32"]),
     "device": (lambda c: {"seq_lens": c.lens.to("meta")}, ["seq_lens.device", "meta"]),
-    "stride": (lambda c: {"q": c.q.transpose(1, 2).contiguous().transpose(1, 2)},
-               ["q.stride(-1)", "contiguous"]),
-    "lens_stride": (lambda c: {"seq_lens": c.lens.repeat_interleave(2)[::2]},
-                    ["seq_lens.stride(-1)", "got 2"]),
+    "stride": (
+        lambda c: {"q": c.q.transpose(1, 2).contiguous().transpose(1, 2)},
+        ["q.stride(-1)", "contiguous"],
+    ),
+    "lens_stride": (
+        lambda c: {"seq_lens": c.lens.repeat_interleave(2)[::2]},
+        ["seq_lens.stride(-1)", "got 2"],
+    ),
     "ws_rows": (lambda c: {"workspace": _ws(bs=1)}, ["workspace.partial_lse", "[>=2, 4"]),
     "ws_heads": (lambda c: {"workspace": _ws(hd=128)}, ["workspace.partial_o", "(2, 4, 8, 128)"]),
-    "ws_dtype": (lambda c: {"workspace": _ws(partial_lse=torch.zeros(2, 4, 8).half())},
-                 ["float32", "float16"]),
-    "max_splits_above_ws": (lambda c: {"workspace": _ws(), "max_splits": 16},
-                            ["max_splits", "workspace.max_splits=8", "16"]),
-    "num_splits_above_max": (lambda c: {"num_splits": 9, "max_splits": 8},
-                             ["num_splits=9", "max_splits=8"]),
+    "ws_dtype": (
+        lambda c: {"workspace": _ws(partial_lse=torch.zeros(2, 4, 8).half())},
+        ["float32", "float16"],
+    ),
+    "max_splits_above_ws": (
+        lambda c: {"workspace": _ws(), "max_splits": 16},
+        ["max_splits", "workspace.max_splits=8", "16"],
+    ),
+    "num_splits_above_max": (
+        lambda c: {"num_splits": 9, "max_splits": 8},
+        ["num_splits=9", "max_splits=8"],
+    ),
     "num_splits_zero": (lambda c: {"num_splits": 0}, ["num_splits=0"]),
     "num_splits_float": (lambda c: {"num_splits": 2.0}, ["num_splits=2.0"]),
     "max_seq_len_over_table": (lambda c: {"max_seq_len": 65}, ["max_seq_len=65", "64", "(2, 4)"]),
     "max_seq_len_negative": (lambda c: {"max_seq_len": -1}, ["max_seq_len=-1"]),
-    "seq_lens_over_table": (lambda c: {"seq_lens": torch.tensor([20, 65], dtype=torch.int32)},
-                            ["max_seq_len=65", "(2, 4)"]),
-}  # fmt: skip
+    "seq_lens_over_table": (
+        lambda c: {"seq_lens": torch.tensor([20, 65], dtype=torch.int32)},
+        ["max_seq_len=65", "(2, 4)"],
+    ),
+}
 
 
 @pytest.mark.parametrize("bad_id", list(BAD))

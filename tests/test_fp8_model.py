@@ -6,6 +6,7 @@ transformers'; what stays unquantized; the refusals, one line each; the plan's r
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from stepgraph.engine import Engine
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
 from stepgraph.model.decode.step_plan import (
+    CUBLAS,
+    CUBLAS_HANDOFF,
+    FP8_FUSED,
     FP8_REFERENCE,
     plan_step,
     reference_reason,
@@ -56,8 +60,9 @@ def dequantized_runner(mr: ModelRunner) -> ModelRunner:
             else:
                 p.copy_(model.get_parameter(name))
     ref.build_rope()
-    return ModelRunner.from_model(ref, device="cpu", dtype=torch.float32, max_bs=mr.max_bs,
-                                  max_context_len=mr.max_context_len)  # fmt: skip
+    return ModelRunner.from_model(
+        ref, device="cpu", dtype=torch.float32, max_bs=mr.max_bs, max_context_len=mr.max_context_len
+    )
 
 
 def _generate(mr: ModelRunner, prompts) -> list[list[int]]:
@@ -65,8 +70,9 @@ def _generate(mr: ModelRunner, prompts) -> list[list[int]]:
 
 
 def test_preset_quantized_on_load_equals_its_dequantized_float32_run():
-    mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, quantization="fp8", max_bs=4,
-                                 max_context_len=128)  # fmt: skip
+    mr = ModelRunner.from_preset(
+        "tiny", "cpu", torch.float32, quantization="fp8", max_bs=4, max_context_len=128
+    )
     model = mr.model
     fp8 = fp8_modules(model)
     assert len(fp8) == 4 * model.config.num_layers
@@ -91,8 +97,9 @@ def _hf_reference(arch: str, mr: ModelRunner):
     """transformers' float32 model over ``mr``'s weights dequantized."""
     transformers = pytest.importorskip("transformers")
     cfg = {**SHAPES, **ARCH[arch], "torch_dtype": "float32"}
-    hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
-                                                  if k != "architectures"})  # fmt: skip
+    hf_cfg = transformers.AutoConfig.for_model(
+        **{k: v for k, v in cfg.items() if k != "architectures"}
+    )
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
     ref = dequantized_runner(mr).model
     hd = mr.config.head_dim
@@ -103,8 +110,11 @@ def _hf_reference(arch: str, mr: ModelRunner):
         if "rope" in name:
             continue
         if "qkv_proj" in name:
-            for part, sl in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
-                             ("v_proj", slice(q + kv, q + 2 * kv))):  # fmt: skip
+            for part, sl in (
+                ("q_proj", slice(0, q)),
+                ("k_proj", slice(q, q + kv)),
+                ("v_proj", slice(q + kv, q + 2 * kv)),
+            ):
                 state["model." + name.replace("qkv_proj", part)] = t[sl]
         elif "gate_up_proj" in name:
             state["model." + name.replace("gate_up_proj", "gate_proj")] = t[:inter]
@@ -135,8 +145,13 @@ def test_fp8_checkpoints_equal_their_dequantized_float32_runs(tmp_path, arch, ki
     hf = _hf_reference(arch, mr)
     with torch.no_grad():
         for p, got in zip(prompts, ours):
-            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
+            out = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+                pad_token_id=0,
+            )
             assert got == out[0, len(p) :].tolist()
 
 
@@ -145,8 +160,9 @@ def test_unquantized_checkpoint_quantized_on_load_per_channel(tmp_path):
     cfg = {**SHAPES, **ARCH["llama"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    mr = ModelRunner.from_hf_dir(tmp_path, "cpu", torch.float32, quantization="fp8", max_bs=4,
-                                 max_context_len=128)  # fmt: skip
+    mr = ModelRunner.from_hf_dir(
+        tmp_path, "cpu", torch.float32, quantization="fp8", max_bs=4, max_context_len=128
+    )
     qkv = mr.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Fp8Linear) and qkv.block is None
     stacked = torch.cat([tensors[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
@@ -161,8 +177,9 @@ def test_unquantized_checkpoint_quantized_on_load_per_channel(tmp_path):
 
 def test_an_fp8_checkpoint_with_quantization_fp8_loads_as_it_is(tmp_path):
     write_checkpoint(tmp_path, "llama", "fp8")
-    mr = ModelRunner.from_hf_dir(tmp_path, "cpu", torch.float32, quantization="fp8",
-                                 max_context_len=64)  # fmt: skip
+    mr = ModelRunner.from_hf_dir(
+        tmp_path, "cpu", torch.float32, quantization="fp8", max_context_len=64
+    )
     assert weight_format(mr.model) == "fp8-block"
 
 
@@ -194,23 +211,37 @@ def test_stacked_parts_take_one_format():
     b = Fp8Weight(torch.zeros(4, 16, dtype=torch.float8_e4m3fn), torch.rand(1, 1) + 0.5, (8, 16))
     # a's 8 rows then b's 4: stacked on 8-row blocks as they are
     both = _cat([a, b], "x")
-    assert both.block == (8, 16) and torch.equal(both.dequantize(), torch.cat(
-        [a.dequantize(), b.dequantize()]))  # fmt: skip
+    assert both.block == (8, 16) and torch.equal(
+        both.dequantize(), torch.cat([a.dequantize(), b.dequantize()])
+    )
     # 12 rows then 4 on 8-row blocks: re-expressed on 4-row blocks, the same values
-    c = Fp8Weight(torch.ones(12, 16).to(torch.float8_e4m3fn), torch.tensor([[2.0], [3.0]]),
-                  (8, 16))  # fmt: skip
+    c = Fp8Weight(torch.ones(12, 16).to(torch.float8_e4m3fn), torch.tensor([[2.0], [3.0]]), (8, 16))
     both = _cat([c, b], "x")
     assert both.block == (4, 16)
     assert torch.equal(both.dequantize(), torch.cat([c.dequantize(), b.dequantize()]))
 
 
-def test_the_plan_routes_fp8_weights_in_one_place():
-    mr = ModelRunner.from_preset("tiny", quantization="fp8", max_context_len=64)
+def test_the_plan_routes_fp8_weights_in_one_place(tmp_path):
+    mr = ModelRunner.from_preset("llama-3.2-1b", quantization="fp8", num_layers=1,
+                                 max_context_len=64)  # fmt: skip
     shapes = step_shapes(mr.model)
-    assert shapes.weight_format == "fp8-channel" and shapes.elem_bytes == 1
+    # per channel: the fused kernels (W_FP8), looked up at the activations' element size
+    assert shapes.weight_format == FP8_FUSED and shapes.elem_bytes == 4
     plain = step_shapes(ModelRunner.from_preset("tiny", max_context_len=64).model)
     assert plain.weight_format == "plain"
     t = DecodeTuning.default()
+    bf16 = replace(shapes, elem_bytes=2)  # the 1B's measured tables
+    for rows in (1, 8, 32, 64):
+        plan = plan_step(bf16, rows, rows, t)
+        assert plan.fused, (rows, plan.reference)
+        for proj in (plan.qkv0, plan.qkv, plan.gate_up):  # never cuBLAS: no e4m3 there
+            assert proj.how not in (CUBLAS, CUBLAS_HANDOFF), (rows, proj)
+    plain_plan = plan_step(replace(bf16, weight_format="plain"), 64, 64, t)
+    assert CUBLAS in (plain_plan.qkv.how, plain_plan.qkv0.how) or "cublas" in str(plain_plan)
+    # block scales: the reference kernels (the FP8-weight GEMV), at every bucket
+    write_checkpoint(tmp_path, "llama", "fp8")
+    block = step_shapes(ModelRunner.from_hf_dir(tmp_path, max_context_len=64).model)
+    assert block.weight_format == "fp8-block"
     for rows in (1, 8, 64):
-        assert reference_reason(shapes, rows, t) == FP8_REFERENCE
-        assert plan_step(shapes, rows, rows, t).reference == FP8_REFERENCE
+        assert reference_reason(block, rows, t) == FP8_REFERENCE
+        assert plan_step(block, rows, rows, t).reference == FP8_REFERENCE

@@ -43,9 +43,12 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch, tuning
     if path == "separate norm":  # norm kernel, then the fused kernel's _normed variant
         from stepgraph.kernels.proj import proj_tiles
 
-        tables = dataclasses.replace(tuning.tables, separate_norm_everywhere={
-            (k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)
-        })  # fmt: skip
+        tables = dataclasses.replace(
+            tuning.tables,
+            separate_norm_everywhere={
+                (k, bm) for k in ("qkv_rope", "gate_up_silu") for bm in (16, 32, 64)
+            },
+        )
         tuning = dataclasses.replace(tuning, tables=tables)
 
         def separate(kernel, m, n, k, e=2, tables=None):  # the bf16 check lifted (float32)
@@ -54,7 +57,8 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch, tuning
 
         monkeypatch.setattr(step_plan, "separate_norm", separate)
     assert reference_rows(bs, mr.attn_backend, mr.model, tuning) == (
-        path == "as shipped" and bs > 1)  # fmt: skip
+        path == "as shipped" and bs > 1
+    )
     batch, pages = decode_batch(mr, Point(bs, context), seed=bs)
     try:
         kv0 = [c.clone() for c in (*mr.kv_cache.k_caches, *mr.kv_cache.v_caches)]
@@ -64,7 +68,11 @@ def test_fused_step_matches_reference(mr, bs, context, path, monkeypatch, tuning
             c.copy_(c0)
         tokens = torch.full((bs,), -1, dtype=torch.int64)
         logits = fused_decode_step(
-            mr.model, mr.attn_backend, batch.input_ids, batch.positions, tokens_out=tokens,
+            mr.model,
+            mr.attn_backend,
+            batch.input_ids,
+            batch.positions,
+            tokens_out=tokens,
             tuning=tuning,
         )
         assert ((logits - ref).norm() / ref.norm()).item() < 1e-5
@@ -85,11 +93,14 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
 
     cfg = mr.config
     qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    tables = dataclasses.replace(DecodeTuning().tables, cublas={
-        ("qkv_rope", qkv_n, cfg.hidden_size, 32),
-        ("gate_up_silu", 2 * cfg.intermediate_size, cfg.hidden_size, 32),
-        ("lm_head", cfg.vocab_size, cfg.hidden_size, 32),
-    })  # fmt: skip
+    tables = dataclasses.replace(
+        DecodeTuning().tables,
+        cublas={
+            ("qkv_rope", qkv_n, cfg.hidden_size, 32),
+            ("gate_up_silu", 2 * cfg.intermediate_size, cfg.hidden_size, 32),
+            ("lm_head", cfg.vocab_size, cfg.hidden_size, 32),
+        },
+    )
     unfused = []
 
     def prefer(kernel, m, n, k, elem_bytes=2, tables=None):
@@ -98,8 +109,9 @@ def test_cublas_pieces_where_measured_faster(mr, monkeypatch):
         return choice
 
     monkeypatch.setattr(step_plan, "prefer_cublas", prefer)  # every choice goes through it
-    test_fused_step_matches_reference(mr, 17, 40, "tensor-core", monkeypatch,
-                                      DecodeTuning(tables=tables))  # fmt: skip
+    test_fused_step_matches_reference(
+        mr, 17, 40, "tensor-core", monkeypatch, DecodeTuning(tables=tables)
+    )
     # every choice of the step (qkv and gate-up a layer, the head; and the norm handoff's
     # look-ahead at each) went to cuBLAS
     assert len(unfused) >= 2 * cfg.num_layers + 1 and all(unfused)
@@ -112,28 +124,39 @@ def test_unmeasured_shapes_and_float32_take_the_reference_rows(mr, monkeypatch):
     from stepgraph.kernels.proj import proj_tiles
     from stepgraph.model import ModelRunner
 
-    big = ModelRunner.from_preset("llama-3.2-1b", "cpu", torch.bfloat16, num_layers=1,
-                                  max_bs=64, max_context_len=64)  # fmt: skip
-    assert all(step_plan.measured_all(step_plan.step_shapes(big.model), rows)
-               for rows in (2, 16, 32, 48, 64))  # fmt: skip
+    big = ModelRunner.from_preset(
+        "llama-3.2-1b", "cpu", torch.bfloat16, num_layers=1, max_bs=64, max_context_len=64
+    )
+    assert all(
+        step_plan.measured_all(step_plan.step_shapes(big.model), rows)
+        for rows in (2, 16, 32, 48, 64)
+    )
     assert not any(reference_rows(bs, big.attn_backend, big.model) for bs in (1, 2, 3, 32, 64))
-    eight = (6144, 4096)  # the 8B's qkv: its buckets 2 and 4 on its tiles too since run J9
+    eight = (6144, 4096)  # the 8B's qkv: its buckets 2 and 4 on its tiles too
     assert not any(proj_tiles.reference_bucket(*eight, b) for b in (1, 2, 3, 4, 8))
     assert not step_plan.measured_all(step_plan.step_shapes(mr.model), 64)
     assert reference_rows(40, mr.attn_backend, mr.model) and not reference_rows(1, None, mr.model)
     # a bucket in tables.reference_buckets for the model's qkv shape runs the reference kernels
-    t = DecodeTuning(tables=dataclasses.replace(DecodeTuning().tables,
-                                                reference_buckets={(3072, 2048, 32)}))
+    t = DecodeTuning(
+        tables=dataclasses.replace(DecodeTuning().tables, reference_buckets={(3072, 2048, 32)})
+    )
     assert proj_tiles.reference_bucket(3072, 2048, 32, tables=t.tables)
     assert not proj_tiles.reference_bucket(3072, 2048, 32, elem_bytes=4, tables=t.tables)
     assert [reference_rows(bs, big.attn_backend, big.model, t) for bs in (16, 17, 32, 33)] == [
-        False, True, True, False,
-    ]  # fmt: skip
+        False,
+        True,
+        True,
+        False,
+    ]
     # and the buckets of reference_rows, for every model
     t = DecodeTuning(reference_rows=range(2, 5))
     assert [reference_rows(bs, big.attn_backend, big.model, t) for bs in (1, 2, 3, 4, 5)] == [
-        False, True, True, True, False,
-    ]  # fmt: skip
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
 
 
 def test_kernel_switch_on_cpu(mr):
@@ -159,8 +182,9 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
     tensor_cores(monkeypatch)
     w = mr.model.layers[0].self_attn.qkv_proj.weight
     table = {(*w.shape, 8), (*w.shape, 16)}  # the table's check, this float32 model's entries
-    monkeypatch.setattr(step_plan, "no_pdl_bucket",
-                        lambda n, k, b, e=2, tables=None: (n, k, b) in table)  # fmt: skip
+    monkeypatch.setattr(
+        step_plan, "no_pdl_bucket", lambda n, k, b, e=2, tables=None: (n, k, b) in table
+    )
     buckets = None if switch is None else parse_buckets("pdl.no_pdl_buckets", switch)
     tuning = DecodeTuning(pdl=PdlPlacement(no_pdl_buckets=buckets))
     seen: list = []
@@ -177,15 +201,21 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
         batch, pages = decode_batch(mr, Point(bs, 9), seed=bs)
         try:
             mr.attn_backend.init_forward_metadata(batch)
-            fused_decode_step(mr.model, mr.attn_backend, batch.input_ids, batch.positions,
-                              use_pdl=use_pdl, tuning=tuning)  # fmt: skip
+            fused_decode_step(
+                mr.model,
+                mr.attn_backend,
+                batch.input_ids,
+                batch.positions,
+                use_pdl=use_pdl,
+                tuning=tuning,
+            )
         finally:
             for p in pages:
                 mr.kv_cache.release(p)
         assert len(set(seen)) == 1 and len(seen) == 2 * len(mr.model.layers)
         got[(bs, use_pdl)] = seen[0]
     off = {None: (5, 9), "none": (), "2-4": (3,)}[switch]  # buckets 4, 8, 16, 32
-    late = TRIGGER_MODES["late"]  # from two rows the trigger after the main loop (run J1)
+    late = TRIGGER_MODES["late"]  # from two rows the trigger after the main loop
     want = {(bs, None): False if bs in off else late for bs in (3, 5, 9, 17)}
     assert got == {**want, (5, True): True}
 
@@ -193,8 +223,8 @@ def test_pdl_off_where_the_table_says(mr, monkeypatch, switch):
 @pytest.mark.parametrize("attention_pdl", [False, True])
 def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention_pdl):
     """By default at one row the split kernel is detached (launched plainly, its trigger at its
-    start) and the combine's trigger comes before its wait (run K1); from two rows the combine
-    alone launches with PDL, its trigger at its exit (run E5; the split with it: D1, E4);
+    start) and the combine's trigger comes before its wait; from two rows the combine alone
+    launches with PDL, its trigger at its exit (docs/experiments.md#pdl-placement);
     ``pdl.attention`` overrides both, in the projections' mode: the late trigger from two rows,
     the device's default at one."""
     tensor_cores(monkeypatch)
@@ -225,7 +255,7 @@ def test_the_attention_takes_pdl_on_its_combine_alone(mr, monkeypatch, attention
 def test_no_pdl_table_keys():
     from stepgraph.kernels.proj.proj_tiles import no_pdl_bucket
 
-    # Llama-3.2-1B: PDL at every bucket since the late trigger (run J1; 8 and 16 were off)
+    # Llama-3.2-1B: PDL at every bucket with the late trigger
     assert not any(no_pdl_bucket(3072, 2048, b) for b in (4, 8, 16, 32, 64))
     assert not no_pdl_bucket(6144, 4096, 8)  # Llama-3.1-8B: faster with PDL
 
@@ -235,11 +265,19 @@ def test_attention_pdl_parts_and_modes():
 
     name = "pdl.attention"
     assert PdlPlacement().attention_modes is None  # step_attention's defaults
-    want = {"0": (False, False, None), "1": (True, True, None), "both": (True, True, None),
-            "split": (True, False, None), "combine": (False, True, None),
-            "split:exit": (True, False, 3), "both:wait": (True, True, 1),
-            "combine:late": (False, True, 2), "detached,early": (5, 4, None),
-            "0,exit": (False, 3, None), "wait,0": (1, False, None)}  # fmt: skip
+    want = {
+        "0": (False, False, None),
+        "1": (True, True, None),
+        "both": (True, True, None),
+        "split": (True, False, None),
+        "combine": (False, True, None),
+        "split:exit": (True, False, 3),
+        "both:wait": (True, True, 1),
+        "combine:late": (False, True, 2),
+        "detached,early": (5, 4, None),
+        "0,exit": (False, 3, None),
+        "wait,0": (1, False, None),
+    }
     for text, spec in want.items():
         assert attention_pdl_modes(text) == spec, text
         assert PdlPlacement(attention=text).attention_modes == spec, text

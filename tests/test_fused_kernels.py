@@ -125,8 +125,20 @@ def test_rope_kv_scales_by_the_handoffs_rms_then_adds_the_bias(nan_empty, dtype,
     positions, slots = torch.tensor([7, 0, 63]), torch.tensor([ps - 1, ps, 4 * ps + 3])
     k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
     v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
-    q = rope_kv(raw, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads,
-                ssq=ssq, hidden=hidden, eps=eps, bias=b)  # fmt: skip
+    q = rope_kv(
+        raw,
+        positions,
+        cos_t,
+        sin_t,
+        k_cache,
+        v_cache,
+        slots,
+        n_heads,
+        ssq=ssq,
+        hidden=hidden,
+        eps=eps,
+        bias=b,
+    )
     inv = (r.pow(2).mean(1, keepdim=True) + eps).rsqrt()
     row = raw.double() * inv + (b.double() if bias else 0)
     qd, kd, vd = row.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
@@ -142,8 +154,16 @@ def test_rope_kv_refuses_a_handoff_without_its_width_and_a_wrong_bias():
     n_heads, n_kv, hd, t = 2, 1, 8, 2
     qkv = torch.randn(t, (n_heads + 2 * n_kv) * hd)
     cache = torch.zeros(2, 4, n_kv, hd)
-    args = (qkv, torch.tensor([0, 1]), torch.ones(4, hd), torch.zeros(4, hd), cache,
-            cache.clone(), torch.tensor([1, 2]), n_heads)  # fmt: skip
+    args = (
+        qkv,
+        torch.tensor([0, 1]),
+        torch.ones(4, hd),
+        torch.zeros(4, hd),
+        cache,
+        cache.clone(),
+        torch.tensor([1, 2]),
+        n_heads,
+    )
     ssq = torch.ones(t, 3)
     for hidden in (0, True, 2.0):
         with pytest.raises(ConfigError, match="hidden"):

@@ -98,8 +98,18 @@ def test_qkv_rope(nan_empty, dtype, m, bias, blocks):
     )
     # float64 reference: norm, project, rotate, place k and v at their slots
     qkv = rms64(x, nw) @ w.double().T + (b.double() if bias else 0)
-    check_qkv_rope(q, qkv, positions, cos_t, sin_t, (k_cache, v_cache), (k0, v0), slots,
-                   n_heads, 2 * TOL[dtype])  # fmt: skip
+    check_qkv_rope(
+        q,
+        qkv,
+        positions,
+        cos_t,
+        sin_t,
+        (k_cache, v_cache),
+        (k0, v0),
+        slots,
+        n_heads,
+        2 * TOL[dtype],
+    )
     # the unfused torch ops agree
     k_ref, v_ref = k0.clone(), v0.clone()
     q_ref = qkv_rope_reference(

@@ -41,8 +41,16 @@ def _poison(bufs: GraphInputBuffers) -> None:
 
 
 def _fields(bufs: GraphInputBuffers, n: int) -> list[torch.Tensor]:
-    return [t[:n].clone() for t in (bufs.input_ids, bufs.positions, bufs.out_cache_loc,
-                                    bufs.seq_lens, bufs.block_table)]  # fmt: skip
+    return [
+        t[:n].clone()
+        for t in (
+            bufs.input_ids,
+            bufs.positions,
+            bufs.out_cache_loc,
+            bufs.seq_lens,
+            bufs.block_table,
+        )
+    ]
 
 
 @pytest.mark.parametrize("staged", [False, "host", "copy"])

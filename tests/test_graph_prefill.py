@@ -119,8 +119,14 @@ def test_engine_graph_prefill_gives_eagers_tokens(mode):
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 40, 17, 6, 29)]
     want = Engine(_runner(), "eager").generate(prompts, 6)
     config = None if mode == "eager" else RunnerConfig(max_bs=6, show_progress=False)
-    engine = Engine(_runner(), mode, config, prefill="graph", max_prefill_tokens=24,
-                    prefill_config=dict(token_buckets=BUCKETS, max_chunks=4))  # fmt: skip
+    engine = Engine(
+        _runner(),
+        mode,
+        config,
+        prefill="graph",
+        max_prefill_tokens=24,
+        prefill_config=dict(token_buckets=BUCKETS, max_chunks=4),
+    )
     assert engine.generate(prompts, 6) == want
     assert engine.prefiller.stats.graph_batches >= 3
     engine.shutdown()

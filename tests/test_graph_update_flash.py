@@ -447,8 +447,8 @@ def test_switching_ladders_recomputes_even_inside_a_cached_interval():
             assert all(exec_splits(fd, ex, lay) == (want, want) for lay in layers)
 
 
-def test_seed_two_argument_ladder_retunes_like_its_four_argument_form():
-    """The seed's ladder signature is ``split_keys(t_kv, n_kv)``; fa_apply takes it as is."""
+def test_a_two_argument_ladder_retunes_like_its_four_argument_form():
+    """A ladder of signature ``split_keys(t_kv, n_kv)``: fa_apply takes it as is."""
     rng = random.Random(19)
     fd, g, layers = build(rng, 6)
     two = lambda t, n_kv: max(64, t // (2 * n_kv))  # noqa: E731
@@ -476,9 +476,14 @@ def test_the_wide_head_ladder_retunes_as_the_backend_splits():
     from stepgraph.model.attention import PagedAttentionBackend
 
     backend = PagedAttentionBackend(
-        None, num_heads=32, num_kv_heads=8, head_dim=128, device="cpu", max_context_len=8192,
+        None,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        device="cpu",
+        max_context_len=8192,
         use_kernel=True,
-    )  # fmt: skip
+    )
     backend.num_sms = SMS
     assert backend.split_keys is ladder_for(128) is not fa_split_keys
     runner = SimpleNamespace(device="cpu", max_context_len=8192, attn_backend=backend)
@@ -487,9 +492,14 @@ def test_the_wide_head_ladder_retunes_as_the_backend_splits():
     plain = SimpleNamespace(device="cpu", max_context_len=64)  # no attn_backend: the default
     assert default_exec_updater(plain).split_keys is None
     narrow = PagedAttentionBackend(
-        None, num_heads=32, num_kv_heads=8, head_dim=64, device="cpu", max_context_len=64,
+        None,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        device="cpu",
+        max_context_len=64,
         use_kernel=True,
-    )  # fmt: skip
+    )
     assert narrow.split_keys is fa_split_keys
 
     rng = random.Random(23)
@@ -502,8 +512,11 @@ def test_the_wide_head_ladder_retunes_as_the_backend_splits():
         for lay in layers:
             want = min(lay.bucket, backend.splits_for(t, lay.bs)) if lay.n_kv == 8 else None
             got = exec_splits(fd, ex, lay)
-            assert got[0] == got[1] == num_splits_for(t, lay.n_kv, lay.bs, SMS, lay.bucket,
-                                                      head_dim=128)  # fmt: skip
+            assert (
+                got[0]
+                == got[1]
+                == num_splits_for(t, lay.n_kv, lay.bs, SMS, lay.bucket, head_dim=128)
+            )
             if want is not None:
                 assert got[0] == want
             differs |= got[0] != num_splits_for(t, lay.n_kv, lay.bs, SMS, lay.bucket)

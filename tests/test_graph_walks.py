@@ -49,9 +49,11 @@ def test_batch_above_largest_bucket_runs_eagerly_in_chunks():
     prompts = _prompts([4, 9, 15, 22, 30], seed=2)
     ref = Engine(_runner(), "eager").generate(prompts, max_new_tokens=6)
     engine = Engine(
-        _runner(), "graph", RunnerConfig(capture_bs=(1, 2), show_progress=False),
+        _runner(),
+        "graph",
+        RunnerConfig(capture_bs=(1, 2), show_progress=False),
         decode_via="configs",
-    )  # fmt: skip
+    )
     assert engine.generate(prompts, max_new_tokens=6) == ref
     stats = engine.config_runner.stats
     assert stats.eager_reasons["too_large"] == engine.stats.eager_steps == 5

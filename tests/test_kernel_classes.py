@@ -53,9 +53,13 @@ def test_the_table_covers_every_kernel():
 
 def _eager_splits(backend, bs: int, t_kv: int) -> int:
     batch = SimpleNamespace(
-        batch_size=bs, max_seq_len=t_kv, seq_lens_cpu=None, block_table=None, seq_lens=None,
+        batch_size=bs,
+        max_seq_len=t_kv,
+        seq_lens_cpu=None,
+        block_table=None,
+        seq_lens=None,
         out_cache_loc=None,
-    )  # fmt: skip
+    )
     backend.init_forward_metadata(batch)
     return backend.meta.num_splits
 

@@ -38,10 +38,13 @@ def _bad_globals(fn) -> list[str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     local = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
     local |= {
-        t.id for n in ast.walk(tree) for t in ast.walk(n)
+        t.id
+        for n in ast.walk(tree)
+        for t in ast.walk(n)
         if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For, ast.comprehension))
-        and isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)
-    }  # fmt: skip
+        and isinstance(t, ast.Name)
+        and isinstance(t.ctx, ast.Store)
+    }
     bad = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Name) or not isinstance(node.ctx, ast.Load):

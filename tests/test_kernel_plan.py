@@ -56,12 +56,19 @@ def test_the_1b_plan_as_committed():
         assert c["down"] == "gemv_residual 64x128 w4 s5 split4 TMA1"
         assert c["lm_head"] == "lm_head 256x64 w8 s3 TMA2" + sums
     # 17-32 rows: qkv and the LM head fused; 33-64: qkv's cuBLAS GEMM on the handoff
-    assert plan[32][1]["qkv"] == (f"qkv_rope 16x128 w4 s5 split4 TMA1{sums} (layer 0: norm, "
-                                  "then qkv_rope 16x128 w4 s5 split4 TMA1)")  # fmt: skip
+    assert plan[32][1]["qkv"] == (
+        f"qkv_rope 16x128 w4 s5 split4 TMA1{sums} (layer 0: norm, "
+        "then qkv_rope 16x128 w4 s5 split4 TMA1)"
+    )
     assert plan[32][1]["lm_head"] == "lm_head 256x64 w8 s3 TMA1" + sums
-    assert plan[48][1]["qkv"] == plan[64][1]["qkv"] == (
-        "cuBLAS + RoPE/KV write, the norm from the sums of squares in the RoPE kernel (layer 0: "
-        "norm + cuBLAS + RoPE/KV write)")  # fmt: skip
+    assert (
+        plan[48][1]["qkv"]
+        == plan[64][1]["qkv"]
+        == (
+            "cuBLAS + RoPE/KV write, the norm from the sums of squares in the RoPE kernel "
+            "(layer 0: norm + cuBLAS + RoPE/KV write)"
+        )
+    )
     assert plan[32][1]["gate_up"].endswith(sums)
     assert plan[64][1]["gate_up"] == "gate_up_silu 64x128 w4 s3 TMA1" + sums
     assert plan[64][1]["lm_head"] == (
@@ -72,9 +79,11 @@ def test_the_1b_plan_as_committed():
 
 
 def test_unmeasured_shapes_and_float32_run_the_reference_kernels():
-    for config, elem, fused in ((PRESETS["llama-3.1-8b"], 2, (2, 4, 8, 16)),
-                                (PRESETS["llama-3.2-1b"], 4, ()),
-                                (PRESETS["qwen2.5-0.5b"], 2, ())):  # fmt: skip
+    for config, elem, fused in (
+        (PRESETS["llama-3.1-8b"], 2, (2, 4, 8, 16)),
+        (PRESETS["llama-3.2-1b"], 4, ()),
+        (PRESETS["qwen2.5-0.5b"], 2, ()),
+    ):
         plan = by_bucket(config, elem)
         assert plan[1][0] == "fused, one row (GEMV)"
         for b in plan:
@@ -152,9 +161,12 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
 
     def kind(piece):
         return lambda a, k: (
-            f"{piece} handoff" if k.get("ssq") is not None
-            else f"{piece} sep" if len(a) > 1 and a[1] is None else f"{piece} fused"
-        )  # fmt: skip
+            f"{piece} handoff"
+            if k.get("ssq") is not None
+            else f"{piece} sep"
+            if len(a) > 1 and a[1] is None
+            else f"{piece} fused"
+        )
 
     spy("qkv_rope", fused_decode.qkv_rope, kind("qkv"))
     spy(
@@ -176,8 +188,9 @@ def test_the_plan_is_what_the_step_runs(mr, monkeypatch, handoff):
         batch, pages = decode_batch(mr, Point(bs, 20), seed=bs)
         try:
             mr.attn_backend.init_forward_metadata(batch)
-            fused_decode.fused_decode_step(mr.model, mr.attn_backend, batch.input_ids,
-                                           batch.positions, tuning=tuning)  # fmt: skip
+            fused_decode.fused_decode_step(
+                mr.model, mr.attn_backend, batch.input_ids, batch.positions, tuning=tuning
+            )
         finally:
             for p in pages:
                 mr.kv_cache.release(p)
@@ -230,12 +243,16 @@ def test_the_step_executes_the_plan_launch_by_launch(mr, monkeypatch, cublas_at)
     says: nothing is chosen outside ``plan_step``."""
     cfg = mr.config
     shapes = kernel_plan.piece_shapes(cfg)
-    cublas = {(kernel, *shapes[p], bm) for bm in cublas_at
-              for p, kernel in (("qkv", "qkv_rope"), ("gate_up", "gate_up_silu"),
-                                ("lm_head", "lm_head"))}  # fmt: skip
-    monkeypatch.setattr(step_plan, "prefer_cublas",
-                        lambda kernel, m, n, k, e=2, tables=None:
-                        (kernel, n, k, block_m(m)) in cublas)  # fmt: skip
+    cublas = {
+        (kernel, *shapes[p], bm)
+        for bm in cublas_at
+        for p, kernel in (("qkv", "qkv_rope"), ("gate_up", "gate_up_silu"), ("lm_head", "lm_head"))
+    }
+    monkeypatch.setattr(
+        step_plan,
+        "prefer_cublas",
+        lambda kernel, m, n, k, e=2, tables=None: (kernel, n, k, block_m(m)) in cublas,
+    )
     monkeypatch.setattr(step_plan, "measured", lambda *a: True)
     tuning = DecodeTuning()
     ran: list = []
@@ -251,8 +268,9 @@ def test_the_step_executes_the_plan_launch_by_launch(mr, monkeypatch, cublas_at)
             mr.attn_backend.init_forward_metadata(batch)
             # the plan the step looks up is the one computed before: cached, not recomputed
             assert fused_decode.step_plan(bs, mr.model, mr.attn_backend, tuning) is plan
-            fused_decode.fused_decode_step(mr.model, mr.attn_backend, batch.input_ids,
-                                           batch.positions, tuning=tuning)  # fmt: skip
+            fused_decode.fused_decode_step(
+                mr.model, mr.attn_backend, batch.input_ids, batch.positions, tuning=tuning
+            )
         finally:
             for p in pages:
                 mr.kv_cache.release(p)
@@ -296,8 +314,17 @@ def test_the_step_modules_hold_no_rule_of_their_own():
     """The table lookups that decide the step (cuBLAS, the separate norm, the tiles, the
     measured shapes, the PDL buckets) are read by ``step_plan`` alone, not by the modules that
     execute its plan."""
-    rules = ("prefer_cublas", "separate_norm", "tile_for", "qkv_tile", "measured",
-             "reference_bucket", "no_pdl_bucket", "merges", "fold_merge")  # fmt: skip
+    rules = (
+        "prefer_cublas",
+        "separate_norm",
+        "tile_for",
+        "qkv_tile",
+        "measured",
+        "reference_bucket",
+        "no_pdl_bucket",
+        "merges",
+        "fold_merge",
+    )
     for mod in (fused_decode, fused_mlp, kernel_plan):
         assert not [r for r in rules if hasattr(mod, r)], mod.__name__
     assert hasattr(step_plan, "prefer_cublas") and hasattr(step_plan, "separate_norm")

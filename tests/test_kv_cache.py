@@ -13,9 +13,15 @@ from stepgraph.model.kv_cache import SCRATCH_PAGE, KVCache, PageAllocator
 
 def _cache(num_pages: int = 9, page_size: int = 4, max_context_len: int = 16) -> KVCache:
     return KVCache(
-        num_layers=2, num_kv_heads=2, head_dim=8, num_pages=num_pages, page_size=page_size,
-        max_context_len=max_context_len, dtype=torch.float32, device="cpu",
-    )  # fmt: skip
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_context_len=max_context_len,
+        dtype=torch.float32,
+        device="cpu",
+    )
 
 
 def test_allocator_never_hands_out_scratch_page():

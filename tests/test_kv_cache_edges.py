@@ -16,9 +16,15 @@ from stepgraph.model.kv_cache import SCRATCH_PAGE, KVCache, PageAllocator
 
 def _cache(**kw) -> KVCache:
     args = dict(
-        num_layers=3, num_kv_heads=2, head_dim=8, num_pages=7, page_size=4, max_context_len=10,
-        dtype=torch.float16, device="cpu",
-    )  # fmt: skip
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=8,
+        num_pages=7,
+        page_size=4,
+        max_context_len=10,
+        dtype=torch.float16,
+        device="cpu",
+    )
     return KVCache(**{**args, **kw})
 
 

@@ -89,7 +89,7 @@ def test_no_module_over_500_lines(path):
     assert n <= MAX_LINES, f"{path.relative_to(PKG)} has {n} lines; give its parts names"
 
 
-def test_each_seed_lives_in_one_package():
+def test_runner_configs_and_graph_update_apis_each_live_in_one_package():
     import stepgraph
     from stepgraph import configs, graph_update, runner
 

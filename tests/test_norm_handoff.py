@@ -36,10 +36,16 @@ def tile_sums(y: torch.Tensor, block_n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m, tile", [
-    (1, Tile(16, 32, 4)), (3, Tile(16, 16, 4, 2, 3)), (17, Tile(16, 32, 4, 2, 2)),
-    (64, Tile(32, 16, 4, 2, 1)), (3, Tile(16, 16, 4, 2, 2, 1)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "m, tile",
+    [
+        (1, Tile(16, 32, 4)),
+        (3, Tile(16, 16, 4, 2, 3)),
+        (17, Tile(16, 32, 4, 2, 2)),
+        (64, Tile(32, 16, 4, 2, 1)),
+        (3, Tile(16, 16, 4, 2, 2, 1)),
+    ],
+)
 def test_residual_hands_over(nan_empty, dtype, m, tile):
     # N = 40: tiles of 16 end ragged (3 of them), of 32 too (2); K = 96 in 3-6 chunks
     g = torch.Generator().manual_seed(7 * m + tile.split_k)
@@ -94,11 +100,24 @@ def test_qkv_rope_from_handoff(nan_empty, m):
     slots = torch.randperm(pages * page, generator=g)[:m]
     tile = Tile(16, 16, 4, 2, 2) if m > 1 else None
     for scale, sums_in in ((1.0, sums), (0.5, 4 * sums)):
-        q = qkv_rope(xw, None, w, bias, EPS, pos, cos_t, sin_t, k_cache, v_cache, slots,
-                     n_heads, blocks=tile, ssq=sums_in)  # fmt: skip
+        q = qkv_rope(
+            xw,
+            None,
+            w,
+            bias,
+            EPS,
+            pos,
+            cos_t,
+            sin_t,
+            k_cache,
+            v_cache,
+            slots,
+            n_heads,
+            blocks=tile,
+            ssq=sums_in,
+        )
         qkv = rms64(r, nw, EPS) * scale @ w.double().T + bias.double()  # bias after the norm
-        check_qkv_rope(q, qkv, pos, cos_t, sin_t, (k_cache, v_cache), caches0, slots, n_heads,
-                       1e-5)  # fmt: skip
+        check_qkv_rope(q, qkv, pos, cos_t, sin_t, (k_cache, v_cache), caches0, slots, n_heads, 1e-5)
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])

@@ -175,14 +175,19 @@ def _save_hf(model: LlamaModel, path: Path) -> None:
     weight_map = {k: f for f, ks in files.items() for k in ks}
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     hf = dict(
-        architectures=["Qwen2ForCausalLM"], vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
         tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings,
-    )  # fmt: skip
+    )
     (path / "config.json").write_text(json.dumps(hf))
 
 

@@ -173,9 +173,14 @@ def test_engine_piecewise_prefill_and_config_decode_match_eager():
     ]
     ref = Engine(_runner(), "eager").generate(prompts, max_new_tokens=8)
     engine = Engine(
-        _runner(), "graph", RunnerConfig(max_bs=8, show_progress=False),
-        max_running=3, prefill="piecewise", decode_via="configs", prefill_config=CFG,
-    )  # fmt: skip
+        _runner(),
+        "graph",
+        RunnerConfig(max_bs=8, show_progress=False),
+        max_running=3,
+        prefill="piecewise",
+        decode_via="configs",
+        prefill_config=CFG,
+    )
     assert engine.generate(prompts, max_new_tokens=8) == ref
     assert engine.prefiller.stats.graph_batches >= 2 and engine.stats.prefills == 5
     engine.shutdown()

@@ -30,9 +30,12 @@ def test_preset_shapes_are_the_model_weight_shapes():
     mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, max_bs=2, max_context_len=16)
     layer, model = mr.model.layers[0], mr.model
     weights = {
-        "qkv": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-        "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj, "lm_head": model.lm_head,
-    }  # fmt: skip
+        "qkv": layer.self_attn.qkv_proj,
+        "o_proj": layer.self_attn.o_proj,
+        "gate_up": layer.mlp.gate_up_proj,
+        "down": layer.mlp.down_proj,
+        "lm_head": model.lm_head,
+    }
     for case, lin in weights.items():
         assert sweep.SHAPES[case][1:] == tuple(lin.weight.shape), case
     assert sweep.SHAPES["qkv_normed"][1:] == sweep.SHAPES["qkv"][1:]
@@ -43,10 +46,19 @@ def test_preset_shapes_are_the_model_weight_shapes():
 def test_a_local_hf_directory_gives_its_shapes(tmp_path):
     import json
 
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
-          "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
-          "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-          "max_position_embeddings": 512, "rope_theta": 10000.0}  # fmt: skip
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf))
     sweep = load_sweep()
     sweep.use_preset(str(tmp_path))

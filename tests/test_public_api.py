@@ -87,9 +87,16 @@ def test_replay_of_what_is_no_batch_names_its_type(call, batch):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("max_bs", 4.5), ("max_bs", True), ("max_bs", "4"), ("max_bs", 4.0),
-     ("warmup_iters", True), ("warmup_iters", 2.0), ("torch_compile_max_bs", 1.5)],
-)  # fmt: skip
+    [
+        ("max_bs", 4.5),
+        ("max_bs", True),
+        ("max_bs", "4"),
+        ("max_bs", 4.0),
+        ("warmup_iters", True),
+        ("warmup_iters", 2.0),
+        ("torch_compile_max_bs", 1.5),
+    ],
+)
 def test_runner_config_ints_refuse_floats_strings_and_bools(field, value):
     from stepgraph import RunnerConfig
 

@@ -83,8 +83,12 @@ def _batch(bs: int = 3, pages: int = 4) -> ForwardBatch:
 def test_device_tensors_are_exactly_the_five_device_fields():
     b = _batch()
     assert set(b.device_tensors()) == {
-        "input_ids", "positions", "seq_lens", "block_table", "out_cache_loc",
-    }  # fmt: skip
+        "input_ids",
+        "positions",
+        "seq_lens",
+        "block_table",
+        "out_cache_loc",
+    }
     assert all(v is getattr(b, k) for k, v in b.device_tensors().items())
 
 
@@ -197,7 +201,7 @@ def test_config_defaults_capture_requests_and_batched_padding():
 def test_the_base_config_defaults():
     from stepgraph.configs import CudaGraphConfig, CudaGraphConfigType
 
-    class Minimal(CudaGraphConfig):  # the seed's three abstract methods, nothing else
+    class Minimal(CudaGraphConfig):  # mstar's three abstract methods, nothing else
         def get_config_type(self):
             return CudaGraphConfigType.BASIC_BATCHED
 

@@ -37,26 +37,47 @@ from stepgraph.model.quant import (
 F8 = torch.float8_e4m3fn
 BLOCK = [32, 32]
 SHAPES = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    rms_norm_eps=1e-5, rope_theta=10000.0,
-)  # fmt: skip  # intermediate 144: the last 32-blocks of gate/up (N) and down (K) are partial
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=144,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)  # intermediate 144: the last 32-blocks of gate/up (N) and down (K) are partial
 ARCH = {
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama",
-                  tie_word_embeddings=False),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                  tie_word_embeddings=True),
-}  # fmt: skip
+    "llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False
+    ),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True),
+}
 QC = {
     "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK},
     "channel": {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                  "dynamic": True}}},
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "channel",
+                    "symmetric": True,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "dynamic": True,
+                },
+            }
+        },
     },
-}  # fmt: skip
+}
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
@@ -69,16 +90,23 @@ def hf_tensors(arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random float32 weights by Hugging Face name (Qwen2: q/k/v biases, tied head)."""
     g = torch.Generator().manual_seed(seed)
     h, inter, v, hd = 64, 144, 96, 16
-    out = {"model.embed_tokens.weight": torch.randn(v, h, generator=g),
-           "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}  # fmt: skip
+    out = {
+        "model.embed_tokens.weight": torch.randn(v, h, generator=g),
+        "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+    }
     if arch == "llama":
         out["lm_head.weight"] = torch.randn(v, h, generator=g)
     for i in range(2):
         p = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (4 * hd, h), "self_attn.k_proj": (2 * hd, h),
-                  "self_attn.v_proj": (2 * hd, h), "self_attn.o_proj": (h, 4 * hd),
-                  "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-                  "mlp.down_proj": (h, inter)}  # fmt: skip
+        shapes = {
+            "self_attn.q_proj": (4 * hd, h),
+            "self_attn.k_proj": (2 * hd, h),
+            "self_attn.v_proj": (2 * hd, h),
+            "self_attn.o_proj": (h, 4 * hd),
+            "mlp.gate_proj": (inter, h),
+            "mlp.up_proj": (inter, h),
+            "mlp.down_proj": (h, inter),
+        }
         for name, shape in shapes.items():
             out[f"{p}{name}.weight"] = torch.randn(*shape, generator=g) * shape[1] ** -0.5
         if arch == "qwen2":
@@ -112,8 +140,10 @@ def quantized_tensors(arch: str, kind: str, seed: int = 0) -> dict[str, torch.Te
 def write_checkpoint(path, arch: str, kind: str, tensors=None) -> None:
     cfg = {**SHAPES, **ARCH[arch], "quantization_config": QC[kind]}
     (path / "config.json").write_text(json.dumps(cfg))
-    save_file(tensors if tensors is not None else quantized_tensors(arch, kind),
-              str(path / "model.safetensors"))  # fmt: skip
+    save_file(
+        tensors if tensors is not None else quantized_tensors(arch, kind),
+        str(path / "model.safetensors"),
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -149,11 +179,19 @@ def test_synthetic_checkpoint_loads_and_dequantizes_exactly(tmp_path, arch, kind
 
 def test_detect_format_reads_both_formats_fields():
     assert detect_format({"hidden_size": 8}) is None
-    fmt = detect_format({"quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3",
-        "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"]}})  # fmt: skip
-    assert fmt == QuantFormat("fp8", "block", (128, 128), "weight_scale_inv",
-                              ("lm_head", "model.layers.0.mlp"))  # fmt: skip
+    fmt = detect_format(
+        {
+            "quantization_config": {
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+                "fmt": "e4m3",
+                "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"],
+            }
+        }
+    )
+    assert fmt == QuantFormat(
+        "fp8", "block", (128, 128), "weight_scale_inv", ("lm_head", "model.layers.0.mlp")
+    )
     per_tensor = detect_format({"quantization_config": {"quant_method": "fp8"}})
     assert (per_tensor.strategy, per_tensor.scale_name) == ("tensor", "weight_scale")
     ct = detect_format({"quantization_config": QC["channel"]})
@@ -190,25 +228,46 @@ def _ct(**weights) -> dict:
         ({"quantization_config": "fp8"}, "a str"),
         ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "fmt 'e5m2'"),
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}, "[128]"),
-        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 96]}},
-         "128x96"),
-        ({"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": "lm_head"}},
-         "modules_to_not_convert"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 96]}},
+            "128x96",
+        ),
+        (
+            {"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": "lm_head"}},
+            "modules_to_not_convert",
+        ),
         (_ct(num_bits=4, type="int"), "4-bit int weights"),
         (_ct(num_bits=8, type="int"), "8-bit int weights"),
         (_ct(num_bits=4), "4-bit float weights"),
         (_ct(strategy="group", group_size=128), "strategy 'group'"),
-        ({"quantization_config": {**QC["channel"], "format": "pack-quantized"}},
-         "format 'pack-quantized'"),
+        (
+            {"quantization_config": {**QC["channel"], "format": "pack-quantized"}},
+            "format 'pack-quantized'",
+        ),
         ({"quantization_config": {**QC["channel"], "config_groups": {}}}, "no config_groups"),
-        ({"quantization_config": {**QC["channel"], "config_groups": {
-            "g": {"input_activations": {"num_bits": 8}}}}}, "quantizes no weights"),
-        ({"quantization_config": {**QC["channel"], "config_groups": {
-            "a": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
-            "b": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}},
-         "different schemes"),
+        (
+            {
+                "quantization_config": {
+                    **QC["channel"],
+                    "config_groups": {"g": {"input_activations": {"num_bits": 8}}},
+                }
+            },
+            "quantizes no weights",
+        ),
+        (
+            {
+                "quantization_config": {
+                    **QC["channel"],
+                    "config_groups": {
+                        "a": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+                        "b": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+                    },
+                }
+            },
+            "different schemes",
+        ),
     ],
-)  # fmt: skip
+)
 def test_detect_format_refuses_in_one_line_naming_found_and_supported(config, found):
     with pytest.raises(ConfigError) as e:
         detect_format(config)
@@ -320,8 +379,10 @@ def test_quantize_per_channel_error_bounds_and_safe_scales():
         assert fw.scale[5] == 1 and fw.scale[6] == 1
         assert fw.data.view(torch.uint8)[5].eq(0).all()
         amax = src.float().abs().amax(1)
-        assert torch.equal(fw.data.float().abs().amax(1)[amax > 1e-30], torch.full(
-            (int((amax > 1e-30).sum()),), E4M3_MAX))  # fmt: skip
+        assert torch.equal(
+            fw.data.float().abs().amax(1)[amax > 1e-30],
+            torch.full((int((amax > 1e-30).sum()),), E4M3_MAX),
+        )
         deq, ref = fw.dequantize(torch.float64), src.double()
         bound = ref.abs() / 16 + fw.scale.double()[:, None] / 1024 + 1e-40
         assert ((deq - ref).abs() <= bound).all()
@@ -336,8 +397,9 @@ def test_quantize_per_block_partial_blocks_and_bounds():
     assert fw.scale.shape == (3, 2) and fw.kind == "per 32x64 block"
     assert fw.scale[2, 0] > 100 * fw.scale[0, 0]
     deq = fw.dequantize(torch.float64)
-    assert ((deq - w.double()).abs() <= w.double().abs() / 16 + fw.expanded_scale(
-        torch.float64) / 1024).all()  # fmt: skip
+    assert (
+        (deq - w.double()).abs() <= w.double().abs() / 16 + fw.expanded_scale(torch.float64) / 1024
+    ).all()
     assert fw.nbytes == 70 * 90 + 4 * 6
 
 
@@ -352,8 +414,9 @@ def test_fp8_weight_refuses_mismatched_parts_and_concatenates():
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(64, 40, generator=g), torch.randn(40, 40, generator=g)
     cat = concat_rows([quantize_per_channel(a), quantize_per_channel(b)])
-    assert torch.equal(cat.dequantize(), torch.cat([quantize_per_channel(x).dequantize()
-                                                    for x in (a, b)]))  # fmt: skip
+    assert torch.equal(
+        cat.dequantize(), torch.cat([quantize_per_channel(x).dequantize() for x in (a, b)])
+    )
     blocks = concat_rows([quantize_per_block(a, (32, 32)), quantize_per_block(b, (32, 32))])
     assert blocks.scale.shape == (2 + 2, 2)
     with pytest.raises(ConfigError, match="not multiples of the 32-row"):
@@ -369,7 +432,8 @@ def test_quantize_weights_takes_projections_only_and_honours_ignore():
     assert "model.layers.0.self_attn.qkv_proj.weight" in fp8
     assert "model.layers.1.mlp.up_proj.weight" in rest and len(fp8) == 14
     assert {n for n in rest if "embed" in n or "norm" in n or "bias" in n} == set(rest) - {
-        "model.layers.1.mlp.up_proj.weight"}  # fmt: skip
+        "model.layers.1.mlp.up_proj.weight"
+    }
     with pytest.raises(ConfigError, match="NaN or inf"):
         quantize_weights({"model.layers.0.mlp.down_proj.weight": torch.full((2, 2), torch.nan)})
     already = {"model.layers.0.mlp.down_proj.weight": torch.zeros(2, 2, dtype=F8)}

@@ -1,4 +1,4 @@
-"""``enable_torch_compile``: which buckets capture a compiled forward (seed 001), on the CPU
+"""``enable_torch_compile``: which buckets capture a compiled forward, on the CPU
 stand-in with ``torch.compile`` replaced by a recorder (a real compile runs on the GPU tier)."""
 
 from __future__ import annotations

@@ -123,9 +123,14 @@ def test_values_checked_skips_the_value_checks_and_only_then():
 
 @pytest.mark.parametrize(
     "value, cuda, packed, stages",
-    [(None, True, True, True), (None, False, True, False), (None, True, False, False),
-     (True, False, True, True), (False, True, True, False)],
-)  # fmt: skip
+    [
+        (None, True, True, True),
+        (None, False, True, False),
+        (None, True, False, False),
+        (True, False, True, True),
+        (False, True, True, False),
+    ],
+)
 def test_pinned_staging_default_is_on_for_cuda_graphs_of_packed_inputs(value, cuda, packed, stages):
     cfg = RunnerConfig(pinned_staging=value, packed_inputs=packed, show_progress=False)
     assert cfg.stages(cuda) is stages

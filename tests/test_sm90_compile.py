@@ -25,8 +25,12 @@ def result():
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "sm90_compile.py")],
-        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -38,19 +42,42 @@ def test_the_harness_compiles_for_real(result):
 def test_every_kernel_of_the_step_compiles_for_sm90(result):
     assert result["errors"] == {}
     steps = result["steps"]
-    assert set(steps) == {"1", "8", "32", "64", "attention fold=False", "attention fold=True",
-                          "attention detached", "greedy tokens", "prefill attention", "inputs",
-                          "reference kernels", "fp8 gemv"}  # fmt: skip
+    assert set(steps) == {
+        "1",
+        "8",
+        "32",
+        "64",
+        "attention fold=False",
+        "attention fold=True",
+        "attention detached",
+        "greedy tokens",
+        "prefill attention",
+        "inputs",
+        "reference kernels",
+        "fp8 gemv",
+    }
     variants = [v for vs in steps.values() for v in vs]
     assert variants and all(v["cubin"] for v in variants)
     names = {v["kernel"] for v in variants}
     assert names >= {
-        "_norm_gemv_kernel", "_qkv_rope_kernel", "_gate_up_silu_kernel", "_split_kv_kernel",
-        "_combine_kernel", "_split_kv_fold_kernel", "_argmax_reduce_kernel", "_rope_kv_kernel",
-        "_add_rmsnorm_kernel", "_fill_inputs_kernel", "_extend_kernel", "_argmax_part_kernel",
-        "_argmax_keys_kernel", "_gemv_kernel", "_silu_mul_kernel", "_head_scale_kernel",
+        "_norm_gemv_kernel",
+        "_qkv_rope_kernel",
+        "_gate_up_silu_kernel",
+        "_split_kv_kernel",
+        "_combine_kernel",
+        "_split_kv_fold_kernel",
+        "_argmax_reduce_kernel",
+        "_rope_kv_kernel",
+        "_add_rmsnorm_kernel",
+        "_fill_inputs_kernel",
+        "_extend_kernel",
+        "_argmax_part_kernel",
+        "_argmax_keys_kernel",
+        "_gemv_kernel",
+        "_silu_mul_kernel",
+        "_head_scale_kernel",
         "_fp8_gemv_kernel",
-    }  # fmt: skip
+    }
     # the GPU's paths were the ones compiled: PDL at one row, TMA tiles from two rows
     assert any(v["pdl"] for v in steps["1"] if v["kernel"] == "_norm_gemv_kernel")
     assert any(v["tma"] for v in steps["32"] + steps["64"])
@@ -78,15 +105,22 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
     assert places("attention fold=False", "_split_kv_kernel") == {"after mma loops"}
     assert places("attention fold=False", "_combine_kernel") == {"before loops"}
     assert places("attention fold=True", "_split_kv_fold_kernel") == {"after mma loops"}
-    assert all(v["first"] == "wait" for vs in steps.values() for v in vs
-               if v["pdl"] and v not in steps["attention detached"])  # fmt: skip
+    assert all(
+        v["first"] == "wait"
+        for vs in steps.values()
+        for v in vs
+        if v["pdl"] and v not in steps["attention detached"]
+    )
     # the detached split kernel: its trigger at its start and no wait; the early combine's
     # trigger before its wait
     split, combine = steps["attention detached"]
     assert (split["kernel"], split["pdl"], split["first"]) == ("_split_kv_kernel", False, "trigger")
     assert split["trigger"] == "before loops"
-    assert (combine["kernel"], combine["pdl"], combine["first"]) == ("_combine_kernel", True,
-                                                                     "trigger")  # fmt: skip
+    assert (combine["kernel"], combine["pdl"], combine["first"]) == (
+        "_combine_kernel",
+        True,
+        "trigger",
+    )
 
 
 def test_every_kernel_of_the_package_is_compiled(result):

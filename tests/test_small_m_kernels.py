@@ -106,8 +106,18 @@ def test_qkv_rope_rows(nan_empty, monkeypatch, tma, dtype, m, hd, split_k):
     )
     assert len(descs) == (0 if tma == 0 else 3 - tma)
     qkv = rms64(x, nw) @ w.double().T + b.double()
-    check_qkv_rope(q, qkv, positions, cos_t, sin_t, (k_cache, v_cache), (k0, v0), slots,
-                   n_heads, 2 * TOL[dtype])  # fmt: skip
+    check_qkv_rope(
+        q,
+        qkv,
+        positions,
+        cos_t,
+        sin_t,
+        (k_cache, v_cache),
+        (k0, v0),
+        slots,
+        n_heads,
+        2 * TOL[dtype],
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -127,9 +137,12 @@ def test_lm_head_argmax_rows(nan_empty, dtype, m):
 def test_tile_rule():
     assert [block_m(m) for m in (1, 2, 16, 17, 33, 64)] == [1, 16, 16, 32, 64, 64]
     for kernel, n, k in [
-        ("qkv_rope", 3072, 2048), ("gemv_residual", 2048, 2048), ("gate_up_silu", 16384, 2048),
-        ("gemv_residual", 2048, 8192), ("lm_head", 128256, 2048),
-    ]:  # fmt: skip
+        ("qkv_rope", 3072, 2048),
+        ("gemv_residual", 2048, 2048),
+        ("gate_up_silu", 16384, 2048),
+        ("gemv_residual", 2048, 8192),
+        ("lm_head", 128256, 2048),
+    ]:
         for m in (2, 8, 17, 48, 64):
             t = tile_for(kernel, m, n, k)
             assert t.block_n >= 16 and t.block_k >= 16 and t.block_k <= k
@@ -145,7 +158,7 @@ def test_tile_rule():
 
 def test_every_table_tile_fits_and_one_that_does_not_is_named(monkeypatch):
     """Each shipped tile fits ``SMEM_BUDGET`` at every row count its key serves (else the step
-    would run the rule's tile in silence: run K5's 8B gate-up tiles of 128 pairs or 256 of K did);
+    would run the rule's tile in silence, as 8B gate-up tiles of 128 pairs or 256 of K once did);
     a tile that does not fit warns once, naming it, and the rule's tile runs."""
     import dataclasses
 

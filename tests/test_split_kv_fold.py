@@ -21,9 +21,14 @@ TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "lens, num_splits",
-    [([1], 1), ([200], 4), ([5, 300], 3), ([64, 65, 1], 2),
-     ([(37 * i) % 260 + 1 for i in range(17)], 4)],
-)  # fmt: skip
+    [
+        ([1], 1),
+        ([200], 4),
+        ([5, 300], 3),
+        ([64, 65, 1], 2),
+        ([(37 * i) % 260 + 1 for i in range(17)], 4),
+    ],
+)
 def test_fold_matches_reference_and_two_kernels(dtype, lens, num_splits):
     c = make_case(len(lens) * 31 + num_splits, lens, n_heads=8, n_kv=2, hd=32, dtype=dtype)
     ref = paged_decode_reference(c.q.double(), c.k.double(), c.v.double(), c.bt, c.lens)

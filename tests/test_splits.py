@@ -183,7 +183,8 @@ def test_wide_heads_take_64_keys_a_split_at_the_limit_and_one_past():
     for t in (1, 63, 64, 65, 127, 128, 200, 4095, 4097, T_MAX):  # never below one 64-key tile
         sk = fa_split_keys(t, 8, 1, H200_NUM_SMS, head_dim=128)
         assert sk >= 64 and num_splits_for(t, 8, 1, H200_NUM_SMS, 64, head_dim=128) == min(
-            64, -(-t // sk))  # fmt: skip
+            64, -(-t // sk)
+        )
     steps = ladder_steps(8, 1, H200_NUM_SMS, 64, head_dim=128)
     assert steps == [(1, 1), (128, 2), (256, 4), (512, 8), (1024, 16), (2048, 32), (4096, 64)]
 

@@ -59,7 +59,7 @@ def test_the_table_picks_the_merge_at_its_classes_only(fold):
 
 
 def test_other_shapes_fold_only_one_split(fold):
-    b = Backend(shape=(32, 8, 128), splits={16: 4, 64: 1})  # Llama-3.1-8B: lost in run D3
+    b = Backend(shape=(32, 8, 128), splits={16: 4, 64: 1})  # Llama-3.1-8B: the fold lost
     assert step_attention.attention(b, 0, "q", 16) == "two"
     assert step_attention.attention(b, 0, "q", 64) == "fold"
 
@@ -68,11 +68,13 @@ def test_the_field_overrides_every_shape(fold):
     b = Backend(shape=(32, 8, 128), splits={8: 8, 16: 4, 32: 2})
     t = DecodeTuning(fold_merge=range(8, 9))
     assert [step_attention.attention(b, 0, "q", k, tuning=t) for k in (8, 16, 32)] == [
-        "fold", "two", "two"]  # fmt: skip
+        "fold",
+        "two",
+        "two",
+    ]
     t = DecodeTuning(fold_merge=range(0))  # none: split + combine
     b = Backend(splits={16: 4, 64: 1})
-    assert [step_attention.attention(b, 0, "q", k, tuning=t) for k in (16, 64)] == [
-        "two", "fold"]  # fmt: skip
+    assert [step_attention.attention(b, 0, "q", k, tuning=t) for k in (16, 64)] == ["two", "fold"]
     with pytest.raises(ValueError, match="fold_merge="):
         DecodeTuning(fold_merge=(8, 9))
 
@@ -83,8 +85,8 @@ def test_reference_attention_never_folds(fold):
 
 
 def test_pdl_pair(fold, monkeypatch):
-    # the defaults: at one row the split detached and the combine's trigger before its wait
-    # (K1); from two rows the combine alone, its trigger at its exit, whatever mode the
+    # the defaults: at one row the split detached and the combine's trigger before its wait;
+    # from two rows the combine alone, its trigger at its exit, whatever mode the
     # projections run; none where they run without PDL
     assert step_attention.attention_pdl(None, 1) == (5, 4)
     assert step_attention.default_pdl(1) == (5, 4) and step_attention.default_pdl(2) == (False, 3)
@@ -111,14 +113,17 @@ def test_attention_text_names_the_launches_with_pdl(monkeypatch):
     defaults, none where the projections run without it, and the switch's choice."""
     shape = (32, 8, 64)  # Llama-3.2-1B: split + combine to 8, the merge at 16-32, one split at 64
     text = step_attention.attention_text
-    assert text(shape, 1).endswith("splits; the split launched plainly, trigger at its start; "
-                                   "the combine with PDL, trigger before its wait)")  # fmt: skip
+    assert text(shape, 1).endswith(
+        "splits; the split launched plainly, trigger at its start; "
+        "the combine with PDL, trigger before its wait)"
+    )
     assert text(shape, 8, use_pdl=2).endswith("splits; the combine with PDL, trigger at its exit)")
     assert text(shape, 8, use_pdl=False) == "split_kv + combine (up to 8 splits)"
     assert "PDL" not in text(shape, 16, use_pdl=2) + text(shape, 64, use_pdl=2)
     t = pdl("split:exit")
     assert text(shape, 8, use_pdl=2, tuning=t).endswith(
-        "splits; the split with PDL, trigger at its exit)")  # fmt: skip
+        "splits; the split with PDL, trigger at its exit)"
+    )
     assert text(shape, 64, use_pdl=2, tuning=t) == (
         "split_kv_fold, one launch (one split at every context; with PDL, trigger at its exit)"
     )

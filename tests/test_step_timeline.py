@@ -43,8 +43,13 @@ def test_period_and_rows():
     assert per == len(LAYER) and "split_kv" in ks[start][0]
     rows, span = st.layer_rows([ks, ks], 16)
     assert [r["kernel"] for r in rows] == [
-        "0:_split_kv_kernel", "1:comb", "2:gemv", "3:gate_up", "4:gemv", "5:qkv",
-    ]  # fmt: skip
+        "0:_split_kv_kernel",
+        "1:comb",
+        "2:gemv",
+        "3:gate_up",
+        "4:gemv",
+        "5:qkv",
+    ]
     attn, comb = rows[0], rows[1]
     assert (attn["own"], attn["gap"], attn["advance"]) == (2.0, 1.0, 3.0)
     assert (comb["own"], comb["gap"], comb["advance"]) == (2.0, -0.5, 1.5)

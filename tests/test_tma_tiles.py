@@ -185,8 +185,21 @@ def test_normed_variants(nan_empty, spy, tma, m):
     positions = torch.randint(0, 80, (m,), generator=g)
     slots = torch.randperm(4 * ps, generator=g)[:m]
     kc, vc = rand(g, 4, ps, n_kv, hd).to(dtype), rand(g, 4, ps, n_kv, hd).to(dtype)
-    q = qkv_rope(x, None, wq, b, EPS, positions, cos_t, sin_t, kc, vc, slots, n_heads,
-                 blocks=Tile(16, 16, 4, None, 1, tma))  # fmt: skip
+    q = qkv_rope(
+        x,
+        None,
+        wq,
+        b,
+        EPS,
+        positions,
+        cos_t,
+        sin_t,
+        kc,
+        vc,
+        slots,
+        n_heads,
+        blocks=Tile(16, 16, 4, None, 1, tma),
+    )
     qkv = x.double() @ wq.double().T + b.double()
     cos, sin = cos_t[positions].double(), sin_t[positions].double()
     want = rope64(qkv[:, : n_heads * hd].view(m, n_heads, hd), cos, sin)
@@ -268,11 +281,12 @@ def test_tile_table_is_launchable():
         assert (kernel, n, k, bm) not in tables.cublas  # cublas is checked first
 
 
-@pytest.mark.parametrize("m, keys", [(1, (1,)), (2, (4, 16)), (4, (4, 16)), (5, (16,)),
-                                     (16, (16,)), (17, (32,))])  # fmt: skip
+@pytest.mark.parametrize(
+    "m, keys", [(1, (1,)), (2, (4, 16)), (4, (4, 16)), (5, (16,)), (16, (16,)), (17, (32,))]
+)
 def test_table_rows_at_the_small_class_edges(m, keys, monkeypatch):
     """2-4 rows look up the small class (key 4) before 16; 5 rows on, 16 alone; 1 and 17 their
-    own classes. (No table entry has a key 4 since run J3: one is put in for the test.)"""
+    own classes. (No table entry has a key 4: one is put in for the test.)"""
     from stepgraph.kernels.proj.proj_tiles import table_rows, tile_for
     from stepgraph.kernels.proj.tile_table import TILES, Tile
 

@@ -36,8 +36,10 @@ def _fused_vs_reference(rank: int, out: str) -> None:
     g = torch.Generator().manual_seed(5)
     worst, same = 0.0, True
     for n in (1, 10):
-        prompts = [torch.randint(1, TINY.vocab_size, (int(k),), generator=g).tolist()
-                   for k in torch.randint(2, 20, (n,), generator=g)]  # fmt: skip
+        prompts = [
+            torch.randint(1, TINY.vocab_size, (int(k),), generator=g).tolist()
+            for k in torch.randint(2, 20, (n,), generator=g)
+        ]
         pages = {m: [m.kv_cache.reserve(len(p) + STEPS) for p in prompts] for m in (ref, tp)}
         tokens = ref.prefill(prompts, pages[ref]).argmax(-1).tolist()
         tp.prefill(prompts, pages[tp])
@@ -47,8 +49,9 @@ def _fused_vs_reference(rank: int, out: str) -> None:
             batch = tp.decode_batch(tokens, positions, pages[tp])
             tp.attn_backend.init_forward_metadata(batch)
             got_tokens = torch.full((n,), -1, dtype=torch.int64)
-            got = fused_decode_step(tp.model, tp.attn_backend, batch.input_ids,
-                                    batch.positions, tokens_out=got_tokens)  # fmt: skip
+            got = fused_decode_step(
+                tp.model, tp.attn_backend, batch.input_ids, batch.positions, tokens_out=got_tokens
+            )
             worst = max(worst, ((got - want).norm() / want.norm()).item())
             same = same and torch.equal(got_tokens, want.argmax(-1))
             tokens, positions = want.argmax(-1).tolist(), [p + 1 for p in positions]

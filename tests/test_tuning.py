@@ -43,7 +43,11 @@ def test_the_defaults_are_the_measured_winners():
     assert dict(t.fold_merge_table) == {(32, 8, 64): range(16, 33)} == dict(FOLD_MERGE_TABLE)
     assert t.argmax == ArgmaxFold(True, 8)
     assert (t.l2_prefetch_bytes, t.tma, t.staging_copy, t.attention_variant) == (
-        16384, True, False, None)  # fmt: skip
+        16384,
+        True,
+        False,
+        None,
+    )
 
 
 def test_frozen_and_read_only():
@@ -54,24 +58,27 @@ def test_frozen_and_read_only():
         t.tables.tiles[("qkv_rope", 1, 1, 16)] = tile_table.Tile(16, 16)  # type: ignore[index]
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: DecodeTuning(l2_prefetch_bytes=-1), "l2_prefetch_bytes"),
-    (lambda: DecodeTuning(tma=1), "tma"),
-    (lambda: DecodeTuning(staging_copy="yes"), "staging_copy"),
-    (lambda: DecodeTuning(reference_rows=[2, 3]), "reference_rows"),
-    (lambda: DecodeTuning(reference_rows=range(2, 8, 2)), "reference_rows"),
-    (lambda: DecodeTuning(attention_variant="fast"), "attention_variant"),
-    (lambda: DecodeTuning(split=(128, 384, 64, 4)), "split"),
-    (lambda: PdlPlacement(enabled=0), "pdl.enabled"),
-    (lambda: PdlPlacement(rows_trigger="early"), "pdl.rows_trigger"),
-    (lambda: PdlPlacement(no_pdl_buckets=8), "pdl.no_pdl_buckets"),
-    (lambda: NormHandoff(min_bucket=0), "handoff.min_bucket"),
-    (lambda: NormHandoff(cublas=None), "handoff.cublas"),
-    (lambda: ArgmaxFold(per_thread=0), "argmax.per_thread"),
-    (lambda: SplitLadder(programs_per_sm=0), "split.programs_per_sm"),
-    (lambda: ProjTables(tiles={("qkv_rope", 1, 1, 16): (16, 16)}), "tables.tiles"),
-    (lambda: ProjTables(cublas_everywhere={("qkv_rope", 8)}), "tables.cublas_everywhere"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: DecodeTuning(l2_prefetch_bytes=-1), "l2_prefetch_bytes"),
+        (lambda: DecodeTuning(tma=1), "tma"),
+        (lambda: DecodeTuning(staging_copy="yes"), "staging_copy"),
+        (lambda: DecodeTuning(reference_rows=[2, 3]), "reference_rows"),
+        (lambda: DecodeTuning(reference_rows=range(2, 8, 2)), "reference_rows"),
+        (lambda: DecodeTuning(attention_variant="fast"), "attention_variant"),
+        (lambda: DecodeTuning(split=(128, 384, 64, 4)), "split"),
+        (lambda: PdlPlacement(enabled=0), "pdl.enabled"),
+        (lambda: PdlPlacement(rows_trigger="early"), "pdl.rows_trigger"),
+        (lambda: PdlPlacement(no_pdl_buckets=8), "pdl.no_pdl_buckets"),
+        (lambda: NormHandoff(min_bucket=0), "handoff.min_bucket"),
+        (lambda: NormHandoff(cublas=None), "handoff.cublas"),
+        (lambda: ArgmaxFold(per_thread=0), "argmax.per_thread"),
+        (lambda: SplitLadder(programs_per_sm=0), "split.programs_per_sm"),
+        (lambda: ProjTables(tiles={("qkv_rope", 1, 1, 16): (16, 16)}), "tables.tiles"),
+        (lambda: ProjTables(cublas_everywhere={("qkv_rope", 8)}), "tables.cublas_everywhere"),
+    ],
+)
 def test_a_bad_field_is_refused_by_name(make, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         make()
@@ -126,13 +133,25 @@ def test_default_folds_the_user_switches_in(monkeypatch, tmp_path):
 
 def test_with_overrides_replaces_exactly_the_named_fields():
     base = DecodeTuning()
-    t = with_overrides(base, {"split.wide_min_keys": "128", "pdl.enabled": "0",
-                              "reference_rows": "2-4", "attention_variant": "n32w2s3-kt",
-                              "l2_prefetch_bytes": "0", "fold_merge": "table"})  # fmt: skip
+    t = with_overrides(
+        base,
+        {
+            "split.wide_min_keys": "128",
+            "pdl.enabled": "0",
+            "reference_rows": "2-4",
+            "attention_variant": "n32w2s3-kt",
+            "l2_prefetch_bytes": "0",
+            "fold_merge": "table",
+        },
+    )
     assert t == dataclasses.replace(
-        base, split=SplitLadder(wide_min_keys=128), pdl=PdlPlacement(enabled=False),
-        reference_rows=range(2, 5), attention_variant="n32w2s3-kt", l2_prefetch_bytes=0,
-    )  # fmt: skip
+        base,
+        split=SplitLadder(wide_min_keys=128),
+        pdl=PdlPlacement(enabled=False),
+        reference_rows=range(2, 5),
+        attention_variant="n32w2s3-kt",
+        l2_prefetch_bytes=0,
+    )
     assert with_overrides(base, {"fold_merge": "none"}).fold_merge == range(0)
     with pytest.raises(ValueError, match="pdl.enabled='maybe': give 0 or 1"):
         with_overrides(base, {"pdl.enabled": "maybe"})
@@ -159,8 +178,10 @@ def test_a_runner_carries_its_tuning_to_the_ladder_and_exact_mode():
 def test_only_env_reads_stepgraph_switches():
     """No module of the package but ``env.py`` reads a ``STEPGRAPH_`` name from the
     environment: the other choices are ``DecodeTuning`` fields, passed down the step."""
-    read = re.compile(r"(os\.environ|os\.getenv|environ\.get)[^\n]*STEPGRAPH_|STEPGRAPH_\w*\s*"
-                      r"[\"']?\s*\]?\s*in os\.environ")  # fmt: skip
+    read = re.compile(
+        r"(os\.environ|os\.getenv|environ\.get)[^\n]*STEPGRAPH_|STEPGRAPH_\w*\s*"
+        r"[\"']?\s*\]?\s*in os\.environ"
+    )
     names = re.compile(r"[\"']STEPGRAPH_\w+[\"']")
     offenders = []
     for path in sorted((ROOT / "stepgraph").rglob("*.py")):
@@ -171,5 +192,9 @@ def test_only_env_reads_stepgraph_switches():
             offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
     switches = set(re.findall(r"STEPGRAPH_\w+", (ROOT / "stepgraph" / "env.py").read_text()))
-    assert switches == {"STEPGRAPH_PDL", "STEPGRAPH_TMA", "STEPGRAPH_PROJ_TILES",
-                        "STEPGRAPH_API_KEY"}  # fmt: skip
+    assert switches == {
+        "STEPGRAPH_PDL",
+        "STEPGRAPH_TMA",
+        "STEPGRAPH_PROJ_TILES",
+        "STEPGRAPH_API_KEY",
+    }

@@ -22,9 +22,14 @@ class PostToy(ToyModelRunner):
 
 def post_toy(device: str = "cuda", seed: int = 3) -> PostToy:
     return PostToy(
-        hidden=32, num_layers=2, num_pages=200, page_size=16, max_pages_per_request=4,
-        device=device, seed=seed,
-    )  # fmt: skip
+        hidden=32,
+        num_layers=2,
+        num_pages=200,
+        page_size=16,
+        max_pages_per_request=4,
+        device=device,
+        seed=seed,
+    )
 
 
 def batch_of(mr: ToyModelRunner, bs: int, seed: int):

@@ -17,9 +17,14 @@ MAX_BS, CONTEXT, STEP_TOL = 64, 256, 0.1
 @pytest.fixture(scope="module")
 def mr():
     return ModelRunner.from_preset(
-        "llama-3.2-1b", "cuda", torch.bfloat16, seed=3, num_layers=2, max_bs=MAX_BS,
+        "llama-3.2-1b",
+        "cuda",
+        torch.bfloat16,
+        seed=3,
+        num_layers=2,
+        max_bs=MAX_BS,
         max_context_len=CONTEXT,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("staged", [False, True])

@@ -21,9 +21,15 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def mr():
     return ToyModelRunner(
-        vocab=300, hidden=64, num_layers=4, num_pages=600, page_size=16,
-        max_pages_per_request=8, device="cuda", seed=31,
-    )  # fmt: skip
+        vocab=300,
+        hidden=64,
+        num_layers=4,
+        num_pages=600,
+        page_size=16,
+        max_pages_per_request=8,
+        device="cuda",
+        seed=31,
+    )
 
 
 def _advance(rows: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -199,11 +199,19 @@ def test_driver_level_positions_of_editable_args():
     bs, n_heads, hd, ms = 1, 8, 64, 64
     ws = fd.DecodeWorkspace.allocate(bs, n_heads, hd, ms, DEV)
     out = torch.empty(bs, n_heads, hd, dtype=torch.bfloat16, device=DEV)
-    combine = fd._combine_kernel[(bs, n_heads)](
-        ws.partial_o, 1, ws.partial_lse, out,  # n_splits == 1: must NOT be specialised away
-        *ws.partial_o.stride()[:3], *ws.partial_lse.stride()[:2], *out.stride()[:2],
-        HEAD_DIM=hd, SPLITS_PAD=ms,
-    )  # fmt: skip
+    combine = fd._combine_kernel[
+        (bs, n_heads)
+    ](
+        ws.partial_o,
+        1,  # n_splits == 1: must NOT be specialised away
+        ws.partial_lse,
+        out,
+        *ws.partial_o.stride()[:3],
+        *ws.partial_lse.stride()[:2],
+        *out.stride()[:2],
+        HEAD_DIM=hd,
+        SPLITS_PAD=ms,
+    )
     assert _driver_index(combine, "partial_o_ptr")[0] == fd.COMBINE_PARTIAL_O_ARG
     assert _driver_index(combine, "n_splits") == (fd.COMBINE_N_SPLITS_ARG, "i32")
     assert combine.name == fd.COMBINE_KERNEL_NAME
@@ -212,12 +220,32 @@ def test_driver_level_positions_of_editable_args():
     q, k, v, bt, sl = make_case(1, [1], n_heads, 1, hd, 16, spare_pages=0)
     assert bt.stride(0) == 1
     main = fd._split_kv_kernel[(bs, 1, 1)](
-        ws.partial_o, ws.partial_lse, q, k, v, bt, sl, 0.125,
-        *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], bt.stride(0),
-        *ws.partial_o.stride()[:3], *ws.partial_lse.stride()[:2],
-        GROUP=8, GROUP_PAD=16, HEAD_DIM=hd, PAGE_SIZE=16, BLOCK_N=64,
-        PAGE_TILE=False, K_ROWS=True, USE_DOT=True, DOT_PRECISION=None, UPCAST=False, NUM_STAGES=2,
-    )  # fmt: skip
+        ws.partial_o,
+        ws.partial_lse,
+        q,
+        k,
+        v,
+        bt,
+        sl,
+        0.125,
+        *q.stride()[:2],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        bt.stride(0),
+        *ws.partial_o.stride()[:3],
+        *ws.partial_lse.stride()[:2],
+        GROUP=8,
+        GROUP_PAD=16,
+        HEAD_DIM=hd,
+        PAGE_SIZE=16,
+        BLOCK_N=64,
+        PAGE_TILE=False,
+        K_ROWS=True,
+        USE_DOT=True,
+        DOT_PRECISION=None,
+        UPCAST=False,
+        NUM_STAGES=2,
+    )
     assert _driver_index(main, "partial_o_ptr")[0] == fd.MAIN_PARTIAL_O_ARG
     assert main.name == fd.MAIN_KERNEL_NAME
     for i, name in enumerate(fd._split_kv_kernel.arg_names[:8]):

@@ -202,9 +202,14 @@ def test_stale_node_edit_after_reinstantiation_and_the_runner_reapplies_it():
     from stepgraph.model import ModelRunner
 
     mr = ModelRunner.from_preset(
-        "llama-3.2-1b", "cuda", torch.bfloat16, seed=5, num_layers=2, max_bs=1,
+        "llama-3.2-1b",
+        "cuda",
+        torch.bfloat16,
+        seed=5,
+        num_layers=2,
+        max_bs=1,
         max_context_len=4096,
-    )  # fmt: skip
+    )
     fill_kv_random(mr, seed=6)
     runner = CudaGraphRunner(mr, RunnerConfig(capture_bs=(1,), mode="exact", show_progress=False))
     batch, pages = decode_batch(mr, Point(bs=1, context=700), seed=7)

@@ -19,10 +19,15 @@ from tests.conftest import rel_err
 DEV = "cuda"
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}  # relative Frobenius error against float64
 SHAPES = {  # (N, K) of the fused projections
-    "1b-qkv": (3072, 2048), "1b-o": (2048, 2048), "1b-gate_up": (16384, 2048),
-    "1b-down": (2048, 8192), "8b-qkv": (6144, 4096), "8b-o": (4096, 4096),
-    "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
-}  # fmt: skip
+    "1b-qkv": (3072, 2048),
+    "1b-o": (2048, 2048),
+    "1b-gate_up": (16384, 2048),
+    "1b-down": (2048, 8192),
+    "8b-qkv": (6144, 4096),
+    "8b-o": (4096, 4096),
+    "8b-gate_up": (28672, 4096),
+    "8b-down": (4096, 14336),
+}
 FORMATS = {"channel": None, "block": (128, 128)}
 
 
@@ -34,7 +39,10 @@ def fp8_weight(n: int, k: int, block, seed: int):
 
 # bs 1 and 8 at every shape; 64 rows at three (each tile compiles once: the run stays short)
 CASES = [(s, m) for m in (1, 8) for s in SHAPES] + [
-    ("1b-o", 64), ("1b-down", 64), ("8b-gate_up", 64)]  # fmt: skip
+    ("1b-o", 64),
+    ("1b-down", 64),
+    ("8b-gate_up", 64),
+]
 
 
 @pytest.mark.parametrize("shape, m", CASES)

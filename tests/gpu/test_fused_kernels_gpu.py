@@ -71,8 +71,14 @@ def rope_inputs(t: int, g: torch.Generator, pages: int = 64, ps: int = 64):
     cos_t, sin_t = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
     positions = torch.randint(0, 1024, (t,), generator=g, device=DEV)
     slots = torch.randperm(pages * ps, generator=g, device=DEV)[:t]
-    return cos_t, sin_t, positions, slots, randn(pages, ps, N_KV, HD, g=g), randn(
-        pages, ps, N_KV, HD, g=g)  # fmt: skip
+    return (
+        cos_t,
+        sin_t,
+        positions,
+        slots,
+        randn(pages, ps, N_KV, HD, g=g),
+        randn(pages, ps, N_KV, HD, g=g),
+    )
 
 
 @pytest.mark.parametrize("t", [1, 8, 40])
@@ -108,11 +114,24 @@ def test_rope_kv_on_the_norm_handoff_bf16(nan_empty, t):
     raw = torch.nn.functional.linear(r * nw, w)  # the GEMM of the handoff's x
     cos_t, sin_t, positions, slots, k_cache, v_cache = rope_inputs(t, g)
     caches0 = (k_cache.clone(), v_cache.clone())
-    q = rope_mod.rope_kv(raw, positions, cos_t, sin_t, k_cache, v_cache, slots, N_HEADS,
-                         ssq=ssq, hidden=HIDDEN, eps=eps, bias=b)  # fmt: skip
+    q = rope_mod.rope_kv(
+        raw,
+        positions,
+        cos_t,
+        sin_t,
+        k_cache,
+        v_cache,
+        slots,
+        N_HEADS,
+        ssq=ssq,
+        hidden=HIDDEN,
+        eps=eps,
+        bias=b,
+    )
     row = rms64(r, nw, eps) @ w.double().T + b.double()
-    check_qkv_rope(q, row, positions, cos_t, sin_t, (k_cache, v_cache), caches0, slots, N_HEADS,
-                   BF16_TOL)  # fmt: skip
+    check_qkv_rope(
+        q, row, positions, cos_t, sin_t, (k_cache, v_cache), caches0, slots, N_HEADS, BF16_TOL
+    )
 
 
 @pytest.mark.parametrize("m", [33, 64])

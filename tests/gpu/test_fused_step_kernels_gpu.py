@@ -135,9 +135,20 @@ def fused_chain(w, r, m, rope, use_pdl, tuning=None):
     cos, sin, positions, slots, (kc, vc) = rope
     for _ in range(2):
         q = qr.qkv_rope(
-            r, w["nw1"], w["qkv"], None, EPS, positions, cos, sin, kc, vc, slots, N_HEADS,
+            r,
+            w["nw1"],
+            w["qkv"],
+            None,
+            EPS,
+            positions,
+            cos,
+            sin,
+            kc,
+            vc,
+            slots,
+            N_HEADS,
             use_pdl=use_pdl,
-        )  # fmt: skip
+        )
         r = ng.gemv_residual(q.view(m, -1), w["o"], r, use_pdl=use_pdl)
         a = gus.gate_up_silu(r, w["nw2"], w["gate_up"], EPS, use_pdl=use_pdl)
         r = ng.gemv_residual(a, w["down"], r, use_pdl=use_pdl)

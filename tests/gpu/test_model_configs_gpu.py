@@ -26,9 +26,14 @@ TIE_TOL = 0.1  # a top-1 disagreement is accepted only where eager's top two are
 
 def _runner() -> ModelRunner:
     return ModelRunner.from_preset(
-        PRESET, DEV, torch.bfloat16, seed=7, num_layers=NUM_LAYERS, max_bs=MAX_BS,
+        PRESET,
+        DEV,
+        torch.bfloat16,
+        seed=7,
+        num_layers=NUM_LAYERS,
+        max_bs=MAX_BS,
         max_context_len=MAX_CONTEXT,
-    )  # fmt: skip
+    )
 
 
 def _prompts(vocab: int, lengths, seed=0) -> list[list[int]]:
@@ -55,9 +60,18 @@ def pair():
 
 @pytest.mark.parametrize(
     "lens",
-    [[16], [9, 7], [9, 8], [30, 20, 10, 4], [30, 20, 10, 5], [100, 90, 60, 6],
-     [1000, 600, 300, 148], [700, 500, 300, 200, 100], [3, 1, 4, 1, 5, 9, 2]],
-)  # fmt: skip
+    [
+        [16],
+        [9, 7],
+        [9, 8],
+        [30, 20, 10, 4],
+        [30, 20, 10, 5],
+        [100, 90, 60, 6],
+        [1000, 600, 300, 148],
+        [700, 500, 300, 200, 100],
+        [3, 1, 4, 1, 5, 9, 2],
+    ],
+)
 def test_piecewise_prefill_matches_eager(pair, lens):
     ref_mr, pp = pair
     prompts = _prompts(ref_mr.config.vocab_size, lens, seed=sum(lens))

@@ -37,9 +37,15 @@ STEP_TOL = 0.1  # max |logit diff| of one teacher-forced step, graph/exact vs ea
 
 def _runner(preset: str, **kw) -> ModelRunner:
     return ModelRunner.from_preset(
-        preset, DEV, torch.bfloat16, seed=7, num_layers=NUM_LAYERS, max_bs=MAX_BS,
-        max_context_len=MAX_CONTEXT, **kw,
-    )  # fmt: skip
+        preset,
+        DEV,
+        torch.bfloat16,
+        seed=7,
+        num_layers=NUM_LAYERS,
+        max_bs=MAX_BS,
+        max_context_len=MAX_CONTEXT,
+        **kw,
+    )
 
 
 def _engine(preset: str, mode: str) -> Engine:
@@ -207,15 +213,26 @@ def test_batch_grows_and_shrinks_mid_run(preset):
 def _hf_model(arch: str, tmp_path):
     transformers = pytest.importorskip("transformers")
     common = dict(
-        vocab_size=32768, hidden_size=2048 if arch == "llama" else 896,
-        intermediate_size=8192 if arch == "llama" else 4864, num_hidden_layers=2,
+        vocab_size=32768,
+        hidden_size=2048 if arch == "llama" else 896,
+        intermediate_size=8192 if arch == "llama" else 4864,
+        num_hidden_layers=2,
         num_attention_heads=32 if arch == "llama" else 14,
-        num_key_value_heads=8 if arch == "llama" else 2, max_position_embeddings=4096,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=True,
-    )  # fmt: skip
+        num_key_value_heads=8 if arch == "llama" else 2,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
     if arch == "llama":
-        scaling = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                       high_freq_factor=4.0, original_max_position_embeddings=8192)  # fmt: skip
+        scaling = dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        )
         cfg = transformers.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=scaling)
         model = transformers.LlamaForCausalLM(cfg)
     else:

@@ -78,8 +78,9 @@ def test_qkv_rope_from_sums(m):
     inv = 500000.0 ** (-torch.arange(0, HD, 2, device=DEV).double() / HD)
     ang = torch.arange(512, device=DEV).double()[:, None] * inv[None, :]
     cos_t, sin_t = torch.cos(ang).repeat(1, 2).bfloat16(), torch.sin(ang).repeat(1, 2).bfloat16()
-    q = qkv_rope(xw, None, w, None, EPS, pos, cos_t, sin_t, k_cache, v_cache, slots, HEADS,
-                 ssq=sums)  # fmt: skip
+    q = qkv_rope(
+        xw, None, w, None, EPS, pos, cos_t, sin_t, k_cache, v_cache, slots, HEADS, ssq=sums
+    )
     qkv = rms64(y, nw, EPS) @ w.double().T
     check_qkv_rope(q, qkv, pos, cos_t, sin_t, (k_cache, v_cache), caches0, slots, HEADS, BF16)
 

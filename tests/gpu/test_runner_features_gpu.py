@@ -35,9 +35,14 @@ KV_TOL = dict(atol=0.05, rtol=0.05)  # the new token's bf16 K/V, graph vs eager
 
 def _model(max_bs: int, seed: int = 5) -> ModelRunner:
     mr = ModelRunner.from_preset(
-        "llama-3.2-1b", DEV, torch.bfloat16, seed=seed, num_layers=2, max_bs=max_bs,
+        "llama-3.2-1b",
+        DEV,
+        torch.bfloat16,
+        seed=seed,
+        num_layers=2,
+        max_bs=max_bs,
         max_context_len=MAX_CONTEXT,
-    )  # fmt: skip
+    )
     fill_kv_random(mr, seed=seed + 1)  # never zeros: every slot holds a distinct value
     return mr
 
@@ -154,9 +159,15 @@ def test_unpacked_inputs_replay_equals_eager_at_every_bucket():
 
 def _toy(**kw) -> ToyModelRunner:
     return ToyModelRunner(
-        hidden=64, num_layers=3, num_pages=400, page_size=16, max_pages_per_request=8,
-        device=DEV, seed=kw.pop("seed", 17), **kw,
-    )  # fmt: skip
+        hidden=64,
+        num_layers=3,
+        num_pages=400,
+        page_size=16,
+        max_pages_per_request=8,
+        device=DEV,
+        seed=kw.pop("seed", 17),
+        **kw,
+    )
 
 
 def _pool_segment_bytes(pool: GraphPool) -> int:

@@ -37,8 +37,15 @@ def _runner() -> ModelRunner:
 
 
 async def _stream(client, url, prompt, n, leave_after=None) -> list[int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
     ids: list[int] = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -67,8 +74,9 @@ def _wait_idle(worker, timeout=20.0) -> None:
 
 
 def test_serve_on_cuda_streams_aborts_and_survives_a_fault():
-    worker = EngineWorker(lambda: Engine(_runner(), "graph", max_running=MAX_RUNNING),
-                          ServeMetrics())  # fmt: skip
+    worker = EngineWorker(
+        lambda: Engine(_runner(), "graph", max_running=MAX_RUNNING), ServeMetrics()
+    )
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 60))] for _ in range(12)]
     lens = [rng.randint(8, 64) for _ in prompts]
@@ -83,10 +91,12 @@ def test_serve_on_cuda_streams_aborts_and_survives_a_fault():
             async def run_all():
                 limits = httpx.Limits(max_connections=32)
                 async with httpx.AsyncClient(timeout=120, limits=limits) as c:
-                    return await asyncio.gather(*(
-                        _stream(c, url, p, n, leave.get(i))
-                        for i, (p, n) in enumerate(zip(prompts, lens))
-                    ))  # fmt: skip
+                    return await asyncio.gather(
+                        *(
+                            _stream(c, url, p, n, leave.get(i))
+                            for i, (p, n) in enumerate(zip(prompts, lens))
+                        )
+                    )
 
             got = asyncio.run(run_all())
             _wait_idle(worker)
@@ -144,8 +154,16 @@ def test_serve_on_cuda_with_the_engine_in_its_own_process():
     from stepgraph.serve.proc_worker import ProcessWorker
     from tests.serve_hooks import DIE, FAULT
 
-    spec = EngineSpec("tiny", "cuda", "float32", "graph", MAX_RUNNING, CONTEXT, warmup=False,
-                      setup="tests.serve_hooks:arm")  # fmt: skip
+    spec = EngineSpec(
+        "tiny",
+        "cuda",
+        "float32",
+        "graph",
+        MAX_RUNNING,
+        CONTEXT,
+        warmup=False,
+        setup="tests.serve_hooks:arm",
+    )
     worker = ProcessWorker(spec, ServeMetrics())
     rng = random.Random(6)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 60))] for _ in range(12)]
@@ -160,10 +178,12 @@ def test_serve_on_cuda_with_the_engine_in_its_own_process():
 
             async def run_all():
                 async with httpx.AsyncClient(timeout=120) as c:
-                    return await asyncio.gather(*(
-                        _stream(c, url, p, n, leave.get(i))
-                        for i, (p, n) in enumerate(zip(prompts, lens))
-                    ))  # fmt: skip
+                    return await asyncio.gather(
+                        *(
+                            _stream(c, url, p, n, leave.get(i))
+                            for i, (p, n) in enumerate(zip(prompts, lens))
+                        )
+                    )
 
             got = asyncio.run(run_all())
             _wait_idle(worker)

@@ -18,9 +18,14 @@ CFG = RunnerConfig(max_bs=64, show_progress=False)
 @pytest.fixture(scope="module")
 def mr():
     return ToyModelRunner(
-        hidden=1024, num_layers=8, num_pages=600, page_size=16, max_pages_per_request=8,
-        device="cuda", seed=23,
-    )  # fmt: skip
+        hidden=1024,
+        num_layers=8,
+        num_pages=600,
+        page_size=16,
+        max_pages_per_request=8,
+        device="cuda",
+        seed=23,
+    )
 
 
 def _reserved_after(build) -> tuple[int, list]:

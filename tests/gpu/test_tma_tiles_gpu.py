@@ -46,14 +46,22 @@ def test_tma_tiles_match_float64_and_pointers(spy, monkeypatch, tma, m):
     w_gu = randn(2 * INTER, H, g=g, scale=H**-0.5)
     a = randn(m, INTER, g=g)
     cases = [
-        (lambda t, tu=None: gemv_residual(r, w_o, r, blocks=t, tuning=tu),
-         lambda: (r.double() @ w_o.double().T + r.double()), Tile(64, 128, 4, 3, 4)),
-        (lambda t, tu=None: gemv_residual(a, w_down, r, blocks=t, tuning=tu),
-         lambda: (a.double() @ w_down.double().T + r.double()), Tile(64, 128, 4, 3, 8)),
-        (lambda t, tu=None: gate_up_silu(r, nw, w_gu, EPS, blocks=t, tuning=tu),
-         lambda: gate_up_silu_reference(r.double(), nw.double(), w_gu.double(), EPS),
-         Tile(32, 128, 4, 3, 1)),
-    ]  # fmt: skip
+        (
+            lambda t, tu=None: gemv_residual(r, w_o, r, blocks=t, tuning=tu),
+            lambda: r.double() @ w_o.double().T + r.double(),
+            Tile(64, 128, 4, 3, 4),
+        ),
+        (
+            lambda t, tu=None: gemv_residual(a, w_down, r, blocks=t, tuning=tu),
+            lambda: a.double() @ w_down.double().T + r.double(),
+            Tile(64, 128, 4, 3, 8),
+        ),
+        (
+            lambda t, tu=None: gate_up_silu(r, nw, w_gu, EPS, blocks=t, tuning=tu),
+            lambda: gate_up_silu_reference(r.double(), nw.double(), w_gu.double(), EPS),
+            Tile(32, 128, 4, 3, 1),
+        ),
+    ]
     for call, ref, tile in cases:
         tma_tile = Tile(*list(tile.__dict__.values())[:5], tma)
         spy.clear()
@@ -88,11 +96,25 @@ def test_tma_qkv_rope_and_head(spy, tma, m):
     slots = torch.randperm(pages * ps, generator=g, device=DEV)[:m]
     caches = [randn(pages, ps, n_kv, hd, g=g) for _ in range(2)]
     caches += [c.clone() for c in caches]  # the reference writes its own copy
-    q = qkv_rope(r, nw, w, None, EPS, positions, cos, sin, caches[0], caches[1], slots, n_heads,
-                 blocks=Tile(32, 128, 4, 3, 4, tma))  # fmt: skip
+    q = qkv_rope(
+        r,
+        nw,
+        w,
+        None,
+        EPS,
+        positions,
+        cos,
+        sin,
+        caches[0],
+        caches[1],
+        slots,
+        n_heads,
+        blocks=Tile(32, 128, 4, 3, 4, tma),
+    )
     assert len(spy) == 3 - tma
-    q_ref = qkv_rope_reference(r, nw, w, None, EPS, positions, cos, sin, caches[2], caches[3],
-                               slots, n_heads)  # fmt: skip
+    q_ref = qkv_rope_reference(
+        r, nw, w, None, EPS, positions, cos, sin, caches[2], caches[3], slots, n_heads
+    )
     assert rel_err(q, q_ref) < BF16
     assert rel_err(caches[0], caches[2]) < BF16 and rel_err(caches[1], caches[3]) < BF16
     head = randn(VOCAB, H, g=g, scale=H**-0.5)

@@ -25,9 +25,15 @@ MAX_CONTEXT = 1024
 @pytest.fixture(scope="module")
 def mr():
     runner = ModelRunner.from_preset(
-        "llama-3.1-8b", DEV, torch.bfloat16, seed=5, num_layers=2, max_bs=1,
-        max_context_len=MAX_CONTEXT, page_size=64,
-    )  # fmt: skip
+        "llama-3.1-8b",
+        DEV,
+        torch.bfloat16,
+        seed=5,
+        num_layers=2,
+        max_bs=1,
+        max_context_len=MAX_CONTEXT,
+        page_size=64,
+    )
     fill_kv_random(runner)
     return runner
 
