@@ -28,8 +28,13 @@ def test_setup_commands_in_order_and_ci_runs_the_readme_tests():
     assert ci[-1].strip() == test, "keep .ci/run's test command identical to the README's"
 
 
+def _block(word: str) -> str:
+    (block,) = [b for b in _blocks("python") if word in b]
+    return block
+
+
 def test_wrap_your_own_model_snippet_runs_as_written(capsys):
-    snippet = _blocks("python")[0]
+    snippet = _block("ToyModelRunner")
     scope: dict = {}
     exec(compile(snippet, "README.md", "exec"), scope)
     model_runner, batch = scope["model_runner"], scope["batch"]
@@ -45,3 +50,24 @@ def test_wrap_your_own_model_snippet_runs_as_written(capsys):
     text = "\n".join(printed)
     for word in ("buckets", "capture", "MiB", "replays", "fallbacks"):
         assert word in text, f"{word!r} missing from the stats table:\n{text}"
+
+
+def test_engine_snippet_runs_as_written_and_equals_a_synchronous_eager_engine(capsys):
+    from stepgraph import Engine, ModelRunner
+
+    scope: dict = {}
+    exec(compile(_block("Engine(mr)"), "README.md", "exec"), scope)
+    outputs, engine = scope["outputs"], scope["engine"]
+    assert [len(o) for o in outputs] == [8, 8]
+    assert max(engine.stats.batch_sizes) <= scope["mr"].max_bs
+    mr = ModelRunner.from_preset(
+        "tiny", "cpu", torch.float32, seed=0, max_bs=8, max_context_len=256
+    )
+    want = Engine(mr, "eager", overlap=False).generate([[1, 2, 3], [4, 5, 6, 7]], 8)
+    assert outputs == want
+    assert str(outputs) in capsys.readouterr().out
+
+
+def test_readme_is_a_front_door():
+    assert len(README.splitlines()) < 160
+    assert "```python notest" in README  # the openai client needs a server: shown, not run

@@ -1,4 +1,4 @@
-"""The README's overlapped decode loop runs as written (tiny preset, CPU stand-in), and the ids
+"""docs/overlapped_loop.md's decode loop runs as written (tiny preset, CPU stand-in), and the ids
 it lands, one step late and the last step's after the loop, are those of a synchronous eager loop
 over the same requests; it prints what it landed."""
 
@@ -11,15 +11,15 @@ import torch
 
 from stepgraph import ModelRunner
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "overlapped_loop.md").read_text()
 
 
 def test_overlapped_loop_snippet_lands_the_synchronous_ids(capsys):
     (snippet,) = [
-        b for b in re.findall(r"```python\n(.*?)```", README, flags=re.S) if "in_flight" in b
+        b for b in re.findall(r"```python\n(.*?)```", DOC, flags=re.S) if "in_flight" in b
     ]
     scope: dict = {}
-    exec(compile(snippet, "README.md", "exec"), scope)
+    exec(compile(snippet, "docs/overlapped_loop.md", "exec"), scope)
     mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, seed=0, max_bs=4, max_context_len=64)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     pages = [mr.kv_cache.reserve(len(p) + 6) for p in prompts]
