@@ -11,9 +11,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from .. import env
 from .errors import Unauthorized, error_body
 
-KEY_ENV = "STEPGRAPH_API_KEY"
+KEY_ENV = env.API_KEY
 GUARDED = "/v1"  # the OpenAI API; /health and /metrics are for probes and scrapers
 
 

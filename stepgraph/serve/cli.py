@@ -7,9 +7,9 @@ engine, exit 0. Also ``python -m stepgraph.serve``."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from .. import env
 from ..cli_args import (
     UsageError,
     add_device_args,
@@ -128,13 +128,11 @@ def check_args(args: argparse.Namespace, config) -> int:
 
 def api_key(args: argparse.Namespace) -> str | None:
     """``--api-key``, else ``$STEPGRAPH_API_KEY``, else None; an empty key is refused."""
-    from .auth import KEY_ENV
-
     if args.api_key is not None:
         if not args.api_key.strip():
             raise UsageError("argument --api-key: empty; pass a key, or drop the flag")
         return args.api_key
-    return os.environ.get(KEY_ENV) or None
+    return env.api_key()
 
 
 def need_extras() -> None:
