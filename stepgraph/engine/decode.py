@@ -10,13 +10,16 @@ from typing import Any
 
 import torch
 
-from ..batch import unpacked_batch
-from ..model.decode.decode_rows import block_table
+from ..batch import PACKED, unpacked_batch
+from ..model.decode.decode_rows import DecodeRows, block_table
 from ..model.decode.graph_walks import DECODE_WALK
 from ..model.model_runner import ModelRunner
 from ..runner.feed import feed_id
 from .overlap import InFlight
 from .requests import EngineStats, Request
+
+_POS = PACKED.fields.index("positions")
+_FEED_IDS = [feed_id(j) for j in range(4096)]  # the ids of feed rows 0, 1, ... in order
 
 
 class DecodePath:
@@ -28,6 +31,11 @@ class DecodePath:
         self.config_runner = None  # ConfigGraphRunner (decode_via="configs")
         self.walks = None  # its DecodeGraphWalks
         self._table: tuple[tuple[int, ...], object] | None = None  # (request ids, block table)
+        self.timer = None  # the engine's PhaseTimer (phase_timer.py), or None
+        # the host rows kept across steps (a runner that copies them at replay), and the
+        # request ids of their last step: the same ids next step advance the rows in place
+        self.rows: DecodeRows | None = None
+        self._rows_key: tuple[int, ...] | None = None
         if mode == "eager":
             return
         from ..runner import CudaGraphRunner
@@ -39,6 +47,13 @@ class DecodePath:
             self.runner = CudaGraphRunner(
                 model_runner, replace(config, mode=mode), feed=model_runner.greedy_tokens
             )
+            if self.runner.staged or self.runner.device.type == "cpu":  # rows copied at replay
+                self.rows = DecodeRows(
+                    self.runner.max_bs,
+                    model_runner.max_pages_per_request,
+                    model_runner.page_size,
+                    packed_too=not self.runner.staged,
+                )
         else:
             from ..model.decode.graph_walks import build_decode_graph_runner
 
@@ -103,19 +118,62 @@ class DecodePath:
         if runner is None or len(reqs) > runner.max_bs:
             return None
         feed = runner.feed
-        if prev is None:
-            tokens = [r.output[-1] for r in reqs]
-        elif prev.tokens.shape[0] > feed.shape[0]:
+        if prev is not None and prev.tokens.shape[0] > feed.shape[0]:
             return None
+        if prev is not None and prev.tokens.data_ptr() != feed.data_ptr():
+            # sampled outside the step (else the fused argmax wrote the feed)
+            feed[: prev.tokens.shape[0]].copy_(prev.tokens)
+        if self.rows is not None:
+            batch = self._kept_batch(reqs, prev)  # the engine's own values: no can_run
         else:
-            if prev.tokens.data_ptr() != feed.data_ptr():  # sampled outside the step (else the
-                feed[: prev.tokens.shape[0]].copy_(prev.tokens)  # fused argmax wrote the feed)
-            tokens = [feed_id(prev.row_of[r.rid]) for r in reqs]
-        batch = self._batch(reqs, tokens, contiguous_fields=False, device_copy=not runner.staged)
-        if not runner.can_run(batch):
-            return None
+            if prev is None:
+                tokens = [r.output[-1] for r in reqs]
+            else:
+                tokens = [feed_id(prev.row_of[r.rid]) for r in reqs]
+            how = dict(contiguous_fields=False, device_copy=not runner.staged)
+            batch = self._batch(reqs, tokens, **how)
+            if not runner.can_run(batch):
+                return None
+        timer = self.timer
+        if timer is not None:
+            timer.mark("batch_rows")
         stats.graph_steps += 1
-        return runner.replay(batch)  # a static buffer: sampled before the next replay
+        logits = runner.replay(batch)  # a static buffer: sampled before the next replay
+        if timer is not None:
+            timer.mark("replay")
+        return logits
+
+    def _kept_batch(self, reqs: Sequence[Request], prev: InFlight | None):
+        """The batch of ``reqs`` in the rows kept from the step before. The same requests as
+        then, each fed from row ``j`` of the step in flight (no prefill rows before them), only
+        advance: positions, KV lengths and slots one on, no Python per request. Else every row
+        is written."""
+        rows, key = self.rows, tuple(r.rid for r in reqs)
+        bs = len(reqs)
+        first = reqs[0]
+        steady = (
+            key == self._rows_key
+            and prev is not None
+            and len(prev.rows) == bs  # row j of the step in flight is reqs[j]
+            and int(rows.rows[0, _POS]) + 1 == len(first.prompt) + first.scheduled - 1
+        )
+        self._rows_key = None  # until the rows hold this step's batch
+        if steady:
+            batch = rows.advance(bs)
+        else:
+            if prev is None:
+                tokens = [r.output[-1] for r in reqs]
+            else:
+                row_of = prev.row_of
+                tokens = [feed_id(row_of[r.rid]) for r in reqs]
+            positions = [len(r.prompt) + r.scheduled - 1 for r in reqs]
+            counts = [len(r.pages) for r in reqs]
+            batch = rows.fill(tokens, positions, self._block_table(reqs), counts)
+        # fed from the feed's rows 0..bs-1 in order: the next step of the same requests only
+        # advances (a step fed from host tokens, or from other rows, is written whole)
+        if prev is not None and (steady or tokens == _FEED_IDS[:bs]):
+            self._rows_key = key
+        return batch
 
     def _batch(self, reqs: Sequence[Request], tokens: list[int], **how):
         """The decode batch of ``reqs`` feeding ``tokens``; values the engine vouches for

@@ -34,6 +34,7 @@ from .cache_use import EngineCache
 from .decode import DecodePath
 from .offline import check_prompts, prefill_bar, seeded_generator
 from .overlap import InFlight, PendingPages
+from .phase_timer import PhaseTimer
 from .prefill import build_prefiller, prefill_step
 from .prefix_match import check_salt
 from .requests import (
@@ -127,6 +128,17 @@ class Engine:
         self._shared_gen = None if self._sync is None else torch.Generator(model_runner.device)
         if self._shared_gen is not None:
             self._shared_gen.manual_seed(self._sync.seed)
+        self.timer = None
+
+    @property
+    def timer(self) -> PhaseTimer | None:
+        """A ``PhaseTimer`` that records the host time of each step by phase
+        (``phase_timer.py``); None (the default): the step makes no timer call."""
+        return self._timer
+
+    @timer.setter
+    def timer(self, value: PhaseTimer | None) -> None:
+        self._timer = self.decoder.timer = value
 
     @property
     def max_running(self) -> int | None:
@@ -240,6 +252,9 @@ class Engine:
             raise
 
     def _step(self, sampling: Sampling, generator: torch.Generator | None) -> list[tuple[int, int]]:
+        timer = self._timer
+        if timer is not None:
+            timer.start()
         prev = self._inflight
         generator = generator if generator is not None else self._shared_gen
         for req in [r for r in self.running if r.scheduled >= r.max_new_tokens]:
@@ -258,6 +273,9 @@ class Engine:
         out = self._land(prev, step) if prev is not None else []
         self._pending.reclaim()  # what is already free goes back now (never blocks)
         self._landed = out
+        if timer is not None:
+            timer.mark("stop_checks")
+            timer.end_step()
         return out
 
     def _launch(
@@ -267,6 +285,9 @@ class Engine:
         stay there (``InFlight``). Nothing here waits for the device."""
         decoding = [r for r in self.running if 0 < r.scheduled < r.max_new_tokens]
         self._admit()
+        timer = self._timer
+        if timer is not None:
+            timer.mark("admission")
         logits, rows = [], []
         # one packed forward of this step's chunks: requests whose prompt is now all cached
         prefilling = [r for r in self.running if r.prefilled < len(r.prompt)]
@@ -276,6 +297,8 @@ class Engine:
         if first is not None:
             rows, prefill_logits = first
             logits.append(prefill_logits)
+        if timer is not None:
+            timer.mark("prefill")
         if decoding:
             logits.append(self.decoder.logits(decoding, self.stats, prev))
             self.stats.decode_tokens += len(decoding)
@@ -292,7 +315,10 @@ class Engine:
             tokens = sample_rows(both, rows, sampling, generator)  # [n] int64, no host sync
         for req in rows:
             req.scheduled += 1
-        return InFlight.launch(rows, tokens)
+        step = InFlight.launch(rows, tokens)
+        if timer is not None:
+            timer.mark("sampling")
+        return step
 
     def _admit(self) -> None:
         """Start the requests at the head of the queue that fit (``scheduler.admit_count``),
@@ -325,7 +351,10 @@ class Engine:
     def _land(self, step: InFlight, after: InFlight | None) -> list[tuple[int, int]]:
         """Take ``step``'s tokens to the requests (``after``: the step launched since)."""
         out = []
-        for req, tok in zip(step.rows, step.wait()):
+        tokens = step.wait()
+        if self._timer is not None:
+            self._timer.mark("landing")
+        for req, tok in zip(step.rows, tokens):
             if req.closed:  # finished or aborted before this token: dropped
                 continue
             req.output.append(tok)
