@@ -315,6 +315,27 @@ def fp8_gemv(
     return y
 
 
+def fp8_scales(weight: torch.Tensor, w_scale: torch.Tensor | None, what: str) -> bool:
+    """Whether a fused projection streams ``weight`` as FP8 (``W_FP8``): an e4m3 weight comes
+    with float32 per-channel scales ``w_scale [N]`` (contiguous, on its device), any other
+    weight without; a ConfigError naming ``what`` otherwise. Block scales take ``fp8_gemv``."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (w_scale is not None):
+        raise ConfigError(
+            f"{what}: an e4m3 weight needs its per-channel scales (w_scale) and only an e4m3 "
+            f"weight takes them; got a {weight.dtype} weight and w_scale "
+            f"{'None' if w_scale is None else tuple(w_scale.shape)}"
+        )
+    if fp8 and (w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (weight.shape[0],)
+                or not w_scale.is_contiguous() or w_scale.device != weight.device):  # fmt: skip
+        raise ConfigError(
+            f"{what}: w_scale must be contiguous float32 [{weight.shape[0]}] on "
+            f"{weight.device} (per output channel); got {w_scale.dtype} "
+            f"{tuple(w_scale.shape)} on {w_scale.device}"
+        )
+    return fp8
+
+
 def dequantize_reference(weight, scale, block=None, dtype=torch.float64) -> torch.Tensor:
     """``weight * scale`` element by element in ``dtype`` (block scales expanded, the last
     partial blocks taking their block's scale)."""
@@ -341,6 +362,7 @@ __all__ = [
     "fp8_gemv",
     "fp8_gemv_reference",
     "fp8_mul_acc",
+    "fp8_scales",
     "fp8_tile",
     "load_w_chunk",
     "x_chunk",

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ...tuning import DecodeTuning, default_tuning
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
+from .fp8_gemv import fp8_scales
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -43,6 +44,7 @@ def _gate_up_silu_kernel(
     w_desc,
     x_desc,
     ssq_ptr,
+    s_ptr,  # W_FP8: the weight's float32 scales per output channel
     M,
     INTER,
     K,
@@ -62,6 +64,7 @@ def _gate_up_silu_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr (tma_tiles.proj_loop)
 ):
     pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
@@ -114,6 +117,7 @@ def _gate_up_silu_kernel(
         ssq_ptr,
         stride_sm,
         n_parts,
+        s_ptr,
         TMA,
         NORM,
         True,
@@ -122,6 +126,7 @@ def _gate_up_silu_kernel(
         BLOCK_K,
         NORM_BLOCK,
         SSQ_PAD,
+        W_FP8,
     )
     pdl_trigger_late(USE_PDL)
     rows = BLOCK_M
@@ -168,10 +173,13 @@ def gate_up_silu(
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N pairs, BLOCK_K, num_warps[, num_stages])
     ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
     tuning: DecodeTuning | None = None,  # its tiles, PDL, TMA, prefetch; None: the default
+    w_scale: torch.Tensor | None = None,  # [2 * I] float32: weight is e4m3, per channel
 ) -> torch.Tensor:  # [M, I], x.dtype
     """``silu(gate) * up`` of ``rmsnorm(x) @ weight.T`` in one launch (with ``ssq``, of the
-    ``rmsnorm(r)`` that ``x = r * norm_w`` came from)."""
+    ``rmsnorm(r)`` that ``x = r * norm_w`` came from; with ``w_scale``, of an e4m3 weight
+    times its scales, applied in registers)."""
     check_handoff(norm_w, ssq, "gate_up_silu")
+    fp8 = fp8_scales(weight, w_scale, "gate_up_silu")
     m, k = x.shape
     inter = weight.shape[0] // 2
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
@@ -180,7 +188,10 @@ def gate_up_silu(
         tile = (
             as_tile(blocks)
             if blocks is not None
-            else tile_for(_kernel_name(norm_w), m, 2 * inter, k, weight.element_size(), t.tables)
+            else tile_for(
+                _kernel_name(norm_w), m, 2 * inter, k, 2 if fp8 else weight.element_size(),
+                t.tables,
+            )  # fmt: skip
         )
         check_tile("gate_up_silu", tile, m)
         pdl = resolve_pdl(use_pdl, x.device, t)
@@ -189,7 +200,8 @@ def gate_up_silu(
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * block_m(m) * tile.block_n
             ws, tickets = splitk_workspace(x.device, elems, tiles)
-        descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)  # None: pointer loop
+        # None: the pointer loop (FP8 weights always)
+        descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma and not fp8)
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, out)
         _gate_up_silu_kernel[(tiles, tile.split_k)](
             x,
@@ -200,6 +212,7 @@ def gate_up_silu(
             tickets,
             *(descs or (x, x)),
             sums,
+            w_scale if fp8 else out,
             m,
             inter,
             k,
@@ -229,6 +242,7 @@ def gate_up_silu(
             BLOCK_K=tile.block_k,
             NORM_BLOCK=norm_block(m, k),
             SPLIT_K=tile.split_k,
+            W_FP8=fp8,
             **tile.launch(),
             **launch_options(pdl),
         )

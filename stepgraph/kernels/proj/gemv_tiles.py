@@ -210,9 +210,16 @@ def x_tile(
 @triton.jit
 def mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
     # BLOCK_M == 1: acc [BLOCK_N, BLOCK_K] += w * x[None, :] (one reduction after the loop);
-    # else acc [BLOCK_M, BLOCK_N] += x @ w^T on tensor cores (BLOCK_M >= 16)
+    # else acc [BLOCK_M, BLOCK_N] += x @ w^T on tensor cores (BLOCK_M >= 16). An e4m3 w
+    # (FP8 weights, scales applied by the caller after the loop) is converted to x's dtype in
+    # registers, exactly
     if BLOCK_M == 1:
         acc = acc + w.to(tl.float32) * x[None, :]
+    elif w.dtype == tl.float8e4nv:
+        if x.dtype == tl.float32:
+            acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     elif w.dtype == tl.float32:
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     else:

@@ -23,6 +23,7 @@ import triton.language as tl
 from ...tuning import DecodeTuning, default_tuning
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from ..sampling.argmax_parts import fold_argmax, fold_block
+from .fp8_gemv import fp8_scales
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -50,6 +51,7 @@ def _norm_gemv_kernel(
     ssq_ptr,
     xw_ptr,
     tok_ptr,
+    s_ptr,  # W_FP8: the weight's float32 scales per output channel
     M,
     N,
     K,
@@ -78,6 +80,7 @@ def _norm_gemv_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr (tma_tiles.proj_loop)
 ):
     pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
@@ -128,6 +131,7 @@ def _norm_gemv_kernel(
         ssq_ptr,
         stride_sm,
         n_parts,
+        s_ptr,
         TMA,
         NORM,
         False,
@@ -136,6 +140,7 @@ def _norm_gemv_kernel(
         BLOCK_K,
         NORM_BLOCK,
         SSQ_PAD,
+        W_FP8,
     )
     pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
@@ -221,15 +226,17 @@ def _launch(
     next_norm=None,
     tokens=None,
     tuning=None,
+    w_scale=None,
 ):
     # -> (xw [M, N], the sums of squares [M, column tiles] float32) given next_norm, else None
     m, k = x.shape
     n = weight.shape[0]
     t = default_tuning(tuning)
+    fp8 = fp8_scales(weight, w_scale, kernel)
     tile = (
         as_tile(blocks)
         if blocks is not None
-        else tile_for(kernel, m, n, k, weight.element_size(), t.tables)
+        else tile_for(kernel, m, n, k, 2 if fp8 else weight.element_size(), t.tables)
     )
     check_tile(kernel, tile, m)
     bm = block_m(m)
@@ -240,7 +247,8 @@ def _launch(
         elems = tiles * tile.split_k * tile.block_n * bm if tile.split_k > 1 else 0
         ws, tickets = splitk_workspace(x.device, elems, tiles + 1)
     pdl = resolve_pdl(use_pdl, x.device, t)
-    descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)  # None: the pointer loop
+    # None: the pointer loop (FP8 weights always)
+    descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma and not fp8)
     ssq, stride_s, n_parts, ssq_pad = ssq_args(ssq_in, m, y)
     xw, out = y, None
     if next_norm is not None:
@@ -263,6 +271,7 @@ def _launch(
         ssq,
         xw,
         tokens if tokens is not None else y,
+        w_scale if fp8 else y,
         m,
         n,
         k,
@@ -303,6 +312,7 @@ def _launch(
         BLOCK_K=tile.block_k,
         NORM_BLOCK=norm_block(m, k),
         SPLIT_K=tile.split_k,
+        W_FP8=fp8,
         **tile.launch(),
         **launch_options(pdl),
     )
@@ -363,8 +373,10 @@ def gemv_residual(
     blocks=None,  # as norm_gemv's
     next_norm: torch.Tensor | None = None,  # [N], the next RMSNorm's weight (norm_handoff)
     tuning: DecodeTuning | None = None,  # as norm_gemv's
+    w_scale: torch.Tensor | None = None,  # [N] float32: weight is e4m3, scaled per channel
 ):  # -> y [M, N], residual.dtype (x.dtype without one); with next_norm (y, xw, ssq)
-    """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first);
+    """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first;
+    with ``w_scale``, ``weight * w_scale[:, None]`` for an e4m3 weight, in registers);
     ``residual=None``: ``x @ weight.T`` (a tensor-parallel rank's partial sum). Given
     ``next_norm``, also ``xw = y * next_norm`` (rounded, ``[M, N]``) and each row's float32 sum
     of squares of y per column tile (``ssq [M, tiles]``): the next projection's x and ``ssq``
@@ -392,6 +404,7 @@ def gemv_residual(
             kernel="gemv_residual",
             next_norm=next_norm,
             tuning=tuning,
+            w_scale=w_scale,
         )
     if next_norm is None:
         return y

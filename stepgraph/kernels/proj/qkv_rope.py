@@ -23,6 +23,7 @@ from ...errors import ConfigError
 from ...tuning import DecodeTuning, default_tuning
 from ..elementwise.rope_kv import rope_kv_reference
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
+from .fp8_gemv import fp8_scales
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -124,6 +125,7 @@ def _qkv_rope_kernel(
     w_desc,
     x_desc,
     ssq_ptr,
+    s_ptr,  # W_FP8: the weight's float32 scales per output channel
     M,
     K,
     eps,
@@ -149,6 +151,7 @@ def _qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr (tma_tiles.proj_loop)
 ):
     pid = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
@@ -206,6 +209,7 @@ def _qkv_rope_kernel(
         ssq_ptr,
         stride_sm,
         n_parts,
+        s_ptr,
         TMA,
         NORM,
         True,
@@ -214,6 +218,7 @@ def _qkv_rope_kernel(
         BLOCK_K,
         NORM_BLOCK,
         SSQ_PAD,
+        W_FP8,
     )
     pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
@@ -299,11 +304,14 @@ def qkv_rope(
     blocks=None,  # a proj_tiles.Tile or (BLOCK_D, BLOCK_K, num_warps[, num_stages])
     ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
     tuning: DecodeTuning | None = None,  # its tiles, PDL, TMA, prefetch; None: the default
+    w_scale: torch.Tensor | None = None,  # [rows] float32: weight is e4m3, per channel
 ) -> torch.Tensor:  # [M, n_heads, head_dim], rotated q
     """Norm, qkv projection, RoPE and KV write in one launch; returns q (with ``ssq``, the
-    norm of the ``r`` that ``x = r * norm_w`` came from). Slots are not bounds-checked on the
-    device (padded graph rows must point at scratch slots)."""
+    norm of the ``r`` that ``x = r * norm_w`` came from; with ``w_scale``, the projection of an
+    e4m3 weight times its scales, in registers, before the bias). Slots are not bounds-checked
+    on the device (padded graph rows must point at scratch slots)."""
     check_handoff(norm_w, ssq, "qkv_rope")
+    fp8 = fp8_scales(weight, w_scale, "qkv_rope")
     m, k = x.shape
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]
     half = hd // 2
@@ -312,7 +320,8 @@ def qkv_rope(
         n_rows = (n_heads + 2 * n_kv) * hd
         t = default_tuning(tuning)
         if blocks is None:
-            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, weight.element_size(), t.tables)
+            elem = 2 if fp8 else weight.element_size()
+            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, elem, t.tables)
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
@@ -327,7 +336,8 @@ def qkv_rope(
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * block_m(m) * bd
             ws, tickets = splitk_workspace(x.device, elems, tiles)
-        descs = tma_descriptors(tile, m, x, weight, bd, t.tma)  # None: the pointer loop
+        # None: the pointer loop (FP8 weights always)
+        descs = tma_descriptors(tile, m, x, weight, bd, t.tma and not fp8)
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, q)
         _qkv_rope_kernel[(tiles, tile.split_k)](
             x,
@@ -345,6 +355,7 @@ def qkv_rope(
             tickets,
             *(descs or (x, x)),
             sums,
+            w_scale if fp8 else q,
             m,
             k,
             eps,
@@ -374,6 +385,7 @@ def qkv_rope(
             BLOCK_K=tile.block_k,
             NORM_BLOCK=norm_block(m, k),
             SPLIT_K=tile.split_k,
+            W_FP8=fp8,
             **tile.launch(),
             **launch_options(pdl),
         )

@@ -250,6 +250,7 @@ def proj_loop(
     ssq_ptr,
     stride_sm,
     n_parts,
+    s_ptr,
     TMA: tl.constexpr,
     NORM: tl.constexpr,
     PAIRED: tl.constexpr,
@@ -258,6 +259,7 @@ def proj_loop(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     SSQ_PAD: tl.constexpr,
+    W_FP8: tl.constexpr,
 ):
     # The part after the wait: each row's 1 / RMS when NORM (ones for an x that needs no norm:
     # o_proj, down, or x normed by its own kernel), then the K loop through descriptors
@@ -265,6 +267,8 @@ def proj_loop(
     # SSQ_PAD > 0 (the norm handoff, NORM False): x is r * norm_w already, rounded, and the
     # 1 / RMS of r comes from the sums of squares its writer left (norm_handoff.ssq_inv_rms),
     # a scale of each row of the products after the loop: the loop is a normed x's.
+    # W_FP8: the weight is e4m3 (pointer loop only, no TMA) with float32 scales per output
+    # channel at s_ptr, applied to the sums of rows row1.. (and row2..) after the loop.
     # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)
     if NORM:
         inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
@@ -311,6 +315,13 @@ def proj_loop(
             BLOCK_N,
             BLOCK_K,
         )
+    if W_FP8:
+        offs_s = tl.arange(0, BLOCK_N)
+        a1 = a1 * tl.load(s_ptr + row1 + offs_s, mask=mask_n, other=0.0)[None, :]
+        if PAIRED:
+            a2 = a2 * tl.load(s_ptr + row2 + offs_s, mask=mask_n, other=0.0)[None, :]
+        else:
+            a2 = a1
     if SSQ_PAD > 0:
         scale = ssq_inv_rms(ssq_ptr, stride_sm, M, n_parts, K, eps, BLOCK_M, SSQ_PAD)
         if BLOCK_M == 1:

@@ -180,6 +180,7 @@ def _qkv(
         blocks=plan.tile,
         ssq=ssq,
         tuning=t,
+        w_scale=getattr(attn.qkv_proj, "weight_scale", None),  # an Fp8Linear's, per channel
     )
 
 

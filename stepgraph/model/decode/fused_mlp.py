@@ -36,6 +36,7 @@ def row(
     partials`` (rounded once more than the reference path's ``r + all_reduce(partials)``: the
     two agree within bf16 rounding, not bit for bit)."""
     if type(proj) is not RowParallelLinear or proj.world_size == 1:
+        scale = getattr(proj, "weight_scale", None)  # an Fp8Linear's, per channel
         if next_norm is not None:
             y, xw, ssq = gemv_residual(
                 x,
@@ -45,9 +46,11 @@ def row(
                 blocks=blocks,
                 next_norm=next_norm,
                 tuning=tuning,
+                w_scale=scale,
             )
             return y, (xw, ssq)
-        y = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, blocks=blocks, tuning=tuning)
+        y = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, blocks=blocks, tuning=tuning,
+                          w_scale=scale)  # fmt: skip
         return y, None
     y = gemv_residual(
         x,
@@ -81,6 +84,7 @@ def mlp_half(
     down = plan.down_last if last else plan.down
     nw_next = (model.norm if last else model.layers[i + 1].input_layernorm).weight
     gate_up, w_gu = plan.gate_up, mlp.gate_up_proj.weight
+    s_gu = getattr(mlp.gate_up_proj, "weight_scale", None)  # an Fp8Linear's, per channel
     r, hand = row(
         o, attn.o_proj, r, use_pdl, norm2.weight if plan.o_proj.hands else None, t, plan.o_proj.tile
     )
@@ -96,15 +100,18 @@ def mlp_half(
             blocks=gate_up.tile,
             ssq=hand[1],
             tuning=t,
+            w_scale=s_gu,
         )
     elif gate_up.how == SEPARATE:
         a = gate_up_silu(
-            norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile, tuning=t
-        )
+            norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile, tuning=t,
+            w_scale=s_gu,
+        )  # fmt: skip
     else:
         a = gate_up_silu(
-            r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile, tuning=t
-        )
+            r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile, tuning=t,
+            w_scale=s_gu,
+        )  # fmt: skip
     return row(a, mlp.down_proj, r, use_pdl, nw_next if down.hands else None, t, down.tile)
 
 

@@ -82,7 +82,9 @@ class StepShapes:
     parallel_head: bool = False
     head_bias: bool = False
     plain_embed: bool = True
-    weight_format: str = "plain"  # or fp8_linear.weight_format's "fp8-channel", "fp8-block", ...
+    # "plain", or fp8_linear.weight_format's ("fp8-channel", "fp8-block", "mixed"): FP8
+    # weights are looked up in the tables at the activations' element size (elem_bytes)
+    weight_format: str = "plain"
 
     def shape(self, piece: str) -> tuple[int, int]:
         return getattr(self, piece)
@@ -129,7 +131,11 @@ class StepPlan:
 
 
 UNMEASURED = "no measured tiles for these shapes; docs/tuning.md"
-FP8_REFERENCE = "FP8 weights: the projections run the FP8-weight GEMV (kernels/proj/fp8_gemv)"
+FP8_REFERENCE = (
+    "FP8 weights with block scales (or mixed): the projections run the FP8-weight GEMV "
+    "(kernels/proj/fp8_gemv)"
+)
+FP8_FUSED = "fp8-channel"  # the weight format the fused kernels stream (W_FP8, no TMA)
 
 
 def measured_all(shapes: StepShapes, bucket: int, tables=None) -> bool:
@@ -146,7 +152,7 @@ def reference_reason(shapes: StepShapes, bucket: int, tuning: DecodeTuning) -> s
     shapes, float32, shards); a bucket the model measured faster on the reference kernels."""
     if bucket in tuning.reference_rows:
         return "reference_rows"
-    if shapes.weight_format != "plain":
+    if shapes.weight_format not in ("plain", FP8_FUSED):
         return FP8_REFERENCE
     if bucket > 1 and not measured_all(shapes, bucket, tuning.tables):
         return UNMEASURED
@@ -199,6 +205,8 @@ def bucket_splits(shapes: StepShapes, bucket: int, tuning: DecodeTuning) -> int:
 
 
 def _cublas(shapes: StepShapes, piece: str, rows: int, tuning: DecodeTuning) -> bool:
+    if shapes.weight_format == FP8_FUSED and piece != "lm_head":
+        return False  # cuBLAS takes no e4m3 weight scaled per channel: the fused kernel runs
     e = shapes.elem_bytes
     return prefer_cublas(PIECE_KERNELS[piece], rows, *shapes.shape(piece), e, tuning.tables)
 
@@ -328,6 +336,8 @@ def step_shapes(model, backend=None) -> StepShapes:
             attention_kernel=backend.use_kernel,
             split_ladder=backend.tuning.split,
         )
+    fmt = step_weight_format(model)
+    fp8 = fmt != "plain"  # the tables' element size: the activations' (the model dtype's)
     shapes = StepShapes(
         qkv=tuple(w.shape),
         o_proj=tuple(attn.o_proj.weight.shape),
@@ -335,12 +345,12 @@ def step_shapes(model, backend=None) -> StepShapes:
         down=tuple(down.weight.shape),
         lm_head=tuple(model.lm_head.weight.shape),
         attention=shape,
-        elem_bytes=w.element_size(),
+        elem_bytes=model.embed_tokens.weight.element_size() if fp8 else w.element_size(),
         sharded=type(down) is RowParallelLinear and down.world_size > 1,
         parallel_head=isinstance(model.lm_head, ParallelLMHead),
         head_bias=getattr(model.lm_head, "bias", None) is not None,
         plain_embed=type(model.embed_tokens) is nn.Embedding,
-        weight_format=step_weight_format(model),
+        weight_format=fmt,
         **extra,
     )
     ref = weakref.ref(backend) if backend is not None else (lambda: None)
