@@ -55,7 +55,13 @@ def test_every_kernel_of_the_step_compiles_for_sm90(result):
         "inputs",
         "reference kernels",
         "fp8 gemv",
+        "fp8 1",
+        "fp8 8",
+        "fp8 64",
     }
+    for bs in ("fp8 1", "fp8 8", "fp8 64"):  # the fused projections stream e4m3 weights
+        kernels = {v["kernel"] for v in steps[bs]}
+        assert {"_qkv_rope_kernel", "_gate_up_silu_kernel", "_norm_gemv_kernel"} <= kernels, bs
     variants = [v for vs in steps.values() for v in vs]
     assert variants and all(v["cubin"] for v in variants)
     names = {v["kernel"] for v in variants}
