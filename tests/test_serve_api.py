@@ -94,8 +94,8 @@ def every_page_free_after(server):
     h = _wait_idle(server.url)
     assert h["running"] == h["waiting"] == 0, h
     assert h["kv_pages_free"] == h["kv_pages_total"] > 0, h
-    kv = server.worker.engine.model_runner.kv_cache
-    assert kv.allocator.num_free == kv.num_pages - 1
+    kv, cache = server.worker.engine.model_runner.kv_cache, server.worker.engine.prefix_cache
+    assert cache.num_available == kv.num_pages - 1 and not cache._tree.refs  # free or cached
 
 
 def _ids(choice) -> list[int]:

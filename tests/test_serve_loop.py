@@ -44,7 +44,7 @@ def _engine() -> Engine:
     return Engine(mr, "eager")
 
 
-def _fields(prompt, max_tokens, temperature=0.0, seed=None):
+def _fields(prompt, max_tokens, temperature=0.0, seed=None, cache_salt=None):
     p = SimpleNamespace(
         prompt_ids=prompt,
         max_tokens=max_tokens,
@@ -54,6 +54,7 @@ def _fields(prompt, max_tokens, temperature=0.0, seed=None):
         seed=seed,
         temperature=temperature,
         top_k=None,
+        cache_salt=cache_salt,
     )
     return submit_fields(p)
 
@@ -83,7 +84,7 @@ def _run(engine: Engine, *cmds) -> list[tuple]:
     out = _Outbox()
     EngineLoop(engine, _Inbox(*cmds), out).run()
     kv = engine.model_runner.kv_cache
-    assert kv.allocator.num_free == kv.num_pages - 1  # every page back after STOP
+    assert kv.allocator.num_free == kv.num_pages - 1  # every page back after STOP (cleared)
     running, waiting, free, *_ = out.msgs[-1][2]
     assert (running, waiting, free) == (0, 0, kv.num_pages - 1)  # its last state says so
     return out.msgs
@@ -95,9 +96,9 @@ def _tokens(msgs: list[tuple]) -> tuple[dict[int, list[int]], dict[int, str]]:
     for msg in msgs:
         if msg[0] != STEP:
             continue
-        fids = [fid for fid, _, _ in msg[1]]
+        fids = [fid for fid, *_ in msg[1]]
         assert len(fids) == len(set(fids))  # one item per request and step
-        for fid, new, reason in msg[1]:
+        for fid, new, reason, _cached in msg[1]:
             assert fid not in reasons  # nothing after its finish reason
             toks.setdefault(fid, []).extend(new)
             if reason is not None:
@@ -113,7 +114,7 @@ def test_one_message_per_step_with_the_tokens_generate_gives():
     assert toks == {7: want[0], 9: want[1]}
     assert reasons == {7: "length", 9: "length"}
     steps = [m for m in msgs if m[0] == STEP and m[1]]
-    assert max(len(new) for m in steps for _, new, _ in m[1]) == 1  # a token a step each
+    assert max(len(new) for m in steps for _, new, *_ in m[1]) == 1  # a token a step each
     assert msgs[-1][2][3] == 2  # both submissions taken
 
 
@@ -188,6 +189,7 @@ def test_the_thread_transport_refuses_what_is_in_flight_when_it_stops():
         seed=None,
         temperature=0.0,
         top_k=None,
+        cache_salt=None,
     )
 
     async def go():

@@ -184,7 +184,16 @@ def test_response_shapes():
     s = Shapes("cmpl-1", 5, "tiny", chat=False, token_ids=True)
     final = s.final("ab", [3, 4], "length", 7)
     assert final["object"] == "text_completion" and final["choices"][0]["token_ids"] == [3, 4]
-    assert final["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert final["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 2,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert s.final("ab", [3, 4], "length", 40, 32)["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 32
+    }
+    assert s.usage_chunk(40, 2, 16)["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
     c = Shapes("chatcmpl-1", 5, "m", chat=True, token_ids=False)
     assert c.final("hi", [1], "stop", 2)["choices"][0]["message"] == {
         "role": "assistant",

@@ -201,8 +201,9 @@ class Handlers:
                 piece, reason = self._take(stream, item, text)
                 pieces.append(piece)
                 if reason is not None:
-                    n_prompt = len(stream.params.prompt_ids)
-                    return JSONResponse(shapes.final("".join(pieces), ids, reason, n_prompt))
+                    n_prompt, cached = len(stream.params.prompt_ids), stream.cached_tokens
+                    answer = shapes.final("".join(pieces), ids, reason, n_prompt, cached)
+                    return JSONResponse(answer)
         finally:
             self.worker.abort(stream)  # no-op once it finished
 
@@ -224,7 +225,8 @@ class Handlers:
                 first = False
                 if reason is not None:
                     if stream.params.include_usage:
-                        yield sse(shapes.usage_chunk(len(stream.params.prompt_ids), n_out))
+                        n_prompt, cached = len(stream.params.prompt_ids), stream.cached_tokens
+                        yield sse(shapes.usage_chunk(n_prompt, n_out, cached))
                     break
             yield SSE_DONE
         finally:  # cancelled when the client disconnects: abort, and the pages go back

@@ -94,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompt tokens one engine step prefills (default: the engine's, 8192)",
     )
     p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefill every prompt whole (default: reuse the KV pages of cached prompt prefixes)",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients send as model (default: --model)",
@@ -165,6 +170,7 @@ def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int)
         args.max_prefill_tokens,
         args.threads,
         quantization=args.quantization,
+        prefix_caching=not args.no_prefix_caching,
     )
 
 

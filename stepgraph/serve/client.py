@@ -37,6 +37,7 @@ class Stream:
         self._rid: int | None = None  # the front end's id of it
         self._first: float | None = None  # when its first token reached the front end
         self._tokens = 0
+        self.cached_tokens = 0  # its prompt tokens served from the prefix cache (usage)
 
 
 @runtime_checkable
@@ -97,6 +98,7 @@ class FrontEnd:
         self.taken = 0  # of those, the ones it has read (its last state says)
         self.running = self.engine_waiting = self.kv_pages_free = self.kv_pages_total = 0
         self.counts = SimpleNamespace(graph_steps=0, eager_steps=0, prefill_steps=0)
+        self._cache_seen = (0, 0)  # the engine's prefix cache queries and hits, last state
         if metrics is not None:
             metrics.watch(self)  # reads self.stats at each scrape
 
@@ -185,6 +187,7 @@ class FrontEnd:
         self.info, self.kv_pages_total = info, info["kv_pages_total"]
         self.kv_pages_free = self.kv_pages_total
         self.running = self.engine_waiting = 0
+        self._cache_seen = (0, 0)  # a new engine counts from 0
         self.accepting = not self.stopping
 
     def _failed(self, why: str) -> None:
@@ -192,11 +195,13 @@ class FrontEnd:
 
     def _deliver(self, items: list) -> None:
         now, m, n = time.perf_counter(), self.metrics, 0
-        for fid, toks, reason in items:
+        for fid, toks, reason, cached in items:
             n += len(toks)
             s = self._streams.get(fid)
             if s is None:  # aborted meanwhile
                 continue
+            if cached is not None:
+                s.cached_tokens = cached
             if s._first is None:
                 s._first = now
                 if m is not None:
@@ -214,11 +219,13 @@ class FrontEnd:
     def _state(self, state: tuple) -> None:
         self.running, self.engine_waiting, self.kv_pages_free, self.taken = state[:4]
         c = self.counts
-        c.graph_steps, c.eager_steps, c.prefill_steps = state[4:]
+        c.graph_steps, c.eager_steps, c.prefill_steps = state[4:7]
+        seen, self._cache_seen = self._cache_seen, state[7:9]
         if self.metrics is not None:
             self.metrics.publish(
                 self.running, self.waiting, self.kv_pages_free, self.kv_pages_total
             )
+            self.metrics.add_cache(state[7] - seen[0], state[8] - seen[1])
 
     def _fail(self, streams: list[Stream], err: ApiError, label: str = "error") -> None:
         for s in streams:

@@ -50,6 +50,7 @@ class EngineSpec:
     warmup: bool = True
     setup: str | None = None
     quantization: str | None = None  # "fp8": FP8 weights (build_model_runner's)
+    prefix_caching: bool = True  # Engine(prefix_caching=...)
 
     def __call__(self) -> Any:
         from ..bench.constants import DTYPES
@@ -78,7 +79,13 @@ class EngineSpec:
         kw = {"max_prefill_tokens": self.max_prefill_tokens} if self.max_prefill_tokens else {}
         what = "" if self.mode == "eager" else ", capturing its decode graphs"
         with phase(f"building the engine ({self.mode}{what})"):
-            engine = Engine(mr, mode=self.mode, max_running=self.max_running, **kw)
+            engine = Engine(
+                mr,
+                mode=self.mode,
+                max_running=self.max_running,
+                prefix_caching=self.prefix_caching,
+                **kw,
+            )
         if self.warmup:
             with phase("one warm-up request (first-use compiles)"):
                 engine.generate([WARMUP_PROMPT[: max(1, self.context - 2)]], 2, ignore_eos=True)

@@ -4,9 +4,11 @@ an engine process (``engine_proc.py``): only how its messages cross differs.
 ``EngineLoop`` is the engine's only caller (the thread rule). It reads commands from an
 ``Inbox``, ``(SUBMIT, id, fields)``, ``(ABORT, id)`` and ``(STOP,)``, where ``id`` is the front
 end's id of the request, and answers through an ``Outbox`` with **one message per engine step**
-carrying every request's new tokens, ``(STEP, [(id, tokens, finish reason or None), ...],
-state)``, where ``state`` is ``(running, waiting in the engine, KV pages free, submissions
-taken, graph steps, eager steps, prefill steps)``; ``(FAULT, ids, text, state)`` when a step
+carrying every request's new tokens, ``(STEP, [(id, tokens, finish reason or None, cached
+prompt tokens or None), ...], state)`` (the cached tokens with a request's first tokens), where
+``state`` is ``(running, waiting in the engine, KV pages free or evictable, submissions taken,
+graph steps, eager steps, prefill steps, prefix cache queries, prefix cache hits)`` (queries
+and hits in prompt tokens, since the engine was built); ``(FAULT, ids, text, state)`` when a step
 raised (the engine has dropped those requests and freed their pages already: ``Engine.step``;
 the loop carries on), ``(REJECT, id, text)`` for a request the engine refused. Idle, it blocks
 on its inbox; busy, it polls it between steps. ``STOP`` aborts what is left (every page back
@@ -76,6 +78,7 @@ def submit_fields(p: Any) -> tuple:
         p.seed,
         p.temperature,
         p.top_k,
+        p.cache_salt,
     )
 
 
@@ -83,7 +86,7 @@ def add_request(engine: Any, fields: tuple) -> int:
     """``engine.add_request`` of ``submit_fields``; its own sampling only when not greedy."""
     from ..engine import Sampling
 
-    prompt, max_tokens, stop_ids, ignore_eos, min_tokens, seed, temperature, top_k = fields
+    prompt, max_tokens, stop_ids, ignore_eos, min_tokens, seed, temperature, top_k, salt = fields
     sampling = Sampling(temperature, top_k) if temperature > 0 else None
     return engine.add_request(
         prompt,
@@ -93,6 +96,7 @@ def add_request(engine: Any, fields: tuple) -> int:
         min_tokens=min_tokens,
         seed=seed,
         sampling=sampling,
+        cache_salt=salt,
     )
 
 
@@ -105,6 +109,7 @@ class EngineLoop:
         self.rids: dict[int, int] = {}  # front end id -> engine request id
         self.taken = 0
         self._sent_state: tuple | None = None
+        self._started: set[int] = set()  # engine ids whose first tokens (and hits) were sent
 
     def run(self) -> None:
         """Serve the inbox until ``STOP``; every request left is aborted, its pages freed."""
@@ -130,6 +135,7 @@ class EngineLoop:
                     if rid is not None:
                         engine.abort(rid)
                         del self.ids[rid]
+                        self._started.discard(rid)
             if not engine.has_unfinished:
                 continue
             try:
@@ -140,6 +146,7 @@ class EngineLoop:
                 self.outbox.send((FAULT, list(self.ids.values()), text, self._state()))
                 self.ids.clear()
                 self.rids.clear()
+                self._started.clear()
                 continue
             self.outbox.send((STEP, self._items(pairs), self._state()))
 
@@ -152,37 +159,50 @@ class EngineLoop:
             return
         self.ids[rid], self.rids[fid] = fid, rid
 
-    def _items(self, pairs: list[tuple[int, int]]) -> list[tuple[int, list[int], str | None]]:
-        """Each request's new tokens of this step, with its finish reason once it ended."""
+    def _items(self, pairs: list[tuple[int, int]]) -> list[tuple]:
+        """Each request's new tokens of this step, with its finish reason once it ended, and
+        with its first tokens the prompt tokens it found in the prefix cache."""
         new: dict[int, list[int]] = {}
         for rid, tok in pairs:
             new.setdefault(rid, []).append(tok)
         items = []
-        finished = self.engine.finished
+        finished, live = self.engine.finished, None
         for rid, toks in new.items():
             req = finished.pop(rid, None)
             fid = self.ids.get(rid)
             if fid is None:
                 continue
+            cached = None
+            if rid not in self._started:
+                self._started.add(rid)
+                if req is None:
+                    e = self.engine
+                    live = live or {r.rid: r for r in (*e.running, *e._draining)}
+                    req_now = live.get(rid)
+                else:
+                    req_now = req
+                cached = getattr(req_now, "cached_tokens", 0)
             reason = None
             if req is not None:
                 reason = finish_reason(req)
                 del self.ids[rid], self.rids[fid]
-            items.append((fid, toks, reason))
+                self._started.discard(rid)
+            items.append((fid, toks, reason, cached))
         return items
 
     def state(self) -> tuple:
         e = self.engine
         s = e.stats
-        free = e.model_runner.kv_cache.allocator.num_free
         return (
             len(e.running),
             len(e.waiting),
-            free,
+            e.prefix_cache.num_available,  # free, or cached and unreferenced
             self.taken,
             s.graph_steps,
             s.eager_steps,
             s.prefill_steps,
+            s.queried_tokens,
+            s.cached_tokens,
         )
 
     def _state(self) -> tuple:

@@ -1,7 +1,9 @@
 """`GET /metrics` of `stepgraph serve`, in Prometheus text (``prometheus-client``): requests
 running and waiting, KV pages free, prompt and generated tokens (counters, and generated
 tokens per second over the last ``RATE_WINDOW_S``), TTFT and TPOT histograms, finished requests
-by reason (stop, length, abort, error) and the engine's steps (graph, eager, prefill). Each
+by reason (stop, length, abort, error), the engine's steps (graph, eager, prefill) and the
+prefix cache's queries and hits in prompt tokens (vLLM's ``prefix_cache_queries`` and
+``prefix_cache_hits``: their ratio is the hit rate). Each
 server has its own registry, so that several can live in one process (the tests). The engine
 thread writes them; a scrape reads."""
 
@@ -75,6 +77,16 @@ class ServeMetrics:
             buckets=TPOT_BUCKETS,
             registry=r,
         )
+        self.prefix_cache_queries = Counter(
+            "stepgraph_prefix_cache_queries",
+            "prompt tokens of admitted requests, looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "stepgraph_prefix_cache_hits",
+            "prompt tokens served from the prefix cache",
+            registry=r,
+        )
         self.finished = Counter(
             "stepgraph_requests_finished", "requests ended, by reason", ["reason"], registry=r
         )
@@ -100,6 +112,13 @@ class ServeMetrics:
     def add_tokens(self, n: int, now: float) -> None:
         self.generation_tokens.inc(n)
         self._rate.add(n, now)
+
+    def add_cache(self, queries: int, hits: int) -> None:
+        """Count the engine's new prefix cache queries and hits (tokens)."""
+        if queries > 0:
+            self.prefix_cache_queries.inc(queries)
+        if hits > 0:
+            self.prefix_cache_hits.inc(hits)
 
     def publish(self, running: int, waiting: int, kv_free: int, kv_total: int) -> None:
         self.running.set(running)

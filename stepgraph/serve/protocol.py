@@ -3,9 +3,11 @@ before anything is queued; a refusal is a ``RequestError`` naming the field (``e
 turns it into OpenAI's error object). Pure: no torch, no HTTP; tested on the CPU.
 
 Accepted, besides OpenAI's fields: vLLM's extras that serving benchmarks send (``ignore_eos``,
-``min_tokens``, ``return_token_ids``, ``stop_token_ids``, ``top_k``). Fields this server cannot
-honour are refused unless they hold their neutral value (``n=1``, ``top_p=1``, penalties 0,
-``logprobs`` null, ...); fields it does not know are ignored, as vLLM ignores them.
+``min_tokens``, ``return_token_ids``, ``stop_token_ids``, ``top_k``), and vLLM's ``cache_salt``
+(a string: the request shares cached prompt pages only with requests of the same salt).
+Fields this server cannot honour are refused unless they hold their neutral value (``n=1``,
+``top_p=1``, penalties 0, ``logprobs`` null, ...); fields it does not know are ignored, as
+vLLM ignores them.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class GenParams:
     stream: bool = False
     include_usage: bool = False
     chat: bool = False
+    cache_salt: str | None = None
 
 
 # -- field checks: each raises RequestError naming its field ---------------------------------
@@ -229,6 +232,9 @@ def parse_sampling(body: Mapping, limits: Limits, prompt: list[int], chat: bool)
             "stream_options", '{"include_usage": true|false}, with "stream": true', opts
         )
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise field_error("cache_salt", "a string (requests share cached pages by it)", salt)
     return GenParams(
         prompt_ids=prompt,
         max_tokens=max_tokens,
@@ -243,6 +249,7 @@ def parse_sampling(body: Mapping, limits: Limits, prompt: list[int], chat: bool)
         stream=stream,
         include_usage=bool(usage_flag),
         chat=chat,
+        cache_salt=salt,
     )
 
 

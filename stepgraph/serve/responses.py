@@ -19,11 +19,13 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -49,8 +51,10 @@ class Shapes:
             **extra,
         }
 
-    def final(self, text: str, ids: Sequence[int], reason: str, prompt_tokens: int) -> dict:
-        """The whole answer (``stream: false``)."""
+    def final(
+        self, text: str, ids: Sequence[int], reason: str, prompt_tokens: int, cached: int = 0
+    ) -> dict:
+        """The whole answer (``stream: false``); ``cached``: prompt tokens from the cache."""
         if self.chat:
             choice = {
                 "index": 0,
@@ -63,7 +67,7 @@ class Shapes:
         if self.token_ids:
             choice["token_ids"] = list(ids)
         obj = "chat.completion" if self.chat else "text_completion"
-        return self._wrap(obj, [choice], usage=usage(prompt_tokens, len(ids)))
+        return self._wrap(obj, [choice], usage=usage(prompt_tokens, len(ids), cached))
 
     def chunk(
         self, text: str, ids: Sequence[int] | None, reason: str | None = None, first: bool = False
@@ -96,10 +100,10 @@ class Shapes:
             tail += ',"token_ids":[' + ",".join(map(str, ids)) + "]"
         return (self._head + body + tail + "}]}\n\n").encode()
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._wrap(obj, [], usage=usage(prompt_tokens, completion_tokens))
+        return self._wrap(obj, [], usage=usage(prompt_tokens, completion_tokens, cached))
 
 
 class TextStream:
