@@ -98,6 +98,7 @@ class CudaGraphRunner(GraphRunnerBase):
         if self.feed is not None:
             self._limits = replace(self._limits, feed_size=self.feed.shape[0])
         self._bucket_of: dict[int, int] = {}  # bs -> its bucket (pad_to_bucket, cached)
+        self._states: dict[int, tuple] = {}  # bucket -> ``_replay_state``
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
         lend_graph_buckets(model_runner.attn_backend, self.capture_bs)
         if capture:
@@ -212,13 +213,11 @@ class CudaGraphRunner(GraphRunnerBase):
         ``feed[j]`` inside the graph, so the rows can be all host data: the overlapped loop."""
         bs, bucket, t_kv = self._check_replay(batch)  # raises before anything is copied
         self._copy_inputs(batch, bucket)
-        self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(
-            bucket, self._static[bucket]
-        )
-        graph = self.graphs[bucket]
-        if self._updater is not None:
-            self.stats.node_edits += self._updater.apply(self._plans[bucket], graph, t_kv)
-        graph.replay()
+        hook, static, graph, launch, plan = self._replay_state(bucket)
+        hook(bucket, static)  # the attention backend's replay hook
+        if plan is not None:
+            self.stats.node_edits += self._updater.apply(plan, graph, t_kv)
+        launch()
         if self._staging is not None:
             self._staging.replayed()
         self.stats.replays += 1
@@ -226,6 +225,19 @@ class CudaGraphRunner(GraphRunnerBase):
         if bs not in out:  # every bucket's output is rows of one shared buffer
             out[bs] = self.output_buffers[bucket][:bs]
         return out[bs]
+
+    def _replay_state(self, bucket: int) -> tuple:
+        """What a replay of ``bucket`` touches, looked up once: the backend's replay hook, the
+        static batch, the graph, its launch and its exact-mode plan (None in mode graph)."""
+        state = self._states.get(bucket)
+        if state is None:
+            graph = self.graphs[bucket]
+            cuda = getattr(graph, "graph", None)  # CudaCapturedGraph: torch's replay, direct
+            launch = cuda.replay if isinstance(cuda, torch.cuda.CUDAGraph) else graph.replay
+            hook = self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph
+            plan = self._plans[bucket] if self._updater is not None else None
+            state = self._states[bucket] = (hook, self._static[bucket], graph, launch, plan)
+        return state
 
     def _check_replay(self, batch: ForwardBatch) -> tuple[int, int, int | None]:
         """The size and bucket of ``batch`` and its longest KV length (``None`` when nothing
@@ -249,8 +261,8 @@ class CudaGraphRunner(GraphRunnerBase):
                 f"cannot replay this batch: {problem}. Build the batch with "
                 "these dtypes on the model's device, or run it eagerly."
             )
-        check_values(batch, self._limits, self.config.check_inputs)  # before any copy
-        t_kv = batch.max_seq_len
+        longest = check_values(batch, self._limits, self.config.check_inputs)  # before copies
+        t_kv = batch.max_seq_len if batch.max_seq_len is not None else longest
         if self._max_context is None and self._updater is None:
             return bs, bucket, t_kv
         if t_kv is None:
@@ -298,3 +310,4 @@ class CudaGraphRunner(GraphRunnerBase):
         self._out_rows.clear()
         self._plans.clear()
         self._bucket_of.clear()
+        self._states.clear()

@@ -88,15 +88,20 @@ class InputLimits:
         }
 
 
-def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> None:
+def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> int | None:
     """``ReplayError`` naming the first bad value of ``batch``; nothing when all are valid, or
-    when its builder checked them (``ForwardBatch.values_checked``)."""
+    when its builder checked them (``ForwardBatch.values_checked``). Returns the longest of its
+    ``seq_lens_cpu`` where it read them (None where it checked nothing): the replay's KV length
+    then costs no second pass."""
     if level == "off" or batch.values_checked:
-        return
+        return None
     seq = batch.seq_lens_cpu.numpy()  # [bs] int32, zero-copy
-    low, span = _bounds(limits, None)
-    if seq.size and (seq - low).view(span.dtype).max() >= span:  # see _outside
-        _check_range("seq_lens_cpu", seq, *limits.column_ranges()["seq_lens"])
+    longest = None
+    if seq.size:
+        longest, least = int(seq.max()), int(seq.min())
+        low, span = _bounds(limits, None)
+        if least < int(low) or longest - int(low) >= int(span):  # [low, low + span)
+            _check_range("seq_lens_cpu", seq, *limits.column_ranges()["seq_lens"])
     rows = batch.packed_cpu
     if rows is None and level == "full":  # device-only batch: copy it back (a sync)
         rows = (batch.packed if batch.packed is not None else PACKED.pack(batch)).cpu()
@@ -104,6 +109,7 @@ def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> None:
         check_rows(rows.numpy(), limits)
         if level == "full" and limits.page_size:
             check_slot_pages(rows.numpy(), limits.page_size)
+    return longest
 
 
 def batch_problem(
