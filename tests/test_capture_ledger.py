@@ -98,3 +98,28 @@ def test_runners_sharing_a_pool_share_one_capture_stream(monkeypatch):
     assert first.capture_stream(cpu) is same.capture_stream(cpu)
     assert other.capture_stream(cpu) is not first.capture_stream(cpu)
     assert len(made) == 2
+
+
+def test_ledger_counts_a_first_use_compile_in_the_warm_up_of_its_bucket():
+    """A step whose first call is slow (a kernel compiled on first use) shows in the warm-up
+    seconds of the first bucket captured, and nowhere else: a capture's seconds split into what
+    compiles and what captures."""
+    import time
+
+    mr = ToyModelRunner(num_pages=160, seed=3)
+    forward, calls = mr.forward, []
+
+    def compiling_forward(batch):
+        if not calls:
+            time.sleep(0.2)  # the first use compiles
+        calls.append(1)
+        return forward(batch)
+
+    mr.forward = compiling_forward
+    stats = CudaGraphRunner(mr, RunnerConfig(max_bs=4, show_progress=False)).stats.capture
+    first, *rest = stats.buckets
+    assert first.bs == 4 and 0.2 <= first.warmup_seconds <= first.seconds
+    assert all(b.warmup_seconds < 0.2 for b in rest)
+    assert stats.warmup_seconds == sum(b.warmup_seconds for b in stats.buckets)
+    assert stats.ledger()[0]["warmup_seconds"] >= 0.2
+    assert "warm-up" in stats.ledger_table().splitlines()[0]

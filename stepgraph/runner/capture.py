@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -159,8 +160,10 @@ def capture_step(
     with Stopwatch(backend.device) as sw:
         try:
             start = backend.pool_mark()
+            t0 = time.perf_counter()
             backend.warmup(step, warmup_iters)
             before = backend.pool_mark()  # what the warm-up left live is outside the pool
+            warm = time.perf_counter() - t0  # pool_mark synchronized: the warm-up has run
             graph = backend.capture(step, key=key)
         except CaptureError:
             raise
@@ -169,7 +172,8 @@ def capture_step(
                 f"capturing {what} failed: {e}. {SYNC_HINT}; move that work out of the captured "
                 "call, or run it eagerly."
             ) from e
-    return graph, BucketStats(bs, sw.seconds, before, backend.held_bytes(), before - start)
+    held = backend.held_bytes()
+    return graph, BucketStats(bs, sw.seconds, before, held, before - start, warm)
 
 
 def storage_ptrs(tensors: Iterable[Any]) -> set[int]:

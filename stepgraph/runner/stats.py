@@ -33,6 +33,10 @@ class BucketStats:
     pool_bytes_before: int
     pool_bytes_after: int
     outside_bytes: int = 0
+    # of ``seconds``, the eager warm-up before the capture: where every kernel variant the step
+    # launches is compiled or loaded on its first use in the process (the first runner to
+    # capture pays it; a second runner over the same model, or another mode, does not)
+    warmup_seconds: float = 0.0
 
     @property
     def pool_bytes(self) -> int:
@@ -58,6 +62,11 @@ class CaptureStats:
     def outside_bytes(self) -> int:
         return sum(b.outside_bytes for b in self.buckets)
 
+    @property
+    def warmup_seconds(self) -> float:
+        """Of ``seconds``, the eager warm-ups (first-use compiles land here)."""
+        return sum(b.warmup_seconds for b in self.buckets)
+
     def summary(self) -> str:
         return (
             f"captured {len(self.buckets)} buckets in {self.seconds:.2f} s, "
@@ -77,6 +86,7 @@ class CaptureStats:
             {
                 "bs": b.bs,
                 "seconds": round(b.seconds, 4),
+                "warmup_seconds": round(b.warmup_seconds, 4),
                 "pool_mib": round(b.pool_bytes / 2**20, 2),
                 "outside_mib": round(b.outside_bytes / 2**20, 2),
             }
@@ -85,14 +95,15 @@ class CaptureStats:
 
     def ledger_table(self) -> str:
         """The ledger as text: one line per bucket, then the totals."""
-        lines = [f"{'bs':>6} {'seconds':>8} {'pool MiB':>9} {'outside MiB':>11}"]
+        lines = [f"{'bs':>6} {'seconds':>8} {'warm-up':>8} {'pool MiB':>9} {'outside MiB':>11}"]
         for r in self.ledger():
             lines.append(
-                f"{r['bs']:>6} {r['seconds']:>8.3f} {r['pool_mib']:>9.1f} {r['outside_mib']:>11.1f}"
+                f"{r['bs']:>6} {r['seconds']:>8.3f} {r['warmup_seconds']:>8.3f} "
+                f"{r['pool_mib']:>9.1f} {r['outside_mib']:>11.1f}"
             )
         lines.append(
-            f"{'total':>6} {self.seconds:>8.3f} {self.pool_bytes / 2**20:>9.1f} "
-            f"{self.outside_bytes / 2**20:>11.1f}"
+            f"{'total':>6} {self.seconds:>8.3f} {self.warmup_seconds:>8.3f} "
+            f"{self.pool_bytes / 2**20:>9.1f} {self.outside_bytes / 2**20:>11.1f}"
         )
         return "\n".join(lines)
 
