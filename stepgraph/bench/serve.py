@@ -44,11 +44,13 @@ class ServeRun:
     engine_stats: dict = field(default_factory=dict)
 
 
-def make_engine(mr, mode: str, max_running: int, max_prefill_tokens: int, prefill="eager"):
+def make_engine(
+    mr, mode: str, max_running: int, max_prefill_tokens: int, prefill="eager", prefix_caching=True
+):
     """The engine, with ``max_prefill_tokens`` where its constructor takes it (chunked prefill)."""
     from ..engine import Engine
 
-    kw: dict = {"max_running": max_running, "prefill": prefill}
+    kw: dict = {"max_running": max_running, "prefill": prefill, "prefix_caching": prefix_caching}
     if "max_prefill_tokens" in inspect.signature(Engine).parameters:
         kw["max_prefill_tokens"] = max_prefill_tokens
     return Engine(mr, mode=mode, **kw)
@@ -177,6 +179,10 @@ def run_serve(args: argparse.Namespace) -> int:
         from .cpu import set_cpu_threads
 
         print(set_cpu_threads(args.threads, config))
+    if args.workload != "random":
+        from .serve_prefix import run_prefix_bench
+
+        return run_prefix_bench(args, plan, config, model, make_engine, serve)
     vocab, out_len = config.vocab_size, args.output_len
     prompts = random_prompts(args.num_requests, args.input_len, args.range_ratio, vocab, args.seed)
     arrivals = arrival_times(args.num_requests, args.request_rate, args.seed)
@@ -192,7 +198,10 @@ def run_serve(args: argparse.Namespace) -> int:
     mr = build_model_runner(model, args.device, dtype, plan.max_running, max_context)
     if cuda:
         mr.set_kernels(args.kernels or "fused")
-    engine = make_engine(mr, plan.mode, plan.max_running, args.max_prefill_tokens, plan.prefill)
+    caching = not args.no_prefix_caching
+    engine = make_engine(
+        mr, plan.mode, plan.max_running, args.max_prefill_tokens, plan.prefill, caching
+    )
     latency, gpu_latency = None, []
     try:
         t = time.perf_counter()
@@ -200,12 +209,16 @@ def run_serve(args: argparse.Namespace) -> int:
         if plan.latency:
             engine.generate(lat_prompt, WARMUP_TOKENS, ignore_eos=True)
         warmup_s = time.perf_counter() - t
+        engine.prefix_cache.clear()  # the warm-up's prompts are the timed ones: start cold
         engine.stats = type(engine.stats)()  # count the timed run only
         _say(f"serving {len(prompts)} requests")
         main = serve(engine, prompts, out_len, arrivals, plan.max_running)
         context = round(sum(map(len, prompts)) / len(prompts) + out_len / 2)
+        hits = engine.stats.hit_rate
+        engine.prefix_cache.clear()  # step_times reserves pages of its own
         gpu_main = step_times(engine, mr, used_batch_sizes(main.steps), context, args.iters)
         if plan.latency:
+            engine.prefix_cache.clear()
             engine.stats = type(engine.stats)()
             latency = serve(engine, lat_prompt, LATENCY_OUTPUT, [0.0], plan.max_running)
             context = LATENCY_INPUT + LATENCY_OUTPUT // 2
@@ -225,6 +238,7 @@ def run_serve(args: argparse.Namespace) -> int:
         peers["hf-static-compile"] = hf_static_latency(mr, lat_prompt[0], LATENCY_OUTPUT)
     report = build_report(args, plan, mr, main, gpu_main, latency, gpu_latency, peers, warmup_s)
     print_report(report)
+    print(f"prefix caching {'on' if caching else 'off'}: hit rate {hits:.1%}")
     if args.json:
         write_report(args.json, report, main)
         print(f"wrote {args.json}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..cli_args import seed_int
 from ..errors import ConfigError
 from .serve_metrics import length_bounds
+from .workload_prefix import PREFIX_DEFAULTS, add_prefix_arguments, check_prefix_workload
 
 DEFAULT_INPUT_LEN, DEFAULT_RANGE_RATIO = 576, 7 / 9  # prompts of 128-1024 tokens
 MAX_RUNNING = 64  # default --max-running: min(--num-requests, this)
@@ -29,6 +30,8 @@ SERVE_DEFAULTS = {
     "engine_prefill": "eager",
     "peers": None,  # both peers on CUDA, none on the CPU
     "latency": False,
+    **PREFIX_DEFAULTS,  # --workload and its sizes
+    "no_prefix_caching": False,
 }
 
 
@@ -117,6 +120,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help=f"--serve: add the one-request case ({LATENCY_INPUT} in, {LATENCY_OUTPUT} out); "
         "always run when a peer runs",
     )
+    add_prefix_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,15 @@ def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
             f"{high + args.output_len - 1} positions, more than {model}'s "
             f"max_position_embeddings={limit}; lower --input-len, --range-ratio or --output-len."
         )
-    latency = args.latency or bool(peers)
+    check_prefix_workload(args, limit, model)
+    if args.workload != "random":
+        if args.no_prefix_caching:
+            raise ConfigError(
+                f"--no-prefix-caching does not apply to --workload {args.workload}: it runs "
+                "with caching off and on; drop the flag."
+            )
+        peers = ()  # the peers and the latency case run on the random workload only
+    latency = (args.latency or bool(peers)) and args.workload == "random"
     if latency and LATENCY_INPUT + LATENCY_OUTPUT - 1 > limit:
         raise ConfigError(
             f"--latency needs {LATENCY_INPUT + LATENCY_OUTPUT - 1} positions, more than "

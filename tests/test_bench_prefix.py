@@ -1,0 +1,115 @@
+"""`stepgraph bench --serve --workload shared-prefix | multi-turn` on the CPU: the workloads'
+shapes (pure), their flag checks at the limit and one past it, a multi-turn run submits each
+turn after the one before with the previous prompt and output in it, and the whole command
+prints caching off and on with a hit rate."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from stepgraph.bench.serve_prefix import serve_turns
+from stepgraph.bench.workload_prefix import (
+    PREFIX_DEFAULTS,
+    check_prefix_workload,
+    longest_context,
+    next_prompt,
+    shared_prefix_prompts,
+    turn_questions,
+)
+from stepgraph.cli import main as cli_main
+from stepgraph.engine import Engine
+from stepgraph.errors import ConfigError
+from stepgraph.model import ModelRunner
+
+
+def test_shared_prefix_prompts_are_groups_of_one_system_prompt_and_a_question():
+    prompts = shared_prefix_prompts(3, 5, 20, 4, 50, seed=1)
+    assert len(prompts) == 15 and all(len(p) == 24 for p in prompts)
+    heads = {tuple(p[:20]) for p in prompts}
+    assert len(heads) == 3
+    assert sorted(sum(tuple(p[:20]) == h for p in prompts) for h in heads) == [5, 5, 5]
+    assert all(1 <= t < 50 for p in prompts for t in p)
+    assert prompts == shared_prefix_prompts(3, 5, 20, 4, 50, seed=1)  # seeded
+    assert prompts != shared_prefix_prompts(3, 5, 20, 4, 50, seed=2)
+
+
+def test_a_turn_is_the_previous_prompt_its_output_and_a_new_question():
+    qs = turn_questions(2, 3, 4, 50, seed=0)
+    assert len(qs) == 2 and all(len(c) == 3 and all(len(q) == 4 for q in c) for c in qs)
+    first = next_prompt(None, [], qs[0][0])
+    assert first == qs[0][0]
+    assert next_prompt(first, [9, 8], qs[0][1]) == qs[0][0] + [9, 8] + qs[0][1]
+
+
+def _args(**kw) -> argparse.Namespace:
+    a = argparse.Namespace(**{k: None for k in PREFIX_DEFAULTS}, output_len=128)
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def test_workload_checks_at_the_limit_and_one_past():
+    a = _args(workload="shared-prefix", system_prompt_len=100, question_len=20, output_len=9)
+    check_prefix_workload(a, 128, "m")  # 100 + 20 + 9 - 1 = 128 positions: fits exactly
+    assert longest_context(a) == 128
+    a.output_len = 10
+    with pytest.raises(ConfigError, match="--system-prompt-len, --question-len or --output-len"):
+        check_prefix_workload(a, 128, "m")
+    m = _args(workload="multi-turn", turns=4, turn_len=16)
+    check_prefix_workload(m, 127, "m")  # 2 * 4 * 16 - 1
+    with pytest.raises(ConfigError, match="--turns or --turn-len"):
+        check_prefix_workload(m, 126, "m")
+    with pytest.raises(ConfigError, match="--turn-len must be an integer >= 1, got 0"):
+        check_prefix_workload(_args(workload="multi-turn", turn_len=0), 10**6, "m")
+    with pytest.raises(ConfigError, match="--workload chat: choose one of"):
+        check_prefix_workload(_args(workload="chat"), 10**6, "m")
+    d = _args()
+    check_prefix_workload(d, 10**6, "m")
+    assert (d.workload, d.groups, d.prompts_per_group, d.system_prompt_len) == (
+        "random",
+        16,
+        32,
+        2048,
+    )
+    assert (d.question_len, d.conversations, d.turns, d.turn_len) == (128, 32, 6, 256)
+
+
+def test_each_turn_waits_for_the_one_before_and_carries_it():
+    mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, max_bs=4, max_context_len=128)
+    engine = Engine(mr, "eager")
+    added = []
+    add = engine.add_request
+
+    def recording(prompt, n, **kw):
+        added.append((list(prompt), sum(1 for r in engine.running) + len(engine.waiting)))
+        return add(prompt, n, **kw)
+
+    engine.add_request = recording
+    qs = turn_questions(2, 3, 16, 512, seed=3)
+    timings, duration = serve_turns(engine, qs, 16)
+    assert len(timings) == 6 and duration > 0
+    assert all(len(t.token_times) == 16 for t in timings)
+    prompts = [p for p, _ in added]
+    assert prompts[:2] == [qs[0][0], qs[1][0]]
+    for p in prompts[2:]:  # later turns: a first turn's question, 16 out, the next question
+        chat = 0 if p[:16] == qs[0][0] else 1
+        turn = (len(p) - 16) // 32
+        assert len(p) == 16 + 32 * turn and p[-16:] == qs[chat][turn]
+    assert engine.stats.cached_tokens > 0  # turn 2 on re-reads turn 1's pages
+
+
+def test_the_command_runs_caching_off_then_on(capsys):
+    argv = ["bench", "--serve", "--device", "cpu", "--model", "tiny", "--max-running", "2"]
+    sizes = ["--groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "130"]
+    sizes += ["--question-len", "6", "--output-len", "4"]
+    assert cli_main([*argv, "--workload", "shared-prefix", *sizes]) == 0
+    out = capsys.readouterr().out
+    assert "workload shared-prefix: 2 groups x 3 prompts" in out and "on / off:" in out
+    table = [w for w in map(str.split, out.splitlines()) if len(w) == 6 and w[1].isdigit()]
+    rows = {w[0]: w for w in table}  # the rows "off" and "on" of the table
+    assert rows["off"][-1] == "0.0%" and float(rows["on"][-1].rstrip("%")) > 0
+    assert cli_main([*argv, "--workload", "multi-turn", "--turns", "2", "--no-prefix-caching"]) == 2
+    assert "--no-prefix-caching does not apply" in capsys.readouterr().err
