@@ -153,7 +153,8 @@ def main() -> int:
     made += sum(len(o) for o in exact_out)
     seconds = time.perf_counter() - t1
     after = memory(engine)
-    assert not engine.has_unfinished and mr.kv_cache.allocator.num_free == mr.kv_cache.num_pages - 1
+    free = engine.prefix_cache.num_available  # free, or cached and unreferenced
+    assert not engine.has_unfinished and free == mr.kv_cache.num_pages - 1
 
     eager_mr = ModelRunner.from_model(
         mr.model,
