@@ -40,9 +40,8 @@ DEFAULT_MAX_SPLITS = 64
 
 # -- the default variant per (head_dim, page_size, dtype); any other shape gets FALLBACK_VARIANT --
 # Edit after reading the "best overall" line of benchmarks/flash_decode_sweep.py on the target GPU.
-# Measured on the H200 (2026-11-29, flash_decode_sweep.py, Llama-3.2-1B attention, pps 4):
-# n128w4s2 was best overall (geomean 83.5 us vs 83.8 for n64w4s3; 91-100% of copy bandwidth
-# at >= 32k keys for bs 8 and 32, 64% at bs=1/32k). Other shapes keep the unmeasured fallback.
+# The H200's sweep chose n128w4s2 for the 1B's attention; other shapes keep the unmeasured
+# fallback (docs/experiments.md#split-kv-kernel-variants).
 FALLBACK_VARIANT = KernelVariant(block_n=64, num_warps=4, num_stages=3)
 DEFAULT_VARIANTS: dict[tuple[int, int, torch.dtype], KernelVariant] = {
     (64, 64, torch.bfloat16): KernelVariant(block_n=128, num_warps=4, num_stages=2),
@@ -106,10 +105,8 @@ def flash_decode(
 
     ``use_pdl``: launch both kernels with programmatic dependent launch (``kernels/pdl.py``;
     None: wherever the GPU has it; a pair: the split kernel's and the combine's). Off by
-    default: in the fused bs=1 step on the H200
-    (2026-11-30, ``stepgraph bench``, ctx 512) it made the step slower, 0.824 vs 0.802 ms in
-    mode exact, although all the fused kernels around it use PDL; the parameters that mode
-    exact edits are the same either way, and the tests pass with it on.
+    default: it made the fused step slower (docs/experiments.md#the-split-kernel-without-pdl);
+    the parameters that mode exact edits are the same either way.
 
     ``fold_combine``: one launch, ``split_kv_fold._split_kv_fold_kernel`` (the last split of a
     row merges the partials; a row that fits in one split is written by split 0). The fused

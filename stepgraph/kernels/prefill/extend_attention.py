@@ -29,13 +29,9 @@ import triton.language as tl
 from .extend_inputs import ExtendTile, check_extend_inputs
 
 # -- the tile per (head_dim, dtype); any other shape gets FALLBACK_TILE (fp32: FP32_TILE) --
-# Edit after reading `benchmarks/extend_attention.py --sweep` on the target GPU. Measured on the
-# H200 (2026-12-01, torch 2.11, Triton 3.6, bf16, page 16, 32/8 heads; 12 shapes from 1 x 512 to
-# 8 x 2048 and chunks over prefixes up to 3584; two runs): m64n64w4s2 was best for both head dims,
-# x SDPA geomean 1.30-1.40 (hd 64) and 1.21-1.22 (hd 128), 1.24x and 1.09x at 8 x 2048; next
-# best m128n128w4s2 (1.18-1.22) and m64n64w4s3 (hd 128, 1.16-1.17). Four warps (one warpgroup)
-# and two stages leave room for several CTAs per SM (likely why: their softmax and MMAs
-# overlap). fp16 takes bf16's tile (not measured).
+# Edit after reading `benchmarks/extend_attention.py --sweep` on the target GPU. The H200's
+# sweep chose m64n64w4s2 for both head dims (docs/experiments.md#extend-attention-tiles); fp16
+# takes bf16's tile (not measured).
 _MEASURED = ExtendTile(block_m=64, block_n=64, num_warps=4, num_stages=2)
 FALLBACK_TILE = _MEASURED  # hd 16, 32, 256: correct (tests/gpu), not tuned
 FP32_TILE = ExtendTile(block_m=64, block_n=32, num_warps=4, num_stages=2)  # ieee dots: FMA

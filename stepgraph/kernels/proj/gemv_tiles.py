@@ -293,10 +293,7 @@ def proj_blocks(m: int, n_rows: int, k: int) -> tuple[int, int, int]:
 
     One row: 8k weight elements a program (16 KB of bf16), shorter K chunks as the output
     grows, so that the 2k-wide projections keep long row segments and the wide ones more
-    programs in flight. Measured on the H200 at Llama-3.2-1B shapes (benchmarks/fused_step.py,
-    2026-11-30, PDL on, µs per call): qkv 3072 rows 5.1 at (8, 1024) vs 5.7 at (4, 2048);
-    gate-up 16384 rows 17.3 at (16, 512) vs 21.1 at (32, 256) and 18.8 at (4, 2048); LM head
-    123 at (16, 512) vs 127 at (32, 256); o_proj and down best at (4, 2048)."""
+    programs in flight (docs/experiments.md#one-row-the-gemv)."""
     if m != 1:
         raise ValueError(f"proj_blocks is the one-row rule (m = {m}); use proj_tiles.tile_for")
     block_k = 2048 if n_rows <= 2048 else 1024 if n_rows <= 4096 else 512

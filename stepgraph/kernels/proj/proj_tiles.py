@@ -160,10 +160,9 @@ def measured(
     kernel: str, m: int, n: int, k: int, elem_bytes: int = 2, tables: ProjTables | None = None
 ) -> bool:
     """Whether ``kernel`` at ``m`` rows (2 or more) of an ``[n, k]`` weight has a measured choice:
-    a tile in ``TILES`` or cuBLAS in ``CUBLAS`` (both measured in bf16). The rule's tiles ran
-    llama-3.1-8b at bs 8 in 10.5 ms against 5.5 for cuBLAS (H200, 2026-12-01, before its tiles
-    were measured), so the fused step runs its tensor-core kernels only where every projection
-    was measured."""
+    a tile in ``TILES`` or cuBLAS in ``CUBLAS`` (both measured in bf16). Untuned tiles lost to
+    the reference kernels by 2x, so the fused step runs its tensor-core kernels only where every
+    projection was measured (docs/experiments.md#tensor-cores-against-the-reference-kernels)."""
     key, t = (kernel, n, k, block_m(m)), _tables(tables)
     return elem_bytes == 2 and (
         key in t.tiles or key in t.cublas or (kernel, key[3]) in t.cublas_everywhere

@@ -2,15 +2,8 @@
 swap-AB K loop (``acc[BLOCK_N, BLOCK_M] = w @ x^T``) that the tensor-core tiles take with
 ``Tile.tma``.
 
-A one-off probe on the H200 (bf16, 8 rows, µs per call, 16 calls over 16 weights
-in one graph, 2026-12-01): a plain GEMM with pointer loads against the same with both operands
-through host tensor descriptors (TMA), cuBLAS beside them:
-
-    shape [N, K]      cuBLAS   pointers (normal / swap-AB)   TMA swap-AB
-    qkv   3072x2048     6.52         7.21 / 6.93                5.65
-    o     2048x2048     6.18         5.40 / 5.13                4.61
-    gate-up 16384x2048  18.61       18.23 / 18.13               17.99
-    down  2048x8192    13.55        12.63 / 11.72               10.46
+At 8 rows the weight stream through host tensor descriptors beat pointer loads and cuBLAS at
+every 1B shape (docs/experiments.md#tma-swap-ab).
 
 The weight rows are the MMA's M (64 of them fill a Hopper warpgroup MMA) and the batch its N
 (16 to 64). Descriptor loads read zeros out of bounds: the activation's rows past ``M`` (the
