@@ -6,8 +6,8 @@ costs what eager costs plus the copy into the static buffers. It checks that the
 and gives eager's tokens; the speed-up of graphs needs CUDA graphs on a GPU.
 
 Threads: the tiny model's ops are a few microseconds each; with several OpenMP threads on a
-small machine the threads spin against each other. Measured on 2 shared cores: 81-104 ms per
-step with torch's default threads, 1.0-1.4 ms with one. So the bench sets one thread unless
+small machine the threads spin against each other, up to 80x slower a step on 2 shared cores
+(docs/experiments.md#one-cpu-thread-for-the-tiny-model). So the bench sets one thread unless
 ``--threads`` or ``OMP_NUM_THREADS`` says otherwise, and prints the choice.
 """
 

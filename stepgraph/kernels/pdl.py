@@ -4,8 +4,8 @@ option, and the two device calls.
 With ``launch_pdl=True`` (Triton 3.4 and later, Hopper and later) a kernel may start while its
 predecessor in the stream is still running: it issues its weight loads, then ``gdc_wait()``
 blocks until the predecessor has finished and its writes are visible. ``gdc_launch_dependents()``
-lets the next PDL kernel start its own prologue. Measured on the H200 (docs/design.md §8): 1.1 to
-1.5 µs saved per kernel inside a CUDA graph, and the programmatic edges survive torch's capture.
+lets the next PDL kernel start its own prologue. It saves about a launch's latency per kernel
+inside a CUDA graph, and the programmatic edges survive torch's capture (docs/design.md §8).
 
 The rules every kernel here keeps (tests/gpu/test_fused_step_kernels_gpu.py checks the PTX):
 - ``gdc_wait()`` before reading anything a predecessor wrote (activations, positions, the KV

@@ -72,8 +72,8 @@ class ModelRunner:
                 f"max_context_len={max_context_len}; build the model with max_positions >= it."
             )
         if self.device.type == "cuda":
-            # Measured on the H200 (benchmarks/model_step.py): the Triton GEMV beats cuBLAS on
-            # every projection at one row (bs=1 step 0.98 vs 1.12 ms) and loses from 8 rows.
+            # The Triton GEMV beats cuBLAS at one row, not from 8 rows
+            # (docs/experiments.md#one-row-the-gemv).
             model.use_gemv("all", max_bs=GEMV_MAX_BS)
         self.attn_backend = PagedAttentionBackend(
             kv_cache,

@@ -4,8 +4,8 @@ A captured decode step begins by turning the packed rows ``[B, width]`` int64 (`
 the per-field static buffers the model reads; with pinned staging it first picks this
 replay's slot of the two copied from the host, and with a feed it replaces ids ``-1 - j`` by
 ``feed[j]``. As torch ops that is up to 14 small kernels (a slot ``index_select``, the parity
-flip and the copy count, five field copies, five for the feed), about 2 µs each inside a graph
-and 11 of the 110 launches of a one-row step. ``fill_inputs`` runs it as one Triton launch,
+flip and the copy count, five field copies, five for the feed), a tenth of a one-row step's
+launches (docs/experiments.md#packed-inputs). ``fill_inputs`` runs it as one Triton launch,
 one program per row:
 
     slot       staged: ``copies & 1`` (``staging.py``: replay k reads slot k % 2), read

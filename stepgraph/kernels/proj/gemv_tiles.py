@@ -21,8 +21,7 @@ epilogues: gate and up, or the two halves of a RoPE head) and walks K in ``BLOCK
 - Several rows (``BLOCK_M >= 16``: M padded to 16, 32 or 64, ``block_m``) take tensor cores:
   ``acc = tl.dot(x, w^T, acc)`` with ``x`` in the model dtype (float32 inputs at "ieee"
   precision, no TF32). The same prologues and epilogues serve both paths. (Folding the norm
-  into the K loop, the operand ``x * norm_w`` and the RMS applied to the products, measured
-  slower on the H200: gate-up 30.6 vs 20.7 us at 8 rows; not kept.)
+  into the K loop lost: docs/experiments.md#the-norm-inside-the-k-loop.)
 - Split-K (``k_lo``/``k_hi`` of ``gemv_loop``, ``splitk_reduce``): ``SPLIT_K`` programs per
   column tile each take one K range, store float32 partials, and the last to arrive (an atomic
   ticket per tile) sums them in split order, so the result is deterministic, runs the epilogue

@@ -150,8 +150,8 @@ def tma_loop(
     BLOCK_K: tl.constexpr,
 ):
     # gemv_tiles.gemv_loop with the weight through its descriptor, every load inside the loop
-    # (the software pipeliner keeps num_stages of them in flight; a tile loaded before the
-    # loop into registers measured 1.5-2 µs slower a call). SWAP: acc [BLOCK_N, BLOCK_M] =
+    # (the software pipeliner keeps num_stages of them in flight; a tile loaded into registers
+    # before the loop was slower: docs/experiments.md#tma-swap-ab). SWAP: acc [BLOCK_N, BLOCK_M] =
     # w @ x^T with x through its descriptor (Tile.tma == 1); else acc [BLOCK_M, BLOCK_N] =
     # x @ w^T with x from pointers, normed in registers: the MMA's register operand
     # (Tile.tma == 2). -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)

@@ -1,9 +1,8 @@
 """Greedy tokens of logits already in memory: ``torch.argmax(logits, -1)`` in two small launches.
 
 Where the step's LM head is a cuBLAS GEMM (the reference rows of the fused step, and its
-head's cuBLAS pieces at 33-64 rows), torch's argmax over ``[bs, 128256]`` float32 took 27 µs
-on the H200 (one launch with a few programs per row, the reference step's profile at bs 8).
-Here:
+head's cuBLAS pieces at 33-64 rows), torch's argmax over ``[bs, 128256]`` float32 is one launch
+with a few programs per row, slow for its bytes (docs/experiments.md#argmax-folding). Here:
 
 1. ``_argmax_part_kernel``, grid ``(M, P)``: each program takes ``BLOCK_V`` columns of a row and
    writes the largest key and the first column holding it.

@@ -1,6 +1,6 @@
 """The host rows of a decode batch in the packed layout (``stepgraph.batch.PACKED``), built
-with numpy: a Python loop over every block-table entry cost 1.4 ms a step at 64 requests of 260
-pages (measured on the CPU), as long as the GPU step it feeds.
+with numpy: a Python loop over every block-table entry costs as much host time as the GPU step
+it feeds (docs/experiments.md#packed-inputs).
 
     block_table(pages, max_pages)          [bs, max_pages] int64: pages, then scratch page 0
     decode_rows(tokens, positions, table)  [bs, PACKED.width(max_pages)] int64

@@ -26,7 +26,8 @@ def greedy_tokens(
     logits: torch.Tensor, tokens_out: torch.Tensor, tuning: DecodeTuning | None = None
 ) -> None:
     """The greedy tokens of logits a cuBLAS head wrote: ``argmax_rows`` on CUDA (two small
-    launches instead of torch's 27 µs one at bs 8), ``torch.argmax`` on the CPU (same tokens)."""
+    launches, faster than torch's one: docs/experiments.md#argmax-folding), ``torch.argmax`` on
+    the CPU (same tokens)."""
     if logits.is_cuda and logits.stride(-1) == 1:
         argmax_rows(logits, tokens_out, tuning=tuning)
     else:

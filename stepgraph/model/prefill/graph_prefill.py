@@ -3,8 +3,8 @@
     prefill = GraphPrefill(model_runner)          # captures one graph per token bucket
     logits = prefill.extend(chunks)               # [n, vocab], like ModelRunner.extend
 
-An eager prefill of a few hundred tokens is bound by the host: about 150 launches from Python
-(measured on the H200: 1 x 512 tokens in 9.5 ms eager, against 1.3 ms of compute). The extend
+An eager prefill of a few hundred tokens is bound by the host: about 150 launches from Python,
+several times its compute (docs/experiments.md#whole-forward-prefill-graphs). The extend
 kernel takes its geometry from device tensors (``qo_indptr``, ``kv_lens``, the block table) and
 a grid sized by a host bound, so the whole forward can be captured: one graph per token bucket
 ``T``, every chunk of a batch in it, up to ``max_chunks`` chunks.
