@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from stepgraph.cli import main  # noqa: E402
+from tests.text_checkpoints import write_text_checkpoint  # noqa: E402
 
 VOCAB = 64
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -20,38 +20,7 @@ WORDS = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
 
 
 def _write_checkpoint(path, tokenizer: bool = True) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    if tokenizer:
-        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
-        transformers.PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token="<s>",
-            eos_token="</s>",
-            unk_token="<unk>",
-            pad_token="<pad>",
-        ).save_pretrained(path)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():  # larger than the default init: varied greedy tokens
-            p.normal_(0, 0.3) if p.dim() > 1 else p.fill_(1.0)
-    model.save_pretrained(path, safe_serialization=True)
+    write_text_checkpoint(path, WORDS, num_layers=1, max_positions=128, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")

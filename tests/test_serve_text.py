@@ -31,6 +31,7 @@ from stepgraph.serve.proc_worker import ProcessWorker  # noqa: E402
 from stepgraph.serve.server import ServerThread  # noqa: E402
 from stepgraph.serve.tokenizer import load_tokenizer  # noqa: E402
 from stepgraph.serve.worker import EngineWorker  # noqa: E402
+from tests.text_checkpoints import write_text_checkpoint  # noqa: E402
 
 VOCAB = 256
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "system", "user", "assistant"]
@@ -43,39 +44,7 @@ NAME = "tiny-dir"
 
 
 def _write_checkpoint(path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(path)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():  # larger than the default init: varied greedy tokens
-            p.normal_(0, 0.3) if p.dim() > 1 else p.fill_(1.0)
-    model.save_pretrained(path, safe_serialization=True)
+    write_text_checkpoint(path, WORDS, num_layers=2, max_positions=512, chat_template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")
