@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         mode_help="decode steps: eager, CUDA graphs, or graphs retuned to the KV length",
         kernels_help="decode-step kernels (default: fused on CUDA)",
         seed_help="random weights of a preset",
+        tp_help="tensor-parallel ranks, one process per device, started through torchrun by "
+        "this command (NCCL on CUDA, gloo on the CPU); rank 0 runs the schedule "
+        "(docs/tensor_parallel.md)",
         threads=True,
     )
     add_device_args(p)
@@ -128,7 +131,31 @@ def check_args(args: argparse.Namespace, config) -> int:
             f"argument --max-context: {context} is more than the model's "
             f"max_position_embeddings={limit}; pass at most {limit}"
         )
+    check_serve_tp(args)
     return context
+
+
+def check_serve_tp(args: argparse.Namespace) -> None:
+    """``--tp N``: this process starts the N ranks (through torchrun), so it must not be one."""
+    tp = getattr(args, "tp", 1)
+    if tp <= 1:
+        return
+    from ..model.distributed import torchrun_world_size
+
+    if torchrun_world_size() is not None:
+        raise UsageError(
+            f"argument --tp: `stepgraph serve --tp {tp}` starts its {tp} ranks through torchrun "
+            "itself; run it as a plain command, not under torchrun"
+        )
+    if args.engine != "process":
+        raise UsageError(
+            f"argument --engine: {args.engine} runs one engine in this process; --tp {tp} runs "
+            "its ranks in processes of their own: drop --engine"
+        )
+    if args.quantization is not None:
+        raise UsageError(
+            "argument --quantization: FP8 weights run unsharded; drop it or pass --tp 1"
+        )
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -171,6 +198,7 @@ def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int)
         args.threads,
         quantization=args.quantization,
         prefix_caching=not args.no_prefix_caching,
+        tp=args.tp,
     )
 
 
@@ -201,6 +229,11 @@ def run(args: argparse.Namespace) -> int:
         )
         spec = engine_spec(args, device, dtype, context)
         Worker = ProcessWorker if args.engine == "process" else EngineWorker
+        if args.tp > 1:
+            from .tp import TPWorker
+
+            Worker = TPWorker
+            say(f"starting {args.tp} tensor-parallel ranks through torchrun")
         worker = Worker(spec, ServeMetrics())
         try:
             worker.start()

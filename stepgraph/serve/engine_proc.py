@@ -51,6 +51,7 @@ class EngineSpec:
     setup: str | None = None
     quantization: str | None = None  # "fp8": FP8 weights (build_model_runner's)
     prefix_caching: bool = True  # Engine(prefix_caching=...)
+    tp: int = 1  # tensor-parallel ranks: built in each rank torchrun started (``tp.py``)
 
     def __call__(self) -> Any:
         from ..bench.constants import DTYPES
@@ -73,6 +74,7 @@ class EngineSpec:
                 max_bs=self.max_running,
                 max_context_len=self.context,
                 quantization=self.quantization,
+                tp=self.tp,
             )
             if self.kernels:
                 mr.set_kernels(self.kernels)

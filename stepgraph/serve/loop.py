@@ -103,6 +103,8 @@ def add_request(engine: Any, fields: tuple) -> int:
 class EngineLoop:
     """The step loop over ``inbox`` (commands) and ``outbox`` (answers)."""
 
+    fatal_step_errors = False  # True: a step that raises ends the loop (tensor-parallel ranks)
+
     def __init__(self, engine: Any, inbox: Inbox, outbox: Outbox) -> None:
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
         self.ids: dict[int, int] = {}  # engine request id -> front end id
@@ -115,15 +117,11 @@ class EngineLoop:
         """Serve the inbox until ``STOP``; every request left is aborted, its pages freed."""
         engine = self.engine
         while True:
-            cmds = []
             if not engine.has_unfinished:
                 engine.drain()  # pages of the last step back before sleeping
                 if self.state() != self._sent_state:
                     self.outbox.send((STEP, [], self._state()))
-                cmds.append(self.inbox.recv())  # idle: block until a command comes
-            while self.inbox.poll():
-                cmds.append(self.inbox.recv())
-            for cmd in cmds:
+            for cmd in self._commands(idle=not engine.has_unfinished):
                 if cmd[0] == STOP:
                     engine.abort_all()
                     self.outbox.send((STEP, [], self._state()))
@@ -141,6 +139,8 @@ class EngineLoop:
             try:
                 pairs = engine.step()
             except Exception as e:  # the engine freed every page already (Engine.step)
+                if self.fatal_step_errors:
+                    raise
                 log.exception("engine step failed; failing %d requests", len(self.ids))
                 text = f"{type(e).__name__}: {e}"
                 self.outbox.send((FAULT, list(self.ids.values()), text, self._state()))
@@ -149,6 +149,14 @@ class EngineLoop:
                 self._started.clear()
                 continue
             self.outbox.send((STEP, self._items(pairs), self._state()))
+
+    def _commands(self, idle: bool) -> list[tuple]:
+        """The commands to apply before this step: idle, block until one comes; busy, those
+        there now (maybe none)."""
+        cmds = [self.inbox.recv()] if idle else []
+        while self.inbox.poll():
+            cmds.append(self.inbox.recv())
+        return cmds
 
     def _add(self, fid: int, fields: tuple) -> None:
         self.taken += 1

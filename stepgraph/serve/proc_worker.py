@@ -50,11 +50,10 @@ class ProcessWorker(FrontEnd):
     def start(self, timeout: float | None = None) -> ProcessWorker:
         """Start the engine process and wait until it is built (raise why it was not)."""
         atexit.register(self._at_exit)
-        ch = self._child = EngineProcess(self._ctx, self.spec)
+        ch = self._child = self._spawn()
         msg = None
         try:
-            if ch.from_r.poll(timeout):
-                msg = ch.from_r.recv()
+            msg = self._first(ch, timeout)
         except (EOFError, OSError):
             ch.proc.join(5)
         if msg is None or msg[0] != READY:
@@ -69,6 +68,15 @@ class ProcessWorker(FrontEnd):
         self._ready(msg[1])
         return self
 
+    def _spawn(self) -> EngineProcess:
+        """A new engine process (the tensor-parallel worker starts a rank group instead)."""
+        return EngineProcess(self._ctx, self.spec)
+
+    def _first(self, ch: EngineProcess, timeout: float | None) -> tuple | None:
+        """The engine's first message, ``(READY, info)`` or ``(FAILED, text)``; None when none
+        came within ``timeout`` s."""
+        return ch.from_r.recv() if ch.from_r.poll(timeout) else None
+
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the engine's messages on ``loop`` (the server's, at its startup)."""
         self._loop = loop
@@ -79,6 +87,10 @@ class ProcessWorker(FrontEnd):
         ch.attach(self._loop)
         self._loop.add_reader(ch.from_r.fileno(), self._readable, ch)
         self._loop.add_reader(ch.proc.sentinel, self._exited, ch)
+
+    def _unwatch(self, ch: EngineProcess) -> None:
+        self._loop.remove_reader(ch.from_r.fileno())
+        self._loop.remove_reader(ch.proc.sentinel)
 
     def stop(self, timeout: float | None = None) -> None:
         """Tell the engine to abort what is left and exit; wait ``timeout`` s, then end it."""
@@ -141,8 +153,7 @@ class ProcessWorker(FrontEnd):
         if ch.dead:
             return
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(ch.from_r.fileno())
-            self._loop.remove_reader(ch.proc.sentinel)
+            self._unwatch(ch)
         try:  # the steps it sent before it went
             while ch.from_r.poll():
                 self._handle(ch.from_r.recv())
@@ -181,7 +192,7 @@ class ProcessWorker(FrontEnd):
         self.restarts += 1
         self.restarting = True
         self.sent = self.taken = 0  # the counts of the process that is gone
-        self._child = EngineProcess(self._ctx, self.spec)
+        self._child = self._spawn()
         if self._loop is not None:
             self._watch(self._child)
 
