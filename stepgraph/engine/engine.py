@@ -1,8 +1,10 @@
 """``Engine``: serves several requests at once on a ``ModelRunner``.
 
-Each step admits waiting requests whose pages fit, prefills at most ``max_prefill_tokens`` of
-their prompt tokens in one packed forward (a longer prompt is split across steps, each chunk
-attending to the ones before it through the cache: ``scheduler.py``, ``prefill.py``), decodes
+Each step admits waiting requests whose pages fit and that can start prefilling in this step's
+budget (``scheduler.plan_admission``), prefills at most ``max_prefill_tokens`` of their prompt
+tokens in one packed forward (``max_prefill_tokens_with_decode`` when the step also decodes; a
+longer prompt is split across steps, each chunk attending to the ones before it through the
+cache: ``scheduler.py``, ``prefill.py``), decodes
 the requests that have a token to feed, through a graph when one holds the batch
 (``decode.py``), and samples on the device (``Engine._launch``).
 
@@ -55,7 +57,13 @@ from .requests import (
     sample_rows,
     stop_id_set,
 )
-from .scheduler import DEFAULT_MAX_PREFILL_TOKENS, admit_count, check_budget
+from .scheduler import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE,
+    check_budget,
+    plan_admission,
+    step_prefill_budget,
+)
 from .tp_sync import ScheduleSync
 
 
@@ -71,14 +79,19 @@ class Engine:
     ``prefill``: "eager" (default), "piecewise" (``PiecewisePrefill`` with ``prefill_config``,
     default ``PrefillShapes()``) or "graph" (``GraphPrefill``, ``prefill_config`` its keyword
     arguments: whole-forward graphs per token bucket). ``max_prefill_tokens``: the most prompt
-    tokens one step prefills; longer prompts are chunked across steps. ``decode_via``:
+    tokens one step prefills; longer prompts are chunked across steps.
+    ``max_prefill_tokens_with_decode`` (default 2048, vLLM's latency setting; None: no cap): the
+    most a step that also decodes running requests prefills, so a prefill never stalls them for
+    long (on the H200 about a few ms for the 1B model). ``decode_via``:
     "runner" (default, ``CudaGraphRunner``) or "configs" (``ConfigGraphRunner`` over the decode
     walk, buckets and backend from ``runner_config``; ``mode="graph"`` only).
 
     ``prefix_caching`` (default True): a request's prompt starts from the longest prefix of
     full pages already in the KV cache (``prefix_cache.py``; one cache per KV cache, shared by
     the engines over it), and only the rest is prefilled; finished requests leave their full
-    pages cached until the pages are needed. False: every prompt is prefilled whole."""
+    pages cached until the pages are needed; a waiting request whose next uncached page another
+    request is computing right now waits for it (``scheduler.plan_admission``). False: every
+    prompt is prefilled whole."""
 
     def __init__(
         self,
@@ -91,6 +104,7 @@ class Engine:
         decode_via: str = "runner",
         prefill_config: Any | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        max_prefill_tokens_with_decode: int | None = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE,
         overlap: bool = True,
         check_same_thread: bool = True,
         prefix_caching: bool = True,
@@ -100,7 +114,10 @@ class Engine:
         mode = default_mode(model_runner, decode_via) if mode is None else mode
         check_engine_args(mode, prefill, decode_via)
         check_budget(max_prefill_tokens)
+        if max_prefill_tokens_with_decode is not None:
+            check_budget(max_prefill_tokens_with_decode, "max_prefill_tokens_with_decode")
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens_with_decode = max_prefill_tokens_with_decode
         self.model_runner = model_runner
         self.mode = mode
         self.decode_via = decode_via
@@ -284,14 +301,17 @@ class Engine:
         """Admit, prefill one budget, decode once and sample, all on the device; the tokens
         stay there (``InFlight``). Nothing here waits for the device."""
         decoding = [r for r in self.running if 0 < r.scheduled < r.max_new_tokens]
-        self._admit()
+        budget = step_prefill_budget(
+            self.max_prefill_tokens, self.max_prefill_tokens_with_decode, bool(decoding)
+        )
+        self._admit(budget)
         timer = self._timer
         if timer is not None:
             timer.mark("admission")
         logits, rows = [], []
         # one packed forward of this step's chunks: requests whose prompt is now all cached
         prefilling = [r for r in self.running if r.prefilled < len(r.prompt)]
-        first = prefill_step(self.prefiller, self.running, self.max_prefill_tokens, self.stats)
+        first = prefill_step(self.prefiller, self.running, budget, self.stats)
         for req in prefilling:  # full prompt pages cached at once, as vLLM caches blocks:
             self._cache.insert(req)  # a later step that matches them reads after the writes
         if first is not None:
@@ -320,16 +340,16 @@ class Engine:
             timer.mark("sampling")
         return step
 
-    def _admit(self) -> None:
-        """Start the requests at the head of the queue that fit (``scheduler.admit_count``),
-        each counting only the pages it must still allocate beyond its cached prefix."""
+    def _admit(self, budget: int) -> None:
+        """Start the requests at the head of the queue that fit (``scheduler.plan_admission``):
+        pages (each counting only those it must still allocate beyond its cached prefix),
+        ``max_running``, what is left of this step's prefill ``budget`` after the running
+        requests' chunks, and no page it could find cached being computed right now."""
         cache = self._cache
-
-        def costs():
-            for req in self.waiting:
-                yield cache.cost(req, cache.match(req))
-
-        count = admit_count(costs(), cache.num_available, len(self.running), self.max_running)
+        pending, computing = cache.prefilling(self.running)
+        candidates = map(cache.candidate, self.waiting)  # lazily: the head, as far as it goes
+        limits = cache.num_available, len(self.running), self.max_running, budget - pending
+        count, _ = plan_admission(candidates, *limits, computing)
         if self._sync is not None:  # tensor parallel: rank 0's count on every rank
             rids = [r.rid for r in self.waiting], [r.rid for r in self.running]
             count = self._sync.admit(count, *rids, self._landed, cache.state())
@@ -343,7 +363,7 @@ class Engine:
         if self.waiting and not self.running:
             head = self.waiting[0]
             raise ConfigError(
-                f"request {head.rid} needs {cache.cost(head, cache.match(head))} pages but "
+                f"request {head.rid} needs {cache.candidate(head).pages} pages but "
                 f"only {cache.num_available} are free or evictable and nothing is running; "
                 "pages are held outside this engine."
             )

@@ -83,6 +83,14 @@ class PrefixCache:
         self.enabled = enabled
         self.stats = PrefixCacheStats()
         self._tree = PageTree()
+        self._inserts = 0  # insert calls that cached a page
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a lookup could find something else: a page cached, evicted or
+        cleared. A ``match`` made at the same version is still the longest (the engine keeps
+        a waiting request's lookup until it changes)."""
+        return self._inserts + self._tree.epoch
 
     # -- counts --------------------------------------------------------------------------
     @property
@@ -98,6 +106,11 @@ class PrefixCache:
         return self._tree.evictable
 
     @property
+    def epoch(self) -> int:
+        """Evictions so far: a match made at the same epoch still holds every page it found."""
+        return self._tree.epoch
+
+    @property
     def num_available(self) -> int:
         """Pages ``allocate`` can hand out now: free ones, then evictable cached ones."""
         return self.allocator.num_free + self._tree.evictable
@@ -107,20 +120,33 @@ class PrefixCache:
 
     # -- lookup and admission ------------------------------------------------------------
     def match(
-        self, tokens: Sequence[int], salt: str | None = None, *, recompute_last: bool = True
+        self,
+        tokens: Sequence[int],
+        salt: str | None = None,
+        *,
+        recompute_last: bool = True,
+        since: PrefixMatch | None = None,
     ) -> PrefixMatch:
         """The longest cached full-page prefix of ``tokens`` under ``salt``. With
         ``recompute_last`` (the default, for a prompt about to be prefilled) the last token is
         left out, so at most ``(len(tokens) - 1) // page_size`` pages match: a prompt that is
-        a whole number of pages recomputes its last page, and its last token's logits."""
+        a whole number of pages recomputes its last page, and its last token's logits.
+        ``since``: an earlier match of the same tokens, salt and ``recompute_last``; if
+        nothing was evicted since (its ``epoch``), the lookup continues after its pages
+        instead of from the first page (pages are only ever added then)."""
         check_salt(salt)
         toks = token_list(tokens)
         n, ps = len(toks), self.page_size
         limit = max(n - 1 if recompute_last else n, 0) // ps if self.enabled else 0
         pages: list[int] = []
         keys: list[tuple] = []
-        get = self._tree.by_key.get
         parent: Any = (self.model, salt)
+        if since is not None and since.epoch == self._tree.epoch and since.pages:
+            pages, keys = list(since.pages), list(since.keys)
+            parent = pages[-1]
+            limit -= len(pages)
+            toks = toks[len(pages) * ps :]
+        get = self._tree.by_key.get
         for chunk in islice(page_tokens(toks, ps), limit):
             key = (parent, chunk)
             page = get(key)
@@ -129,7 +155,7 @@ class PrefixCache:
             pages.append(page)
             keys.append(key)
             parent = page
-        return PrefixMatch(pages, len(pages) * ps, n, self._tree.epoch, keys)
+        return PrefixMatch(pages, len(pages) * ps, n, self._tree.epoch, keys, self.version)
 
     def pages_to_allocate(self, match: PrefixMatch, num_pages: int) -> int:
         """New pages a request of ``num_pages`` pages needs beyond its match."""
@@ -141,7 +167,16 @@ class PrefixCache:
         Never less than the true cost, even after other admissions evict or share pages."""
         tree = self._tree
         if match.epoch == tree.epoch:  # nothing evicted since: every page still holds its key
-            return num_pages - sum(map(tree.is_blocked, match.pages))
+            # a blocked page's parents are blocked (``prefix_tree``): the matched pages that
+            # are blocked are a prefix of them, found by bisection
+            pages, lo, hi = match.pages, 0, len(match.pages)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if tree.is_blocked(pages[mid]):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return num_pages - lo
         shared = 0
         for page, key in zip(match.pages, match.keys):
             e = tree.entries.get(page)
@@ -150,17 +185,25 @@ class PrefixCache:
         return num_pages - shared
 
     def reserve(
-        self, tokens: Sequence[int], num_pages: int, salt: str | None = None
+        self,
+        tokens: Sequence[int],
+        num_pages: int,
+        salt: str | None = None,
+        *,
+        match: PrefixMatch | None = None,
     ) -> Reservation:
         """A request's pages at admission: its cached prefix (referenced), then new pages.
-        Raises ``ConfigError`` and takes nothing if they do not fit in ``num_available``."""
+        Raises ``ConfigError`` and takes nothing if they do not fit in ``num_available``.
+        ``match``: this request's lookup made at the cache's current ``version`` (else it is
+        looked up again here)."""
         check_count(num_pages, "num_pages")
         if num_pages * self.page_size < len(tokens):
             raise ConfigError(
                 f"num_pages={num_pages} pages of {self.page_size} tokens cannot hold the "
                 f"{len(tokens)} prompt tokens; pass the pages of every token it will hold."
             )
-        m = self.match(tokens, salt)
+        m = match if match is not None and match.version == self.version else None
+        m = m if m is not None else self.match(tokens, salt)
         cost = self.admission_cost(m, num_pages)
         if cost > self.num_available:
             raise ConfigError(
@@ -238,11 +281,20 @@ class PrefixCache:
         return pages
 
     # -- caching -------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str | None = None) -> int:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        salt: str | None = None,
+        *,
+        start: int = 0,
+    ) -> int:
         """Cache the full pages of a request: ``tokens`` are those whose KV is written in
         ``pages`` (prompt, then generated), ``pages`` its block table, still held. A page
-        whose tokens are already cached in another page stays private (freed at release);
-        inserting again as more pages fill is cheap. Returns the pages newly cached."""
+        whose tokens are already cached in another page stays private (freed at release).
+        Returns the pages newly cached. ``start``: an earlier insert of the same request
+        covered its first ``start`` pages; the walk starts after them when ``pages[start-1]``
+        is cached with those tokens (a held page stays cached), else at the first page."""
         check_salt(salt)
         if not self.enabled:
             return 0
@@ -251,9 +303,14 @@ class PrefixCache:
         if len(set(pages[:n])) != n:
             raise ConfigError("pages repeats a page; pass the request's block table.")
         parent: Any = (self.model, salt)
+        first = 0
+        if 0 < start <= n:
+            e = self._tree.entries.get(pages[start - 1])
+            if e is not None and e.key[1] == tuple(toks[(start - 1) * ps : start * ps]):
+                first, parent = start, pages[start - 1]
         plan = []
         # check everything first: a refusal changes nothing
-        for i, chunk in enumerate(islice(page_tokens(toks, ps), n)):
+        for i, chunk in enumerate(islice(page_tokens(toks[first * ps :], ps), n - first), first):
             page, key = pages[i], (parent, chunk)
             if page not in self._tree.refs:
                 raise ConfigError(
@@ -274,6 +331,7 @@ class PrefixCache:
             parent = page
         for page, key, parent in plan:
             self._tree.add(page, key, parent if isinstance(parent, int) else None)
+        self._inserts += bool(plan)
         return len(plan)
 
     def clear(self) -> int:

@@ -24,6 +24,7 @@ class PrefixMatch:
     query_tokens: int
     epoch: int = field(repr=False)  # the cache's eviction count when matched
     keys: list[tuple] = field(repr=False)  # each page's key, re-checked if pages were evicted
+    version: int = field(default=-1, repr=False)  # the cache's ``version`` when matched
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.pages, self.num_tokens))

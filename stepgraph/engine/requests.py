@@ -35,6 +35,7 @@ class Request:
     generator: torch.Generator | None = None  # its own draws, with ``sampling`` (seeded)
     cache_salt: str | None = None  # shares cached pages only with requests of the same salt
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    lookup: Any = field(default=None, repr=False, compare=False)  # cache_use.Lookup, kept
 
     @property
     def kv_tokens(self) -> int:
