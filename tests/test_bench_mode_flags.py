@@ -24,6 +24,7 @@ SERVE_ONLY = [
     ["--seed", "0"],
     ["--max-running", "4"],
     ["--max-prefill-tokens", "512"],
+    ["--max-prefill-tokens-with-decode", "0"],
     ["--engine-prefill", "piecewise"],
     ["--peers", "none"],
     ["--latency"],

@@ -6,6 +6,7 @@ prints caching off and on with a hit rate."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -113,3 +114,19 @@ def test_the_command_runs_caching_off_then_on(capsys):
     assert rows["off"][-1] == "0.0%" and float(rows["on"][-1].rstrip("%")) > 0
     assert cli_main([*argv, "--workload", "multi-turn", "--turns", "2", "--no-prefix-caching"]) == 2
     assert "--no-prefix-caching does not apply" in capsys.readouterr().err
+
+
+def test_group_mates_queued_at_once_find_the_system_prompt_their_first_computes(tmp_path):
+    """All 8 requests fit one admission round; each group's first computes the 8 full pages of
+    its system prompt and its 3 mates wait for them, then find them: the most hits there are
+    (admitting all 8 at once found none)."""
+    out = tmp_path / "prefix.json"
+    argv = ["bench", "--serve", "--device", "cpu", "--model", "tiny", "--max-running", "8"]
+    argv += ["--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "4"]
+    argv += ["--system-prompt-len", "130", "--question-len", "6", "--output-len", "4"]
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["off"]["cached_tokens"] == 0
+    on = runs["on"]
+    assert on["cached_tokens"] == 2 * 3 * 128 and on["queried_tokens"] == 8 * 136
+    assert on["hit_rate"] == pytest.approx(768 / 1088)

@@ -181,6 +181,7 @@ def test_serve_end_to_end_json_tokens_and_plot(tmp_path, capsys):
     assert lat["tpot_ms"] > 0 and lat["ms_per_output_token"] > 0
     assert data["peers"] == {} and data["workload"]["request_rate"] == "inf"
     assert data["meta"]["warmup_seconds"] > 0 and "untimed warm-up" in text
+    assert data["meta"]["max_prefill_tokens_with_decode"] == 2048  # the engine's default
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
@@ -271,6 +272,7 @@ def test_a_failing_peer_is_reported_skipped_not_fatal(tmp_path, capsys, monkeypa
         (["--input-len", "1500"], "--input-len"),  # up to 2667 + 128 > tiny's 2048 positions
         (["--output-len", "3000"], "--output-len"),
         (["--max-running", "0"], "--max-running"),
+        (["--max-prefill-tokens-with-decode", "-1"], "--max-prefill-tokens-with-decode"),
         (["--peers", "vllm"], "--peers"),
         (["--peers", "hf-static-compile"], "--peers"),  # CUDA syncs: not on the CPU
         (["--modes", "exact"], "--modes"),

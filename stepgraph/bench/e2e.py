@@ -75,7 +75,9 @@ def run_engine(
         result.capture_seconds = engine.runner.stats.capture.seconds if engine.runner else None
         g = torch.Generator().manual_seed(seed)
         for p in points:
-            new = new_tokens_for(p, engine.max_prefill_tokens)
+            # the last requests prefill while the first decode: at the decoding steps' cap
+            with_decode = engine.max_prefill_tokens_with_decode or engine.max_prefill_tokens
+            new = new_tokens_for(p, min(engine.max_prefill_tokens, with_decode))
             if p.context > E2E_MAX_CONTEXT or p.context <= new:
                 continue
             shape = (p.bs, p.context - new)

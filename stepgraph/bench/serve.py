@@ -45,14 +45,24 @@ class ServeRun:
 
 
 def make_engine(
-    mr, mode: str, max_running: int, max_prefill_tokens: int, prefill="eager", prefix_caching=True
+    mr,
+    mode: str,
+    max_running: int,
+    max_prefill_tokens: int,
+    prefill="eager",
+    prefix_caching=True,
+    with_decode: int = 2048,
 ):
-    """The engine, with ``max_prefill_tokens`` where its constructor takes it (chunked prefill)."""
+    """The engine, with ``max_prefill_tokens`` and ``with_decode`` (its
+    ``max_prefill_tokens_with_decode``, 0: no cap) where its constructor takes them."""
     from ..engine import Engine
 
     kw: dict = {"max_running": max_running, "prefill": prefill, "prefix_caching": prefix_caching}
-    if "max_prefill_tokens" in inspect.signature(Engine).parameters:
+    params = inspect.signature(Engine).parameters
+    if "max_prefill_tokens" in params:
         kw["max_prefill_tokens"] = max_prefill_tokens
+    if "max_prefill_tokens_with_decode" in params:
+        kw["max_prefill_tokens_with_decode"] = with_decode or None
     return Engine(mr, mode=mode, **kw)
 
 
@@ -199,9 +209,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if cuda:
         mr.set_kernels(args.kernels or "fused")
     caching = not args.no_prefix_caching
-    engine = make_engine(
-        mr, plan.mode, plan.max_running, args.max_prefill_tokens, plan.prefill, caching
-    )
+    budgets = args.max_prefill_tokens, plan.prefill, caching, args.max_prefill_tokens_with_decode
+    engine = make_engine(mr, plan.mode, plan.max_running, *budgets)
     latency, gpu_latency = None, []
     try:
         t = time.perf_counter()

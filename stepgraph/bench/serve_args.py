@@ -27,6 +27,7 @@ SERVE_DEFAULTS = {
     "seed": 0,
     "max_running": None,  # min(--num-requests, MAX_RUNNING)
     "max_prefill_tokens": 8192,
+    "max_prefill_tokens_with_decode": 2048,  # the Engine's default; 0: no cap
     "engine_prefill": "eager",
     "peers": None,  # both peers on CUDA, none on the CPU
     "latency": False,
@@ -102,6 +103,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "(default 8192)",
     )
     p.add_argument(
+        "--max-prefill-tokens-with-decode",
+        type=int,
+        default=None,
+        help="--serve: prompt tokens a step that also decodes prefills, at most "
+        "(Engine(max_prefill_tokens_with_decode=...); default 2048; 0: no cap)",
+    )
+    p.add_argument(
         "--engine-prefill",
         choices=("eager", "piecewise", "graph"),
         default=None,
@@ -149,6 +157,11 @@ def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
     for flag, value in counts.items():
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}.")
+    if args.max_prefill_tokens_with_decode < 0:
+        raise ConfigError(
+            "--max-prefill-tokens-with-decode must be >= 0 (0: no cap), got "
+            f"{args.max_prefill_tokens_with_decode}."
+        )
     r = args.range_ratio
     if not 0 <= r < 1:
         raise ConfigError(

@@ -147,8 +147,9 @@ def run_prefix_bench(args: argparse.Namespace, plan, config, model: str, make_en
         mr.set_kernels(args.kernels or "fused")
     runs = {}
     for name, caching in (("off", False), ("on", True)):
+        budgets = args.max_prefill_tokens, plan.prefill, caching
         engine = make_engine(
-            mr, plan.mode, plan.max_running, args.max_prefill_tokens, plan.prefill, caching
+            mr, plan.mode, plan.max_running, *budgets, args.max_prefill_tokens_with_decode
         )
         try:
             print(f"stepgraph bench --serve: prefix caching {name}", file=sys.stderr)

@@ -108,6 +108,7 @@ def build_report(
             "engine_prefill": plan.prefill,
             "max_running": plan.max_running,
             "max_prefill_tokens": args.max_prefill_tokens,
+            "max_prefill_tokens_with_decode": args.max_prefill_tokens_with_decode or None,
             "kernels": getattr(mr, "kernels", None),
             "warmup_seconds": warmup_s,  # every prompt once, untimed (kernels compile)
         },
