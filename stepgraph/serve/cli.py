@@ -7,6 +7,8 @@ engine, exit 0. Also ``python -m stepgraph.serve``."""
 from __future__ import annotations
 
 import argparse
+import functools
+import shlex
 import sys
 
 from .. import env
@@ -23,6 +25,7 @@ from ..cli_args import (
 )
 
 ENGINES = ("process", "thread")
+MASTER_PORT = 29500  # torchrun's default (tp_launch.MASTER_PORT, not imported: flags only)
 
 
 def port_number(text: str) -> int:
@@ -112,12 +115,113 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGINT/SIGTERM, seconds requests in flight get to finish",
     )
+    add_node_args(p)
     p.add_argument(
         "--log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn's",
     )
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def master_port(text: str) -> int:
+    value = port_number(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be in [1, 65535]: the other nodes connect to it")
+    return value
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """``--tp N`` over several nodes: torchrun's static rendezvous flags, passed through."""
+    g = p.add_argument_group("tensor parallelism over nodes (torchrun's static rendezvous)")
+    g.add_argument(
+        "--nnodes",
+        type=positive_int,
+        default=1,
+        help="nodes the --tp ranks span, --tp / --nnodes on each (default 1: this one)",
+    )
+    g.add_argument(
+        "--node-rank",
+        type=nonneg_int,
+        default=None,
+        help="this node's rank, 0 to --nnodes - 1: node 0 serves HTTP and runs global rank 0; "
+        "the others run their ranks only, and exit when the group ends",
+    )
+    g.add_argument(
+        "--master-addr",
+        default=None,
+        help="node 0's address, reachable from every node (torchrun's store listens there)",
+    )
+    g.add_argument(
+        "--master-port",
+        type=master_port,
+        default=None,
+        help=f"the port of torchrun's store on node 0 (default {MASTER_PORT})",
+    )
+    g.add_argument(
+        "--rdzv-backend",
+        default="static",
+        help="torchrun's rendezvous: static only (c10d numbers nodes by their ids, so rank 0 "
+        "might not run on node 0, beside the HTTP server)",
+    )
+
+
+def rendezvous(args: argparse.Namespace):
+    """The ``Rendezvous`` of ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``
+    (one-line errors naming the flags)."""
+    from .tp_launch import Rendezvous
+
+    nnodes, tp = args.nnodes, args.tp
+    if args.rdzv_backend != "static":
+        raise UsageError(
+            f"argument --rdzv-backend: {args.rdzv_backend!r} is not supported; only static "
+            "rendezvous (--node-rank, --master-addr) keeps global rank 0 on node 0, beside the "
+            "HTTP server: drop --rdzv-backend"
+        )
+    if nnodes == 1:
+        given = [
+            f
+            for f, v in (
+                ("--node-rank", args.node_rank),
+                ("--master-addr", args.master_addr),
+                ("--master-port", args.master_port),
+            )
+            if v is not None
+        ]
+        if given:
+            raise UsageError(
+                f"argument {given[0]}: goes with --nnodes 2 or more (one node needs no "
+                "rendezvous); pass --nnodes or drop it"
+            )
+        return Rendezvous()
+    if tp % nnodes:
+        raise UsageError(
+            f"argument --nnodes: --tp {tp} ranks do not split evenly over --nnodes {nnodes} "
+            "(each node runs --tp / --nnodes ranks); pass a --tp that --nnodes divides"
+        )
+    if args.node_rank is None or args.node_rank >= nnodes:
+        got = "none" if args.node_rank is None else args.node_rank
+        raise UsageError(
+            f"argument --node-rank: --nnodes {nnodes} needs this node's rank, 0 (the HTTP "
+            f"server's node) to {nnodes - 1}; got {got}"
+        )
+    if args.master_addr is None:
+        raise UsageError(
+            f"argument --master-addr: --nnodes {nnodes} needs node 0's address, reachable "
+            "from every node"
+        )
+    port = MASTER_PORT if args.master_port is None else args.master_port
+    return Rendezvous(nnodes, args.node_rank, args.master_addr, port)
 
 
 def check_args(args: argparse.Namespace, config) -> int:
@@ -138,6 +242,7 @@ def check_args(args: argparse.Namespace, config) -> int:
 def check_serve_tp(args: argparse.Namespace) -> None:
     """``--tp N``: this process starts the N ranks (through torchrun), so it must not be one."""
     tp = getattr(args, "tp", 1)
+    rendezvous(args)
     if tp <= 1:
         return
     from ..model.distributed import torchrun_world_size
@@ -202,7 +307,29 @@ def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int)
     )
 
 
+def follow_node(args: argparse.Namespace, rdzv) -> int:
+    """``--node-rank K`` > 0: this node's ranks of node 0's group, no HTTP front end."""
+    from .tp_launch import follow
+
+    config = model_config(args.model)
+    context = check_args(args, config)
+    device = resolve_device(args.device)
+    check_threads(args.threads, device)
+    spec = engine_spec(args, device, resolve_dtype(args.dtype, device), context)
+    say(
+        f"node {rdzv.node_rank} of {rdzv.nnodes}: starting {args.tp // rdzv.nnodes} of the "
+        f"{args.tp} tensor-parallel ranks through torchrun, joining node 0 at "
+        f"{rdzv.master_addr}:{rdzv.master_port}"
+    )
+    status = follow(spec, rdzv)
+    say("the rank group stopped" if status == 0 else f"the rank group failed (status {status})")
+    return 0 if status == 0 else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    rdzv = rendezvous(args)
+    if rdzv.node_rank > 0:
+        return follow_node(args, rdzv)
     need_extras()
     from .app import build_app
     from .auth import exposure_warning
@@ -232,8 +359,14 @@ def run(args: argparse.Namespace) -> int:
         if args.tp > 1:
             from .tp import TPWorker
 
-            Worker = TPWorker
-            say(f"starting {args.tp} tensor-parallel ranks through torchrun")
+            Worker = functools.partial(TPWorker, rendezvous=rdzv)
+            say(f"starting {args.tp // rdzv.nnodes} tensor-parallel ranks through torchrun")
+            if rdzv.nnodes > 1:
+                from .tp_launch import follower_command
+
+                say(f"{args.tp} ranks over {rdzv.nnodes} nodes; start the others with:")
+                for k in range(1, rdzv.nnodes):
+                    say(f"  node {k}: {shlex.join(follower_command(spec, rdzv, k))}")
         worker = Worker(spec, ServeMetrics())
         try:
             worker.start()

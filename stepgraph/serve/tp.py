@@ -18,7 +18,12 @@ with a 500 and starts the whole group again, answering 503 until it is ready, as
 engine process. Stopping: ``STOP`` reaches every rank through the broadcast; each leaves the
 process group and exits, then torchrun does; a group that does not is killed, ranks first (they
 run in sessions of their own: their ids are read from ``/proc``). If the front end goes away,
-rank 0 reads the end of its socket and stops every rank the same way."""
+rank 0 reads the end of its socket and stops every rank the same way.
+
+Across nodes (``tp_launch.py``): node 0 runs the front end and its share of the ranks, the
+others ``tp_launch.follow``. Every rank checks before building that global rank 0 is node 0's
+first (the one that reaches the front end's socket) and that all ranks were given the same
+``EngineSpec``."""
 
 from __future__ import annotations
 
@@ -32,9 +37,7 @@ import os
 import pickle
 import select
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +49,7 @@ import torch
 from .engine_proc import EngineProcess, EngineSpec
 from .loop import FAILED, READY, STOP, EngineLoop, engine_info
 from .proc_worker import MAX_RESTARTS, ProcessWorker
+from .tp_launch import Launcher, Rendezvous, descendants, torchrun_command
 
 HEARTBEAT_S = 2.0  # idle, rank 0 tells the other ranks so this often
 log = logging.getLogger("stepgraph.serve")
@@ -105,9 +109,47 @@ class TPEngineLoop(EngineLoop):
         return pickle.loads(payload.numpy().tobytes())
 
 
+def _spec_differences(specs: list[dict]) -> str | None:
+    """What the ranks' specs (``specs[r]``: rank r's fields) differ in from rank 0's, or None."""
+    diffs = []
+    for r, other in enumerate(specs[1:], 1):
+        fields = [k for k in specs[0] if other.get(k) != specs[0][k]]
+        if fields:
+            said = ", ".join(f"{k}={other.get(k)!r} (rank 0: {specs[0][k]!r})" for k in fields)
+            diffs.append(f"rank {r}: {said}")
+    return "; ".join(diffs) or None
+
+
+def _check_group(spec: EngineSpec, rank: int, leads: bool) -> None:
+    """Rank 0 is the front end's node's first rank (``leads``), and every rank builds the same
+    engine as rank 0 (the nodes' commands may differ); raises ``StepGraphError`` naming what
+    is wrong."""
+    import torch.distributed as dist
+
+    from ..errors import StepGraphError
+    from ..model.distributed import init_distributed
+
+    if (rank == 0) != leads:
+        raise StepGraphError(
+            f"global rank {rank} is{' not' if leads else ''} the first rank of the server's "
+            "node: rank 0 must run beside the HTTP front end (its socket is local). Start the "
+            "server's node as node rank 0 of a static rendezvous (torchrun numbers ranks node "
+            "by node in node-rank order)."
+        )
+    init_distributed("nccl" if torch.device(spec.device).type == "cuda" else "gloo")
+    specs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(specs, dataclasses.asdict(spec))
+    if (diff := _spec_differences(specs)) is not None:
+        raise StepGraphError(
+            f"the ranks were not given the same engine: {diff}; start every node with the "
+            "same model, device, dtype, mode, limits and seed as node 0"
+        )
+
+
 def rank_main(argv: list[str] | None = None) -> int:
     """One rank (``python -m stepgraph.serve.tp --spec JSON [--connect PATH]``, under
-    torchrun): build the shard and the engine, then serve; rank 0 over ``--connect``."""
+    torchrun): build the shard and the engine, then serve; rank 0 over ``--connect``, which
+    the front end's node passes to all its ranks (its first one connects)."""
     from ..model.launch import finish
 
     p = argparse.ArgumentParser(prog="python -m stepgraph.serve.tp")
@@ -116,11 +158,13 @@ def rank_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     spec = EngineSpec(**json.loads(args.spec))
     rank = int(os.environ.get("RANK", "0"))
+    leads = bool(args.connect) and os.environ.get("LOCAL_RANK", "0") == "0"
     logging.basicConfig(format=f"stepgraph rank {rank}: %(message)s")
     outbox = inbox = None
-    if rank == 0 and args.connect:  # before building: a failed build is told to the front end
+    if rank == 0 and leads:  # before building: a failed build is told to the front end
         outbox, inbox = (_connect(args.connect) for _ in range(2))
     try:
+        _check_group(spec, rank, leads)
         engine = spec()
     except BaseException as e:
         if outbox is not None:
@@ -158,64 +202,6 @@ def _connect(path: str) -> Connection:
 # -- the front end's side ----------------------------------------------------------------------
 
 
-def torchrun_command(spec: EngineSpec, connect: str | None) -> list[str]:
-    """The torchrun line that starts ``spec.tp`` ranks on this node."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(spec.tp), "--max-restarts", "0", "--monitor-interval", "0.1"]
-    cmd += ["-m", "stepgraph.serve.tp", "--spec", json.dumps(dataclasses.asdict(spec))]
-    return cmd + (["--connect", connect] if connect else [])
-
-
-def descendants(pid: int) -> list[int]:
-    """The ids of ``pid``'s children, theirs, and so on (from ``/proc``), deepest last."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-class Launcher:
-    """torchrun, as ``EngineProcess.proc``: ``sentinel`` (a pidfd, readable once it exited),
-    ``is_alive``, ``join``, ``exitcode``, ``kill`` (the ranks first, then torchrun)."""
-
-    def __init__(self, cmd: list[str]) -> None:
-        self.popen = subprocess.Popen(cmd, start_new_session=True)  # no terminal's Ctrl-C
-        self.pid = self.popen.pid
-        self.sentinel = os.pidfd_open(self.pid)
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def join(self, timeout: float | None = None) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout)
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def kill(self) -> None:
-        for pid in [*descendants(self.pid), self.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.join(5)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.sentinel)
-
-
 class _Unconnected:
     """Rank 0's answers before it connected: nothing to read."""
 
@@ -231,7 +217,7 @@ class RankGroup(EngineProcess):
     and rank 0's two connections, accepted on ``listener`` once rank 0 made them (``from_r``:
     its answers; ``to_w``: commands, written without blocking, buffered until then)."""
 
-    def __init__(self, spec: EngineSpec, path: str) -> None:
+    def __init__(self, spec: EngineSpec, path: str, rendezvous: Rendezvous | None = None) -> None:
         self.path = path
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
@@ -243,7 +229,7 @@ class RankGroup(EngineProcess):
         self.dead = self._writing = False
         self._out = bytearray()
         self._loop: Any = None
-        self.proc = Launcher(torchrun_command(spec, path))
+        self.proc = Launcher(torchrun_command(spec, path, rendezvous))
 
     @property
     def connected(self) -> bool:
@@ -300,15 +286,24 @@ class RankGroup(EngineProcess):
 
 class TPWorker(ProcessWorker):
     """The front end over a rank group of ``spec.tp`` ranks: a ``ProcessWorker`` whose engine
-    process is a ``RankGroup`` (restarted whole, at most ``max_restarts`` times)."""
+    process is a ``RankGroup`` (restarted whole, at most ``max_restarts`` times), this node's
+    ranks of a group over ``rendezvous`` (default: this node alone)."""
 
-    def __init__(self, spec: EngineSpec, metrics: Any = None, max_restarts: int = MAX_RESTARTS):
+    def __init__(
+        self,
+        spec: EngineSpec,
+        metrics: Any = None,
+        max_restarts: int = MAX_RESTARTS,
+        rendezvous: Rendezvous | None = None,
+    ):
         super().__init__(spec, metrics, max_restarts)
+        self.rendezvous = rendezvous or Rendezvous()
         self._dir = tempfile.mkdtemp(prefix="stepgraph-tp-")  # 0700: only this user connects
         self._starts = itertools.count()
 
     def _spawn(self) -> RankGroup:
-        return RankGroup(self.spec, os.path.join(self._dir, f"rank0-{next(self._starts)}.sock"))
+        path = os.path.join(self._dir, f"rank0-{next(self._starts)}.sock")
+        return RankGroup(self.spec, path, self.rendezvous)
 
     def _first(self, ch: RankGroup, timeout: float | None) -> tuple | None:
         t = time.monotonic()
@@ -361,6 +356,7 @@ __all__ = [
     "HEARTBEAT_S",
     "Launcher",
     "RankGroup",
+    "Rendezvous",
     "TPEngineLoop",
     "TPWorker",
     "descendants",
