@@ -10,7 +10,10 @@ and attention backend each), and every mode's tokens are compared with eager's:
 
 A mix: 1 to ``max_bs`` requests; prompts log-uniform from 1 token up to the context;
 1 to 24 new tokens; about a third run with ``max_running`` below the batch (requests join
-mid-stream); about a quarter are sampled (temperature, top-k) from a seed.
+mid-stream); about a quarter are sampled (temperature, top-k) from a seed. In about half, most
+prompts start with one of one or two shared prefixes (1 to 3 pages and a part of one), and one
+may repeat another whole: the engines run with prefix caching on (their default), so a later
+request reads pages an earlier one computed, and its prefill starts after them.
 
 Exit status 1 when a strict mode differs from eager in any mix, or when any mode raises.
 Exact is strict: its geometry is eager's, so its tokens must be eager's. The fixed-geometry
@@ -62,10 +65,35 @@ class Mix:
     seed: int | None = None
 
 
-def random_mix(rng: random.Random, vocab: int, max_bs: int, max_prompt: int) -> Mix:
+def shared_prefixes(
+    rng: random.Random, prompts: list[list[int]], vocab: int, max_prompt: int, page_size: int
+) -> list[list[int]]:
+    """``prompts`` with most of them starting with one of one or two prefixes of 1 to 3 full
+    pages and part of another (at most ``max_prompt - 1`` tokens: a tail follows), their
+    lengths capped at ``max_prompt``; the last may repeat an earlier prompt whole."""
+    heads = []
+    for _ in range(rng.randint(1, 2)):
+        k = min(rng.randint(1, 3) * page_size + rng.randrange(page_size), max_prompt - 1)
+        heads.append([rng.randrange(1, vocab) for _ in range(k)])
+    out = []
+    for p in prompts:
+        if rng.random() < 0.75:
+            head = rng.choice(heads)
+            p = (head + p)[:max_prompt]  # the head and at least one token of p
+        out.append(p)
+    if len(out) > 1 and rng.random() < 0.3:
+        out[-1] = list(out[rng.randrange(len(out) - 1)])
+    return out
+
+
+def random_mix(
+    rng: random.Random, vocab: int, max_bs: int, max_prompt: int, page_size: int = 16
+) -> Mix:
     n = rng.randint(1, max_bs)
     lengths = [round(math.exp(rng.uniform(0.0, math.log(max_prompt)))) for _ in range(n)]
     prompts = [[rng.randrange(1, vocab) for _ in range(max(1, k))] for k in lengths]
+    if max_prompt > 1 and rng.random() < 0.5:
+        prompts = shared_prefixes(rng, prompts, vocab, max_prompt, page_size)
     max_running = rng.randint(1, n - 1) if n > 1 and rng.random() < 0.35 else None
     mix = Mix(prompts, rng.randint(1, MAX_NEW_TOKENS), max_running)
     if rng.random() < 0.25:
@@ -80,6 +108,7 @@ class ModeResult:
     first_logits: list[torch.Tensor | None] = field(default_factory=list)  # [bs, vocab] float32
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    hit_rate: float = 0.0  # prompt tokens found in the prefix cache, over all mixes
 
 
 def build_engines(model_runner, modes: list[str], max_bs: int) -> dict[str, object]:
@@ -166,6 +195,7 @@ def run_check(
             res.seconds += time.perf_counter() - t0
             res.outputs.append(out)
             res.first_logits.append(logits)
+        res.hit_rate = engine.stats.hit_rate
         engine.shutdown()
     return results
 
@@ -184,7 +214,7 @@ def compare(eager: ModeResult, other: ModeResult) -> tuple[int, float | None]:
 def report(results: dict[str, ModeResult], strict: set[str], n_mixes: int) -> int:
     """Print one line per mode; return the exit status."""
     failed = []
-    print(f"{'mode':<6} {'differ':>8} {'max |dlogit| step 1':>20} {'time':>8}")
+    print(f"{'mode':<6} {'differ':>8} {'max |dlogit| step 1':>20} {'time':>8} {'cached':>7}")
     for mode, res in results.items():
         if mode == "eager":
             differ, dmax = 0, 0.0
@@ -193,7 +223,8 @@ def report(results: dict[str, ModeResult], strict: set[str], n_mixes: int) -> in
         dtext = "-" if dmax is None else f"{dmax:.3g}"
         ran = f"{differ:>4}/{n_mixes:<3}" if res.outputs else f"{'-':>4} {'':<3}"  # not built
         tag = "  (strict: differ must be 0)" if mode in strict else ""
-        print(f"{mode:<6} {ran} {dtext:>20} {res.seconds:>7.1f}s{tag}")
+        hits = f"{res.hit_rate:.0%}"
+        print(f"{mode:<6} {ran} {dtext:>20} {res.seconds:>7.1f}s {hits:>7}{tag}")
         for err in res.errors[:3]:
             print(f"       error: {err}")
         if res.errors:
@@ -202,7 +233,7 @@ def report(results: dict[str, ModeResult], strict: set[str], n_mixes: int) -> in
             failed.append(f"{mode} differs from eager in {differ} mix(es)")
     print(
         "differ: mixes whose tokens differ from eager's (a strict mode must have 0); the logit "
-        "difference is reported, not judged"
+        "difference is reported, not judged; cached: prompt tokens read from the prefix cache"
     )
     print(EXPLAIN)
     if failed:
@@ -247,8 +278,10 @@ def run(args: argparse.Namespace) -> int:
     modes, context = check_args(args, device, config)
     max_prompt = max(1, context - MAX_NEW_TOKENS)
     rng = random.Random(args.seed)
+    page = 16  # the KV page size build_model_runner uses
     mixes = [
-        random_mix(rng, config.vocab_size, args.max_bs, max_prompt) for _ in range(args.trials)
+        random_mix(rng, config.vocab_size, args.max_bs, max_prompt, page)
+        for _ in range(args.trials)
     ]
     fp8 = ", FP8 weights" if args.quantization else ""
     print(
@@ -294,4 +327,5 @@ __all__ = [
     "random_mix",
     "run",
     "run_check",
+    "shared_prefixes",
 ]

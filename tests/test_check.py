@@ -86,3 +86,37 @@ def test_mixes_cover_joins_sampling_and_lengths():
     assert min(lengths) == 1 and max(lengths) > 500
     assert {m.max_new_tokens for m in mixes} == set(range(1, 25))
     assert {len(m.prompts) for m in mixes} == set(range(1, 9))
+
+
+def test_about_half_the_mixes_share_prefixes_of_one_to_three_pages():
+    rng = random.Random(1)
+    mixes = [random_mix(rng, 512, 8, 1000) for _ in range(400)]
+
+    def shared_pages(m):  # the longest common full-page prefix of two of its prompts
+        best = 0
+        for i, a in enumerate(m.prompts):
+            for b in m.prompts[i + 1 :]:
+                k = 0
+                while k < min(len(a), len(b)) and a[k] == b[k]:
+                    k += 1
+                best = max(best, k // 16)
+        return best
+
+    shared = [shared_pages(m) for m in mixes if len(m.prompts) > 1]
+    assert 0.3 < sum(s > 0 for s in shared) / len(shared) < 0.6
+    assert {1, 2, 3} <= set(shared)
+    assert any(len(set(map(tuple, m.prompts))) < len(m.prompts) for m in mixes)  # repeats
+    assert all(1 <= len(p) <= 1000 for m in mixes for p in m.prompts)
+    short = [random_mix(rng, 512, 8, 30) for _ in range(100)]  # heads fit short prompts too
+    assert all(1 <= len(p) <= 30 for m in short for p in m.prompts)
+    assert random_mix(random.Random(0), 512, 4, 1).prompts[0] == random_mix(
+        random.Random(0), 512, 4, 1
+    ).prompts[0]
+
+
+def test_the_check_reads_cached_prefixes(capsys):
+    with time_limit(60):
+        assert main(ARGS) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    cached = {r[0]: r[4] for r in rows if r and r[0] in ("eager", "graph", "walk")}
+    assert all(v.endswith("%") and v != "0%" for v in cached.values()), cached

@@ -20,8 +20,10 @@ The engine's use (all on its one thread):
 
 1. admission: ``m = match(prompt, salt)``; ``admission_cost(m, num_pages)`` is what the
    request takes from ``num_available`` (compare the running sum with it, as
-   ``scheduler.admit_count`` does); then ``reserve(prompt, num_pages, salt)`` (match, acquire,
-   allocate the rest, or raise and take nothing) gives the block table and the cached tokens.
+   ``scheduler.plan_admission`` does); then ``reserve(prompt, num_pages, salt, match=m)``
+   (acquire, allocate the rest, or raise and take nothing; ``m`` is matched again if the cache
+   changed since) gives the block table and the cached tokens. A match stays the longest
+   while ``version`` is unchanged, and ``match(since=m)`` continues after ``m``'s pages.
 2. prefill only ``prompt[num_cached_tokens:]`` (the chunked prefill's start offset). A fully
    cached prompt still recomputes its last page: ``match`` leaves the last token out
    (``recompute_last``), for its logits.
