@@ -221,3 +221,17 @@ def test_a_resumed_insert_caches_what_a_whole_one_does():
         wrong.insert(other, w, start=2)  # a wrong start is not trusted: the walk starts over
     parts.check()
     whole.check()
+
+
+def test_an_insert_refused_at_a_later_page_takes_back_the_keys_it_claimed():
+    rng = random.Random(3)
+    toks = [rng.randrange(1, 50) for _ in range(3 * PS)]
+    c = _cache()
+    held, gone = c.allocate(2), c.allocate(1)
+    c.release(gone)
+    with pytest.raises(ConfigError, match="not held"):
+        c.insert(toks, held + gone)  # two pages checked and claimed, the third refused
+    assert c.num_cached == 0 and c.version == 0 and c.match(toks).pages == []
+    c.check()
+    assert c.insert(toks[: 2 * PS], held) == 2  # the same pages cache once the call is right
+    c.check()

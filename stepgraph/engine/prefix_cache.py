@@ -311,28 +311,33 @@ class PrefixCache:
             if e is not None and e.key[1] == tuple(toks[(start - 1) * ps : start * ps]):
                 first, parent = start, pages[start - 1]
         plan = []
-        # check everything first: a refusal changes nothing
+        tree = self._tree
+        refs, get_entry, claim = tree.refs, tree.entries.get, tree.by_key.setdefault
+        # keys are claimed as the pages are checked; a refusal takes them back: it changes
+        # nothing
         for i, chunk in enumerate(islice(page_tokens(toks[first * ps :], ps), n - first), first):
             page, key = pages[i], (parent, chunk)
-            if page not in self._tree.refs:
-                raise ConfigError(
-                    f"page {page} is not held; insert a request's pages before releasing them."
-                )
-            e = self._tree.entries.get(page)
-            if e is not None and e.key != key:
-                raise ConfigError(
-                    f"page {page} is cached for other tokens than tokens[{i * ps}:"
-                    f"{(i + 1) * ps}]; pass the tokens whose KV the pages hold."
-                )
-            if e is None:
-                cached = self._tree.by_key.get(key)
-                if cached is not None:
+            e = get_entry(page)
+            why = None
+            if page not in refs:
+                why = f"page {page} is not held; insert a request's pages before releasing them."
+            elif e is None:
+                cached = claim(key, page)
+                if cached != page:
                     parent = cached  # the same tokens in another page: ours stays private
                     continue
                 plan.append((page, key, parent))
+            elif e.key != key:
+                why = (
+                    f"page {page} is cached for other tokens than tokens[{i * ps}:"
+                    f"{(i + 1) * ps}]; pass the tokens whose KV the pages hold."
+                )
+            if why is not None:
+                for _, k, _ in plan:
+                    del tree.by_key[k]
+                raise ConfigError(why)
             parent = page
-        for page, key, parent in plan:
-            self._tree.add(page, key, parent if isinstance(parent, int) else None)
+        tree.add_held(plan)
         self._inserts += bool(plan)
         return len(plan)
 

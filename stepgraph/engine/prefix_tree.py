@@ -92,6 +92,21 @@ class PageTree:
             self.entries[parent].children += 1
         self._flip(page, True)
 
+    def add_held(self, plan: list[tuple[int, tuple, object]]) -> None:
+        """``add`` each ``(page, key, parent)`` in order (``parent``: a page, or a namespace for
+        a prompt's first page), its key already in ``by_key``. A page whose parent is
+        referenced, the common case of a request caching its own pages, takes no walk up."""
+        entries, refs, clock = self.entries, self.refs, self.clock
+        for page, key, parent in plan:
+            if parent.__class__ is not int or parent not in refs:
+                self.add(page, key, parent if parent.__class__ is int else None)
+                continue
+            entries[page] = Entry(key, parent, clock)
+            pe = entries[parent]
+            pe.children += 1
+            pe.pinned += 1  # ``page`` is referenced, so blocked; its parent already was
+            self.blocked += 1
+
     def is_blocked(self, page: int) -> bool:
         return page in self.refs or self.entries[page].pinned > 0
 
