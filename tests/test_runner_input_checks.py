@@ -13,6 +13,7 @@ from stepgraph.batch import PACKED, unpacked_batch
 from stepgraph.errors import ConfigError, ReplayError
 from stepgraph.model import ModelRunner
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
+from stepgraph.runner.input_checks import _FEW_ROWS as FEW_ROWS
 from stepgraph.runner.input_checks import InputLimits, check_values
 from stepgraph.toy_model import ToyModelRunner
 
@@ -149,3 +150,22 @@ def test_full_refuses_a_slot_in_another_requests_page():
     _set(batch, "out_cache_loc", 0, mr.kv_cache.slot(pages[0], int(batch.positions[0])))
     runner.replay(batch)  # the right slot again: replays
     assert runner.stats.replays == 1
+
+
+@pytest.mark.parametrize("bs", [1, FEW_ROWS, FEW_ROWS + 1])
+def test_kv_lengths_are_checked_alike_as_a_list_or_an_array(bs):
+    """Up to ``_FEW_ROWS`` rows the KV lengths are read as a list, past it as an array: the same
+    refusals and the same longest length either way, at the limit and one past it."""
+    toy = ToyModelRunner(num_pages=4 * (FEW_ROWS + 1) + 1, page_size=4, max_pages_per_request=4)
+    limits = InputLimits.of(toy)  # max_context_len 16: lengths in [1, 16]
+    batch = toy.random_batch(bs, torch.Generator().manual_seed(bs), packed=True)
+    batch.seq_lens_cpu[-1] = 16  # at the limit
+    assert check_values(batch, limits, "host") == 16
+    for row, value in ((bs - 1, 17), (0, 0)):
+        good = int(batch.seq_lens_cpu[row])
+        batch.seq_lens_cpu[row] = value
+        with pytest.raises(ReplayError, match=rf"seq_lens_cpu\[{row}\] = {value} is outside"):
+            check_values(batch, limits, "host")
+        batch.seq_lens_cpu[row] = good
+    batch.seq_lens_cpu[-1] = 1  # each limit on its own row: the longest is read, not assumed
+    assert check_values(batch, limits, "host") == int(batch.seq_lens_cpu.max())

@@ -16,13 +16,16 @@ Levels: ``"host"`` (default) checks what is on the host; ``"full"`` also copies 
 tensors of a batch without host rows to the host (a sync per replay: for debugging) and checks
 that each slot lies in the page the row's own block table maps its position to; ``"off"``
 checks nothing. Limits come from the model runner where it has them (``InputLimits.of``); a
-limit it lacks is not checked. Cost: one vectorised compare of the host rows against per-column
-bounds (``benchmarks/runner_overhead.py``, ``host_us_parts.value_checks``); only a bad batch
-pays for finding and naming the value.
+limit it lacks is not checked. Cost (``benchmarks/runner_overhead.py``,
+``host_us_parts.value_checks``): the KV lengths' least and longest through builtins over a list
+(up to ``_FEW_ROWS`` rows; numpy past it), then one vectorised compare of the host rows against
+per-column bounds cached per row width, counted with ``count_nonzero`` (no reduction call);
+only a bad batch pays for finding and naming the value.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +38,8 @@ from ..errors import ReplayError
 _DEVICE_FIELDS = tuple((n, d) for n, d in BATCH_DTYPES.items() if n != "seq_lens_cpu")
 
 CHECK_LEVELS = ("host", "full", "off")
+_FEW_ROWS = 64  # up to this batch size the KV lengths are read as a list (builtins' max, min)
+_count_nonzero, _subtract, _U64 = np.count_nonzero, np.subtract, np.uint64  # no lookups per call
 FIX = (
     "Build decode batches with the model runner's decode_batch, or fix these values; "
     "RunnerConfig(check_inputs='off') skips the checks."
@@ -50,7 +55,8 @@ class InputLimits:
     vocab_size: int | None = None
     max_context_len: int | None = None
     feed_size: int = 0  # ids in [-feed_size, 0) read the runner's device feed (``feed.py``)
-    _bounds: dict = field(default_factory=dict, compare=False, repr=False)  # width -> arrays
+    # packed row width -> (lowest, span) arrays; None -> seq_lens_cpu's [low, high)
+    _bounds: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, model_runner: Any) -> InputLimits:
@@ -95,20 +101,30 @@ def check_values(batch: ForwardBatch, limits: InputLimits, level: str) -> int | 
     then costs no second pass."""
     if level == "off" or batch.values_checked:
         return None
-    seq = batch.seq_lens_cpu.numpy()  # [bs] int32, zero-copy
-    longest = None
-    if seq.size:
+    bounds = limits._bounds
+    lens = batch.seq_lens_cpu  # [bs] int32
+    if lens.shape[0] <= _FEW_ROWS:  # builtins over a short list: no numpy call overhead
+        seq = lens.tolist()
+        longest, least = (max(seq), min(seq)) if seq else (None, None)
+    else:
+        seq = lens.numpy()  # zero-copy
         longest, least = int(seq.max()), int(seq.min())
-        low, span = _bounds(limits, None)
-        if least < int(low) or longest - int(low) >= int(span):  # [low, low + span)
-            _check_range("seq_lens_cpu", seq, *limits.column_ranges()["seq_lens"])
+    if longest is not None:
+        low, high = bounds.get(None) or _seq_bounds(limits)
+        if least < low or longest >= high:
+            _check_range("seq_lens_cpu", lens.numpy(), *limits.column_ranges()["seq_lens"])
     rows = batch.packed_cpu
-    if rows is None and level == "full":  # device-only batch: copy it back (a sync)
-        rows = (batch.packed if batch.packed is not None else PACKED.pack(batch)).cpu()
-    if rows is not None:
-        check_rows(rows.numpy(), limits)
-        if level == "full" and limits.page_size:
-            check_slot_pages(rows.numpy(), limits.page_size)
+    if rows is None:
+        if level != "full":
+            return longest
+        rows = (batch.packed if batch.packed is not None else PACKED.pack(batch)).cpu()  # sync
+    values = rows.numpy()
+    width = values.shape[1]
+    low, span = bounds.get(width) or _bounds(limits, width)
+    if _count_nonzero(_subtract(values, low).view(_U64) >= span):  # one pass, every column
+        check_rows(values, limits)  # finds and names the value
+    if level == "full" and limits.page_size:
+        check_slot_pages(values, limits.page_size)
     return longest
 
 
@@ -180,7 +196,7 @@ def check_slot_pages(rows: np.ndarray, page_size: int) -> None:
 def check_rows(rows: np.ndarray, limits: InputLimits) -> None:
     """Check packed host rows ``[bs, PACKED.width(max_pages)]`` int64 against ``limits``."""
     low, span = _bounds(limits, rows.shape[1])
-    if not _any_outside(rows, low, span):  # the fast path: one pass, no Python per column
+    if not np.count_nonzero(_outside(rows, low, span)):  # one pass, no Python per column
         return
     for name, (lo, hi, why) in limits.column_ranges().items():
         _check_range(name, rows[:, PACKED.fields.index(name)], lo, hi, why)
@@ -197,24 +213,26 @@ def _outside(values: np.ndarray, low: np.ndarray, span: np.ndarray) -> np.ndarra
     return (values - low).view(span.dtype) >= span
 
 
-def _any_outside(values: np.ndarray, low: np.ndarray, span: np.ndarray) -> bool:
-    return bool(_outside(values, low, span).any())
-
-
-def _bounds(limits: InputLimits, width: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Per packed column (``width``) or for ``seq_lens_cpu`` (``None``): the lowest valid
-    value and the count of valid values, unknown limits spanning everything (cached)."""
+def _bounds(limits: InputLimits, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per packed column of a ``width``-column row: the lowest valid value and the count of
+    valid values (uint64), unknown limits spanning everything (cached)."""
     cached = limits._bounds.get(width)
     if cached is None:
         cached = limits._bounds[width] = _make_bounds(limits, width)
     return cached
 
 
-def _make_bounds(limits: InputLimits, width: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _seq_bounds(limits: InputLimits) -> tuple[int, int | float]:
+    """``seq_lens_cpu``'s valid values ``[low, high)`` as Python numbers (cached)."""
+    cached = limits._bounds.get(None)
+    if cached is None:
+        lo, hi, _ = limits.column_ranges()["seq_lens"]
+        cached = limits._bounds[None] = (lo, math.inf if hi is None else hi)
+    return cached
+
+
+def _make_bounds(limits: InputLimits, width: int) -> tuple[np.ndarray, np.ndarray]:
     ranges = limits.column_ranges()
-    if width is None:
-        lo, hi, _ = ranges["seq_lens"]
-        return np.array(lo, np.int32), np.array(_span(lo, hi, 2**31), np.uint32)
     cols = [ranges[f][:2] for f in PACKED.fields]
     cols += [(0, limits.num_pages)] * (width - PACKED.table_col)
     low = np.array([lo for lo, _ in cols], np.int64)
