@@ -29,3 +29,13 @@ def arm(engine) -> None:
         return real(*a, **k)
 
     engine.decoder.logits = hooked
+
+
+def require_warm(engine) -> None:
+    """Run after the build's warm-up, before the engine says ready: refuse to start unless
+    ``warm_up`` ran, left its requests out of every other count and nothing cached."""
+    s = engine.stats
+    if not s.warm_requests or s.prefill_steps or s.graph_steps or s.eager_steps:
+        raise RuntimeError(f"the engine was not warmed up before ready: {s}")
+    if engine.has_unfinished or engine.prefix_cache.num_cached:
+        raise RuntimeError("the warm-up left requests or cached prompt pages behind")

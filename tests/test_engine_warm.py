@@ -4,6 +4,8 @@ warm-up leaves the engine empty with every KV page free."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from stepgraph.engine import Engine
@@ -28,3 +30,17 @@ def test_warm_up_leaves_the_engine_empty_and_every_page_free():
     cache = engine.prefix_cache  # finished prompts' pages stay cached, evictable
     available = cache.num_available if cache is not None else mr.kv_cache.allocator.num_free
     assert available == free
+
+
+def test_warm_up_counts_apart_and_leaves_nothing_cached():
+    """The warm-up's requests are counted in ``warm_requests`` only: every other count is as it
+    was (a server's metrics see no synthetic traffic), and no warm-up prompt stays cached."""
+    mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, seed=2, max_bs=4, max_context_len=80)
+    engine = Engine(mr, max_prefill_tokens=32)
+    engine.generate([[5, 6, 7]], 2)
+    before = dataclasses.replace(engine.stats, batch_sizes=engine.stats.batch_sizes.copy())
+    ran = warm_up(engine)
+    assert ran > 0 and engine.stats.warm_requests == ran
+    assert dataclasses.replace(engine.stats, warm_requests=0) == before
+    assert engine.prefix_cache.num_cached == 0
+    assert engine.generate([[5, 6, 7]], 2) == engine.generate([[5, 6, 7]], 2)

@@ -145,7 +145,7 @@ def test_the_engine_build_says_each_phase_as_it_begins_and_ends(capsys):
     for what in (
         "building random (seed 0) weights of tiny on cpu (float32)",
         "building the engine (graph, capturing its decode graphs)",
-        "one warm-up request",
+        "warming up every prompt-length class",
     ):
         begin = next(i for i, x in enumerate(lines) if what in x and x.endswith("..."))
         end = next(i for i, x in enumerate(lines) if what in x and ": done in " in x)

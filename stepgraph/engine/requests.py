@@ -134,6 +134,7 @@ class EngineStats:
     landed_tokens: int = 0  # tokens returned to the host (one step after launch, overlapped)
     queried_tokens: int = 0  # prompt tokens of admitted requests (prefix cache queries)
     cached_tokens: int = 0  # of those, the ones served from the prefix cache (its hits)
+    warm_requests: int = 0  # requests ``warm.warm_up`` ran (none of them counted above)
     # decode steps by batch size: the trace `stepgraph buckets --trace` picks buckets from
     batch_sizes: Counter[int] = field(default_factory=Counter)
 

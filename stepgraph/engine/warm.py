@@ -13,6 +13,7 @@ graphs are captured already; this warms what runs around them).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .requests import Sampling
@@ -31,13 +32,29 @@ def warm_lengths(max_prompt: int, budget: int) -> list[int]:
     return sorted(n for n in lengths if 1 <= n <= max_prompt)
 
 
+def warm_room(engine: Any, new_tokens: int = 3) -> int:
+    """The longest warm-up prompt: one that, with ``new_tokens``, fits the model's positions,
+    one request's KV and the whole cache (what ``check_request`` refuses past)."""
+    mr = engine.model_runner
+    kv = mr.kv_cache
+    room = min(
+        mr.config.max_position_embeddings, kv.max_context_len, (kv.num_pages - 1) * kv.page_size
+    )
+    return room - new_tokens - 1
+
+
 def warm_up(engine: Any, new_tokens: int = 3) -> int:
     """Run ``engine`` through every shape class (``warm_lengths``), then drain it; returns the
-    requests run. Nothing stays queued and every page goes back."""
+    requests run, also counted in ``engine.stats.warm_requests``. Nothing stays queued, every
+    page goes back, the prefix cache holds none of the warm-up's prompts (it is cleared: call
+    this before serving) and the other counts of ``engine.stats`` are as they were."""
     mr = engine.model_runner
-    most = mr.max_context_len - new_tokens - 1
-    lengths = warm_lengths(most, engine.max_prefill_tokens)
+    stats = engine.stats
+    before = dataclasses.replace(stats, batch_sizes=stats.batch_sizes.copy())
+    lengths = warm_lengths(warm_room(engine, new_tokens), engine.max_prefill_tokens)
     prompts = [[1 + (i * 7 + k) % 200 for k in range(n)] for i, n in enumerate(lengths)]
+    if not prompts:  # no prompt fits with new_tokens: nothing to serve either
+        return 0
     stops = {"ignore_eos": True}
     for p in prompts:  # alone, greedy
         engine.generate([p], new_tokens, **stops)
@@ -53,7 +70,13 @@ def warm_up(engine: Any, new_tokens: int = 3) -> int:
         engine.step()
     engine.drain()
     engine.finished.clear()
-    return len(prompts) * 2 + rows + 2
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()  # synthetic prompts: no request should find them cached
+    ran = len(prompts) + len(prompts) // 2 * 2 + rows + min(len(prompts), 2)
+    for f in dataclasses.fields(before):  # in place: a reader of engine.stats keeps it
+        setattr(stats, f.name, getattr(before, f.name))
+    stats.warm_requests += ran
+    return ran
 
 
-__all__ = ["warm_lengths", "warm_up"]
+__all__ = ["warm_lengths", "warm_room", "warm_up"]

@@ -27,7 +27,6 @@ from .loop import FAILED, READY, EngineLoop, engine_info
 from .progress import local_bar_lock, phase
 
 PIPE_BYTES = 1 << 20  # each pipe's capacity, where Linux allows it (64 KiB by default)
-WARMUP_PROMPT = list(range(1, 17))  # one short request before serving: first-use compiles
 log = logging.getLogger("stepgraph.serve")
 
 
@@ -56,6 +55,7 @@ class EngineSpec:
     def __call__(self) -> Any:
         from ..bench.constants import DTYPES
         from ..engine import Engine
+        from ..engine.warm import warm_lengths, warm_room, warm_up
         from ..model.launch import build_model_runner
 
         if self.device == "cpu":  # where the ops run
@@ -88,9 +88,11 @@ class EngineSpec:
                 prefix_caching=self.prefix_caching,
                 **kw,
             )
-        if self.warmup:
-            with phase("one warm-up request (first-use compiles)"):
-                engine.generate([WARMUP_PROMPT[: max(1, self.context - 2)]], 2, ignore_eos=True)
+        if self.warmup:  # every prompt-length class once: no request compiles after ready
+            lengths = warm_lengths(warm_room(engine), engine.max_prefill_tokens)
+            what = f"{len(lengths)} prompt lengths of 1 to {max(lengths, default=0)} tokens"
+            with phase(f"warming up every prompt-length class ({what}, alone and packed)"):
+                warm_up(engine)
         if self.setup:
             module, _, name = self.setup.partition(":")
             getattr(importlib.import_module(module), name)(engine)
