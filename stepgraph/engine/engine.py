@@ -54,7 +54,6 @@ from .requests import (
     default_mode,
     own_sampling,
     running_limit,
-    sample_rows,
     stop_id_set,
 )
 from .scheduler import (
@@ -64,6 +63,7 @@ from .scheduler import (
     plan_admission,
     step_prefill_budget,
 )
+from .step_tokens import StepTokens
 from .tp_sync import ScheduleSync
 
 
@@ -146,6 +146,7 @@ class Engine:
         if self._shared_gen is not None:
             self._shared_gen.manual_seed(self._sync.seed)
         self.timer = None
+        self._tokens = StepTokens(model_runner)  # the sampling phase (step_tokens.py)
 
     @property
     def timer(self) -> PhaseTimer | None:
@@ -326,16 +327,9 @@ class Engine:
         if not logits:
             return None
         rows += decoding
-        greedy = sampling.temperature <= 0 and all(r.sampling is None for r in rows)
-        fused = self.model_runner.fused_tokens(len(decoding))  # argmax inside the decode step
-        if fused is not None and len(rows) == len(decoding) and greedy:
-            tokens = fused  # a static buffer: the next step reads it before its replay rewrites it
-        else:
-            both = logits[0] if len(logits) == 1 else torch.cat(logits)
-            tokens = sample_rows(both, rows, sampling, generator)  # [n] int64, no host sync
+        step = self._tokens.launch(logits, rows, len(decoding), sampling, generator)
         for req in rows:
             req.scheduled += 1
-        step = InFlight.launch(rows, tokens)
         if timer is not None:
             timer.mark("sampling")
         return step
@@ -377,9 +371,14 @@ class Engine:
         for req, tok in zip(step.rows, tokens):
             if req.closed:  # finished or aborted before this token: dropped
                 continue
-            req.output.append(tok)
+            output = req.output
+            output.append(tok)
             out.append((req.rid, tok))
-            if req.done:
+            # Request.done, inline: the budget, else a stop id once min_tokens are out
+            n = len(output)
+            if n >= req.max_new_tokens or (
+                tok in req.stop_ids and n >= req.min_tokens and n >= 1
+            ):
                 self._close(req, after)
                 self.finished[req.rid] = req
         self.stats.landed_tokens += len(out)

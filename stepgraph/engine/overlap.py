@@ -21,6 +21,40 @@ import torch
 from .requests import Request
 
 
+class HostRing:
+    """Pinned host rows and events that launched steps reuse in turn, so a launch allocates
+    nothing (a pinned ``torch.empty`` and a new event cost tens of µs of host time a step).
+    Slot ``k`` is written again ``SLOTS`` launches later; every step lands (``InFlight.wait``)
+    in the step after its own, long before. An event recorded again only makes a late reader
+    (``PendingPages``) wait longer, never less."""
+
+    SLOTS = 3
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._host: list[torch.Tensor] = []  # allocated at the first take (CUDA only)
+        self._events: list[torch.cuda.Event] = []
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (slot, n) -> host[slot][:n]
+        self._next = 0
+
+    def take(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """The host rows ``[n]`` and the event of the next slot (None: more rows than it holds)."""
+        if n > self.rows:
+            return None
+        if not self._host:
+            self._host = [
+                torch.empty(self.rows, dtype=torch.int64, pin_memory=True)
+                for _ in range(self.SLOTS)
+            ]
+            self._events = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        k = self._next
+        self._next = (k + 1) % self.SLOTS
+        view = self._views.get((k, n))
+        if view is None:
+            view = self._views[k, n] = self._host[k][:n]
+        return view, self._events[k]
+
+
 @dataclass
 class InFlight:
     """One launched step: which request each sampled row belongs to, and its tokens."""
@@ -29,20 +63,34 @@ class InFlight:
     tokens: torch.Tensor  # [n] int64 on the device: this step's sampled ids
     host: torch.Tensor  # [n] int64 on the host (pinned on CUDA): their copy, once ``done``
     event: torch.cuda.Event | None  # recorded after the copy; None where it is synchronous
-    row_of: dict[int, int] = field(default_factory=dict)  # request id -> its row
+    _row_of: dict[int, int] | None = field(default=None, repr=False)
 
     @classmethod
-    def launch(cls, rows: Sequence[Request], tokens: torch.Tensor) -> InFlight:
-        """Start the copy of ``tokens`` to the host; return at once."""
+    def launch(
+        cls, rows: Sequence[Request], tokens: torch.Tensor, ring: HostRing | None = None
+    ) -> InFlight:
+        """Start the copy of ``tokens`` to the host; return at once. ``ring``: pinned rows and
+        events to reuse (else allocated for this step)."""
         event = None
         if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            slot = ring.take(tokens.shape[0]) if ring is not None else None
+            if slot is None:
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                event = torch.cuda.Event()
+            else:
+                host, event = slot
             host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
         else:
             host = tokens
-        return cls(list(rows), tokens, host, event, {r.rid: i for i, r in enumerate(rows)})
+        return cls(list(rows), tokens, host, event)
+
+    @property
+    def row_of(self) -> dict[int, int]:
+        """Request id -> its row (built when first asked: a steady decode step never asks)."""
+        if self._row_of is None:
+            self._row_of = {r.rid: i for i, r in enumerate(self.rows)}
+        return self._row_of
 
     @property
     def done(self) -> bool:
@@ -93,4 +141,4 @@ class PendingPages:
         return freed
 
 
-__all__ = ["InFlight", "PendingPages"]
+__all__ = ["HostRing", "InFlight", "PendingPages"]
