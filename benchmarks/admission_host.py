@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         r = measure_random(caching)
         out["runs"][f"random/{'on' if caching else 'off'}"] = r
         print(
-            f"{'random':<10}{'on' if caching else 'off':>8}{r['steps']:>7}{r['host_ms_total']:>10.1f}"
+            f"{'random':<10}{'on' if caching else 'off':>8}{r['steps']:>7}"
+            f"{r['host_ms_total']:>10.1f}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -59,9 +59,7 @@ def main() -> None:
         runner.shutdown()
         torch.cuda.empty_cache()
     rows["model"] = args.model
-    rows["summary"] = {
-        f"{m}_{k}": v for m in modes for k, v in rows[m].items() if k != "ledger"
-    }
+    rows["summary"] = {f"{m}_{k}": v for m in modes for k, v in rows[m].items() if k != "ledger"}
     rows["order"] = modes
     if args.json:
         with open(args.json, "w") as f:

@@ -290,9 +290,14 @@ def run(args: argparse.Namespace) -> int:
         f"1-{MAX_NEW_TOKENS} new tokens, seed {args.seed}; modes {','.join(modes)}"
     )
     mr = build_model_runner(
-        args.model, device, dtype, seed=args.seed, max_bs=args.max_bs, max_context_len=context,
+        args.model,
+        device,
+        dtype,
+        seed=args.seed,
+        max_bs=args.max_bs,
+        max_context_len=context,
         quantization=args.quantization,
-    )  # fmt: skip
+    )
     results = run_check(mr, mixes, modes, args.max_bs)
     strict = {"exact"} if device == "cuda" else {"graph", "walk", "exact"}
     return report(results, strict & set(modes), len(mixes))

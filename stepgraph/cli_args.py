@@ -336,8 +336,9 @@ def add_model_args(
     g = p.add_argument_group("model")
     g.add_argument("--model", default=model, required=required, help=model_help)
     if quantization_help is not None:
-        g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                       help=quantization_help)  # fmt: skip
+        g.add_argument(
+            "--quantization", default=None, choices=QUANTIZATIONS, help=quantization_help
+        )
     if mode_help is not None:
         g.add_argument("--mode", default="graph", choices=DECODE_MODES, help=mode_help)
     if kernels_help is not None:

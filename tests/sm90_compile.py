@@ -170,9 +170,17 @@ def main() -> dict:
         for p in pages:
             mr.kv_cache.release(p)
     # the same step with FP8 weights (per channel: the projections' W_FP8 variants)
-    mr8 = ModelRunner.from_preset("llama-3.2-1b", "cpu", torch.bfloat16, seed=0, num_layers=2,
-                                  max_bs=64, max_context_len=640, page_size=64,
-                                  quantization="fp8")  # fmt: skip
+    mr8 = ModelRunner.from_preset(
+        "llama-3.2-1b",
+        "cpu",
+        torch.bfloat16,
+        seed=0,
+        num_layers=2,
+        max_bs=64,
+        max_context_len=640,
+        page_size=64,
+        quantization="fp8",
+    )
     mr8.attn_backend.use_kernel = True
     for bs in (1, 8, 64):
         batch, pages = decode_batch(mr8, Point(bs, 500))
@@ -180,8 +188,9 @@ def main() -> dict:
         try:
             mr8.attn_backend.init_forward_metadata(batch)
             tokens = torch.empty(bs, dtype=torch.int64)
-            fused_decode.fused_decode_step(mr8.model, mr8.attn_backend, batch.input_ids,
-                                           batch.positions, tokens_out=tokens)  # fmt: skip
+            fused_decode.fused_decode_step(
+                mr8.model, mr8.attn_backend, batch.input_ids, batch.positions, tokens_out=tokens
+            )
             result["steps"][f"fp8 {bs}"] = _variants(since)
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it
             result["errors"][f"fp8 step bs {bs}"] = f"{type(e).__name__}: {e}"[:600]

@@ -109,9 +109,10 @@ def test_about_half_the_mixes_share_prefixes_of_one_to_three_pages():
     assert all(1 <= len(p) <= 1000 for m in mixes for p in m.prompts)
     short = [random_mix(rng, 512, 8, 30) for _ in range(100)]  # heads fit short prompts too
     assert all(1 <= len(p) <= 30 for m in short for p in m.prompts)
-    assert random_mix(random.Random(0), 512, 4, 1).prompts[0] == random_mix(
-        random.Random(0), 512, 4, 1
-    ).prompts[0]
+    assert (
+        random_mix(random.Random(0), 512, 4, 1).prompts[0]
+        == random_mix(random.Random(0), 512, 4, 1).prompts[0]
+    )
 
 
 def test_the_check_reads_cached_prefixes(capsys):

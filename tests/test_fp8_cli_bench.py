@@ -44,8 +44,12 @@ def test_generate_takes_quantization_fp8_and_refuses_others(capsys):
 
 def test_every_model_command_has_the_flag_but_info():
     parser = build_parser()
-    for argv in (["generate", "--prompt-ids", "1"], ["check", "--model", "tiny"],
-                 ["bench"], ["serve", "--model", "tiny"]):  # fmt: skip
+    for argv in (
+        ["generate", "--prompt-ids", "1"],
+        ["check", "--model", "tiny"],
+        ["bench"],
+        ["serve", "--model", "tiny"],
+    ):
         args = parser.parse_args([*argv, "--quantization", "fp8"])
         assert args.quantization == "fp8"
         assert parser.parse_args(argv).quantization is None
@@ -56,22 +60,38 @@ def test_every_model_command_has_the_flag_but_info():
 def test_serve_spec_carries_quantization():
     from stepgraph.serve.cli import engine_spec
 
-    args = build_parser().parse_args(["serve", "--model", "tiny", "--quantization", "fp8",
-                                      "--device", "cpu"])  # fmt: skip
+    args = build_parser().parse_args(
+        ["serve", "--model", "tiny", "--quantization", "fp8", "--device", "cpu"]
+    )
     assert engine_spec(args, "cpu", "float32", 64).quantization == "fp8"
 
 
 def test_check_runs_with_fp8_weights(capsys):
     with time_limit(120):
-        rc = main(["check", "--model", "tiny", "--device", "cpu", "--quantization", "fp8",
-                   "--trials", "2", "--max-bs", "2"])  # fmt: skip
+        rc = main(
+            [
+                "check",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--quantization",
+                "fp8",
+                "--trials",
+                "2",
+                "--max-bs",
+                "2",
+            ]
+        )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "FP8 weights" in out.splitlines()[0]
 
 
-@pytest.mark.parametrize("extra", [["--device", "cpu"], ["--device", "cuda", "--serve"],
-                                   ["--device", "cuda", "--prefill"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra",
+    [["--device", "cpu"], ["--device", "cuda", "--serve"], ["--device", "cuda", "--prefill"]],
+)
 def test_bench_refuses_fp8_where_it_cannot_run_it(extra):
     args = build_parser().parse_args(["bench", "--quantization", "fp8", *extra])
     with pytest.raises(UsageError, match="--quantization fp8") as e:
@@ -90,8 +110,9 @@ def test_tensor_parallel_refuses_fp8_before_any_group():
 
 def test_weight_bytes_count_e4m3_data_scales_and_the_head():
     plain = ModelRunner.from_preset("tiny", "cpu", torch.bfloat16, max_context_len=64)
-    fp8 = ModelRunner.from_preset("tiny", "cpu", torch.bfloat16, quantization="fp8",
-                                  max_context_len=64)  # fmt: skip
+    fp8 = ModelRunner.from_preset(
+        "tiny", "cpu", torch.bfloat16, quantization="fp8", max_context_len=64
+    )
     mods = fp8_modules(fp8.model)
     proj = sum(m.weight.numel() for m in mods.values())  # elements of the projections
     scales = sum(m.weight_scale.numel() for m in mods.values())
@@ -130,8 +151,10 @@ def test_compare_on_the_same_weights_in_fp8():
 
 def test_a_row_with_its_own_floor():
     bw = Bandwidth(1000.0, None, "GPU")
-    rows = [Row("graph", 1, 512, 1.0, 1000.0, 0.5), Row("graph fp8", 1, 512, 0.6, 1666.0, 0.5,
-            note="KL 1e-3, top-1 99%", floor_ms=0.3)]  # fmt: skip
+    rows = [
+        Row("graph", 1, 512, 1.0, 1000.0, 0.5),
+        Row("graph fp8", 1, 512, 0.6, 1666.0, 0.5, note="KL 1e-3, top-1 99%", floor_ms=0.3),
+    ]
     lines = format_table(rows, {(1, 512): 0.5}, bw).splitlines()
     fp8 = next(x for x in lines if x.startswith("graph fp8"))
     plain = next(x for x in lines if x.startswith("graph "))

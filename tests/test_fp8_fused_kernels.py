@@ -46,8 +46,9 @@ def test_gemv_residual_fp8(nan_empty, dtype, m, k, n, blocks):
     ref = x.double() @ w64.T + res.double()
     assert rel_err(y, ref) < TOL[dtype]
     assert torch.equal(y[:, 1], res[:, 1])  # scale 0: the projection is 0, the residual stays
-    y2, xw, ssq = gemv_residual(x, data, res, blocks=blocks, w_scale=scale,
-                                next_norm=torch.ones(n, dtype=dtype))  # fmt: skip
+    y2, xw, ssq = gemv_residual(
+        x, data, res, blocks=blocks, w_scale=scale, next_norm=torch.ones(n, dtype=dtype)
+    )
     assert torch.equal(y2, y) and torch.equal(xw, y)
     assert rel_err(ssq.double().sum(1), y.double().pow(2).sum(1)) < TOL[dtype]
 
@@ -76,8 +77,9 @@ def test_gate_up_silu_fp8(nan_empty, dtype, m, k, inter, blocks):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m, bias, blocks", [(3, True, (16, 16, 4)), (1, False, None),
-                                             (1, True, (4, 16, 4))])  # fmt: skip
+@pytest.mark.parametrize(
+    "m, bias, blocks", [(3, True, (16, 16, 4)), (1, False, None), (1, True, (4, 16, 4))]
+)
 def test_qkv_rope_fp8(nan_empty, dtype, m, bias, blocks):
     n_heads, n_kv, hd, pages, ps, k = 4, 2, 16, 5, 8, 40
     n = (n_heads + 2 * n_kv) * hd
@@ -90,11 +92,35 @@ def test_qkv_rope_fp8(nan_empty, dtype, m, bias, blocks):
     k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
     v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
     k0, v0 = k_cache.clone(), v_cache.clone()
-    q = qkv_rope(x, nw, data, b, EPS, positions, cos_t, sin_t, k_cache, v_cache, slots, n_heads,
-                 blocks=blocks, w_scale=scale)  # fmt: skip
+    q = qkv_rope(
+        x,
+        nw,
+        data,
+        b,
+        EPS,
+        positions,
+        cos_t,
+        sin_t,
+        k_cache,
+        v_cache,
+        slots,
+        n_heads,
+        blocks=blocks,
+        w_scale=scale,
+    )
     qkv = rms64(x, nw) @ w64.T + (b.double() if bias else 0)
-    check_qkv_rope(q, qkv, positions, cos_t, sin_t, (k_cache, v_cache), (k0, v0), slots,
-                   n_heads, 2 * TOL[dtype])  # fmt: skip
+    check_qkv_rope(
+        q,
+        qkv,
+        positions,
+        cos_t,
+        sin_t,
+        (k_cache, v_cache),
+        (k0, v0),
+        slots,
+        n_heads,
+        2 * TOL[dtype],
+    )
 
 
 def test_fp8_weights_and_scales_go_together():

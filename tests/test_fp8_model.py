@@ -222,8 +222,9 @@ def test_stacked_parts_take_one_format():
 
 
 def test_the_plan_routes_fp8_weights_in_one_place(tmp_path):
-    mr = ModelRunner.from_preset("llama-3.2-1b", quantization="fp8", num_layers=1,
-                                 max_context_len=64)  # fmt: skip
+    mr = ModelRunner.from_preset(
+        "llama-3.2-1b", quantization="fp8", num_layers=1, max_context_len=64
+    )
     shapes = step_shapes(mr.model)
     # per channel: the fused kernels (W_FP8), looked up at the activations' element size
     assert shapes.weight_format == FP8_FUSED and shapes.elem_bytes == 4

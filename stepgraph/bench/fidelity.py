@@ -42,8 +42,11 @@ def mean_fidelity(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> Fidelity:
     kl = torch.cat([k.flatten() for k, _ in parts]) if parts else torch.zeros(0)
     top = torch.cat([t.flatten() for _, t in parts]) if parts else torch.zeros(0)
     n = kl.numel()
-    return Fidelity(float(kl.mean()) if n else float("nan"), float(top.double().mean()) if n
-                    else float("nan"), n)  # fmt: skip
+    return Fidelity(
+        float(kl.mean()) if n else float("nan"),
+        float(top.double().mean()) if n else float("nan"),
+        n,
+    )
 
 
 @torch.no_grad()

@@ -144,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
     if quant:  # the same weights in FP8, its KV filled alike; fidelity before any mode runs
         from . import fidelity
 
-        mr8 = build_model_runner(model, "cuda", DTYPES[args.dtype], max(sizes), max(contexts) + 64,
-                                 quantization=quant)  # fmt: skip
+        mr8 = build_model_runner(
+            model, "cuda", DTYPES[args.dtype], max(sizes), max(contexts) + 64, quantization=quant
+        )
         mr8.set_kernels(args.kernels or "fused")
         fill_kv_random(mr8)
         fid = fidelity.compare(mr, mr8, points)
@@ -201,8 +202,12 @@ def run(args: argparse.Namespace) -> int:
                 note = res.error or res.skipped.get(p, "")
                 add(mode, p, res.ms_per_token.get(p), res.compile_seconds, None, note)
     if mr8 is not None:  # our modes on the FP8 weights (peers run the model dtype only)
-        for mode in tqdm([m for m in modes if m in OUR_MODES], desc="stepgraph bench fp8",
-                         unit="mode", disable=not main_rank):  # fmt: skip
+        for mode in tqdm(
+            [m for m in modes if m in OUR_MODES],
+            desc="stepgraph bench fp8",
+            unit="mode",
+            disable=not main_rank,
+        ):
             if mode == "engine":
                 res = run_engine(mr8, points)
             else:
@@ -210,8 +215,16 @@ def run(args: argparse.Namespace) -> int:
             per_bs = {q.bs: k for q, k in res.kernels_per_step.items()}
             for p in points:
                 note = res.error or fid[p].text()
-                add(mode, p, res.ms_per_token.get(p), res.capture_seconds, res.pool_mib, note,
-                    per_bs.get(p.bs), fp8=True)  # fmt: skip
+                add(
+                    mode,
+                    p,
+                    res.ms_per_token.get(p),
+                    res.capture_seconds,
+                    res.pool_mib,
+                    note,
+                    per_bs.get(p.bs),
+                    fp8=True,
+                )
     ar = ar_graph = None
     if args.tp > 1:
         from .collectives import allreduce_in_graph, allreduce_us_per_step

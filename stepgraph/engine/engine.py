@@ -376,9 +376,7 @@ class Engine:
             out.append((req.rid, tok))
             # Request.done, inline: the budget, else a stop id once min_tokens are out
             n = len(output)
-            if n >= req.max_new_tokens or (
-                tok in req.stop_ids and n >= req.min_tokens and n >= 1
-            ):
+            if n >= req.max_new_tokens or (tok in req.stop_ids and n >= req.min_tokens and n >= 1):
                 self._close(req, after)
                 self.finished[req.rid] = req
         self.stats.landed_tokens += len(out)

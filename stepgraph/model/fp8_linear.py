@@ -146,8 +146,14 @@ def swap_in_fp8(model: nn.Module, blocks: Mapping[str, tuple[int, int] | None]) 
     for name, block in blocks.items():
         old = model.get_submodule(name)
         w = old.weight
-        new = Fp8Linear(old.in_features, old.out_features, block=block,
-                        bias=old.bias is not None, dtype=w.dtype, device=w.device)  # fmt: skip
+        new = Fp8Linear(
+            old.in_features,
+            old.out_features,
+            block=block,
+            bias=old.bias is not None,
+            dtype=w.dtype,
+            device=w.device,
+        )
         _set(model, name, new)
 
 

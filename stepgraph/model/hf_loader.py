@@ -184,8 +184,13 @@ def fp8_state(path: str | Path, config: ModelConfig, quantization: str | None = 
     return convert_hf_state_dict(hf, config)
 
 
-def _build(config: ModelConfig, device, dtype: torch.dtype, max_positions: int | None,
-           blocks: dict[str, tuple[int, int] | None]) -> LlamaModel:  # fmt: skip
+def _build(
+    config: ModelConfig,
+    device,
+    dtype: torch.dtype,
+    max_positions: int | None,
+    blocks: dict[str, tuple[int, int] | None],
+) -> LlamaModel:
     # llama.build_model with the FP8 projections swapped in on meta, before any allocation
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)

@@ -26,8 +26,12 @@ def build_model_runner(
     group (nccl on CUDA, gloo on the CPU) and returns this rank's shard; every rank builds the
     same preset from ``seed`` before slicing, or reads only its slices of the checkpoint.
     ``quantization="fp8"``: the projections in FP8, quantized on load (unsharded only)."""
-    kw = dict(max_bs=max_bs, max_context_len=max_context_len, page_size=page_size,
-              quantization=quantization)  # fmt: skip
+    kw = dict(
+        max_bs=max_bs,
+        max_context_len=max_context_len,
+        page_size=page_size,
+        quantization=quantization,
+    )
     is_dir = Path(model).is_dir()
     if tp > 1:
         _refuse_fp8_shards(model, is_dir, quantization)
@@ -79,8 +83,7 @@ def _refuse_fp8_shards(model: str, is_dir: bool, quantization: str | None) -> No
     if quantization is not None or fmt is not None:
         found = f"quantization={quantization!r}" if quantization else fmt.describe()
         raise ConfigError(
-            f"{found} with tensor parallelism is not supported: FP8 weights run unsharded "
-            "(tp=1)"
+            f"{found} with tensor parallelism is not supported: FP8 weights run unsharded (tp=1)"
         )
 
 

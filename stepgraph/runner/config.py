@@ -105,9 +105,7 @@ def model_rows(model_runner: Any) -> int | None:
     return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
 
 
-def config_for(
-    model_runner: Any, config: RunnerConfig | None, **defaults: Any
-) -> RunnerConfig:
+def config_for(model_runner: Any, config: RunnerConfig | None, **defaults: Any) -> RunnerConfig:
     """``config``, or by default ``RunnerConfig(max_bs=model_runner.max_bs, **defaults)``;
     ``ConfigError`` naming both numbers when ``config``'s largest bucket is above
     ``model_runner.max_bs`` (a capture of that bucket would overrun its row buffers)."""

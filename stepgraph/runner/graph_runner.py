@@ -76,8 +76,12 @@ class CudaGraphRunner(GraphRunnerBase):
         )
         self._init_graphs(self.device, config.backend, pool)
         self._staging = (  # pinned host rows, copied to the device inside each graph
-            PinnedStaging(self.buffers.packed_pad, self.max_bs, self.device,
-                          getattr(getattr(model_runner, "tuning", None), "staging_copy", False))
+            PinnedStaging(
+                self.buffers.packed_pad,
+                self.max_bs,
+                self.device,
+                getattr(getattr(model_runner, "tuning", None), "staging_copy", False),
+            )
             if config.stages(isinstance(self._backend, CudaGraphBackend))
             else None
         )

@@ -28,9 +28,17 @@ DEV = "cuda"
 
 
 def _runner(dtype, *, layers=2, max_bs=8, ctx=1024, quantization="fp8", seed=3):
-    mr = ModelRunner.from_preset("llama-3.2-1b", DEV, dtype, seed=seed, num_layers=layers,
-                                 max_bs=max_bs, max_context_len=ctx, page_size=64,
-                                 quantization=quantization)  # fmt: skip
+    mr = ModelRunner.from_preset(
+        "llama-3.2-1b",
+        DEV,
+        dtype,
+        seed=seed,
+        num_layers=layers,
+        max_bs=max_bs,
+        max_context_len=ctx,
+        page_size=64,
+        quantization=quantization,
+    )
     fill_kv_random(mr)
     return mr
 
@@ -38,8 +46,13 @@ def _runner(dtype, *, layers=2, max_bs=8, ctx=1024, quantization="fp8", seed=3):
 def _dequantized_twin(mr: ModelRunner) -> ModelRunner:
     """Same weights, every FP8 projection dequantized into the model dtype's ``Linear``, run on
     the reference kernels (float32: dequantization exact)."""
-    twin = _runner(mr.dtype, layers=mr.config.num_layers, max_bs=mr.max_bs,
-                   ctx=mr.max_context_len, quantization=None)  # fmt: skip
+    twin = _runner(
+        mr.dtype,
+        layers=mr.config.num_layers,
+        max_bs=mr.max_bs,
+        ctx=mr.max_context_len,
+        quantization=None,
+    )
     with torch.no_grad():
         for name, mod in fp8_modules(mr.model).items():
             twin.model.get_submodule(name).weight.copy_(mod.fp8.dequantize(torch.float32))

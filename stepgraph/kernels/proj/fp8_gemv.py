@@ -326,8 +326,12 @@ def fp8_scales(weight: torch.Tensor, w_scale: torch.Tensor | None, what: str) ->
             f"weight takes them; got a {weight.dtype} weight and w_scale "
             f"{'None' if w_scale is None else tuple(w_scale.shape)}"
         )
-    if fp8 and (w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (weight.shape[0],)
-                or not w_scale.is_contiguous() or w_scale.device != weight.device):  # fmt: skip
+    if fp8 and (
+        w_scale.dtype != torch.float32
+        or tuple(w_scale.shape) != (weight.shape[0],)
+        or not w_scale.is_contiguous()
+        or w_scale.device != weight.device
+    ):
         raise ConfigError(
             f"{what}: w_scale must be contiguous float32 [{weight.shape[0]}] on "
             f"{weight.device} (per output channel); got {w_scale.dtype} "

@@ -189,9 +189,13 @@ def gate_up_silu(
             as_tile(blocks)
             if blocks is not None
             else tile_for(
-                _kernel_name(norm_w), m, 2 * inter, k, 2 if fp8 else weight.element_size(),
+                _kernel_name(norm_w),
+                m,
+                2 * inter,
+                k,
+                2 if fp8 else weight.element_size(),
                 t.tables,
-            )  # fmt: skip
+            )
         )
         check_tile("gate_up_silu", tile, m)
         pdl = resolve_pdl(use_pdl, x.device, t)

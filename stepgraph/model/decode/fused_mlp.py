@@ -49,8 +49,9 @@ def row(
                 w_scale=scale,
             )
             return y, (xw, ssq)
-        y = gemv_residual(x, proj.weight, r, use_pdl=use_pdl, blocks=blocks, tuning=tuning,
-                          w_scale=scale)  # fmt: skip
+        y = gemv_residual(
+            x, proj.weight, r, use_pdl=use_pdl, blocks=blocks, tuning=tuning, w_scale=scale
+        )
         return y, None
     y = gemv_residual(
         x,
@@ -104,14 +105,26 @@ def mlp_half(
         )
     elif gate_up.how == SEPARATE:
         a = gate_up_silu(
-            norm2(r)[0], None, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile, tuning=t,
+            norm2(r)[0],
+            None,
+            w_gu,
+            norm2.eps,
+            use_pdl=use_pdl,
+            blocks=gate_up.tile,
+            tuning=t,
             w_scale=s_gu,
-        )  # fmt: skip
+        )
     else:
         a = gate_up_silu(
-            r, norm2.weight, w_gu, norm2.eps, use_pdl=use_pdl, blocks=gate_up.tile, tuning=t,
+            r,
+            norm2.weight,
+            w_gu,
+            norm2.eps,
+            use_pdl=use_pdl,
+            blocks=gate_up.tile,
+            tuning=t,
             w_scale=s_gu,
-        )  # fmt: skip
+        )
     return row(a, mlp.down_proj, r, use_pdl, nw_next if down.hands else None, t, down.tile)
 
 

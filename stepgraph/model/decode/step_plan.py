@@ -308,7 +308,7 @@ def plan_step(
 
 
 def step_weight_format(model) -> str:
-    """"plain" (the projections in the model's dtype) or ``fp8_linear.weight_format``'s."""
+    """ "plain" (the projections in the model's dtype) or ``fp8_linear.weight_format``'s."""
     return weight_format(model) if fp8_modules(model) else "plain"
 
 
