@@ -442,7 +442,7 @@ def agree(c: PrefixCache, ref: Reference) -> None:
     assert c.num_available == ref.available()
 
 
-def run_fuzz(seed: int, steps: int) -> None:
+def check_random_operations(seed: int, steps: int) -> None:
     rng = random.Random(seed)
     ps, usable, vocab = rng.choice([1, 2, 4]), rng.randrange(6, 30), rng.choice([2, 3, 50])
     c, ref = PrefixCache(PageAllocator(usable + 1), ps), Reference(ps, usable)
@@ -521,7 +521,7 @@ def run_fuzz(seed: int, steps: int) -> None:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_operations_match_the_reference_model(seed):
-    run_fuzz(seed, 250)
+    check_random_operations(seed, 250)
 
 
 def test_the_lookup_benchmark_runs_and_reports_every_length(tmp_path):
