@@ -31,6 +31,10 @@ class CapturedGraph(ABC):
     @abstractmethod
     def release(self) -> None: ...
 
+    def launcher(self) -> Callable[[], None]:
+        """The cheapest callable that replays this graph (the hot path takes it once)."""
+        return self.replay
+
     def reinstantiate(self) -> None:
         """Rebuild the executable graph from its template (a no-op where there is none)."""
         return None
@@ -84,6 +88,9 @@ class CudaCapturedGraph(CapturedGraph):
 
     def replay(self) -> None:
         self.graph.replay()
+
+    def launcher(self) -> Callable[[], None]:
+        return self.graph.replay  # torch's replay itself: no wrapper call per token
 
     def raw_cuda_graph(self) -> int:
         """The template ``CUgraph`` handle (kept alive by ``keep_graph=True``)."""

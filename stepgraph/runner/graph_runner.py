@@ -236,8 +236,7 @@ class CudaGraphRunner(GraphRunnerBase):
         state = self._states.get(bucket)
         if state is None:
             graph = self.graphs[bucket]
-            cuda = getattr(graph, "graph", None)  # CudaCapturedGraph: torch's replay, direct
-            launch = cuda.replay if isinstance(cuda, torch.cuda.CUDAGraph) else graph.replay
+            launch = graph.launcher()
             hook = self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph
             plan = self._plans[bucket] if self._updater is not None else None
             state = self._states[bucket] = (hook, self._static[bucket], graph, launch, plan)
