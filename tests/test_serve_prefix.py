@@ -168,3 +168,38 @@ def test_no_prefix_caching_reaches_the_engine_spec():
     engine = dataclasses.replace(spec, warmup=False)()
     assert engine.prefix_caching is False
     engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        ([], 2048),
+        (["--max-prefill-tokens-with-decode", "16"], 16),
+        (["--max-prefill-tokens-with-decode", "0"], None),
+    ],
+)
+def test_the_decoding_steps_prefill_cap_reaches_the_engine(flags, want):
+    import argparse
+
+    from stepgraph.serve.cli import add_arguments, engine_spec
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    spec = engine_spec(p.parse_args(["--model", "tiny", *flags]), "cpu", "float32", 64)
+    engine = dataclasses.replace(spec, warmup=False)()
+    try:
+        assert engine.max_prefill_tokens_with_decode == want
+    finally:
+        engine.shutdown()
+
+
+def test_a_negative_decoding_steps_prefill_cap_is_refused(capsys):
+    import argparse
+
+    from stepgraph.serve.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "tiny", "--max-prefill-tokens-with-decode", "-1"])
+    assert "--max-prefill-tokens-with-decode" in capsys.readouterr().err

@@ -100,6 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompt tokens one engine step prefills (default: the engine's, 8192)",
     )
     p.add_argument(
+        "--max-prefill-tokens-with-decode",
+        type=nonneg_int,
+        default=None,
+        help="prompt tokens a step that also decodes prefills, at most, so running requests "
+        "keep their pace (default: the engine's, 2048; 0: no cap)",
+    )
+    p.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="prefill every prompt whole (default: reuse the KV pages of cached prompt prefixes)",
@@ -304,6 +311,7 @@ def engine_spec(args: argparse.Namespace, device: str, dtype: str, context: int)
         quantization=args.quantization,
         prefix_caching=not args.no_prefix_caching,
         tp=args.tp,
+        max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
     )
 
 

@@ -50,6 +50,7 @@ class EngineSpec:
     setup: str | None = None
     quantization: str | None = None  # "fp8": FP8 weights (build_model_runner's)
     prefix_caching: bool = True  # Engine(prefix_caching=...)
+    max_prefill_tokens_with_decode: int | None = None  # None: the engine's; 0: no cap
     tp: int = 1  # tensor-parallel ranks: built in each rank torchrun started (``tp.py``)
 
     def __call__(self) -> Any:
@@ -79,6 +80,8 @@ class EngineSpec:
             if self.kernels:
                 mr.set_kernels(self.kernels)
         kw = {"max_prefill_tokens": self.max_prefill_tokens} if self.max_prefill_tokens else {}
+        if self.max_prefill_tokens_with_decode is not None:
+            kw["max_prefill_tokens_with_decode"] = self.max_prefill_tokens_with_decode or None
         what = "" if self.mode == "eager" else ", capturing its decode graphs"
         with phase(f"building the engine ({self.mode}{what})"):
             engine = Engine(
