@@ -2,7 +2,7 @@
 torchrun starts (``python -m torch.distributed.run``; NCCL on CUDA, gloo on the CPU).
 
 The front end (the HTTP process) is a ``ProcessWorker`` whose engine process is a rank group
-(``RankGroup``): it runs torchrun as a child, in a session of its own, with ``-m
+(``RankGroup``): it runs torchrun as a child, in a process group of its own (setsid), with ``-m
 stepgraph.serve.tp``. Each rank builds its shard of the model and an ``Engine`` over it; rank 0
 connects back to the front end over a Unix socket (two connections: answers, commands) and runs
 the same ``EngineLoop`` an engine process runs. The other ranks run it too, over no pipe: once per
@@ -16,9 +16,9 @@ Faults: a step that raises on any rank ends that rank (``fatal_step_errors``); t
 the others (``--max-restarts 0``) and exits; the front end sees it, fails the requests in flight
 with a 500 and starts the whole group again, answering 503 until it is ready, as it does for one
 engine process. Stopping: ``STOP`` reaches every rank through the broadcast; each leaves the
-process group and exits, then torchrun does; a group that does not is killed, ranks first (they
-run in sessions of their own: their ids are read from ``/proc``). If the front end goes away,
-rank 0 reads the end of its socket and stops every rank the same way.
+process group and exits, then torchrun does; a group that does not is killed, ranks first (each
+is a process group of its own, setsid; their ids are read from ``/proc``). If the front end goes
+away, rank 0 reads the end of its socket and stops every rank the same way.
 
 Across nodes (``tp_launch.py``): node 0 runs the front end and its share of the ranks, the
 others ``tp_launch.follow``. Every rank checks before building that global rank 0 is node 0's
