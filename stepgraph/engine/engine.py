@@ -339,11 +339,12 @@ class Engine:
         pages (each counting only those it must still allocate beyond its cached prefix),
         ``max_running``, what is left of this step's prefill ``budget`` after the running
         requests' chunks, and no page it could find cached being computed right now."""
-        cache = self._cache
-        pending, computing = cache.prefilling(self.running)
-        candidates = map(cache.candidate, self.waiting)  # lazily: the head, as far as it goes
-        limits = cache.num_available, len(self.running), self.max_running, budget - pending
-        count, _ = plan_admission(candidates, *limits, computing)
+        cache, count = self._cache, 0
+        if self.waiting:  # nothing to plan otherwise: no walk over the running requests
+            pending, computing = cache.prefilling(self.running)
+            candidates = map(cache.candidate, self.waiting)  # lazily: the head, as far as it goes
+            limits = cache.num_available, len(self.running), self.max_running, budget - pending
+            count, _ = plan_admission(candidates, *limits, computing)
         if self._sync is not None:  # tensor parallel: rank 0's count on every rank
             rids = [r.rid for r in self.waiting], [r.rid for r in self.running]
             count = self._sync.admit(count, *rids, self._landed, cache.state())
