@@ -130,3 +130,103 @@ def test_group_mates_queued_at_once_find_the_system_prompt_their_first_computes(
     on = runs["on"]
     assert on["cached_tokens"] == 2 * 3 * 128 and on["queried_tokens"] == 8 * 136
     assert on["hit_rate"] == pytest.approx(768 / 1088)
+
+
+def _plan(*flags: str):
+    from stepgraph.bench.serve_args import check_serve_args
+    from stepgraph.cli import build_parser
+    from stepgraph.cli_args import model_config
+
+    args = build_parser().parse_args(["bench", "--serve", "--device", "cpu", *flags])
+    return args, check_serve_args(args, model_config("tiny"), "tiny")
+
+
+def test_prefix_workloads_run_every_request_they_can_have_in_flight_at_most_512():
+    from stepgraph.bench.serve_args import PREFIX_MAX_RUNNING
+
+    shared = ["--workload", "shared-prefix", "--system-prompt-len", "16", "--question-len", "4"]
+    assert _plan(*shared, "--groups", "16", "--prompts-per-group", "32")[1].max_running == 512
+    assert _plan(*shared, "--groups", "3", "--prompts-per-group", "5")[1].max_running == 15
+    # 513 requests at once: capped at the limit
+    assert _plan(*shared, "--groups", "19", "--prompts-per-group", "27")[1].max_running == 512
+    assert PREFIX_MAX_RUNNING == 512
+    assert _plan("--workload", "multi-turn", "--turn-len", "8")[1].max_running == 32
+    turns = ["--workload", "multi-turn", "--turn-len", "8", "--conversations", "7"]
+    assert _plan(*turns)[1].max_running == 7
+    assert _plan(*turns, "--max-running", "3")[1].max_running == 3  # given: kept
+    assert _plan()[1].max_running == 64  # random: min(--num-requests, 64) as before
+    assert _plan("--num-requests", "5")[1].max_running == 5
+
+
+def test_the_page_size_defaults_by_workload_and_is_checked_at_its_limits():
+    assert _plan()[1].page_size == 64  # random: the decode kernel's tuned page
+    assert _plan("--workload", "multi-turn", "--turn-len", "8")[1].page_size == 16
+    assert _plan("--page-size", "256")[1].page_size == 256
+    assert _plan("--page-size", "1")[1].page_size == 1
+    for bad in ("512", "0", "24"):
+        with pytest.raises(ConfigError, match=f"--page-size must be a power of two .* got {bad}"):
+            _plan("--page-size", bad)
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_max_running(monkeypatch, capsys):
+    import stepgraph.model.kv_cache as kv_cache
+    from stepgraph.bench.serve_args import check_serve_memory
+    from stepgraph.bench.workload import bench_bytes
+    from stepgraph.cli_args import model_config
+
+    config = model_config("tiny")
+    args, plan = _plan("--workload", "shared-prefix", "--system-prompt-len", "16")
+    need = sum(bench_bytes(config, torch.float32, 512, 200, 16).values())
+    assert plan.max_running == 512 and plan.page_size == 16
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: need)
+    check_serve_memory(args, config, plan, torch.float32, 200)  # exactly fits
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: need - 1)
+    with pytest.raises(ConfigError, match="--max-running 512 requests of 200 tokens need") as e:
+        check_serve_memory(args, config, plan, torch.float32, 200)
+    assert "lower --max-running" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: 2**20)
+    argv = ["bench", "--serve", "--device", "cpu", "--workload", "multi-turn", "--turn-len", "8"]
+    assert cli_main(argv) == 2  # the command: one line, exit 2, before anything is built
+    err = capsys.readouterr().err
+    assert "--max-running 32 requests of 96 tokens need" in err and "building" not in err
+
+
+def test_multi_turn_finds_every_full_page_written_before_it(tmp_path):
+    """A turn finds every full page of the turn before it, prompt and answer; only the page the
+    answer's last token (never fed, so never written) would end stays uncached: 16-token pages,
+    the engine's, lose at most 16 tokens a turn (64-token pages lost 64, capping the hit rate
+    of 6 turns of 256 tokens at 79.9%)."""
+    out = tmp_path / "turns.json"
+    argv = ["bench", "--serve", "--device", "cpu", "--workload", "multi-turn"]
+    argv += ["--conversations", "3", "--turns", "4", "--turn-len", "40", "--json", str(out)]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["meta"]["page_size"] == 16 and report["meta"]["max_running"] == 3
+    on, ps, turn = report["runs"]["on"], 16, 40
+    queried = 3 * sum(2 * turn * t + turn for t in range(4))
+    # turn t (from 0) finds the 2*turn*t - 1 tokens written before it, in full pages
+    cached = 3 * sum((2 * turn * t - 1) // ps * ps for t in range(1, 4))
+    assert (on["queried_tokens"], on["cached_tokens"]) == (queried, cached)
+    assert report["runs"]["off"]["cached_tokens"] == 0
+
+
+def test_the_report_says_where_each_run_spent_its_steps(tmp_path, capsys):
+    out = tmp_path / "steps.json"
+    argv = ["bench", "--serve", "--device", "cpu", "--workload", "shared-prefix"]
+    argv += ["--groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "40"]
+    argv += ["--question-len", "6", "--output-len", "5", "--json", str(out)]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "max running 6, page 16 tokens" in text
+    runs = json.loads(out.read_text())["runs"]
+    for name, r in runs.items():
+        assert f"  {name}: {r['decode_steps']} decode steps, {r['prefill_steps']} prefill" in text
+        # every request's first token comes from its prefill, the other 4 from decode steps
+        assert r["decode_steps"] >= 4 and r["prefill_steps"] >= 1
+        assert r["steps"] >= r["decode_steps"] and r["steps"] >= r["prefill_steps"]
+        assert r["prefill_step_s"] > 0 and r["decode_step_s"] > 0 and r["outside_steps_s"] >= 0
+        in_steps = r["prefill_step_s"] + r["decode_step_s"] + r["outside_steps_s"]
+        assert in_steps == pytest.approx(r["duration_s"], rel=0.05)
+    assert runs["off"]["prefill_tokens"] == 6 * 46
+    # on: the 2 full pages of each system prompt computed once, the rest of each prompt
+    assert runs["on"]["prefill_tokens"] == 6 * 46 - 4 * 32

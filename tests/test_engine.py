@@ -149,3 +149,22 @@ def test_requests_wait_for_pages():
 def test_bad_mode():
     with pytest.raises(ConfigError, match="mode"):
         Engine(_runner(), "fast")
+
+
+def test_each_step_counts_its_wall_time_as_prefilling_or_decode_only(monkeypatch):
+    """EngineStats: every step() call once, its time under the steps that ran a prefill forward
+    or under the others, from one clock read at its start and one at its end."""
+    import stepgraph.engine.engine as engine_module
+
+    ticks = iter(range(0, 10**6, 1))
+    clock = type("Clock", (), {"perf_counter": staticmethod(lambda: next(ticks) * 1.0)})
+    monkeypatch.setattr(engine_module, "time", clock)
+    engine = Engine(_runner(), "eager", max_prefill_tokens=16, overlap=False)
+    engine.add_request(_prompts([40])[0], 3)  # 3 prefill steps of 16, 16 and 8 tokens
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    s = engine.stats
+    assert (s.steps, s.prefill_steps, s.decode_steps) == (steps, 3, 2) and steps == 5
+    assert (s.prefill_step_s, s.decode_step_s) == (3.0, 2.0)  # one tick a step

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import StepGraphError
-from .serve_args import LATENCY_INPUT, LATENCY_OUTPUT, check_serve_args
+from .serve_args import LATENCY_INPUT, LATENCY_OUTPUT, check_serve_args, check_serve_memory
 from .serve_metrics import RequestTiming, StepRecord
 
 # Before the clock starts every prompt runs once through the engine with this many new tokens:
@@ -205,7 +205,10 @@ def run_serve(args: argparse.Namespace) -> int:
         f"{plan.max_running})"
     )
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
-    mr = build_model_runner(model, args.device, dtype, plan.max_running, max_context)
+    check_serve_memory(args, config, plan, dtype, max_context)
+    mr = build_model_runner(
+        model, args.device, dtype, plan.max_running, max_context, page_size=plan.page_size
+    )
     if cuda:
         mr.set_kernels(args.kernels or "fused")
     caching = not args.no_prefix_caching

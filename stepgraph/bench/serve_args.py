@@ -10,10 +10,22 @@ from dataclasses import dataclass
 from ..cli_args import seed_int
 from ..errors import ConfigError
 from .serve_metrics import length_bounds
-from .workload_prefix import PREFIX_DEFAULTS, add_prefix_arguments, check_prefix_workload
+from .workload_prefix import (
+    PREFIX_DEFAULTS,
+    add_prefix_arguments,
+    check_prefix_workload,
+    requests_in_flight,
+)
 
 DEFAULT_INPUT_LEN, DEFAULT_RANGE_RATIO = 576, 7 / 9  # prompts of 128-1024 tokens
 MAX_RUNNING = 64  # default --max-running: min(--num-requests, this)
+# default --max-running of shared-prefix and multi-turn: the requests they can have in flight,
+# at most this (the graph runner's buckets reach it), as SGLang and vLLM bound the running
+# batch by KV memory rather than by a small count
+PREFIX_MAX_RUNNING = 512
+# tokens per KV page: the random workload's (the decode kernel's tuned page), and the prefix
+# workloads' (the engine's default, the prefix cache's granularity)
+PAGE_SIZE, PREFIX_PAGE_SIZE, MAX_PAGE_SIZE = 64, 16, 256
 LATENCY_INPUT, LATENCY_OUTPUT = 512, 256  # the one-request latency case
 ENGINE_MODES = ("eager", "graph", "exact")
 # the --serve flags' defaults: argparse's default is None (False for --latency), so that a flag
@@ -25,7 +37,8 @@ SERVE_DEFAULTS = {
     "range_ratio": DEFAULT_RANGE_RATIO,
     "request_rate": math.inf,
     "seed": 0,
-    "max_running": None,  # min(--num-requests, MAX_RUNNING)
+    "max_running": None,  # min(--num-requests, MAX_RUNNING); prefix workloads: see above
+    "page_size": None,  # PAGE_SIZE; prefix workloads: PREFIX_PAGE_SIZE
     "max_prefill_tokens": 8192,
     "max_prefill_tokens_with_decode": 2048,  # the Engine's default; 0: no cap
     "engine_prefill": "eager",
@@ -93,7 +106,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="--serve: largest running batch, the graph runner's max_bs "
-        f"(default min(--num-requests, {MAX_RUNNING}))",
+        f"(default min(--num-requests, {MAX_RUNNING}); --workload shared-prefix and "
+        f"multi-turn: the requests they can have in flight, at most {PREFIX_MAX_RUNNING})",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="--serve: tokens per KV page, the prefix cache's granularity, a power of two up to "
+        f"{MAX_PAGE_SIZE} (default {PAGE_SIZE}; --workload shared-prefix and multi-turn: "
+        f"{PREFIX_PAGE_SIZE}, the engine's)",
     )
     p.add_argument(
         "--max-prefill-tokens",
@@ -139,6 +161,7 @@ class ServePlan:
     max_running: int
     latency: bool
     prefill: str = "eager"
+    page_size: int = PAGE_SIZE
 
 
 def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
@@ -218,9 +241,42 @@ def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
             f"--latency needs {LATENCY_INPUT + LATENCY_OUTPUT - 1} positions, more than "
             f"{model}'s {limit}; drop --latency (and --peers)."
         )
-    max_running = args.max_running or min(args.num_requests, MAX_RUNNING)
+    if args.max_running is not None:
+        max_running = args.max_running
+    elif args.workload == "random":
+        max_running = min(args.num_requests, MAX_RUNNING)
+    else:
+        max_running = min(requests_in_flight(args), PREFIX_MAX_RUNNING)
+    page_size = args.page_size
+    if page_size is None:
+        page_size = PAGE_SIZE if args.workload == "random" else PREFIX_PAGE_SIZE
+    elif not 1 <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
+        raise ConfigError(
+            f"--page-size must be a power of two from 1 to {MAX_PAGE_SIZE}, got {page_size}."
+        )
     prefill = getattr(args, "engine_prefill", "eager")
-    return ServePlan(model, mode, peers, max_running, latency, prefill)
+    return ServePlan(model, mode, peers, max_running, latency, prefill, page_size)
+
+
+def check_serve_memory(
+    args: argparse.Namespace, config, plan: ServePlan, dtype, max_context: int
+) -> None:
+    """Refuse up front a run whose KV cache (``plan.max_running`` requests of ``max_context``
+    tokens), weights and logits cannot fit in the memory free on the device: one line naming
+    --max-running (``ConfigError``), before anything is built."""
+    from ..model.kv_cache import free_bytes
+    from .workload import bench_bytes
+
+    parts = bench_bytes(config, dtype, plan.max_running, max_context, plan.page_size)
+    need, free = sum(parts.values()), free_bytes(args.device)
+    if free is None or need <= free:
+        return
+    each = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
+    raise ConfigError(
+        f"--max-running {plan.max_running} requests of {max_context} tokens need at least "
+        f"{need / 2**30:.2f} GiB ({each}), but {free / 2**30:.2f} GiB is free on "
+        f"{args.device}; lower --max-running."
+    )
 
 
 __all__ = [
@@ -229,11 +285,16 @@ __all__ = [
     "ENGINE_MODES",
     "LATENCY_INPUT",
     "LATENCY_OUTPUT",
+    "MAX_PAGE_SIZE",
     "MAX_RUNNING",
+    "PAGE_SIZE",
+    "PREFIX_MAX_RUNNING",
+    "PREFIX_PAGE_SIZE",
     "ServePlan",
     "SERVE_DEFAULTS",
     "add_serve_arguments",
     "apply_serve_defaults",
     "check_serve_args",
+    "check_serve_memory",
     "serve_flags_given",
 ]

@@ -59,9 +59,12 @@ def serve_turns(engine, questions: list[list[list[int]]], turn_len: int) -> tupl
 
 
 def summarize(timings: list[RequestTiming], duration: float, stats) -> dict:
-    """Throughput, TTFT p50/p99 (ms) and the prefix cache's hit rate of one run."""
+    """Throughput, TTFT p50/p99 (ms) and the prefix cache's hit rate of one run, and where its
+    time went: the engine's decode and prefill steps, the prompt tokens it computed, its wall
+    seconds in steps that prefilled and in decode-only steps, and the rest (the loop's)."""
     m = serving_metrics(timings, duration)
     ttft = [t.ttft * 1e3 for t in timings]
+    in_steps = stats.prefill_step_s + stats.decode_step_s
     return {
         "requests": m["completed"],
         "duration_s": duration,
@@ -72,6 +75,13 @@ def summarize(timings: list[RequestTiming], duration: float, stats) -> dict:
         "hit_rate": stats.hit_rate,
         "cached_tokens": stats.cached_tokens,
         "queried_tokens": stats.queried_tokens,
+        "steps": stats.steps,
+        "decode_steps": stats.decode_steps,
+        "prefill_steps": stats.prefill_steps,
+        "prefill_tokens": stats.prefill_tokens,
+        "prefill_step_s": stats.prefill_step_s,
+        "decode_step_s": stats.decode_step_s,
+        "outside_steps_s": max(duration - in_steps, 0.0),
     }
 
 
@@ -101,6 +111,18 @@ def run_workload(engine, args: argparse.Namespace, vocab: int, serve) -> dict:
     return summarize(timings, duration, engine.stats)
 
 
+def step_line(name: str, r: dict) -> str:
+    """The second line of a run: its engine steps and where its wall time went."""
+    decode_only = r["steps"] - r["prefill_steps"]
+    each = r["decode_step_s"] / decode_only * 1e3 if decode_only else 0.0
+    return (
+        f"  {name}: {r['decode_steps']} decode steps, {r['prefill_steps']} prefill steps "
+        f"({r['prefill_tokens']} prompt tokens computed); {r['prefill_step_s']:.2f} s in steps "
+        f"that prefilled, {r['decode_step_s']:.2f} s in {decode_only} decode-only "
+        f"({each:.2f} ms each), {r['outside_steps_s']:.2f} s outside the engine"
+    )
+
+
 def _sizes(args: argparse.Namespace) -> str:
     if args.workload == "shared-prefix":
         return (
@@ -110,10 +132,19 @@ def _sizes(args: argparse.Namespace) -> str:
     return f"{args.conversations} conversations x {args.turns} turns of {args.turn_len} tokens"
 
 
-def format_table(workload: str, sizes: str, runs: dict[str, dict]) -> str:
-    """The two runs side by side, then caching on over off."""
+def _setup(args: argparse.Namespace, plan) -> str:
+    cap = args.max_prefill_tokens_with_decode or "no cap"
+    return (
+        f"max running {plan.max_running}, page {plan.page_size} tokens, prefill "
+        f"{args.max_prefill_tokens} tokens a step ({cap} with decode)"
+    )
+
+
+def format_table(workload: str, sizes: str, runs: dict[str, dict], setup: str = "") -> str:
+    """The two runs side by side (each with its ``step_line``), then caching on over off;
+    ``setup``: the engine's limits, on the header line."""
     lines = [
-        f"workload {workload}: {sizes}",
+        f"workload {workload}: {sizes}" + (f"; {setup}" if setup else ""),
         f"{'caching':<8} {'requests':>8} {'out tok/s':>10} {'TTFT p50 ms':>12} "
         f"{'TTFT p99 ms':>12} {'hit rate':>9}",
     ]
@@ -122,6 +153,8 @@ def format_table(workload: str, sizes: str, runs: dict[str, dict]) -> str:
             f"{name:<8} {r['requests']:>8} {r['output_throughput']:>10.1f} "
             f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f} {r['hit_rate']:>9.1%}"
         )
+        if "steps" in r:
+            lines.append(step_line(name, r))
     off, on = runs.get("off"), runs.get("on")
     if off and on:
         speed = on["output_throughput"] / off["output_throughput"]
@@ -136,13 +169,18 @@ def run_prefix_bench(args: argparse.Namespace, plan, config, model: str, make_en
     import torch
 
     from .constants import DTYPES
+    from .serve_args import check_serve_memory
     from .workload import build_model_runner
 
     cuda = args.device == "cuda"
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     max_context = longest_context(args) + 1
-    print(f"stepgraph bench --serve: building {model}, {_sizes(args)}", file=sys.stderr)
-    mr = build_model_runner(model, args.device, dtype, plan.max_running, max_context)
+    check_serve_memory(args, config, plan, dtype, max_context)
+    setup = _setup(args, plan)
+    print(f"stepgraph bench --serve: building {model}, {_sizes(args)}; {setup}", file=sys.stderr)
+    mr = build_model_runner(
+        model, args.device, dtype, plan.max_running, max_context, page_size=plan.page_size
+    )
     if cuda:
         mr.set_kernels(args.kernels or "fused")
     runs = {}
@@ -158,12 +196,28 @@ def run_prefix_bench(args: argparse.Namespace, plan, config, model: str, make_en
             engine.shutdown()
         if cuda:
             torch.cuda.synchronize()
-    print(format_table(args.workload, _sizes(args), runs))
+    print(format_table(args.workload, _sizes(args), runs, setup))
     if args.json:
+        meta = {
+            "max_running": plan.max_running,
+            "page_size": plan.page_size,
+            "max_prefill_tokens": args.max_prefill_tokens,
+            "max_prefill_tokens_with_decode": args.max_prefill_tokens_with_decode,
+            "mode": plan.mode,
+            "prefill": plan.prefill,
+        }
+        report = {"workload": args.workload, "sizes": _sizes(args), "meta": meta, "runs": runs}
         with open(args.json, "w") as f:
-            json.dump({"workload": args.workload, "sizes": _sizes(args), "runs": runs}, f, indent=1)
+            json.dump(report, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 
 
-__all__ = ["format_table", "run_prefix_bench", "run_workload", "serve_turns", "summarize"]
+__all__ = [
+    "format_table",
+    "run_prefix_bench",
+    "run_workload",
+    "serve_turns",
+    "step_line",
+    "summarize",
+]

@@ -70,6 +70,14 @@ def longest_context(args: argparse.Namespace) -> int:
     return 2 * args.turns * args.turn_len - 1  # the last turn: every turn before, both sides
 
 
+def requests_in_flight(args: argparse.Namespace) -> int:
+    """The most requests the workload can have queued or running at once: every prompt
+    (shared-prefix, all queued at once), or a turn per chat (multi-turn)."""
+    if args.workload == "shared-prefix":
+        return args.groups * args.prompts_per_group
+    return args.conversations
+
+
 def check_prefix_workload(args: argparse.Namespace, limit: int, model: str) -> None:
     """The ``--workload`` flags: one-line ``ConfigError`` naming the flag."""
     for key, value in PREFIX_DEFAULTS.items():
@@ -135,6 +143,7 @@ __all__ = [
     "check_prefix_workload",
     "longest_context",
     "next_prompt",
+    "requests_in_flight",
     "shared_prefix_prompts",
     "turn_questions",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -263,11 +264,20 @@ class Engine:
         and frees its pages once the device is idle (``abort_all``), then propagates: a failed
         step leaks nothing."""
         self._check_thread("step")  # before the try: another thread's call aborts nothing
+        stats = self.stats
+        start, prefills = time.perf_counter(), stats.prefill_steps
         try:
-            return self._step(sampling, generator)
+            out = self._step(sampling, generator)
         except BaseException:
             self.abort_all()
             raise
+        took = time.perf_counter() - start  # EngineStats: steps that prefilled, or not
+        stats.steps += 1
+        if stats.prefill_steps != prefills:
+            stats.prefill_step_s += took
+        else:
+            stats.decode_step_s += took
+        return out
 
     def _step(self, sampling: Sampling, generator: torch.Generator | None) -> list[tuple[int, int]]:
         timer = self._timer

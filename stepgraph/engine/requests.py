@@ -135,6 +135,12 @@ class EngineStats:
     queried_tokens: int = 0  # prompt tokens of admitted requests (prefix cache queries)
     cached_tokens: int = 0  # of those, the ones served from the prefix cache (its hits)
     warm_requests: int = 0  # requests ``warm.warm_up`` ran (none of them counted above)
+    # ``Engine.step`` calls and their wall seconds (host launch, and waiting for the tokens of
+    # the step before when overlapped), split by whether the step prefilled: the time between
+    # steps is the caller's
+    steps: int = 0
+    prefill_step_s: float = 0.0  # steps that ran a prefill forward (and maybe a decode)
+    decode_step_s: float = 0.0  # steps that decoded only (or ran nothing)
     # decode steps by batch size: the trace `stepgraph buckets --trace` picks buckets from
     batch_sizes: Counter[int] = field(default_factory=Counter)
 
@@ -142,6 +148,11 @@ class EngineStats:
     def hit_rate(self) -> float:
         """``cached_tokens / queried_tokens``: the prefix cache's hit rate (0.0 before any)."""
         return self.cached_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode forwards (graph replays and eager steps)."""
+        return self.graph_steps + self.eager_steps
 
     def write_trace(self, path: str) -> None:
         """Write ``batch_sizes`` as a trace, one batch size per decode step and line."""
