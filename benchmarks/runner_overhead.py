@@ -1,20 +1,29 @@
 """What the runner costs on top of a bare graph, and what capture costs.
 
     PYTHONPATH=. python benchmarks/runner_overhead.py --json out/runner.json
+    PYTHONPATH=. python benchmarks/runner_overhead.py --replay-only      # the host figures alone
+    PYTHONPATH=. python benchmarks/runner_overhead.py --device cpu       # no GPU: parts on the CPU
 
 Reports, on a toy paged model of about 200 kernels per step:
   - host time of runner.replay() at bs=1 minus a bare graph.replay()     (target <= 15 us),
-    default config (pinned staging on CUDA), value checks on, and for an engine's batch
-    (host rows only, ``values_checked=True``)
+    default config (pinned staging on CUDA): a user's batch with value checks on (host rows
+    and device rows; the same tensors every call, and new tensors every call), an engine's
+    batch (host rows only, ``values_checked=True``), a batch of device fields only
+  - the host parts of a replay, each timed alone
   - eager step time vs graph step time at bs 1, 8, 32                   (CUDA events, medians)
   - capture seconds and pool MiB: one bucket, the largest alone, all default buckets to 256
     (targets: <= 50 ms per bucket, pool(all) <= 1.2 x pool(largest alone))
   - the full capture with and without freeze_gc
+
+``--device cpu`` runs the runner on the CPU stand-in, staged as on CUDA, with a no-op graph
+(its launch only counts the staged copy, as a graph's does): the Python host path alone, part
+by part, for profiling without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -28,21 +37,27 @@ from stepgraph.runner.input_checks import check_values
 from stepgraph.toy_model import ToyModelRunner
 
 
-def make_model() -> ToyModelRunner:
+def make_model(device: str = "cuda") -> ToyModelRunner:
+    cpu = device == "cpu"  # the stand-in's graph is a no-op there: one small layer is enough
     return ToyModelRunner(
         vocab=1024,
-        hidden=256,
-        num_layers=24,
+        hidden=16 if cpu else 256,
+        num_layers=1 if cpu else 24,
         num_pages=4200,
         page_size=16,
         max_pages_per_request=16,
-        device="cuda",
+        device=device,
         seed=0,
     )
 
 
 def random_batch(mr: ToyModelRunner, bs: int, seed: int):
     return mr.random_batch(bs, torch.Generator().manual_seed(seed))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def host_us_per_call(fn, *, repeats: int = 300) -> float:
@@ -52,12 +67,97 @@ def host_us_per_call(fn, *, repeats: int = 300) -> float:
         fn()
     samples = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
+    _sync()
     return statistics.median(samples)
+
+
+def user_batch(mr: ToyModelRunner, seed: int):
+    """A user's batch with its rows on the host and the device (``packed_cpu``, ``packed``),
+    values unchecked: the runner checks them."""
+    b = random_batch(mr, 1, seed)
+    b.packed = pack_batch(b)
+    b.packed_cpu = b.packed.cpu()
+    return b
+
+
+def cycling(batches):
+    """A call that replays the next of ``batches`` each time: new tensors every call."""
+    following = itertools.cycle(batches).__next__
+    return lambda runner: runner.replay(following())
+
+
+def replay_host_rows(mr: ToyModelRunner, runner: CudaGraphRunner, bare_fn) -> dict:
+    """Host microseconds of ``runner.replay`` at bs 1 for each kind of batch, over ``bare_fn``
+    (the bare launch, timed in the same run), and the parts of the staged path alone."""
+    b1 = user_batch(mr, 1)
+    engine_b1 = random_batch(mr, 1, 1)  # an engine's: host rows only, values vouched for
+    engine_b1.packed_cpu, engine_b1.values_checked = b1.packed_cpu, True
+    engine_b1.max_seq_len = int(b1.seq_lens_cpu.max())  # ModelRunner.decode_batch sets it
+    fields_b1 = random_batch(mr, 1, 1)  # device fields only (no host rows): packed per call
+    fresh = cycling([user_batch(mr, 1000 + i) for i in range(64)])
+    runner.replay(b1)
+    bare = host_us_per_call(bare_fn)
+    kinds = {
+        "user": lambda: runner.replay(b1),  # value checks on (check_inputs="host")
+        "user_new_tensors": lambda: fresh(runner),
+        "engine": lambda: runner.replay(engine_b1),
+        "device_fields": lambda: runner.replay(fields_b1),
+    }
+    out = {"bare": bare}
+    for name, fn in kinds.items():
+        out[name] = host_us_per_call(fn)
+        out[f"{name}_over_bare"] = out[name] - bare
+    staging, rows = runner._staging, runner._host_rows(b1, 1)
+    parts = {
+        "host_rows": host_us_per_call(lambda: runner._host_rows(b1, 1)),
+        # RunnerConfig.check_inputs="host" (default): one vectorised compare of the host rows
+        "value_checks": host_us_per_call(lambda: runner._check_rows(b1, rows)),
+        "copy_host_lens": host_us_per_call(lambda: runner.buffers.copy_host_lens(None, 1, rows[2])),
+        "replay_hook": host_us_per_call(
+            lambda: mr.attn_backend.init_forward_metadata_replay_cuda_graph(1, runner._static[1])
+        ),
+        # the general path's checks, what a batch without usable host rows pays
+        "general_input_checks": host_us_per_call(lambda: runner._input_problem(fields_b1, 1)),
+        "general_value_checks": host_us_per_call(
+            lambda: check_values(b1, runner._limits, runner.config.check_inputs)
+        ),
+    }
+    if staging is not None:  # with the bare launch and the count, as a replay stages them
+
+        def stage() -> None:
+            staging.stage_rows(rows[2], 1)
+            bare_fn()
+            staging.count += 1
+
+        parts["stage_rows"] = host_us_per_call(stage) - bare
+    out["parts"] = parts
+    return out
+
+
+def cpu_main(args) -> None:
+    """The host path on the CPU stand-in, staged as on CUDA, with a no-op graph."""
+    torch.set_num_threads(1)
+    mr = make_model("cpu")
+    cfg = RunnerConfig(max_bs=32, show_progress=False, pinned_staging=True)
+    runner = CudaGraphRunner(mr, cfg)
+    staging = runner._staging
+
+    def bare() -> None:  # a graph's launch as the host sees it: the staged copy counted
+        staging._copied_np[0] += 1
+
+    for graph in runner.graphs.values():
+        graph.launcher = lambda: bare
+    runner._states.clear()  # the per-bucket state takes the no-op launch
+    rows = {"device": "cpu", "replay_bs1": replay_host_rows(mr, runner, bare)}
+    text = json.dumps(rows, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(text)
 
 
 def count_kernels(mr, batch) -> int:
@@ -72,9 +172,17 @@ def count_kernels(mr, batch) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument(
+        "--replay-only", action="store_true", help="the replay host figures only (no capture)"
+    )
     args = ap.parse_args()
+    if args.device == "cpu":
+        return cpu_main(args)
     rows: dict[str, object] = {}
     mr = make_model()
+    if args.replay_only:
+        return replay_only(mr, args)
 
     # -- capture cost -------------------------------------------------------------------------
     def capture(**kw):
@@ -134,6 +242,7 @@ def main() -> None:
     rows["host_us_runner_replay_unpacked"] = host_us_per_call(lambda: unpacked.replay(b1_fields))
     unpacked.shutdown()
     rows["check_inputs"] = runner.config.check_inputs
+    rows["replay_bs1"] = replay_host_rows(mr, runner, graph.replay)  # every batch kind, parts
     staging = runner._staging
     rows["host_us_parts_staged"] = (
         {
@@ -194,6 +303,9 @@ def main() -> None:
         f"  an engine's batch (host rows, values_checked): {engine_style - bare:6.1f} us  "
         f"(runner.replay {engine_style:.1f} us; staged={rows['staged_by_default']})"
     )
+    r = rows["replay_bs1"]
+    for k in ("user", "user_new_tensors", "engine", "device_fields"):
+        print(f"  {k:<18} {r[k + '_over_bare']:6.1f} us over the bare replay ({r['bare']:.1f} us)")
     for s in steps:
         print(
             f"  bs={s['bs']:>3}: eager {s['eager_ms']:.3f} ms  graph {s['graph_ms']:.3f} ms  "
@@ -211,6 +323,25 @@ def main() -> None:
             f"({c['ms_per_bucket']:.1f} ms/bucket) pool {c['pool_mib']:.1f} MiB"
         )
     print(f"  pool(all)/pool(largest) = {rows['pool_ratio_all_vs_largest']:.2f} (target <= 1.2)")
+
+
+def replay_only(mr: ToyModelRunner, args) -> None:
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=32, show_progress=False))
+    rows = {
+        "device": torch.cuda.get_device_name(),
+        "kernels_per_step": count_kernels(mr, user_batch(mr, 1)),
+        "staged_by_default": runner.staged,
+        "replay_bs1": replay_host_rows(mr, runner, runner.graphs[1].replay),
+    }
+    text = json.dumps(rows, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(text)
+    r = rows["replay_bs1"]
+    print(f"\nrunner.replay host time over a bare graph.replay() ({r['bare']:.1f} us), bs 1:")
+    for k in ("user", "user_new_tensors", "engine", "device_fields"):
+        print(f"  {k:<18} {r[k + '_over_bare']:6.1f} us  (target <= 15)")
 
 
 if __name__ == "__main__":

@@ -22,12 +22,15 @@ from .guards import assert_kv_unchanged, fill_kv_random, kv_snapshot, time_limit
 VOCAB, CTX, PAGE = 512, 64, 16
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture(scope="module", params=[False, True], ids=["copied", "staged"])
+def setup(request):
+    """The runner as the CPU stand-in runs it, and staged as on CUDA (host rows through the
+    pinned slots: the replay's numpy path, checks included)."""
     mr = ModelRunner.from_preset(
         "tiny", "cpu", torch.float32, seed=8, max_bs=4, max_context_len=CTX
     )
-    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=4, show_progress=False))
+    config = RunnerConfig(max_bs=4, show_progress=False, pinned_staging=request.param)
+    runner = CudaGraphRunner(mr, config)
     return mr, runner
 
 
@@ -75,12 +78,16 @@ def test_bad_value_is_refused_and_nothing_changes(setup, field, value, match):
         _set(batch, field, 1, value)
         kv, free = kv_snapshot(mr.kv_cache), mr.kv_cache.allocator.num_free
         replays, static = runner.stats.replays, runner.buffers.packed.clone()
+        staged = runner._staging.host.clone() if runner.staged else None
         with time_limit(20), pytest.raises(ReplayError, match=match):
             runner.replay(batch)
         assert_kv_unchanged(mr.kv_cache, kv)
         assert mr.kv_cache.allocator.num_free == free
         assert runner.stats.replays == replays
         assert torch.equal(runner.buffers.packed, static)  # nothing copied
+        if staged is not None:  # nothing staged, and the count the graphs wait on kept
+            assert torch.equal(runner._staging.host, staged)
+            assert runner._staging.count == replays
     finally:
         for p in pages:
             mr.kv_cache.release(p)
@@ -169,3 +176,60 @@ def test_kv_lengths_are_checked_alike_as_a_list_or_an_array(bs):
         batch.seq_lens_cpu[row] = good
     batch.seq_lens_cpu[-1] = 1  # each limit on its own row: the longest is read, not assumed
     assert check_values(batch, limits, "host") == int(batch.seq_lens_cpu.max())
+
+
+def test_staged_rows_changed_in_place_are_checked_and_replayed_anew():
+    """An engine passes the same host rows tensor every step, written in place: the staged
+    replay keeps its numpy view, and still checks and stages the values of each call; a
+    tensor of the same identity but another shape or address is read anew."""
+    toy = ToyModelRunner(num_pages=40, page_size=4, max_pages_per_request=4)
+    runner = CudaGraphRunner(toy, RunnerConfig(max_bs=4, show_progress=False, pinned_staging=True))
+    g = torch.Generator().manual_seed(21)
+    batch = toy.random_batch(3, g, packed=True)
+    other = toy.random_batch(3, g, packed=True)
+    torch.testing.assert_close(runner.replay(batch), toy.eager_reference(batch)[0])
+    batch.packed_cpu.copy_(other.packed_cpu)  # the next step's values, same tensor
+    batch.seq_lens_cpu.copy_(other.seq_lens_cpu)
+    for name in ("input_ids", "positions", "seq_lens", "block_table", "out_cache_loc"):
+        getattr(batch, name).copy_(getattr(other, name))
+    torch.testing.assert_close(runner.replay(batch), toy.eager_reference(other)[0])
+    torch.testing.assert_close(runner._staging.rows(1)[:3], other.packed_cpu)
+    PACKED.column(batch.packed_cpu, "out_cache_loc")[2] = 40 * 4  # one past the cache
+    with pytest.raises(ReplayError, match=r"out_cache_loc\[2\] = 160 is outside \[4, 160\)"):
+        runner.replay(batch)
+    PACKED.column(batch.packed_cpu, "out_cache_loc")[2] = 40 * 4 - 1  # the last slot: valid
+    runner.replay(batch)
+    assert runner.stats.replays == 3
+    batch.packed_cpu.resize_(2, batch.packed_cpu.shape[1])  # same tensor, two rows now
+    with pytest.raises(ReplayError, match=r"packed_cpu has shape \(2, 8\), expected \[3, <= 8\]"):
+        runner.replay(batch)
+    batch.packed_cpu = other.packed_cpu.clone()  # same values, another tensor: read anew
+    torch.testing.assert_close(runner.replay(batch), toy.eager_reference(other)[0])
+
+
+@pytest.mark.parametrize("ctx", [16, 17])
+def test_staged_rows_refuse_a_kv_length_past_the_context_at_the_limit(ctx):
+    """The staged replay checks the KV lengths in the host rows' column (what the graph reads):
+    the context length passes, one past it is refused, with ``seq_lens_cpu`` left agreeing."""
+    toy = ToyModelRunner(num_pages=40, page_size=4, max_pages_per_request=4)  # context 16
+    runner = CudaGraphRunner(toy, RunnerConfig(max_bs=4, show_progress=False, pinned_staging=True))
+    batch = toy.random_batch(2, torch.Generator().manual_seed(ctx), packed=True)
+    PACKED.column(batch.packed_cpu, "seq_lens")[1] = ctx
+    PACKED.column(batch.packed_cpu, "positions")[1] = 15  # the last position: valid
+    batch.seq_lens_cpu[1] = ctx
+    if ctx <= 16:
+        runner.replay(batch)
+        assert runner.stats.replays == 1
+        return
+    with pytest.raises(ReplayError, match=r"seq_lens\[1\] = 17 is outside \[1, 17\)"):
+        runner.replay(batch)
+    assert runner.stats.replays == 0 and runner._staging.count == 0
+
+
+def test_staged_rows_of_a_wrong_dtype_take_the_general_path_and_are_named():
+    toy = ToyModelRunner(num_pages=40, page_size=4, max_pages_per_request=4)
+    runner = CudaGraphRunner(toy, RunnerConfig(max_bs=4, show_progress=False, pinned_staging=True))
+    batch = toy.random_batch(2, torch.Generator().manual_seed(4), packed=True)
+    batch.packed_cpu = batch.packed_cpu.to(torch.int32)
+    with pytest.raises(ReplayError, match="packed_cpu is torch.int32 on cpu, expected int64"):
+        runner.replay(batch)

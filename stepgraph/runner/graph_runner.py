@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from threading import current_thread
 
+import numpy as np
 import torch
 
 from ..backends import CapturedGraph, CudaGraphBackend, canonical_device
@@ -32,12 +33,15 @@ from .config import RunnerConfig, config_for
 from .feed import check_feed
 from .graph_inputs import captured_inputs
 from .input_buffers import GraphInputBuffers
-from .input_checks import InputLimits, batch_problem, check_values
+from .input_checks import SEQ_COL, InputLimits, batch_problem, check_rows_fast, check_values
 from .shared_output import SharedOutput, takes_out
 from .staging import PinnedStaging
 from .stats import BucketStats, CaptureStats, RunnerStats
 
 __all__ = ["CudaGraphRunner", "RunnerConfig", "logger"]
+
+_DECODE = ForwardMode.DECODE
+_U64 = np.uint64
 
 
 class CudaGraphRunner(GraphRunnerBase):
@@ -102,6 +106,10 @@ class CudaGraphRunner(GraphRunnerBase):
         if self.feed is not None:
             self._limits = replace(self._limits, feed_size=self.feed.shape[0])
         self._bucket_of: dict[int, int] = {}  # bs -> its bucket (pad_to_bucket, cached)
+        self._width = self.buffers.packed.shape[1]  # a packed row's columns, at most
+        self._full_checks = config.check_inputs == "full"  # the general path's device copies
+        self._checks_off = config.check_inputs == "off"
+        self._rows: tuple = (None, 0, None, None)  # ``_host_rows``' last tensor, its views
         self._states: dict[int, tuple] = {}  # bucket -> ``_replay_state``
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
         lend_graph_buckets(model_runner.attn_backend, self.capture_bs)
@@ -215,20 +223,73 @@ class CudaGraphRunner(GraphRunnerBase):
         ids as ``input_ids``, or in ``PACKED.column(batch.packed, "input_ids")``) are copied on
         the device in stream order, with no host sync; with a ``feed``, ids ``-1 - j`` read
         ``feed[j]`` inside the graph, so the rows can be all host data: the overlapped loop."""
-        bs, bucket, t_kv = self._check_replay(batch)  # raises before anything is copied
-        self._copy_inputs(batch, bucket)
-        hook, static, graph, launch, plan = self._replay_state(bucket)
+        if self._shut_down or (self.check_same_thread and current_thread() is not self._owner):
+            self._check_alive("replay")  # raises, naming which
+        if type(batch) is not ForwardBatch:
+            self._check_batch(batch, "replay")  # before any attribute of it is read
+        if batch.mode is not _DECODE:
+            raise ReplayError(
+                f"replay serves decode batches, got {batch.mode.value}; run it "
+                "eagerly with model_runner.forward."
+            )
+        bs = batch.input_ids.shape[0]
+        bucket = self._bucket_of.get(bs)
+        if bucket is None:
+            bucket = self._bucket_of[bs] = pad_to_bucket(bs, self.capture_bs)
+        staging = self._staging
+        rows = None if staging is None else self._host_rows(batch, bs)
+        if rows is None:  # every other batch: the general checks and copies
+            t_kv = self._check_replay(batch, bs)  # raises before anything is copied
+            self._copy_inputs(batch, bucket)
+        else:  # host rows into the pinned slot: numpy only, no torch call
+            t_kv = self._check_rows(batch, rows)  # raises before anything is copied
+            staging.stage_rows(rows[2], bucket)
+            self.buffers.copy_host_lens(None, bucket, rows[2])
+        hook, static, graph, launch, plan = self._states.get(bucket) or self._replay_state(bucket)
         hook(bucket, static)  # the attention backend's replay hook
         if plan is not None:
             self.stats.node_edits += self._updater.apply(plan, graph, t_kv)
         launch()
-        if self._staging is not None:
-            self._staging.replayed()
+        if staging is not None:
+            staging.count += 1  # ``PinnedStaging.replayed``
         self.stats.replays += 1
-        out = self._out_rows  # one view per bs: slicing costs host time
-        if bs not in out:  # every bucket's output is rows of one shared buffer
-            out[bs] = self.output_buffers[bucket][:bs]
-        return out[bs]
+        out = self._out_rows.get(bs)  # one view per bs: slicing costs host time
+        if out is None:  # every bucket's output is rows of one shared buffer
+            out = self._out_rows[bs] = self.output_buffers[bucket][:bs]
+        return out
+
+    def _host_rows(self, batch: ForwardBatch, bs: int):
+        """``batch.packed_cpu`` as numpy ``[bs, <= width]`` int64 when a staged replay can take
+        it as it is (its host rows and KV lengths of ``bs`` rows, value checks "host" or
+        "off"), with its unsigned view for the checks; else None (the general path, which
+        names what is wrong). The views of the last rows tensor are kept: an engine passes the
+        same rows every step (its address and shape say whether it is still the same)."""
+        src, lens = batch.packed_cpu, batch.seq_lens_cpu
+        if src is None or self._full_checks or not lens.is_cpu or lens.shape[0] != bs:
+            return None
+        rows = self._rows
+        if src is not rows[0] or src.data_ptr() != rows[1] or src.shape != rows[2].shape:
+            if src.dtype is not torch.int64 or not src.is_cpu or src.requires_grad:
+                return None
+            values = src.numpy()
+            shape = values.shape
+            if len(shape) != 2 or shape[1] > self._width:
+                return None
+            rows = self._rows = (src, src.data_ptr(), values, values.view(_U64))
+        return rows if rows[2].shape[0] == bs else None
+
+    def _check_rows(self, batch: ForwardBatch, rows: tuple) -> int | None:
+        """The value checks of host rows (``check_rows_fast``: one vectorised compare, the KV
+        lengths read from their column) and the replay's KV length, as ``_check_replay``."""
+        checked = not (self._checks_off or batch.values_checked)
+        if checked:
+            check_rows_fast(rows[2], rows[3], self._limits)
+        t_kv = batch.max_seq_len
+        if t_kv is None and (self._updater is not None or not checked):
+            t_kv = int(rows[2][:, SEQ_COL].max()) if rows[2].shape[0] else 0
+        if t_kv is not None and self._max_context is not None and t_kv > self._max_context:
+            self._too_long(t_kv)
+        return t_kv
 
     def _replay_state(self, bucket: int) -> tuple:
         """What a replay of ``bucket`` touches, looked up once: the backend's replay hook, the
@@ -242,22 +303,9 @@ class CudaGraphRunner(GraphRunnerBase):
             state = self._states[bucket] = (hook, self._static[bucket], graph, launch, plan)
         return state
 
-    def _check_replay(self, batch: ForwardBatch) -> tuple[int, int, int | None]:
-        """The size and bucket of ``batch`` and its longest KV length (``None`` when nothing
-        needs it); ``ReplayError`` naming the problem and the fix when it cannot be replayed."""
-        if self._shut_down or (self.check_same_thread and current_thread() is not self._owner):
-            self._check_alive("replay")  # raises, naming which
-        if type(batch) is not ForwardBatch:
-            self._check_batch(batch, "replay")  # before any attribute of it is read
-        if batch.mode is not ForwardMode.DECODE:
-            raise ReplayError(
-                f"replay serves decode batches, got {batch.mode.value}; run it "
-                "eagerly with model_runner.forward."
-            )
-        bs = batch.batch_size
-        bucket = self._bucket_of.get(bs)
-        if bucket is None:
-            bucket = self._bucket_of[bs] = pad_to_bucket(bs, self.capture_bs)
+    def _check_replay(self, batch: ForwardBatch, bs: int) -> int | None:
+        """The longest KV length of ``batch`` of ``bs`` rows (``None`` when nothing needs it);
+        ``ReplayError`` naming the problem and the fix when it cannot be replayed."""
         problem = self._input_problem(batch, bs)
         if problem is not None:
             raise ReplayError(
@@ -267,16 +315,19 @@ class CudaGraphRunner(GraphRunnerBase):
         longest = check_values(batch, self._limits, self.config.check_inputs)  # before copies
         t_kv = batch.max_seq_len if batch.max_seq_len is not None else longest
         if self._max_context is None and self._updater is None:
-            return bs, bucket, t_kv
+            return t_kv
         if t_kv is None:
             t_kv = int(batch.seq_lens_cpu.numpy().max())  # numpy: a few us less than torch
         if self._max_context is not None and t_kv > self._max_context:
-            raise ReplayError(
-                f"a request of {t_kv} tokens is longer than the {self._max_context} the "
-                "graphs were captured for (model_runner.max_context_len); finish or "
-                "truncate it, or build the model runner with a larger max_context_len."
-            )
-        return bs, bucket, t_kv
+            self._too_long(t_kv)
+        return t_kv
+
+    def _too_long(self, t_kv: int) -> None:
+        raise ReplayError(
+            f"a request of {t_kv} tokens is longer than the {self._max_context} the "
+            "graphs were captured for (model_runner.max_context_len); finish or "
+            "truncate it, or build the model runner with a larger max_context_len."
+        )
 
     def _copy_inputs(self, batch: ForwardBatch, bucket: int) -> None:
         if self._staging is not None:

@@ -120,24 +120,46 @@ class PinnedStaging:
         ``[bs:bucket]`` that a larger batch left live. Waits first until the replay that read
         this slot last (two replays ago) has copied it. Returns the host rows as numpy (None for
         a device-only batch)."""
-        if self._copied_np[0] > self.count:  # a graph replayed outside runner.replay
-            self._resync()
-        slot = self.count & 1
-        self._wait_for(self.count - 1)
         src = batch.packed_cpu  # host rows the batch was packed from
         if src is not None:
             rows = src.numpy()  # [bs, <= width]: a narrower table's missing columns are unread
-            bs = rows.shape[0]
-            self._host_np[:bs, slot, : rows.shape[1]] = rows
-        else:  # device rows: a D2H copy, ordered before the graph's H2D on the stream
-            rows, bs = None, batch.batch_size
-            src = batch.packed if batch.packed is not None else pack_batch(batch)
-            self.host[:bs, slot, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
+            self.stage_rows(rows, bucket)
+            return rows
+        slot = self._free_slot()  # device rows: a D2H copy, before the graph's on the stream
+        bs = batch.batch_size
+        src = batch.packed if batch.packed is not None else pack_batch(batch)
+        self.host[:bs, slot, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
+        self._repad(slot, bs, bucket)
+        return None
+
+    def stage_rows(self, rows, bucket: int) -> None:
+        """``stage`` of host rows given as numpy ``[bs, <= width]`` int64 (the replay's path
+        for a batch with ``packed_cpu``: one numpy write, no torch call)."""
+        count = self.count
+        if self._copied_np[0] > count:  # a graph replayed outside runner.replay
+            self._resync()
+            count = self.count
+        elif self._copied_np[0] < count - 1:  # the slot's last reader has not copied yet
+            self._wait_for(count - 1)
+        slot = count & 1
+        bs = rows.shape[0]
+        self._host_np[:bs, slot, : rows.shape[1]] = rows
+        if self.dirty[slot] != bs:  # else nothing is stale and nothing changes
+            self._repad(slot, bs, bucket)
+
+    def _free_slot(self) -> int:
+        """The slot of the next replay, once the replay that read it last has copied it."""
+        if self._copied_np[0] > self.count:  # a graph replayed outside runner.replay
+            self._resync()
+        self._wait_for(self.count - 1)
+        return self.count & 1
+
+    def _repad(self, slot: int, bs: int, bucket: int) -> None:
+        """Pad rows ``[bs:bucket]`` of ``slot`` that a larger batch left live."""
         stale = min(self.dirty[slot], bucket)
         if stale > bs:
             self._host_np[bs:stale, slot] = self._pad_np
         self.dirty[slot] = self.dirty[slot] if self.dirty[slot] > bucket else bs
-        return rows
 
     def replayed(self) -> None:
         """Right after the graph's replay was queued."""

@@ -92,3 +92,32 @@ def test_staged_replay_equals_unstaged_at_every_bucket(mr):
         torch.testing.assert_close(staged.replay(batch), want, rtol=1e-4, atol=1e-4)
     plain.shutdown()
     staged.shutdown()
+
+
+@pytest.mark.parametrize(
+    "column,value",
+    [("out_cache_loc", -1), ("out_cache_loc", 600 * 16), ("seq_lens", 0), ("input_ids", 10**6)],
+)
+def test_staged_host_rows_with_a_bad_value_are_refused_before_the_device_sees_them(
+    mr, column, value
+):
+    """The staged replay checks a user's host rows on the host (numpy, before the pinned
+    slot): a bad value is a ReplayError, the KV cache and the copy count are unchanged, and
+    the next good batch replays equal to eager (no device-side assert, no stuck stream)."""
+    from stepgraph.batch import PACKED
+    from stepgraph.errors import ReplayError
+
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=64, show_progress=False, pinned_staging=True))
+    g = torch.Generator().manual_seed(5)
+    bad = mr.random_batch(3, g, packed=True)
+    PACKED.column(bad.packed_cpu, column)[1] = value
+    saved = mr.clone_state()
+    with pytest.raises(ReplayError, match=column):
+        runner.replay(bad)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(mr.kv, saved))
+    assert runner._staging.count == 0 and int(runner._staging.copied) == 0
+    good = mr.random_batch(3, g, packed=True)
+    want, _ = mr.eager_reference(good)
+    torch.testing.assert_close(runner.replay(good), want, rtol=1e-4, atol=1e-4)
+    runner.shutdown()
