@@ -2,8 +2,10 @@
 bs 1..512) captured for the llama-3.2-1b preset, in graph and exact mode: seconds and pool MiB.
 
     PYTHONPATH=. python benchmarks/model_capture.py --json out/model_capture.json
+    (--quantization fp8: the projections' weights in e4m3, per channel)
 
-Targets: all 36 buckets in <= 2 s with <= 0.25 GiB of pool.
+Targets: all 36 buckets in <= 2 s with <= 0.25 GiB of pool (FP8 weights: no larger than
+bf16's).
 
 The modes run one after the other in one process, in ``--modes`` order: the first pays every
 kernel variant's first use (a Triton compile, or a load from its disk cache) in its eager
@@ -30,8 +32,21 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.2-1b", help="preset (random weights)")
     ap.add_argument("--ledger", action="store_true", help="print the per-bucket ledger")
     ap.add_argument("--modes", default="graph,exact", help="capture order, e.g. exact,graph")
+    ap.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="fp8: the projections' weights quantized to e4m3 on load, per channel",
+    )
     args = ap.parse_args()
-    mr = build_model_runner(args.model, "cuda", torch.bfloat16, args.max_bs, args.context)
+    mr = build_model_runner(
+        args.model,
+        "cuda",
+        torch.bfloat16,
+        args.max_bs,
+        args.context,
+        quantization=args.quantization,
+    )
     rows = {}
     modes = args.modes.split(",")
     for mode in modes:
@@ -59,6 +74,7 @@ def main() -> None:
         runner.shutdown()
         torch.cuda.empty_cache()
     rows["model"] = args.model
+    rows["quantization"] = args.quantization
     rows["summary"] = {f"{m}_{k}": v for m in modes for k, v in rows[m].items() if k != "ledger"}
     rows["order"] = modes
     if args.json:

@@ -23,6 +23,7 @@ from . import env
 from .kernels.decode.splits import DEFAULT_LADDER, SplitLadder
 from .kernels.proj.tile_table import (
     CUBLAS,
+    FP8_TILES,
     NO_PDL_BUCKETS,
     REFERENCE_BUCKETS,
     SEPARATE_NORM,
@@ -88,13 +89,18 @@ class ProjTables:
     no_pdl_buckets: frozenset = frozenset(NO_PDL_BUCKETS)
     cublas_everywhere: frozenset = frozenset()
     separate_norm_everywhere: frozenset = frozenset()
+    # FP8 weights' tiles, keyed as ``tiles`` (BLOCK_M 1 included): tile_table.FP8_TILES
+    fp8_tiles: Mapping[tuple[str, int, int, int], Tile] = field(
+        default_factory=lambda: types.MappingProxyType(dict(FP8_TILES))
+    )
 
     def __post_init__(self) -> None:
-        for name, tile in self.tiles.items():
-            if not isinstance(tile, Tile):
-                raise ValueError(f"tables.tiles[{name!r}]={tile!r} must be a Tile")
-        if not isinstance(self.tiles, types.MappingProxyType):  # read-only, like the object
-            object.__setattr__(self, "tiles", types.MappingProxyType(dict(self.tiles)))
+        for table in ("tiles", "fp8_tiles"):
+            for name, tile in getattr(self, table).items():
+                if not isinstance(tile, Tile):
+                    raise ValueError(f"tables.{table}[{name!r}]={tile!r} must be a Tile")
+            if not isinstance(getattr(self, table), types.MappingProxyType):  # read-only
+                object.__setattr__(self, table, types.MappingProxyType(dict(getattr(self, table))))
         for name in (
             "cublas",
             "separate_norm",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
 import torch
 
 from stepgraph.model import ModelRunner
@@ -65,3 +66,74 @@ def test_a_local_hf_directory_gives_its_shapes(tmp_path):
     assert sweep.SHAPES["qkv"] == ("qkv_rope", 256 + 2 * 64, 256)  # head_dim 32, 2 KV heads
     assert sweep.SHAPES["down"] == ("gemv_residual", 256, 688)
     assert sweep.SHAPES["lm_head"] == ("lm_head", 1000, 256)
+
+
+def _cpu_sweep(monkeypatch):
+    """The sweep on the CPU under the interpreter: float16 activations, 2 weight copies, a
+    clock that counts calls instead of timing them."""
+    sweep = load_sweep()
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "DT", torch.float16)
+    monkeypatch.setattr(sweep, "COPIES", 2)
+    monkeypatch.setattr(sweep, "copy_bandwidth_gbps", lambda: 1000.0)
+    return sweep
+
+
+def test_fp8_sweep_checks_every_tile_and_prints_the_fp8_table(monkeypatch, capsys):
+    """``--quantization fp8``: every candidate (the launcher's own, bf16's tile through the
+    pointer loop, FP8_CANDIDATES) is checked against float64 over the dequantized weights and
+    timed; bf16's own tile on bf16 weights is timed beside them as the reference; the best
+    FP8 tile per key is printed as the ``FP8_TILES`` literal. Tiny preset, rows 1 and 17."""
+    sweep = _cpu_sweep(monkeypatch)
+    timed = []
+    monkeypatch.setattr(sweep, "graph_call_us", lambda fns, **k: timed.append(len(fns)) or 1.0)
+    cases = "o_proj,gate_up_normed"
+    result = sweep.main(
+        ["--quantization", "fp8", "--preset", "tiny", "--rows", "1,17", "--cases", cases]
+    )
+    rows = result["rows"]
+    assert {(r["kernel"], r["m"]) for r in rows} == {
+        (c, m) for c in cases.split(",") for m in (1, 17)
+    }
+    assert all("us" in r and r["rel_err"] < 2e-2 for r in rows), [r for r in rows if "us" not in r]
+    assert sum(r.get("reference", False) for r in rows) == 4  # bf16's, once a (case, rows)
+    assert all(r["weights"] == ("bf16" if r.get("reference") else "fp8") for r in rows)
+    assert all(r["bf16_us"] == 1.0 and r["cublas_us"] == 1.0 for r in rows)
+    out = capsys.readouterr().out
+    assert "FP8_TILES = {" in out and '("gemv_residual", 64, 64, 1): Tile(' in out
+    assert len(result["best"]) == 4  # gemv_residual and gate_up_silu_normed at 1 and 32 rows
+    with pytest.raises(SystemExit):
+        sweep.main(["--quantization", "fp8", "--cases", "lm_head"])  # the head stays bf16
+    assert "no lm_head case" in capsys.readouterr().err
+
+
+def test_compile_shards_cover_every_tile_once(monkeypatch):
+    """``--compile-only --shard i/n``: the n shards call every (case, rows, tile) exactly once
+    between them, bf16's reference tile included."""
+    sweep = _cpu_sweep(monkeypatch)
+    seen = []
+    real = sweep.case
+
+    def case(name, m, g, copies, fp8=False):
+        ws, call, ref = real(name, m, g, copies, fp8)
+        return ws, (lambda w, t: seen.append((name, m, fp8, t)) or call(w, t)), ref
+
+    monkeypatch.setattr(sweep, "case", case)
+    args = ["--quantization", "fp8", "--preset", "tiny", "--rows", "1,2", "--cases", "down"]
+    for i in range(3):
+        assert sweep.main([*args, "--compile-only", "--shard", f"{i}/3"]) == {}
+    items = sweep.work_items("down", (1, 2), True)
+    want = [(n, m, kind == "fp8", t) for n, m, its in items for kind, t in its]
+    assert sorted(map(str, seen)) == sorted(map(str, want)) and len(set(map(str, seen))) == len(
+        seen
+    )
+
+
+def test_fp8_sweep_runs_the_fp8_steps_kernels_by_default():
+    """Without ``--cases``: at one row the norm-prologue kernels, from 2 rows the handoff's
+    _normed ones (the FP8 step's), never the LM head."""
+    sweep = load_sweep()
+    jobs = sweep.jobs("", (1, 8), fp8=True)
+    assert [c for c, m in jobs if m == 1] == ["o_proj", "down", "gate_up", "qkv"]
+    assert [c for c, m in jobs if m == 8] == ["o_proj", "down", "gate_up_normed", "qkv_normed"]
+    assert all(len(sweep.candidates(c, m, True)) <= 13 for c, m in jobs)

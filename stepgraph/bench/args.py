@@ -124,7 +124,28 @@ def check_bench_args(args: argparse.Namespace) -> None:
             f"max_position_embeddings={limit}; pass contexts of at most {limit}"
         )
     dtype = DTYPES[args.dtype]
-    check_bench_memory(bench_bytes(config, dtype, max(sizes), max(contexts) + 64), args, args.tp)
+    parts = bench_bytes(config, dtype, max(sizes), max(contexts) + 64)
+    if getattr(args, "quantization", None):
+        parts.update(quantized_model_bytes(parts, config, dtype))
+    check_bench_memory(parts, args, args.tp)
+
+
+def quantized_model_bytes(parts: dict[str, int], config, dtype: torch.dtype) -> dict[str, int]:
+    """The second model that ``--quantization fp8`` builds beside the first (``parts``, its
+    ``bench_bytes``): a KV cache and logits as large, and its weights with the projections in
+    e4m3 (one byte an element, a float32 scale per output row) and the rest (embeddings, norms,
+    the LM head) in ``dtype``."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    elems = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h  # a layer's projections
+    rows = (q + 2 * kv) + h + 2 * inter + h  # their output rows: one scale each
+    proj = config.num_layers * elems
+    fp8_weights = parts["weights"] - proj * elt + proj + 4 * config.num_layers * rows
+    return {
+        "FP8 model's KV cache": parts["KV cache"],
+        "FP8 model's weights": fp8_weights,
+        "FP8 model's logits": parts["logits"],
+    }
 
 
 def check_bench_memory(parts: dict[str, int], args: argparse.Namespace, tp: int = 1) -> None:
@@ -143,6 +164,7 @@ def check_bench_memory(parts: dict[str, int], args: argparse.Namespace, tp: int 
         f"argument --batch-sizes/--contexts: the largest batch size at the longest context "
         f"needs at least {need / 2**30:.2f} GiB ({each}), but {free / 2**30:.2f} GiB is free "
         f"on {device}; lower --batch-sizes or --contexts"
+        + (" (or drop --quantization)" if any(k.startswith("FP8") for k in parts) else "")
     )
 
 
@@ -157,4 +179,5 @@ __all__ = [
     "check_bench_memory",
     "check_mode_flags",
     "choose_device",
+    "quantized_model_bytes",
 ]

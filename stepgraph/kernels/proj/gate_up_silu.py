@@ -29,7 +29,15 @@ from .gemv_tiles import (
 )
 from .norm_gemv import rmsnorm_reference
 from .norm_handoff import check_handoff, ssq_args
-from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
+from .proj_tiles import (
+    as_tile,
+    block_m,
+    check_tile,
+    loop_mode,
+    splitk_workspace,
+    tile_for,
+    tma_descriptors,
+)
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 
@@ -193,8 +201,9 @@ def gate_up_silu(
                 m,
                 2 * inter,
                 k,
-                2 if fp8 else weight.element_size(),
+                x.element_size() if fp8 else weight.element_size(),
                 t.tables,
+                fp8,
             )
         )
         check_tile("gate_up_silu", tile, m)
@@ -204,8 +213,7 @@ def gate_up_silu(
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * block_m(m) * tile.block_n
             ws, tickets = splitk_workspace(x.device, elems, tiles)
-        # None: the pointer loop (FP8 weights always)
-        descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma and not fp8)
+        descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, out)
         _gate_up_silu_kernel[(tiles, tile.split_k)](
             x,
@@ -229,13 +237,13 @@ def gate_up_silu(
             NORM=norm_w is not None,
             SSQ_PAD=ssq_pad,
             USE_PDL=pdl,
-            TMA=tile.tma if descs else 0,
+            TMA=loop_mode(tile, m, descs),
             PREFETCH=prefetch_lines(
                 tile.block_n,
                 k,
                 tile.split_k,
                 tile.block_k,
-                x.element_size(),
+                weight.element_size(),
                 True,
                 t.l2_prefetch_bytes,
             )

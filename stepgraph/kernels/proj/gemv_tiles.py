@@ -227,6 +227,23 @@ def mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def dot_t(acc, w, x):
+    # swap-AB: acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x^T, the weight the MMA's A
+    # operand (on Hopper from registers), float32 inputs at "ieee" (no TF32). An e4m3 w (FP8
+    # weights, scales applied by the caller after the loop) is converted to x's dtype, exactly
+    if w.dtype == tl.float8e4nv:
+        if x.dtype == tl.float32:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+    elif w.dtype == tl.float32:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+    return acc
+
+
+@triton.jit
 def gemv_loop(
     w1_ptrs,
     w2_ptrs,
@@ -245,21 +262,31 @@ def gemv_loop(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):
     # w1_ptrs, w2_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0; w1, w2: their tiles at k_lo,
     # loaded before the PDL wait. Sums over k in [k_lo, k_hi) (the whole row: 0, K).
+    # SWAP (BLOCK_M >= 16, Tile.tma == 3): acc [BLOCK_N, BLOCK_M] = w @ x^T (dot_t), the weight
+    # tile the MMA's register operand, transposed after the loop.
     # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 each (acc2 = acc1 unless PAIRED)
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
         a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    elif SWAP:
+        a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         a1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a2 = a1
     # -- the first chunk: its weight tile is already here --
     x = x_tile(x_ptr, nw_ptr, stride_xm, k_lo, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-    a1 = mul_acc(a1, w1, x, BLOCK_M)
-    if PAIRED:
-        a2 = mul_acc(a2, w2, x, BLOCK_M)
+    if SWAP:
+        a1 = dot_t(a1, w1, x)
+        if PAIRED:
+            a2 = dot_t(a2, w2, x)
+    else:
+        a1 = mul_acc(a1, w1, x, BLOCK_M)
+        if PAIRED:
+            a2 = mul_acc(a2, w2, x, BLOCK_M)
     # -- the rest: a plain stream of weight tiles (evict_first: never re-read this step) --
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         mask_w = mask_n[:, None] & ((k0 + offs_k) < k_hi)[None, :]
@@ -267,9 +294,18 @@ def gemv_loop(
         if PAIRED:
             w2 = tl.load(w2_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
         x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-        a1 = mul_acc(a1, w1, x, BLOCK_M)
+        if SWAP:
+            a1 = dot_t(a1, w1, x)
+            if PAIRED:
+                a2 = dot_t(a2, w2, x)
+        else:
+            a1 = mul_acc(a1, w1, x, BLOCK_M)
+            if PAIRED:
+                a2 = mul_acc(a2, w2, x, BLOCK_M)
+    if SWAP:
+        a1 = tl.trans(a1)
         if PAIRED:
-            a2 = mul_acc(a2, w2, x, BLOCK_M)
+            a2 = tl.trans(a2)
     return finish_acc(a1, a2, PAIRED, BLOCK_M)
 
 
@@ -309,6 +345,7 @@ def norm_block(m: int, k: int) -> int:
 
 __all__ = [
     "MAX_M",
+    "dot_t",
     "finish_acc",
     "first_w_tile",
     "gemv_loop",

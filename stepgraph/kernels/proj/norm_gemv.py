@@ -30,7 +30,15 @@ from .gemv_tiles import (
     splitk_reduce,
 )
 from .norm_handoff import check_handoff, residual_out, ssq_args
-from .proj_tiles import as_tile, block_m, check_tile, splitk_workspace, tile_for, tma_descriptors
+from .proj_tiles import (
+    as_tile,
+    block_m,
+    check_tile,
+    loop_mode,
+    splitk_workspace,
+    tile_for,
+    tma_descriptors,
+)
 from .tma_tiles import prefetch_lines, proj_loop, weights_before_wait
 
 
@@ -236,7 +244,9 @@ def _launch(
     tile = (
         as_tile(blocks)
         if blocks is not None
-        else tile_for(kernel, m, n, k, 2 if fp8 else weight.element_size(), t.tables)
+        else tile_for(
+            kernel, m, n, k, x.element_size() if fp8 else weight.element_size(), t.tables, fp8
+        )
     )
     check_tile(kernel, tile, m)
     bm = block_m(m)
@@ -247,8 +257,7 @@ def _launch(
         elems = tiles * tile.split_k * tile.block_n * bm if tile.split_k > 1 else 0
         ws, tickets = splitk_workspace(x.device, elems, tiles + 1)
     pdl = resolve_pdl(use_pdl, x.device, t)
-    # None: the pointer loop (FP8 weights always)
-    descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma and not fp8)
+    descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)
     ssq, stride_s, n_parts, ssq_pad = ssq_args(ssq_in, m, y)
     xw, out = y, None
     if next_norm is not None:
@@ -295,13 +304,13 @@ def _launch(
         if tokens is not None
         else 2,
         USE_PDL=pdl,
-        TMA=tile.tma if descs else 0,
+        TMA=loop_mode(tile, m, descs),
         PREFETCH=prefetch_lines(
             tile.block_n,
             k,
             tile.split_k,
             tile.block_k,
-            x.element_size(),
+            weight.element_size(),
             False,
             t.l2_prefetch_bytes,
         )

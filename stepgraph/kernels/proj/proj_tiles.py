@@ -84,15 +84,64 @@ def default_tile(kernel: str, m: int, n: int, k: int) -> Tile:
     return Tile(bn, bk, 4, 3, split)
 
 
+SWAP_POINTERS = 3  # Tile.tma: swap-AB through pointers (the weight the MMA's register operand)
+FP8_ONE_ROW_BYTES = 16384  # weight bytes a one-row FP8 program streams (as bf16's 8k elements)
+
+
+def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> Tile:
+    """The rule for FP8 weights (e4m3, one byte an element; activations of ``x_bytes``) at
+    shapes not in ``FP8_TILES``. One row: bf16's rule in bytes (``block_k`` twice bf16's in
+    elements, ``FP8_ONE_ROW_BYTES`` a program, 8 warps for its float32 products). Several:
+    swap-AB through pointers (``SWAP_POINTERS``: the converted weight tile is the MMA's
+    register operand, nothing goes back to shared memory), 64 weight rows a program (a Hopper
+    warpgroup MMA's M; 32 for qkv, whose tiles divide head_dim / 2), 256 bytes of K a chunk
+    (128 at 64 rows or float32 activations), then split K (powers of two, every split a whole
+    chunk) until ``TARGET_PROGRAMS`` programs."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
+    kcap = triton.next_power_of_2(max(k, 16))
+    if m <= 1:
+        rows_bf16 = 2048 if n <= 2048 else 1024 if n <= 4096 else 512
+        bk = max(64, min(2 * rows_bf16, kcap))
+        bn = max(1, min(FP8_ONE_ROW_BYTES // bk, triton.next_power_of_2(n)))
+        if kernel in ("gate_up_silu", "gate_up_silu_normed"):
+            bn = max(1, bn // 2)  # both row sets in one tile budget
+        return Tile(bn, bk, 8)
+    bm = block_m(m)
+    rows = n // 2 if kernel in PAIRED else n
+    bn = 32 if kernel.startswith("qkv_rope") else 64
+    bk = max(16, min(256 if bm <= 32 and x_bytes <= 2 else 128, kcap))
+    split = 1
+    if kernel != "lm_head":
+        tiles = triton.cdiv(rows, bn)
+        while tiles * split < TARGET_PROGRAMS and k // (2 * split) >= bk:
+            split *= 2
+    return Tile(bn, bk, 4, 3, split, SWAP_POINTERS)
+
+
+def fp8_table_tile(
+    kernel: str, m: int, n: int, k: int, x_bytes: int = 2, tables: ProjTables | None = None
+) -> Tile | None:
+    """``tables.fp8_tiles``' tile for ``m`` rows of an ``[n, k]`` FP8 weight, or None (float32
+    activations take the rule: the table was measured with bf16 ones)."""
+    if x_bytes != 2:
+        return None
+    tiles = _tables(tables).fp8_tiles
+    return next(
+        (tiles[key] for key in ((kernel, n, k, c) for c in table_rows(m)) if key in tiles), None
+    )
+
+
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory a tile's pipeline may take (H200: 227 KB)
 
 
-def smem_bytes(kernel: str, tile: Tile, m: int, elem_bytes: int) -> int:
+def smem_bytes(kernel: str, tile: Tile, m: int, elem_bytes: int, w_bytes: int | None = None) -> int:
     """Shared memory of ``tile``'s software pipeline, roughly: stages x (x chunk + weight
-    chunks) in the element size."""
+    chunks) in the element size (the weight's ``w_bytes``: 1 for e4m3; None: the same)."""
     rows = 2 * tile.block_n if kernel in PAIRED else tile.block_n
     stages = tile.num_stages or 3
-    return stages * (block_m(m) + rows) * tile.block_k * elem_bytes
+    w_bytes = elem_bytes if w_bytes is None else w_bytes
+    return stages * (block_m(m) * elem_bytes + rows * w_bytes) * tile.block_k
 
 
 def table_rows(m: int) -> tuple[int, ...]:
@@ -103,12 +152,25 @@ def table_rows(m: int) -> tuple[int, ...]:
 
 
 def tile_for(
-    kernel: str, m: int, n: int, k: int, elem_bytes: int = 2, tables: ProjTables | None = None
+    kernel: str,
+    m: int,
+    n: int,
+    k: int,
+    elem_bytes: int = 2,
+    tables: ProjTables | None = None,
+    fp8: bool = False,
 ) -> Tile:
     """The tile ``kernel`` launches for ``m`` rows of an ``[n, k]`` weight of ``elem_bytes``
     bytes an element, from ``tables.tiles`` (None: the default tuning's). The table was
     measured in bf16: other sizes (float32) take the rule, as does a table tile whose pipeline
-    would not fit in shared memory."""
+    would not fit in shared memory. ``fp8``: the weight is e4m3 and ``elem_bytes`` the
+    activations' size: ``tables.fp8_tiles``, else ``fp8_default_tile``."""
+    if fp8:
+        tile = fp8_table_tile(kernel, m, n, k, elem_bytes, tables)
+        if tile is not None and (smem := smem_bytes(kernel, tile, m, elem_bytes, 1)) > SMEM_BUDGET:
+            _over_budget(kernel, tile, block_m(m), smem)
+            tile = None
+        return tile or fp8_default_tile(kernel, m, n, k, elem_bytes)
     tile = None
     if elem_bytes == 2:
         tiles = _tables(tables).tiles
@@ -186,6 +248,15 @@ def no_pdl_bucket(
     return elem_bytes == 2 and (qkv_n, k, bucket) in _tables(tables).no_pdl_buckets
 
 
+def loop_mode(tile: Tile, m: int, descs) -> int:
+    """The kernels' ``TMA`` constexpr for ``tile`` at ``m`` rows: the tile's TMA mode where
+    ``tma_descriptors`` gave descriptors, ``SWAP_POINTERS`` for a swap-AB pointer tile on
+    tensor-core rows, else 0 (the pointer loop)."""
+    if descs:
+        return tile.tma
+    return SWAP_POINTERS if tile.tma == SWAP_POINTERS and block_m(m) >= 16 else 0
+
+
 def tma_descriptors(
     tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int, tma: bool = True
 ):
@@ -219,6 +290,11 @@ def check_tile(kernel: str, tile: Tile, m: int) -> Tile:
         )
     if tile.split_k < 1:
         raise ConfigError(f"{kernel}: split_k must be >= 1; got {tile}")
+    if tile.tma not in (0, 1, 2, SWAP_POINTERS):
+        raise ConfigError(
+            f"{kernel}: tma must be 0 (pointers), 1 or 2 (TMA) or {SWAP_POINTERS} (swap-AB "
+            f"through pointers); got {tile}"
+        )
     return tile
 
 
@@ -250,13 +326,18 @@ def splitk_workspace(
 
 __all__ = [
     "CUBLAS",
+    "FP8_ONE_ROW_BYTES",
     "KERNELS",
+    "SWAP_POINTERS",
     "TILES",
     "Tile",
     "as_tile",
     "block_m",
     "check_tile",
     "default_tile",
+    "fp8_default_tile",
+    "fp8_table_tile",
+    "loop_mode",
     "no_pdl_bucket",
     "prefer_cublas",
     "separate_norm",

@@ -15,6 +15,8 @@ sums both partials and runs the epilogue (``gemv_tiles.splitk_reduce``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,8 @@ from .proj_tiles import (
     as_tile,
     block_m,
     check_tile,
+    fp8_table_tile,
+    loop_mode,
     splitk_workspace,
     tile_for,
     tma_descriptors,
@@ -254,14 +258,25 @@ def _qkv_rope_kernel(
 
 
 def qkv_tile(
-    norm: bool, m: int, n_rows: int, k: int, half: int, elem_bytes: int = 2, tables=None
+    norm: bool,
+    m: int,
+    n_rows: int,
+    k: int,
+    half: int,
+    elem_bytes: int = 2,
+    tables=None,
+    fp8: bool = False,
 ) -> Tile:
     """The tile ``qkv_rope`` launches for ``m`` rows (``norm``: with the norm prologue's pass
     over x; False for an x normed already or ``r * norm_w`` with its sums of squares): the
-    table's, and at one row the one-row rule halved, since it counts both halves of a pair."""
-    tile = tile_for("qkv_rope" if norm else "qkv_rope_normed", m, n_rows, k, elem_bytes, tables)
-    if m == 1:
+    table's, and at one row the one-row rule halved, since it counts both halves of a pair
+    (``fp8``, an e4m3 weight: a one-row tile of ``FP8_TILES`` is the kernel's own, as is)."""
+    kernel = "qkv_rope" if norm else "qkv_rope_normed"
+    tile = tile_for(kernel, m, n_rows, k, elem_bytes, tables, fp8)
+    if m == 1 and not (fp8 and fp8_table_tile(kernel, m, n_rows, k, elem_bytes, tables)):
         tile = Tile(max(1, min(half, tile.block_n // 2)), tile.block_k, tile.num_warps)
+    elif fp8 and tile.block_n > half >= 16:
+        tile = dataclasses.replace(tile, block_n=half)  # one tile a half-head, not masked
     return tile
 
 
@@ -320,8 +335,8 @@ def qkv_rope(
         n_rows = (n_heads + 2 * n_kv) * hd
         t = default_tuning(tuning)
         if blocks is None:
-            elem = 2 if fp8 else weight.element_size()
-            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, elem, t.tables)
+            elem = x.element_size() if fp8 else weight.element_size()
+            tile = qkv_tile(norm_w is not None, m, n_rows, k, half, elem, t.tables, fp8)
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
@@ -336,8 +351,7 @@ def qkv_rope(
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * block_m(m) * bd
             ws, tickets = splitk_workspace(x.device, elems, tiles)
-        # None: the pointer loop (FP8 weights always)
-        descs = tma_descriptors(tile, m, x, weight, bd, t.tma and not fp8)
+        descs = tma_descriptors(tile, m, x, weight, bd, t.tma)
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, q)
         _qkv_rope_kernel[(tiles, tile.split_k)](
             x,
@@ -374,9 +388,9 @@ def qkv_rope(
             NORM=norm_w is not None,
             SSQ_PAD=ssq_pad,
             USE_PDL=pdl,
-            TMA=tile.tma if descs else 0,
+            TMA=loop_mode(tile, m, descs),
             PREFETCH=prefetch_lines(
-                bd, k, tile.split_k, tile.block_k, x.element_size(), True, t.l2_prefetch_bytes
+                bd, k, tile.split_k, tile.block_k, weight.element_size(), True, t.l2_prefetch_bytes
             )
             if descs
             else 0,

@@ -18,7 +18,9 @@ class Tile:
     num_stages: int | None = None  # None: Triton's default (3)
     split_k: int = 1
     tma: int = 0  # tensor-core rows through TMA (tma_tiles): 1 swap-AB, weight and x by
-    # descriptor; 2 x @ w^T, the weight by descriptor and x from pointers (a register operand)
+    # descriptor; 2 x @ w^T, the weight by descriptor and x from pointers (a register operand);
+    # 3 swap-AB through pointers, no descriptor (w @ x^T: the weight tile, converted in
+    # registers when e4m3, is the MMA's register operand; gemv_tiles.gemv_loop's SWAP)
 
     def launch(self) -> dict:
         """The launch options: ``num_warps``, and ``num_stages`` when set."""
@@ -85,6 +87,12 @@ TILES.update(
 )
 CUBLAS.add(("qkv_rope", *_Q8, 16))
 
+# FP8 weights (e4m3, per-channel scales; activations bf16): the tile per (kernel, n, k, BLOCK_M)
+# as TILES, BLOCK_M 1 included (the one-row GEMV: block_k counts e4m3 elements, one byte each),
+# from benchmarks/proj_sweep.py --quantization fp8 on the H200; other keys take
+# proj_tiles.fp8_default_tile (docs/experiments.md#fp8-weight-tiles).
+FP8_TILES: dict[tuple[str, int, int, int], Tile] = {}
+
 # Where the norm runs as its own kernel (add_rmsnorm) before the fused kernel's ``_normed``
 # variant, the activation then streaming as it is: with the norm in the prologue the fused
 # kernels tied or lost (docs/experiments.md#the-norm-as-its-own-kernel). With the handoff on it
@@ -106,4 +114,12 @@ REFERENCE_BUCKETS: set[tuple[int, int, int]] = set()
 NO_PDL_BUCKETS: set[tuple[int, int, int]] = set()
 
 
-__all__ = ["CUBLAS", "NO_PDL_BUCKETS", "REFERENCE_BUCKETS", "SEPARATE_NORM", "TILES", "Tile"]
+__all__ = [
+    "CUBLAS",
+    "FP8_TILES",
+    "NO_PDL_BUCKETS",
+    "REFERENCE_BUCKETS",
+    "SEPARATE_NORM",
+    "TILES",
+    "Tile",
+]

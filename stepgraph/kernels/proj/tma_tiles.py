@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..pdl import hopper_or_later
-from .gemv_tiles import FENCE, first_w_tile, gemv_loop, mul_acc, row_inv_rms, x_tile
+from .gemv_tiles import FENCE, dot_t, first_w_tile, gemv_loop, mul_acc, row_inv_rms, x_tile
 from .norm_handoff import ssq_inv_rms
 
 try:  # Triton >= 3.4
@@ -103,16 +103,6 @@ def l2_prefetch(
             is_pure=False,
             pack=1,
         )
-
-
-@triton.jit
-def dot_t(acc, w, x):
-    # acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x^T (float32 inputs at "ieee": no TF32)
-    if w.dtype == tl.float32:
-        acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
-    return acc
 
 
 @triton.jit
@@ -206,8 +196,9 @@ def weights_before_wait(
     # during a step). Pointer loop: the first tile at k_lo of rows w1_ptrs (and w2_ptrs),
     # held in registers -> (w1, w2). TMA tiles: the L2 prefetch of rows [row1, +BLOCK_N) (and
     # row2's) when PREFETCH lines are asked for, rows past n1 (n2) clamped; nothing held (the
-    # returned zero tiles are never read: tma_loop loads its own).
-    if TMA:
+    # returned zero tiles are never read: tma_loop loads its own). TMA 3 (swap-AB through
+    # pointers) holds the first tile as the pointer loop does.
+    if TMA % 3 != 0:
         l2_prefetch(w_ptr, stride_wn, row1, n1, k_lo, k_hi, BLOCK_N, PREFETCH)
         if PAIRED:
             l2_prefetch(w_ptr, stride_wn, row2, n2, k_lo, k_hi, BLOCK_N, PREFETCH)
@@ -260,14 +251,15 @@ def proj_loop(
     # SSQ_PAD > 0 (the norm handoff, NORM False): x is r * norm_w already, rounded, and the
     # 1 / RMS of r comes from the sums of squares its writer left (norm_handoff.ssq_inv_rms),
     # a scale of each row of the products after the loop: the loop is a normed x's.
-    # W_FP8: the weight is e4m3 (pointer loop only, no TMA) with float32 scales per output
-    # channel at s_ptr, applied to the sums of rows row1.. (and row2..) after the loop.
+    # W_FP8: the weight is e4m3 (any loop: converted to x's dtype in registers, exactly) with
+    # float32 scales per output channel at s_ptr, applied to the sums of rows row1.. (and
+    # row2..) after the loop. TMA 3: the pointer loop swap-AB (gemv_loop's SWAP).
     # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)
     if NORM:
         inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     else:
         inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    if TMA:
+    if TMA % 3 != 0:
         a1, a2 = tma_loop(
             w_desc,
             row1,
@@ -307,6 +299,7 @@ def proj_loop(
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
+            TMA == 3,
         )
     if W_FP8:
         offs_s = tl.arange(0, BLOCK_N)

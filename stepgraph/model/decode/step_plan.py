@@ -24,6 +24,7 @@ from ...kernels.decode.splits import H200_NUM_SMS, SplitLadder, ladder_cap, num_
 from ...kernels.pdl import TRIGGER_MODES
 from ...kernels.proj.proj_tiles import (
     Tile,
+    fp8_table_tile,
     measured,
     no_pdl_bucket,
     prefer_cublas,
@@ -135,13 +136,26 @@ FP8_REFERENCE = (
     "FP8 weights with block scales (or mixed): the projections run the FP8-weight GEMV "
     "(kernels/proj/fp8_gemv)"
 )
-FP8_FUSED = "fp8-channel"  # the weight format the fused kernels stream (W_FP8, no TMA)
+FP8_FUSED = "fp8-channel"  # the weight format the fused kernels stream (W_FP8; FP8_TILES)
+
+
+def _fp8(shapes: StepShapes, piece: str) -> bool:
+    """Whether ``piece`` streams e4m3 weights through the fused kernels (not the LM head)."""
+    return shapes.weight_format == FP8_FUSED and piece != "lm_head"
 
 
 def measured_all(shapes: StepShapes, bucket: int, tables=None) -> bool:
-    """Every projection has a measured choice at ``bucket`` (``proj_tiles.measured``)."""
+    """Every projection has a measured choice at ``bucket`` (``proj_tiles.measured``; FP8
+    weights: a tile in ``tables.fp8_tiles`` counts too)."""
     return all(
         measured(PIECE_KERNELS[p], bucket, *shapes.shape(p), shapes.elem_bytes, tables)
+        or (
+            _fp8(shapes, p)
+            and fp8_table_tile(
+                PIECE_KERNELS[p], bucket, *shapes.shape(p), shapes.elem_bytes, tables
+            )
+            is not None
+        )
         for p in PIECE_KERNELS
     )
 
@@ -222,12 +236,14 @@ def _qkv(shapes: StepShapes, rows: int, hand: bool, t: DecodeTuning) -> ProjPlan
         return ProjPlan(CUBLAS_HANDOFF if hand else CUBLAS)
     how = HANDOFF if hand else SEPARATE if _separate(shapes, "qkv", rows, t) else FUSED
     half = shapes.attention[2] // 2
-    tile = qkv_tile(how == FUSED, rows, *shapes.qkv, half, shapes.elem_bytes, t.tables)
+    e, fp8 = shapes.elem_bytes, _fp8(shapes, "qkv")
+    tile = qkv_tile(how == FUSED, rows, *shapes.qkv, half, e, t.tables, fp8)
     return ProjPlan(how, tile)
 
 
 def _tile(shapes: StepShapes, kernel: str, piece: str, rows: int, t: DecodeTuning) -> Tile:
-    return tile_for(kernel, rows, *shapes.shape(piece), shapes.elem_bytes, t.tables)
+    e, fp8 = shapes.elem_bytes, _fp8(shapes, piece)
+    return tile_for(kernel, rows, *shapes.shape(piece), e, t.tables, fp8)
 
 
 def _takes_handoff(shapes: StepShapes, piece: str, rows: int, t: DecodeTuning) -> bool:

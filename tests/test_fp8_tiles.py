@@ -1,0 +1,310 @@
+"""FP8 weights' own tiles: the loop forms a tile takes with e4m3 weights (swap-AB through
+pointers, the weight the MMA's register operand; TMA swap-AB; TMA with x from pointers; the plain
+pointer loop) under the Triton interpreter against float64 over the dequantized weights, at 1,
+2, 16, 17 and 64 rows, K not a multiple of the chunk, ragged column tiles, scales of 0 and huge;
+``FP8_TILES`` and its rule as pure functions of the bucket; the plan reading them; the bench's
+memory check counting the FP8 model it builds beside the first."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from stepgraph.errors import ConfigError
+from stepgraph.kernels.proj import proj_tiles
+from stepgraph.kernels.proj.gate_up_silu import gate_up_silu
+from stepgraph.kernels.proj.norm_gemv import gemv_residual
+from stepgraph.kernels.proj.proj_tiles import (
+    SWAP_POINTERS,
+    TARGET_PROGRAMS,
+    Tile,
+    block_m,
+    default_tile,
+    fp8_default_tile,
+    loop_mode,
+    tile_for,
+    tma_descriptors,
+)
+from stepgraph.kernels.proj.qkv_rope import qkv_rope, qkv_tile
+from stepgraph.model.fp8_weight import quantize_per_channel
+from stepgraph.tuning import DecodeTuning, ProjTables
+from tests.conftest import rel_err
+from tests.references import check_qkv_rope, rms64
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+EPS = 1e-5
+FORMS = {  # every loop form a tensor-core tile can take, with a split of K for two of them
+    "swap": Tile(16, 64, 4, 2, 1, SWAP_POINTERS),
+    "swap-split": Tile(32, 32, 4, 2, 2, SWAP_POINTERS),
+    "tma-swap": Tile(16, 64, 4, 2, 2, 1),
+    "tma-x": Tile(16, 64, 4, 2, 1, 2),
+    "pointers": Tile(16, 32, 4, 2, 1, 0),
+}
+
+
+def fp8(w: torch.Tensor, zero_row: int | None = None, huge_row: int | None = None):
+    """``w`` per channel in e4m3: ``(data, scale, the float64 dequantized weight)``."""
+    q = quantize_per_channel(w.float())
+    scale = q.scale.clone()
+    if zero_row is not None:
+        scale[zero_row] = 0.0
+    if huge_row is not None:
+        scale[huge_row] = 1e30
+    return q.data, scale, q.data.double() * scale.double()[:, None]
+
+
+def inputs(m, k, n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(m, k, generator=g)).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    return x, nw, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("m", [2, 16, 17, 64])
+def test_gemv_residual_fp8_every_form(nan_empty, dtype, form, m):
+    # K 144: two chunks of 64 and a partial one (16-byte rows for TMA); N 40: a ragged tile
+    k, n = 144, 40
+    x, _, w = inputs(m, k, n, dtype, m * 7 + len(form))
+    data, scale, w64 = fp8(w, zero_row=1, huge_row=33)
+    res = torch.randn(m, n, generator=torch.Generator().manual_seed(2)).to(dtype)
+    tile = FORMS[form]
+    y = gemv_residual(x, data, res, blocks=tile, w_scale=scale)
+    ref = x.double() @ w64.T + res.double()
+    keep = [c for c in range(n) if c != 33]
+    assert rel_err(y[:, keep], ref[:, keep]) < TOL[dtype]
+    assert torch.equal(y[:, 1], res[:, 1])  # scale 0: the projection is 0, the residual stays
+    if dtype == torch.float32:  # 1e30 x sums of O(10): in float32's range, unclipped
+        assert rel_err(y[:, 33], ref[:, 33]) < TOL[dtype] and y[:, 33].abs().max() > 1e29
+    # the form ran as named: descriptors for the TMA tiles, the swap constexpr for tma 3
+    descs = tma_descriptors(tile, m, x, data, tile.block_n)
+    assert (descs is not None) == (tile.tma in (1, 2))
+    assert loop_mode(tile, m, descs) == tile.tma
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", ["swap", "swap-split", "tma-swap", "tma-x"])
+@pytest.mark.parametrize("m", [2, 17])
+def test_gate_up_silu_fp8_every_form(nan_empty, dtype, form, m):
+    k, inter = 144, 24  # pairs: one full 16-row tile and a ragged one
+    x, nw, w = inputs(m, k, 2 * inter, dtype, m + k)
+    data, scale, w64 = fp8(w, zero_row=inter + 2)  # an up row: that output is 0
+    out = gate_up_silu(x, nw, data, EPS, blocks=FORMS[form], w_scale=scale)
+    gate, up = (rms64(x, nw) @ w64.T).split(inter, dim=-1)
+    assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
+    assert torch.all(out[:, 2] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", ["swap", "swap-split", "tma-swap"])
+@pytest.mark.parametrize("m", [2, 17])
+def test_qkv_rope_fp8_every_form(nan_empty, dtype, form, m):
+    from .test_fused_step_kernels import rope_tables
+
+    n_heads, n_kv, hd, pages, ps, k = 4, 2, 32, 5, 8, 80
+    n = (n_heads + 2 * n_kv) * hd
+    x, nw, w = inputs(m, k, n, dtype, 3 * m)
+    data, scale, w64 = fp8(w)
+    g = torch.Generator().manual_seed(11)
+    cos_t, sin_t = rope_tables(hd, 64, dtype, g)
+    positions = torch.randint(0, 64, (m,), generator=g)
+    slots = torch.randperm(pages * ps, generator=g)[:m]
+    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    tile = FORMS[form]
+    q = qkv_rope(
+        x,
+        nw,
+        data,
+        None,
+        EPS,
+        positions,
+        cos_t,
+        sin_t,
+        k_cache,
+        v_cache,
+        slots,
+        n_heads,
+        blocks=tile,
+        w_scale=scale,
+    )
+    qkv = rms64(x, nw) @ w64.T
+    caches = (k_cache, v_cache), (k0, v0)
+    check_qkv_rope(q, qkv, positions, cos_t, sin_t, *caches, slots, n_heads, 2 * TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k", [200, 4096 + 48])
+def test_one_row_fp8_rule_tile(nan_empty, dtype, k):
+    """One row: the rule's GEMV tile for e4m3 (block_k in bytes), K past a chunk's multiple."""
+    n = 40
+    x, _, w = inputs(1, k, n, dtype, k)
+    data, scale, w64 = fp8(w, zero_row=0)
+    tile = tile_for("gemv_residual", 1, n, k, x.element_size(), fp8=True)
+    assert tile == fp8_default_tile("gemv_residual", 1, n, k, x.element_size())
+    y = gemv_residual(x, data, None, w_scale=scale)
+    assert rel_err(y, x.double() @ w64.T) < TOL[dtype] and torch.all(y[:, 0] == 0)
+
+
+def test_fp8_rule_counts_bytes_and_programs():
+    """One row: block_k twice bf16's (in bytes the same), 16 KB a program; from 2 rows swap-AB
+    through pointers, 64 weight rows (qkv 32), split K until 2 x 132 programs or one chunk a
+    split."""
+    shapes = {
+        "gemv_residual": [(2048, 2048), (2048, 8192), (4096, 14336)],
+        "gate_up_silu_normed": [(16384, 2048), (28672, 4096)],
+        "qkv_rope_normed": [(3072, 2048), (6144, 4096)],
+    }
+    for kernel, sizes in shapes.items():
+        for n, k in sizes:
+            one, bf16 = fp8_default_tile(kernel, 1, n, k), default_tile(kernel, 1, n, k)
+            assert one.block_k == min(2 * bf16.block_k, k), (kernel, n, k)
+            pairs = 2 if kernel.startswith("gate_up") else 1
+            assert one.block_n * pairs * one.block_k == proj_tiles.FP8_ONE_ROW_BYTES
+            for m in (2, 16, 17, 64):
+                t = fp8_default_tile(kernel, m, n, k)
+                assert t.tma == SWAP_POINTERS and t.block_n == (32 if "qkv" in kernel else 64)
+                rows = n // 2 if kernel in proj_tiles.PAIRED else n
+                programs = -(-rows // t.block_n) * t.split_k
+                assert programs >= TARGET_PROGRAMS or k // (2 * t.split_k) < t.block_k
+                assert k // t.split_k >= t.block_k  # every split a whole chunk at least
+    # float32 activations: shorter chunks (the x tile is twice the bytes)
+    assert fp8_default_tile("gemv_residual", 8, 2048, 2048, 4).block_k == 128
+
+
+def test_fp8_tiles_are_read_per_bucket_and_fall_back_to_the_rule():
+    key16, key1 = ("gemv_residual", 2048, 2048, 16), ("gemv_residual", 2048, 2048, 1)
+    mine, one = Tile(64, 128, 4, 4, 8, SWAP_POINTERS), Tile(16, 1024, 8)
+    tables = ProjTables(fp8_tiles={key16: mine, key1: one})
+    for m in (2, 3, 4, 5, 16):  # the 16-row class, the 4-row keys absent
+        assert tile_for("gemv_residual", m, 2048, 2048, 2, tables, fp8=True) == mine
+    assert tile_for("gemv_residual", 1, 2048, 2048, 2, tables, fp8=True) == one
+    rule17 = fp8_default_tile("gemv_residual", 17, 2048, 2048)
+    assert tile_for("gemv_residual", 17, 2048, 2048, 2, tables, fp8=True) == rule17  # one past
+    # bf16 weights never read the FP8 table; float32 activations take the rule
+    assert tile_for("gemv_residual", 16, 2048, 2048, 2, tables) != mine
+    assert tile_for("gemv_residual", 16, 2048, 2048, 4, tables, fp8=True) == fp8_default_tile(
+        "gemv_residual", 16, 2048, 2048, 4
+    )
+    # qkv at one row: a table tile is the kernel's BLOCK_D as is; the rule's is halved
+    q1 = ("qkv_rope", 3072, 2048, 1)
+    tq = ProjTables(fp8_tiles={q1: Tile(8, 2048, 8)})
+    assert qkv_tile(True, 1, 3072, 2048, 32, 2, tq, True) == Tile(8, 2048, 8)
+    rule = fp8_default_tile("qkv_rope", 1, 3072, 2048)
+    assert qkv_tile(True, 1, 3072, 2048, 32, 2, None, True).block_n == rule.block_n // 2
+    with pytest.raises(ValueError, match=r"tables.fp8_tiles"):
+        ProjTables(fp8_tiles={key16: (64, 128)})
+
+
+def test_a_tile_whose_fp8_pipeline_overflows_shared_memory_takes_the_rule():
+    key = ("gemv_residual", 2048, 2048, 64)
+    big = Tile(256, 256, 8, 8, 1, SWAP_POINTERS)  # 8 x (64 x 2 + 256) x 256 bytes: 768 KB
+    tables = ProjTables(fp8_tiles={key: big})
+    with pytest.warns(UserWarning, match="over SMEM_BUDGET"):
+        t = tile_for("gemv_residual", 64, 2048, 2048, 2, tables, fp8=True)
+    assert t == fp8_default_tile("gemv_residual", 64, 2048, 2048)
+
+
+def test_check_tile_refuses_an_unknown_loop_form():
+    proj_tiles.check_tile("gemv_residual", Tile(16, 16, 4, 2, 1, SWAP_POINTERS), 2)
+    with pytest.raises(ConfigError, match="tma must be 0"):
+        proj_tiles.check_tile("gemv_residual", Tile(16, 16, 4, 2, 1, 4), 2)
+    assert loop_mode(Tile(16, 16, 4, 2, 1, SWAP_POINTERS), 1, None) == 0  # one row: the GEMV
+
+
+def test_the_fp8_plan_takes_fp8_tiles_and_keeps_the_head_in_bf16():
+    from stepgraph.model.config import PRESETS
+    from stepgraph.model.decode import kernel_plan, step_plan
+
+    shapes = dataclasses.replace(
+        kernel_plan.config_shapes(PRESETS["llama-3.2-1b"]), weight_format="fp8-channel"
+    )
+    o, down = ("gemv_residual", *shapes.o_proj, 16), ("gemv_residual", *shapes.down, 16)
+    mine = Tile(64, 128, 4, 4, 8, SWAP_POINTERS)
+    tuning = DecodeTuning(tables=ProjTables(fp8_tiles={o: mine}))
+    plan = step_plan.plan_step(shapes, 8, 8, tuning)
+    assert plan.fused and plan.o_proj.tile == mine
+    assert plan.down.tile == fp8_default_tile(*down[:1], 8, *down[1:3])
+    assert plan.gate_up.tile.tma == SWAP_POINTERS  # the handoff's _normed kernel, the rule
+    assert plan.lm_head.tile == tile_for("lm_head", 8, *shapes.lm_head)  # bf16's table
+    one = step_plan.plan_step(shapes, 1, 1, tuning)
+    assert one.o_proj.tile == fp8_default_tile("gemv_residual", 1, *shapes.o_proj)
+    assert (
+        block_m(1) == 1 and one.qkv.tile.block_k == 2 * tile_for("qkv_rope", 1, 3072, 2048).block_k
+    )
+
+
+def test_fp8_tiles_count_as_measured_for_unmeasured_shapes():
+    from stepgraph.model.decode import step_plan
+
+    s = step_plan.StepShapes(
+        qkv=(384, 256),
+        o_proj=(256, 256),
+        gate_up=(1024, 256),
+        down=(256, 512),
+        lm_head=(1000, 256),
+        attention=(4, 2, 64),
+        weight_format="fp8-channel",
+    )
+    assert step_plan.reference_reason(s, 8, DecodeTuning()) == step_plan.UNMEASURED
+    keys = {
+        ("qkv_rope", 384, 256, 16),
+        ("qkv_rope_normed", 384, 256, 16),
+        ("gemv_residual", 256, 256, 16),
+        ("gate_up_silu", 1024, 256, 16),
+        ("gemv_residual", 256, 512, 16),
+    }
+    fp8_tiles = {key: Tile(16, 64, 4, 2, 1, SWAP_POINTERS) for key in keys}
+    tables = ProjTables(fp8_tiles=fp8_tiles, tiles={("lm_head", 1000, 256, 16): Tile(64, 64)})
+    assert step_plan.reference_reason(s, 8, DecodeTuning(tables=tables)) is None
+    # the LM head stays in the model dtype: an FP8 tile for it does not count
+    fp8_tiles[("lm_head", 1000, 256, 16)] = Tile(64, 64)
+    tables = ProjTables(fp8_tiles=fp8_tiles)
+    assert step_plan.reference_reason(s, 8, DecodeTuning(tables=tables)) == step_plan.UNMEASURED
+
+
+def test_bench_memory_counts_the_fp8_model(monkeypatch):
+    from stepgraph.bench.args import check_bench_args, quantized_model_bytes
+    from stepgraph.bench.workload import bench_bytes, weight_bytes
+    from stepgraph.cli_args import UsageError, model_config
+    from stepgraph.model import ModelRunner, kv_cache
+
+    mr = ModelRunner.from_preset(
+        "tiny", "cpu", torch.bfloat16, quantization="fp8", max_bs=2, max_context_len=64
+    )
+    cfg = model_config("tiny")
+    parts = bench_bytes(cfg, torch.bfloat16, 2, 16 + 64)
+    fp8_parts = quantized_model_bytes(parts, cfg, torch.bfloat16)
+    assert cfg.tie_word_embeddings  # so every weight the model holds is one a step reads
+    assert fp8_parts["FP8 model's weights"] == weight_bytes(mr)
+    assert fp8_parts["FP8 model's KV cache"] == parts["KV cache"]
+    need = sum(parts.values()) + sum(fp8_parts.values())
+    args = argparse.Namespace(
+        device="cuda",
+        dtype="bfloat16",
+        batch_sizes="2",
+        contexts="16",
+        model="tiny",
+        modes="exact",
+        json=None,
+        plot=None,
+        tp=1,
+        quantization="fp8",
+        serve=False,
+        prefill=False,
+    )
+    monkeypatch.setattr("stepgraph.bench.args.check_mode_flags", lambda a: None)
+    monkeypatch.setattr("stepgraph.bench.args.bench_modes", lambda *a: None)
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: need)
+    check_bench_args(args)  # exactly what is free: it fits
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: need - 1)
+    with pytest.raises(UsageError, match=r"FP8 model's weights .*drop --quantization"):
+        check_bench_args(args)
+    args.quantization = None  # without the second model it fits
+    check_bench_args(args)
