@@ -235,3 +235,80 @@ def test_an_insert_refused_at_a_later_page_takes_back_the_keys_it_claimed():
     c.check()
     assert c.insert(toks[: 2 * PS], held) == 2  # the same pages cache once the call is right
     c.check()
+
+
+def test_an_insert_from_an_offset_caches_what_a_whole_one_does_and_checks_the_offset():
+    rng = random.Random(4)
+    toks = [rng.randrange(1, 50) for _ in range(6 * PS + 5)]
+    whole, parts = _cache(), _cache()
+    a, b = whole.allocate(7), parts.allocate(7)
+    assert whole.insert(toks, a) == 6
+    assert parts.insert(toks[: 3 * PS], b) == 3
+    # only the tokens from the page before the new ones: pages 2.. of the written tokens
+    assert parts.insert(toks[2 * PS :], b, start=3, offset=2) == 3
+    assert [e.key[1] for e in whole._tree.entries.values()] == [
+        e.key[1] for e in parts._tree.entries.values()
+    ]
+    assert parts.match(toks).num_tokens == whole.match(toks).num_tokens == 6 * PS
+    assert parts.insert(toks[5 * PS :], b, start=6, offset=5) == 0  # nothing new
+    for offset, start in ((3, 3), (6, 6), (7, 6)):  # at most start - 1: one past it refused
+        with pytest.raises(ConfigError, match=r"offset=\d+ must be in \[1, start - 1\]"):
+            parts.insert(toks[offset * PS :], b, start=start, offset=offset)
+    with pytest.raises(ConfigError, match="is not cached with tokens"):  # wrong tokens
+        parts.insert([t + 1 for t in toks[2 * PS :]], b, start=3, offset=2)
+    parts.check()
+    whole.check()
+
+
+def test_the_engine_hands_in_only_the_pages_each_chunk_completed():
+    """Chunks of 7 tokens: each insert gets the tokens of the page before the new ones and the
+    new ones (at most 3 pages), never the whole prompt, resuming after the pages before; the
+    cache ends as a whole insert leaves it, and the tokens equal caching off."""
+    g = torch.Generator().manual_seed(5)
+    prompt = _tokens(g, 5 * PS + 3)
+    engine = _engine(True, max_prefill_tokens=7)
+    cache = engine.prefix_cache
+    seen = []
+    insert = cache.insert
+
+    def recording(tokens, pages, salt=None, **kw):
+        seen.append((len(tokens), kw.get("start", 0), kw.get("offset", 0)))
+        return insert(tokens, pages, salt, **kw)
+
+    cache.insert = recording
+    [out] = engine.generate([prompt], 20)
+    assert out == _engine(False, max_prefill_tokens=7).generate([prompt], 20)[0]
+    assert max(n for n, _, _ in seen) <= 3 * PS and len(seen) == 6  # once a page completed
+    assert [s for _, s, _ in seen] == list(range(6))  # each resumed after the one before
+    # the prompt and 20 outputs, the last never written: 5 * PS + 22 tokens, 6 full pages
+    assert cache.num_cached == 6 and cache.match(prompt + out[:19]).num_tokens == 6 * PS
+    _assert_no_leak(engine)
+
+
+def test_an_insert_after_a_private_page_walks_from_the_first_page():
+    """A request's page whose tokens another page cached first stays private; its next insert
+    cannot resume under it, so it hands in every written token and walks from the first."""
+    from stepgraph.engine.cache_use import EngineCache
+    from stepgraph.engine.requests import Request
+
+    g = torch.Generator().manual_seed(6)
+    prompt = _tokens(g, 4 * PS + 1)
+    mr = _runner()
+    ec = EngineCache(mr, True)
+    other = ec.cache.allocate(2)
+    ec.cache.insert(prompt[: 2 * PS], other)  # the first two pages, cached by another request
+    req = Request(0, prompt, 4)
+    req.pages = ec.cache.allocate(5)  # computed again (as if admitted before they were cached)
+    seen = []
+    insert = ec.cache.insert
+    ec.cache.insert = lambda t, p, s=None, **kw: (seen.append((len(t), kw)), insert(t, p, s, **kw))
+    req.prefilled = 2 * PS
+    ec.insert(req)  # both pages private
+    req.prefilled = 4 * PS
+    ec.insert(req)
+    assert seen == [(2 * PS, {"start": 0, "offset": 0}), (4 * PS, {"start": 2, "offset": 0})]
+    assert ec.cache.num_cached == 4 and ec.cache.match(prompt).pages == other + req.pages[2:4]
+    ec.cache.release(req.pages)
+    ec.cache.release(other)
+    ec.cache.check()
+    assert ec.cache.clear() == 4

@@ -227,6 +227,14 @@ def test_the_report_says_where_each_run_spent_its_steps(tmp_path, capsys):
         assert r["prefill_step_s"] > 0 and r["decode_step_s"] > 0 and r["outside_steps_s"] >= 0
         in_steps = r["prefill_step_s"] + r["decode_step_s"] + r["outside_steps_s"]
         assert in_steps == pytest.approx(r["duration_s"], rel=0.05)
+        from stepgraph.engine.phase_timer import PHASES
+
+        phases = r["host_ms_by_phase"]
+        assert list(phases) == list(PHASES) and all(v >= 0 for v in phases.values())
+        # the phases split the steps' time (the timer's own marks aside)
+        in_engine = (r["prefill_step_s"] + r["decode_step_s"]) * 1e3
+        assert sum(phases.values()) == pytest.approx(in_engine, rel=0.2)
+    assert text.count("step ms by phase (landing: the wait for the device): admission") == 2
     assert runs["off"]["prefill_tokens"] == 6 * 46
     # on: the 2 full pages of each system prompt computed once, the rest of each prompt
     assert runs["on"]["prefill_tokens"] == 6 * 46 - 4 * 32

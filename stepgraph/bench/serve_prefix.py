@@ -17,6 +17,7 @@ import json
 import sys
 import time
 
+from ..engine.phase_timer import PHASES, PhaseTimer
 from ..errors import StepGraphError
 from .serve_metrics import RequestTiming, percentile, serving_metrics
 from .workload_prefix import longest_context, next_prompt, shared_prefix_prompts, turn_questions
@@ -94,6 +95,7 @@ def run_workload(engine, args: argparse.Namespace, vocab: int, serve) -> dict:
     engine.generate(warm[1:], 2, ignore_eos=True)  # a chunk after a cached prefix
     engine.prefix_cache.clear()
     engine.stats = type(engine.stats)()
+    timer = engine.timer = PhaseTimer()  # a few clock reads a step
     if args.workload == "shared-prefix":
         prompts = shared_prefix_prompts(
             args.groups,
@@ -108,7 +110,16 @@ def run_workload(engine, args: argparse.Namespace, vocab: int, serve) -> dict:
     else:
         questions = turn_questions(args.conversations, args.turns, args.turn_len, vocab, seed)
         timings, duration = serve_turns(engine, questions, args.turn_len)
-    return summarize(timings, duration, engine.stats)
+    engine.timer = None
+    out = summarize(timings, duration, engine.stats)
+    out["host_ms_by_phase"] = phase_totals(timer)
+    return out
+
+
+def phase_totals(timer: PhaseTimer) -> dict[str, float]:
+    """Milliseconds of the engine's steps by phase over the run (``PhaseTimer``; "landing"
+    holds the wait for the device)."""
+    return {p: sum(s[i] for s in timer.samples) / 1e6 for i, p in enumerate(PHASES)}
 
 
 def step_line(name: str, r: dict) -> str:
@@ -120,7 +131,12 @@ def step_line(name: str, r: dict) -> str:
         f"({r['prefill_tokens']} prompt tokens computed); {r['prefill_step_s']:.2f} s in steps "
         f"that prefilled, {r['decode_step_s']:.2f} s in {decode_only} decode-only "
         f"({each:.2f} ms each), {r['outside_steps_s']:.2f} s outside the engine"
-    )
+    ) + (_phases(r["host_ms_by_phase"]) if "host_ms_by_phase" in r else "")
+
+
+def _phases(ms: dict[str, float]) -> str:
+    cells = ", ".join(f"{p} {v:.0f}" for p, v in ms.items())
+    return f"\n    step ms by phase (landing: the wait for the device): {cells}"
 
 
 def _sizes(args: argparse.Namespace) -> str:

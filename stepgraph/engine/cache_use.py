@@ -161,14 +161,31 @@ class EngineCache:
         return self.cache.reserve(req.prompt, n, req.cache_salt, match=m)
 
     def insert(self, req: Request) -> None:
-        """Cache ``req``'s full written pages (before they are released)."""
-        if self.enabled and req.pages:
-            look = req.lookup
-            if look is None:
-                look = req.lookup = Lookup()
-            tokens = written_tokens(req)
-            self.cache.insert(tokens, req.pages, req.cache_salt, start=look.inserted)
-            look.inserted = min(len(tokens) // self.cache.page_size, len(req.pages))
+        """Cache ``req``'s full written pages (before they are released): only those no
+        earlier insert of it covered, handed in from the page before them on (no copy of the
+        whole prompt); nothing at all when no page was completed since."""
+        if not self.enabled or not req.pages:
+            return
+        look = req.lookup
+        if look is None:
+            look = req.lookup = Lookup()
+        ps, prompt, start = self.cache.page_size, req.prompt, look.inserted
+        written = req.prefilled
+        if written == len(prompt):
+            written += max(req.scheduled - 1, 0)  # written_tokens: the outputs fed back
+        n = min(written // ps, len(req.pages))
+        if n <= start:
+            return
+        # from the page before the new ones (the insert resumes under it), unless that page
+        # stayed private (its tokens were cached in another page): then every written token
+        offset = start - 1 if start > 1 and self.cache.is_cached(req.pages[start - 1]) else 0
+        lo, hi = offset * ps, n * ps
+        if hi <= len(prompt):
+            tokens = prompt[lo:hi]
+        else:
+            tokens = prompt[lo:] + req.output[max(lo - len(prompt), 0) : hi - len(prompt)]
+        self.cache.insert(tokens, req.pages, req.cache_salt, start=start, offset=offset)
+        look.inserted = n
 
     def release(self, pages: list[int]) -> None:
         self.cache.release(pages)

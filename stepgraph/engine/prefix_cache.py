@@ -120,6 +120,9 @@ class PrefixCache:
     def refcount(self, page: int) -> int:
         return self._tree.refs.get(page, 0)
 
+    def is_cached(self, page: int) -> bool:
+        return page in self._tree.entries
+
     # -- lookup and admission ------------------------------------------------------------
     def match(
         self,
@@ -290,55 +293,76 @@ class PrefixCache:
         salt: str | None = None,
         *,
         start: int = 0,
+        offset: int = 0,
     ) -> int:
         """Cache the full pages of a request: ``tokens`` are those whose KV is written in
         ``pages`` (prompt, then generated), ``pages`` its block table, still held. A page
         whose tokens are already cached in another page stays private (freed at release).
         Returns the pages newly cached. ``start``: an earlier insert of the same request
         covered its first ``start`` pages; the walk starts after them when ``pages[start-1]``
-        is cached with those tokens (a held page stays cached), else at the first page."""
+        is cached with those tokens (a held page stays cached), else at the first page.
+        ``offset``: ``tokens`` leave out the first ``offset`` pages' tokens (``tokens[0]`` is
+        the first token of page ``offset``), at most ``start - 1`` of them, so only what is new
+        is handed in; then ``pages[start-1]`` must be cached with its tokens."""
         check_salt(salt)
         if not self.enabled:
             return 0
         toks, ps = token_list(tokens), self.page_size
-        n = min(len(toks) // ps, len(pages))
-        if len(set(pages[:n])) != n:
-            raise ConfigError("pages repeats a page; pass the request's block table.")
+        n = min(offset + len(toks) // ps, len(pages))
+        if offset and not 0 < offset < start <= n:
+            raise ConfigError(
+                f"offset={offset} must be in [1, start - 1] (start={start}, {n} full pages); "
+                "pass the tokens from the page before start on."
+            )
+        tree = self._tree
         parent: Any = (self.model, salt)
         first = 0
         if 0 < start <= n:
-            e = self._tree.entries.get(pages[start - 1])
-            if e is not None and e.key[1] == tuple(toks[(start - 1) * ps : start * ps]):
-                first, parent = start, pages[start - 1]
+            page = pages[start - 1]
+            e = tree.entries.get(page)
+            lo = (start - 1 - offset) * ps
+            if e is not None and e.key[1] == tuple(toks[lo : lo + ps]):
+                first, parent = start, page
+            elif offset:
+                raise ConfigError(
+                    f"page {page} is not cached with tokens[{lo}:{lo + ps}] (start={start}); "
+                    "pass every written token (offset=0)."
+                )
+        new = pages[first:n]
+        if len(set(new)) != len(new) or (first and pages[first - 1] in new):
+            raise ConfigError("pages repeats a page; pass the request's block table.")
         plan = []
-        tree = self._tree
         refs, get_entry, claim = tree.refs, tree.entries.get, tree.by_key.setdefault
         # keys are claimed as the pages are checked; a refusal takes them back: it changes
         # nothing
-        for i, chunk in enumerate(islice(page_tokens(toks[first * ps :], ps), n - first), first):
-            page, key = pages[i], (parent, chunk)
-            e = get_entry(page)
+        chunks = page_tokens(toks[(first - offset) * ps :], ps)
+        for i, page, chunk in zip(range(first, n), new, chunks):
+            key = (parent, chunk)
             why = None
             if page not in refs:
                 why = f"page {page} is not held; insert a request's pages before releasing them."
-            elif e is None:
-                cached = claim(key, page)
-                if cached != page:
-                    parent = cached  # the same tokens in another page: ours stays private
-                    continue
-                plan.append((page, key, parent))
-            elif e.key != key:
-                why = (
-                    f"page {page} is cached for other tokens than tokens[{i * ps}:"
-                    f"{(i + 1) * ps}]; pass the tokens whose KV the pages hold."
-                )
+            else:
+                e = get_entry(page)
+                if e is None:
+                    cached = claim(key, page)
+                    if cached != page:
+                        parent = cached  # the same tokens in another page: ours stays private
+                        continue
+                    plan.append((page, key, parent))
+                elif e.key != key:
+                    at = (i - offset) * ps
+                    why = (
+                        f"page {page} is cached for other tokens than tokens[{at}:{at + ps}]; "
+                        "pass the tokens whose KV the pages hold."
+                    )
             if why is not None:
                 for _, k, _ in plan:
                     del tree.by_key[k]
                 raise ConfigError(why)
             parent = page
-        tree.add_held(plan)
-        self._inserts += bool(plan)
+        if plan:
+            tree.add_held(plan)
+            self._inserts += 1
         return len(plan)
 
     def clear(self) -> int:
