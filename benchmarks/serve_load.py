@@ -17,7 +17,15 @@ clock starts both workloads run once untimed (first-use compiles: Triton compile
 kernel variant in ~800 ms on the H200). Beside each level: the server's own TPOT (its
 stamps as the engine's tokens reach it, ``/metrics``), so that HTTP's share shows, its engine
 steps (graph, eager, prefill) and the longest gap between two tokens of a request (a stall
-shows there).
+shows there), with where it fell: the request and token, its time into the level, how many
+other requests were decoding across it and got no token in it (all of them: the engine or
+the server paused), and which requests got their first token at its end (a prefill ran in it)
+with their prompt tokens. The JSON keeps every request's TTFT and longest gap.
+
+``--max-prefill-tokens-with-decode 2048,1024,512`` (with ``--launch``) serves once per value
+(the server's flag of that name: the prompt tokens a step that also decodes prefills, at most;
+0: no cap) and reports each run and a table of ITL p99 and the longest gap by value, in one
+call.
 
 ``--launch`` runs the server as another process (`python -m stepgraph serve`, ``--engine``
 passed on: the engine in a process of its own, or a thread), stops it with SIGTERM at the end,
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import re
@@ -53,7 +62,20 @@ LATENCY_IN, LATENCY_OUT, LATENCY_REQUESTS = 512, 256, 4
 MAIN_REQUESTS, MAIN_IN, MAIN_RATIO, MAIN_OUT = 64, 576, 7 / 9, 128  # prompts of 128-1024
 
 
-def launch(args) -> tuple[subprocess.Popen, str]:
+def launch(args, cap: int | None = None) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(serve_command(args, cap), stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return proc, f"http://127.0.0.1:{m.group(1)}"
+    raise SystemExit(f"the server exited with status {proc.wait()} before it served")
+
+
+def serve_command(args, cap: int | None = None) -> list[str]:
+    """`stepgraph serve`'s command line for ``--launch`` (``cap``: its prefill cap on steps
+    that decode, where given)."""
     cmd = [
         sys.executable,
         "-m",
@@ -74,14 +96,9 @@ def launch(args) -> tuple[subprocess.Popen, str]:
     ]
     if args.device:
         cmd += ["--device", args.device]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            return proc, f"http://127.0.0.1:{m.group(1)}"
-    raise SystemExit(f"the server exited with status {proc.wait()} before it served")
+    if cap is not None:
+        cmd += ["--max-prefill-tokens-with-decode", str(cap)]
+    return cmd
 
 
 def wait_healthy(url: str, timeout: float = 600.0) -> int | None:
@@ -267,8 +284,76 @@ async def level(client, url, model, prompts, max_tokens, concurrency) -> dict:
         raise SystemExit(f"requests {short[:5]} returned fewer than {max_tokens} tokens")
     duration = max(t.token_times[-1] for t in timings) - t0
     out = serving_metrics(timings, duration)
-    out["max_gap_ms"] = max(max(t.itls, default=0.0) for t in timings) * 1e3  # a stall shows
+    out.update(request_figures(timings))
+    out["gap"] = longest_gap(timings, t0)
+    out["max_gap_ms"] = out["gap"]["ms"] if out["gap"] else 0.0  # a stall shows
     return out
+
+
+def request_figures(timings: list[RequestTiming]) -> dict:
+    """Every request's TTFT and longest gap between two of its tokens, ms, in send order."""
+    return {
+        "ttft_ms_per_request": [round(t.ttft * 1e3, 3) for t in timings],
+        "max_gap_ms_per_request": [round(max(t.itls, default=0.0) * 1e3, 3) for t in timings],
+    }
+
+
+LANDED_WITH_S = 0.002  # first tokens this soon after a gap's end came from the step that ended it
+
+
+def longest_gap(timings: list[RequestTiming], t0: float) -> dict | None:
+    """Where the longest gap between two tokens of one request fell (None: no request had two
+    tokens): ``request`` (send order) and ``token`` (the gap is between tokens ``token`` and
+    ``token + 1``, from 0), ``at_ms`` its start after ``t0``; ``decoding``: the other requests
+    that had their first token before it and their last after it, ``stalled``: how many of them
+    got no token inside it, 2 ms off either end (all: the engine or the server paused, not this
+    stream);
+    ``first_tokens``: requests whose first token landed inside it or within 2 ms of its end
+    (their prefills ran in it), ``their_prompt_tokens``: their prompts' tokens, summed."""
+    best = None
+    for i, t in enumerate(timings):
+        for k, gap in enumerate(t.itls):
+            if best is None or gap > best[0]:
+                best = (gap, i, k)
+    if best is None:
+        return None
+    gap, i, k = best
+    start, end = timings[i].token_times[k], timings[i].token_times[k + 1]
+    decoding = stalled = firsts = prompt = 0
+    for j, t in enumerate(timings):
+        if j == i or not t.token_times:
+            continue
+        times = t.token_times
+        if times[0] <= start and times[-1] >= end:
+            decoding += 1  # a token within 2 ms of either end came from that end's step
+            after = times[bisect.bisect_right(times, start + LANDED_WITH_S)]
+            stalled += after >= end - LANDED_WITH_S
+        if start < times[0] <= end + LANDED_WITH_S:
+            firsts += 1
+            prompt += t.input_len
+    return {
+        "ms": gap * 1e3,
+        "request": i,
+        "token": k,
+        "at_ms": (start - t0) * 1e3,
+        "decoding": decoding,
+        "stalled": stalled,
+        "first_tokens": firsts,
+        "their_prompt_tokens": prompt,
+    }
+
+
+def describe_gap(gap: dict | None) -> str:
+    """One line of ``longest_gap``'s figures."""
+    if gap is None:
+        return "longest token gap: none (no request had two tokens)"
+    return (
+        f"longest token gap {gap['ms']:.1f} ms: request {gap['request']}, tokens "
+        f"{gap['token']}-{gap['token'] + 1}, at {gap['at_ms']:.0f} ms; of {gap['decoding']} "
+        f"other requests decoding across it, {gap['stalled']} got no token in it; "
+        f"{gap['first_tokens']} first tokens landed in it ({gap['their_prompt_tokens']} prompt "
+        "tokens)"
+    )
 
 
 async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
@@ -318,10 +403,46 @@ def report(rows: list[dict]) -> None:
     print("ms; srv TPOT: the server's engine's mean TPOT over the same requests")
     for m in rows:
         steps = ", ".join(f"{k} {v:.0f}" for k, v in m["server_steps"].items())
-        print(
-            f"{m['level']} (concurrency {m['concurrency']}): engine {steps}; "
-            f"longest token gap {m['max_gap_ms']:.1f} ms"
+        print(f"{m['level']} (concurrency {m['concurrency']}): engine {steps}")
+        print(f"  {describe_gap(m['gap'])}")
+        ttfts = " ".join(f"{x:.1f}" for x in m["ttft_ms_per_request"])
+        print(f"  TTFT per request, ms, in send order: {ttfts}")
+
+
+def report_caps(runs: list[dict]) -> None:
+    """One row per prefill cap and level: what the cap trades (ITL p99, the longest gap)
+    against throughput and TTFT."""
+    print(
+        f"{'prefill cap':>11} {'conc':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p99':>8} {'longest gap':>11} {'prefill steps':>13}"
+    )
+    for run in runs:
+        cap = run["max_prefill_tokens_with_decode"]
+        for m in run["levels"]:
+            print(
+                f"{'none' if cap == 0 else cap:>11} {m['concurrency']:>4} "
+                f"{m['output_throughput']:>10.1f} {m['median_ttft_ms']:>9.3f} "
+                f"{m['p99_ttft_ms']:>9.3f} {m['p99_itl_ms']:>8.3f} {m['max_gap_ms']:>11.1f} "
+                f"{m['server_steps']['prefill_steps']:>13.0f}"
+            )
+    print("ms; prefill cap: --max-prefill-tokens-with-decode of the server (none: 0, no cap)")
+
+
+def prefill_caps(text: str | None) -> list[int | None]:
+    """``--max-prefill-tokens-with-decode``'s comma list as ints >= 0 (``[None]``: not given,
+    the server's default); ``ValueError`` naming the flag."""
+    if text is None:
+        return [None]
+    try:
+        caps = [int(x) for x in text.split(",")]
+    except ValueError:
+        caps = []
+    if not caps or any(c < 0 for c in caps):
+        raise ValueError(
+            f"--max-prefill-tokens-with-decode takes whole numbers >= 0, comma separated "
+            f"(0: no cap), got {text!r}"
         )
+    return caps
 
 
 def main() -> int:
@@ -347,42 +468,79 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="small workloads (a smoke test)")
     p.add_argument("--json", default=None, help="write the metrics of every level here")
     p.add_argument("--seed", type=int, default=0, help="workload seed (bench --serve's: 0)")
+    p.add_argument(
+        "--max-prefill-tokens-with-decode",
+        default=None,
+        metavar="N[,N...]",
+        help="--launch: the server's flag of that name, one server per value (e.g. "
+        "2048,1024,512; 0: no cap); default: the server's",
+    )
     args = p.parse_args()
+    try:
+        caps = prefill_caps(args.max_prefill_tokens_with_decode)
+    except ValueError as e:
+        print(f"serve_load.py: {e}", file=sys.stderr)
+        return 2
+    if caps != [None] and not args.launch:
+        print(
+            "serve_load.py: --max-prefill-tokens-with-decode sets the server's cap, so it "
+            "needs --launch; start the server at --url with it instead",
+            file=sys.stderr,
+        )
+        return 2
     vocab = VOCAB[args.model]
     n_main, n_lat = (8, 2) if args.quick else (MAIN_REQUESTS, LATENCY_REQUESTS)
     out_main, out_lat = (16, 32) if args.quick else (MAIN_OUT, LATENCY_OUT)
     main_prompts = random_prompts(n_main, MAIN_IN, MAIN_RATIO, vocab, args.seed)
     lat_prompts = random_prompts(n_lat, LATENCY_IN, 0.0, vocab, args.seed + 1)
-    proc, url = launch(args) if args.launch else (None, args.url.rstrip("/"))
+    runs = []
+    for cap in caps:
+        if cap is not None:
+            print(f"== --max-prefill-tokens-with-decode {cap}", flush=True)
+        runs.append(serve_run(args, cap, main_prompts, lat_prompts, (out_main, out_lat)))
+    out = {"model": args.model, "engine": args.engine, "runs": runs}
+    out.update(levels=runs[-1]["levels"], server_exit=runs[-1]["server_exit"])  # as before
+    if len(runs) > 1:
+        report_caps(runs)
+    if args.offline:
+        out["offline_output_throughput"] = base = offline(args)
+        print(
+            f"engine offline (bench --serve): {base:.1f} output tok/s; over HTTP: "
+            + ", ".join(
+                f"c{m['concurrency']} {m['output_throughput'] / base:.0%}"
+                for m in runs[-1]["levels"]
+            )
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if all(r["server_exit"] in (None, 0) for r in runs) else 1
+
+
+def serve_run(args, cap: int | None, main_prompts, lat_prompts, outs) -> dict:
+    """One server (launched with ``cap`` where given, or the one at ``--url``): every level,
+    reported; the server stopped with SIGTERM and its exit checked."""
+    proc, url = launch(args, cap) if args.launch else (None, args.url.rstrip("/"))
     rows, status, child = [], None, None
     try:
         child = wait_healthy(url)
-        rows = asyncio.run(run_levels(url, args, main_prompts, lat_prompts, (out_main, out_lat)))
+        rows = asyncio.run(run_levels(url, args, main_prompts, lat_prompts, outs))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             status = proc.wait(120)
             sys.stderr.write(proc.stderr.read())
     report(rows)
-    out = {"model": args.model, "engine": args.engine, "levels": rows, "server_exit": status}
+    run = {"max_prefill_tokens_with_decode": cap, "levels": rows, "server_exit": status}
     if proc is not None:
-        out["engine_process_gone"] = None if child is None else gone(child)
+        run["engine_process_gone"] = None if child is None else gone(child)
         where = (
             ""
             if child is None
             else f"; its engine process {child}: " + ("gone" if gone(child) else "STILL RUNNING")
         )
         print(f"server: exit status {status} after SIGTERM{where}")
-    if args.offline:
-        out["offline_output_throughput"] = base = offline(args)
-        print(
-            f"engine offline (bench --serve): {base:.1f} output tok/s; over HTTP: "
-            + ", ".join(f"c{m['concurrency']} {m['output_throughput'] / base:.0%}" for m in rows)
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0 if status in (None, 0) else 1
+    return run
 
 
 if __name__ == "__main__":
