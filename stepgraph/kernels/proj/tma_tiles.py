@@ -202,7 +202,7 @@ def weights_before_wait(
         l2_prefetch(w_ptr, stride_wn, row1, n1, k_lo, k_hi, BLOCK_N, PREFETCH)
         if PAIRED:
             l2_prefetch(w_ptr, stride_wn, row2, n2, k_lo, k_hi, BLOCK_N, PREFETCH)
-        w1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+        w1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int8)  # never read (any weight dtype)
         w2 = w1
     else:
         w1 = first_w_tile(w1_ptrs, mask_n, k_lo, k_hi, BLOCK_K)
