@@ -78,3 +78,24 @@ def test_no_library_error_names_a_cli_flag():
     flag = re.compile(r"""["'][^"'\n]*(?<![\w-])--[a-z][a-z-]+""")
     hits = [f"{p.name}: {m.group(0)}" for p in files for m in flag.finditer(p.read_text())]
     assert hits == []
+
+
+def test_ids_at_both_ends_of_the_vocabulary_and_one_past(engine):
+    """The checks run at C speed on plain ints (a set of the types, min and max); the limits
+    are the same: 0 and 511 pass, -1 and 512 are refused, int subclasses pass, bools do not."""
+    from enum import IntEnum
+
+    class Tok(IntEnum):
+        A = 7
+
+    assert len(engine.generate([[0, 511], [Tok.A, 3]], 1)) == 2
+    for bad, says in (([0, -1], r"outside \[0, 512\): \[-1\]"), ([512, 1], r"\): \[512\]")):
+        with pytest.raises(ConfigError, match=says):
+            engine.add_request(bad, 2)
+    with pytest.raises(ConfigError, match="it holds bool values"):
+        engine.add_request([1, False], 2)
+    with pytest.raises(ConfigError, match="it holds int64 values"):
+        import numpy as np
+
+        engine.add_request([1, np.int64(2)], 2)
+    assert not engine.has_unfinished
