@@ -3,7 +3,12 @@ split-K), Llama-3.2-1B shapes (``--preset`` another model's), bf16, PDL on, agai
 ``F.linear`` of the same shape.
 
     PYTHONPATH=. python3 benchmarks/proj_sweep.py --json $OUT/proj_sweep.json
-    (--compile-only --shard i/n first, in parallel processes, fills Triton's cache)
+    (--compile-only --shard i/n first, in parallel processes, fills Triton's cache: shard i
+    takes every n-th tile)
+    PYTHONPATH=. python3 benchmarks/proj_sweep.py --quantization fp8 --json $OUT/fp8.json
+    (e4m3 weights, per-channel scales, rows 1, 8, 32, 64: FP8_CANDIDATES and the FP8 step's
+    kernels; bf16's own tile on bf16 weights and cuBLAS bf16 timed beside each; the check is
+    against float64 over the dequantized weights; prints the FP8_TILES literal)
 
 Per (kernel, bs): every candidate ``Tile`` is checked against torch on one weight (a wrong one
 is reported, never timed), then 16 calls over 16 weights (more than the 50 MB L2) are captured
