@@ -15,6 +15,10 @@ prompts start with one of one or two shared prefixes (1 to 3 pages and a part of
 may repeat another whole: the engines run with prefix caching on (their default), so a later
 request reads pages an earlier one computed, and its prefill starts after them.
 
+Every engine runs with its defaults, the prefill too: every mode pads a step's chunks to the
+same token bucket (``GraphPrefill``), replayed from graphs in graph, exact and walk, run eagerly
+in eager, so exact's prefill gives eager's bits as its decode does.
+
 Exit status 1 when a strict mode differs from eager in any mix, or when any mode raises.
 Exact is strict: its geometry is eager's, so its tokens must be eager's. The fixed-geometry
 graph and the walk may differ in bf16 (another reduction order flips near-ties), so they are

@@ -146,16 +146,21 @@ def test_the_chunk_after_a_cached_prefix_counts_it_field_by_field():
     assert req.rid == a and req.cached_tokens == 32 and req.prefilled == 49
     cached = req.pages[:2]
     assert engine.prefix_cache.refcount(cached[0]) == 1  # referenced by it, while it runs
-    (batch,) = batches
+    (batch,) = batches  # padded to its token bucket: the live rows first, then padding
     n = 49 - 32
-    assert batch.input_ids.tolist() == (head + tail)[32:] + other
-    assert batch.positions.tolist() == list(range(32, 49)) + list(range(6))
-    assert batch.kv_lens.tolist() == [49, 6] and batch.kv_lens_host == [49, 6]
-    assert batch.q_lens == [n, 6] and batch.qo_indptr.tolist() == [0, n, n + 6]
-    assert batch.last_idx.tolist() == [n - 1, n + 5]
+    live = n + 6
+    assert batch.num_tokens == 64 and batch.max_q_len == 64
+    assert batch.input_ids[:live].tolist() == (head + tail)[32:] + other
+    assert batch.positions[:live].tolist() == list(range(32, 49)) + list(range(6))
+    assert batch.kv_lens[:2].tolist() == [49, 6] and batch.kv_lens_host == [49, 6]
+    assert batch.q_lens == [n, 6] and batch.qo_indptr[:3].tolist() == [0, n, n + 6]
+    assert batch.last_idx[:2].tolist() == [n - 1, n + 5]
+    assert (batch.qo_indptr[3:] == live).all() and not batch.kv_lens[2:].any()  # empty chunks
     pages_a, pages_b = req.pages, engine.running[1].pages
     kv = mr.kv_cache
-    assert batch.slots.tolist() == kv.slots(pages_a, 32, 49) + kv.slots(pages_b, 0, 6)
+    assert batch.slots[:live].tolist() == kv.slots(pages_a, 32, 49) + kv.slots(pages_b, 0, 6)
+    for field in (batch.input_ids, batch.positions, batch.slots):  # token 0 into scratch slot 0
+        assert not field[live:].any()
     assert batch.block_table[0, : len(pages_a)].tolist() == pages_a
     assert batch.block_table[0, :2].tolist() == cached  # the prefix's pages, read through it
     assert batch.block_table[1, : len(pages_b)].tolist() == pages_b

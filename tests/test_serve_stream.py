@@ -144,7 +144,7 @@ def test_the_engine_build_says_each_phase_as_it_begins_and_ends(capsys):
     lines = [x for x in err.splitlines() if x.startswith("stepgraph serve: ")]
     for what in (
         "building random (seed 0) weights of tiny on cpu (float32)",
-        "building the engine (graph, capturing its decode graphs)",
+        "building the engine (graph, capturing its decode and prefill graphs)",
         "warming up every prompt-length class",
     ):
         begin = next(i for i, x in enumerate(lines) if what in x and x.endswith("..."))

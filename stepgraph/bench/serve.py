@@ -49,7 +49,7 @@ def make_engine(
     mode: str,
     max_running: int,
     max_prefill_tokens: int,
-    prefill="eager",
+    prefill=None,
     prefix_caching=True,
     with_decode: int = 2048,
 ):

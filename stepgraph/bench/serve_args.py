@@ -41,7 +41,7 @@ SERVE_DEFAULTS = {
     "page_size": None,  # PAGE_SIZE; prefix workloads: PREFIX_PAGE_SIZE
     "max_prefill_tokens": 8192,
     "max_prefill_tokens_with_decode": 2048,  # the Engine's default; 0: no cap
-    "engine_prefill": "eager",
+    "engine_prefill": None,  # the Engine's default for the mode (engine/prefill.py)
     "peers": None,  # both peers on CUDA, none on the CPU
     "latency": False,
     **PREFIX_DEFAULTS,  # --workload and its sizes
@@ -133,10 +133,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--engine-prefill",
-        choices=("eager", "piecewise", "graph"),
+        choices=("graph", "eager", "unpadded", "piecewise"),
         default=None,
-        help="--serve: the engine's prefill (Engine(prefill=...)); graph replays prompts of up "
-        "to 2048 tokens from CUDA graphs (default: eager, the engine's default)",
+        help="--serve: the engine's prefill (Engine(prefill=...)); graph replays a step's "
+        "chunks padded to a token bucket from CUDA graphs, eager runs the same padded forward "
+        "without graphs (default: the engine's, graph in modes graph and exact, else eager)",
     )
     p.add_argument(
         "--peers",
@@ -254,7 +255,9 @@ def check_serve_args(args: argparse.Namespace, config, model: str) -> ServePlan:
         raise ConfigError(
             f"--page-size must be a power of two from 1 to {MAX_PAGE_SIZE}, got {page_size}."
         )
-    prefill = getattr(args, "engine_prefill", "eager")
+    from ..engine.prefill import default_prefill
+
+    prefill = getattr(args, "engine_prefill", None) or default_prefill(mode)
     return ServePlan(model, mode, peers, max_running, latency, prefill, page_size)
 
 

@@ -38,7 +38,7 @@ from .decode import DecodePath
 from .offline import check_prompts, prefill_bar, seeded_generator
 from .overlap import InFlight, PendingPages
 from .phase_timer import PhaseTimer
-from .prefill import build_prefiller, prefill_step
+from .prefill import build_prefiller, default_prefill, prefill_step
 from .prefix_match import check_salt
 from .requests import (
     DECODE_VIAS,
@@ -77,10 +77,10 @@ class Engine:
     ``max_running`` (default and most: ``model_runner.max_bs``): requests running at once, the
     rows of a decode batch.
 
-    ``prefill``: "eager" (default), "piecewise" (``PiecewisePrefill`` with ``prefill_config``,
-    default ``PrefillShapes()``) or "graph" (``GraphPrefill``, ``prefill_config`` its keyword
-    arguments: whole-forward graphs per token bucket). ``max_prefill_tokens``: the most prompt
-    tokens one step prefills; longer prompts are chunked across steps.
+    ``prefill``: None (default) pads every prefill to a token bucket, from graphs in modes
+    "graph" and "exact" ("graph"), eagerly in mode "eager" ("eager"): the same bits, so exact
+    equals eager; or "unpadded", "piecewise" (``engine/prefill.py``; ``prefill_config``: their
+    arguments). ``max_prefill_tokens``: the most prompt tokens one step prefills, chunked.
     ``max_prefill_tokens_with_decode`` (default 2048, vLLM's latency setting; None: no cap): the
     most a step that also decodes running requests prefills, so a prefill never stalls them for
     long (on the H200 about a few ms for the 1B model). ``decode_via``:
@@ -101,7 +101,7 @@ class Engine:
         runner_config: Any | None = None,
         *,
         max_running: int | None = None,
-        prefill: str = "eager",
+        prefill: str | None = None,
         decode_via: str = "runner",
         prefill_config: Any | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
@@ -113,6 +113,7 @@ class Engine:
         if not isinstance(prefix_caching, bool):
             raise ConfigError(f"prefix_caching must be True or False, got {prefix_caching!r}.")
         mode = default_mode(model_runner, decode_via) if mode is None else mode
+        self.prefill = prefill = default_prefill(mode) if prefill is None else prefill  # resolved
         check_engine_args(mode, prefill, decode_via)
         check_budget(max_prefill_tokens)
         if max_prefill_tokens_with_decode is not None:
@@ -126,7 +127,7 @@ class Engine:
         self.decoder = DecodePath(model_runner, mode, decode_via, runner_config)
         self.runner = self.decoder.runner  # CudaGraphRunner (decode_via="runner") or None
         self.config_runner = self.decoder.config_runner  # ConfigGraphRunner ("configs") or None
-        self.prefiller = build_prefiller(model_runner, prefill, prefill_config)
+        self.prefiller = build_prefiller(self, prefill_config)
         self.stats = EngineStats()
         self._owner, self.check_same_thread = threading.current_thread(), check_same_thread
         self._ids = itertools.count()

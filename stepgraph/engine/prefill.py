@@ -1,5 +1,6 @@
 """The engine's prefill step: this step's chunks (``scheduler.plan_prefill``) as one packed
-forward of the prefiller (``ModelRunner.extend``, or ``PiecewisePrefill.extend``)."""
+forward of the prefiller (the padded ``GraphPrefill``, from graphs or eagerly;
+``ModelRunner.extend`` unpadded; or ``PiecewisePrefill.extend``)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,53 @@ from .requests import EngineStats, Request
 from .scheduler import plan_prefill
 
 
-def build_prefiller(model_runner: Any, prefill: str, config: Any | None) -> Any:
-    """What prefills for ``Engine(prefill=...)``: the model runner itself ("eager"), a
-    ``PiecewisePrefill`` ("piecewise", ``config``: its ``PrefillShapes``) or a ``GraphPrefill``
-    ("graph", ``config``: its keyword arguments). Each has ``extend(chunks) -> logits``."""
+def default_prefill(mode: str) -> str:
+    """``Engine(prefill=None)``: "graph" in modes "graph" and "exact", "eager" in mode
+    "eager": the same padded forward, so the same bits, from graphs or not."""
+    return "eager" if mode == "eager" else "graph"
+
+
+def padded_prefill_config(model_runner: Any, max_prefill_tokens: int) -> dict:
+    """The engine's default ``GraphPrefill`` arguments: token buckets, powers of two from 64
+    up to the first holding the prefill budget (or the whole KV cache, if less; 8192 at most,
+    ``DEFAULT_TOKEN_BUCKETS``), so a step's chunks fit a bucket; ``max_chunks``: at most
+    ``DEFAULT_MAX_CHUNKS``, and no more than the requests that can run at once (one chunk
+    each)."""
+    from ..model.prefill.graph_prefill import (
+        DEFAULT_MAX_CHUNKS,
+        DEFAULT_TOKEN_BUCKETS,
+        token_buckets_for,
+    )
+
+    kv = model_runner.kv_cache
+    most = min(max_prefill_tokens, (kv.num_pages - 1) * kv.page_size, DEFAULT_TOKEN_BUCKETS[-1])
+    chunks = min(DEFAULT_MAX_CHUNKS, max(1, getattr(model_runner, "max_bs", DEFAULT_MAX_CHUNKS)))
+    return {"token_buckets": token_buckets_for(most), "max_chunks": chunks}
+
+
+def build_prefiller(engine: Any, config: Any | None) -> Any:
+    """What prefills for ``Engine(prefill=...)`` (``engine.prefill``, resolved by
+    ``default_prefill``), over ``engine.model_runner``: a ``GraphPrefill`` ("graph": the
+    chunks padded to the smallest token bucket holding them and replayed from its graph,
+    captured here with a progress line where the decode capture shows one; "eager": the same
+    padded forward without graphs, so the same shapes, kernels and bits; a batch above the
+    largest bucket or of more chunks than a bucket holds runs unpadded in both; ``config``:
+    keyword arguments over ``padded_prefill_config``'s), the model runner itself ("unpadded":
+    ``ModelRunner.extend`` on the live tokens only, whose bf16 bits may differ from the
+    padded forward's), or a ``PiecewisePrefill`` ("piecewise", ``config``: its
+    ``PrefillShapes``). Each has ``extend(chunks) -> logits``."""
+    model_runner, prefill = engine.model_runner, engine.prefill
     if prefill == "piecewise":
         from ..model.prefill.piecewise_prefill import PiecewisePrefill
 
         return PiecewisePrefill(model_runner, config)
-    if prefill == "graph":
+    if prefill in ("graph", "eager"):
         from ..model.prefill.graph_prefill import GraphPrefill
 
-        return GraphPrefill(model_runner, **(config or {}))
+        kw = padded_prefill_config(model_runner, engine.max_prefill_tokens) | dict(config or {})
+        runner = engine.runner  # the decode runner: its progress setting
+        kw.setdefault("show_progress", runner is not None and runner.config.show_progress)
+        return GraphPrefill(model_runner, eager=prefill == "eager", **kw)
     return model_runner
 
 
@@ -59,4 +95,4 @@ def prefill_step(
     return [prefilling[plan[k].index] for k in last], logits
 
 
-__all__ = ["build_prefiller", "prefill_step"]
+__all__ = ["build_prefiller", "default_prefill", "padded_prefill_config", "prefill_step"]

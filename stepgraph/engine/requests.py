@@ -15,7 +15,7 @@ import torch
 from ..errors import ConfigError
 
 MODES = ("eager", "graph", "exact")
-PREFILLS = ("eager", "piecewise", "graph")
+PREFILLS = ("graph", "eager", "unpadded", "piecewise")
 DECODE_VIAS = ("runner", "configs")
 
 

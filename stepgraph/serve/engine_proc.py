@@ -82,7 +82,7 @@ class EngineSpec:
         kw = {"max_prefill_tokens": self.max_prefill_tokens} if self.max_prefill_tokens else {}
         if self.max_prefill_tokens_with_decode is not None:
             kw["max_prefill_tokens_with_decode"] = self.max_prefill_tokens_with_decode or None
-        what = "" if self.mode == "eager" else ", capturing its decode graphs"
+        what = "" if self.mode == "eager" else ", capturing its decode and prefill graphs"
         with phase(f"building the engine ({self.mode}{what})"):
             engine = Engine(
                 mr,

@@ -37,6 +37,8 @@ def test_no_compile_and_no_capture_after_warm_up(mode):
     engine = _engine(mode)
     warm_up(engine)
     captured = engine.runner.stats.capture.buckets[:]
+    prefill_captured = engine.prefiller.stats.capture.buckets[:]  # at build: the default
+    assert prefill_captured and engine.prefill == "graph"
     seen = set(warm_lengths(1024, 256))
     lengths = [n for n in (5, 12, 23, 40, 77, 100, 150, 200, 300, 333, 500, 700) if n not in seen]
     prompts = [[1 + (i + k) % 300 for k in range(n)] for i, n in enumerate(lengths)]
@@ -50,6 +52,7 @@ def test_no_compile_and_no_capture_after_warm_up(mode):
     assert not compiled.names, f"compiled after warm_up: {dict(compiled.names)}"
     assert not grown, f"new kernel variants after warm_up: {grown}"
     assert engine.runner.stats.capture.buckets == captured  # no capture either
+    assert engine.prefiller.stats.capture.buckets == prefill_captured
     engine.shutdown()
 
 

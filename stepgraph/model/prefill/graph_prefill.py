@@ -1,7 +1,9 @@
-"""Packed prefill replayed whole from one CUDA graph per token bucket, extend attention included.
+"""The padded prefill: a packed batch of chunks in the static layout of its token bucket,
+replayed whole from that bucket's CUDA graph, or run eagerly on the very same shapes.
 
-    prefill = GraphPrefill(model_runner)          # captures one graph per token bucket
-    logits = prefill.extend(chunks)               # [n, vocab], like ModelRunner.extend
+    prefill = GraphPrefill(model_runner)               # captures one graph per token bucket
+    logits = prefill.extend(chunks)                    # [n, vocab], like ModelRunner.extend
+    padded = GraphPrefill(model_runner, eager=True)    # no graph: the same forward, eagerly
 
 An eager prefill of a few hundred tokens is bound by the host: about 150 launches from Python,
 several times its compute (docs/experiments.md#whole-forward-prefill-graphs). The extend
@@ -9,25 +11,35 @@ kernel takes its geometry from device tensors (``qo_indptr``, ``kv_lens``, the b
 a grid sized by a host bound, so the whole forward can be captured: one graph per token bucket
 ``T``, every chunk of a batch in it, up to ``max_chunks`` chunks.
 
+One padded forward for every mode. A batch runs at its bucket's shapes whether a graph replays
+it or not: ``T`` tokens, ``B = max_chunks`` rows of logits, the extend grid sized for ``T``.
+The projections then see the same matrix shapes (cuBLAS picks its kernels by shape), so the
+graph of a bucket and the eager run (``eager=True``) give the same bits, and an engine in mode
+"exact" (graphs) equals one in mode "eager" (``eager=True``). A batch above the largest bucket,
+or of more than ``max_chunks`` chunks, runs the unpadded ``ModelRunner.extend`` either way
+(counted in ``stats.unpadded_batches``), so that too is the same in every mode.
+
 Static inputs, one int64 buffer laid out per bucket (``extend_batch.ExtendLayout``, packed by
-``pack_extend`` as the eager batch is; one host-to-device copy per replay):
+``pack_extend`` as the eager batch is; one host-to-device copy per call, from pinned host
+buffers reused in turn, of the token segments and the live chunks' block-table rows only):
 
     input_ids [T] | positions [T] | slots [T] | last_idx [B] | qo_indptr [B + 1] | kv_lens [B]
     | block_table [B * W]                              (B = max_chunks, W = max pages a request)
 
 Padding. Tokens past the live ones are token 0 at position 0 writing scratch slot 0; they
 belong to no chunk (``qo_indptr`` ends at the live count), so no chunk attends to them and
-their rows never reach a live one. Chunks past the live ones are empty (no query, no key).
-The graph computes ``B`` rows of logits; the live ``n`` are returned (a view into the graph's
-output: consume it before the next call). Batches above the largest bucket or with more than
-``max_chunks`` chunks run eagerly (``ModelRunner.extend``), counted in ``stats``.
+their rows never reach a live one. Chunks past the live ones are empty (no query, no key; their
+block-table rows are never read, so stale rows stay). The forward computes ``B`` rows of
+logits into one buffer shared by every bucket (outside the graph pool); the live ``n`` are
+returned, a view of it: consume it before the next call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ...backends import canonical_device
@@ -44,23 +56,84 @@ from .extend_batch import (
     PrefillChunk,
     check_chunks,
     pack_extend,
+    pack_extend_into,
     prompt_chunks,
     unpack_extend,
 )
 
-DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)
-DEFAULT_MAX_CHUNKS = 16
+# powers of two from 64 tokens to the engine's default prefill budget (scheduler.py's 8192)
+DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_MAX_CHUNKS = 32
+SMALLEST_BUCKET = 64
+
+
+def token_buckets_for(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> list[int]:
+    """Powers of two from ``smallest`` up to the first that holds ``max_tokens`` (the engine's
+    prefill budget: every batch it plans fits a bucket)."""
+    buckets = [smallest]
+    while buckets[-1] < max_tokens:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
+def activation_bytes(config, tokens: int, itemsize: int) -> int:
+    """The most activation bytes the padded forward of ``tokens`` holds at once, about: in the
+    MLP, the residual, its normed input, the gate-up product and its SiLU-mul output,
+    ``tokens * itemsize * (2 * hidden + 3 * intermediate)``. The largest bucket's capture sets
+    the pool (the smaller ones reuse its blocks): for llama-3.2-1b in bf16, 448 MiB at 8192
+    tokens, 224 at 4096, 112 at 2048."""
+    return tokens * itemsize * (2 * config.hidden_size + 3 * config.intermediate_size)
 
 
 @dataclass
 class GraphPrefillStats:
     capture: CaptureStats = field(default_factory=CaptureStats)
-    graph_batches: int = 0
-    eager_batches: int = 0
+    graph_batches: int = 0  # replayed from their bucket's graph
+    padded_batches: int = 0  # ``eager=True``: their bucket's padded forward, run eagerly
+    unpadded_batches: int = 0  # above the largest bucket or ``max_chunks``: ModelRunner.extend
+
+
+class _HostStage:
+    """Pinned host buffers of the largest layout that calls fill in turn (CUDA), so a call
+    allocates and pins nothing; a buffer is written again only once the copy that read it, two
+    calls before, has completed (its event). On the CPU the static buffer itself is filled."""
+
+    SLOTS = 2
+
+    def __init__(self, static: torch.Tensor) -> None:
+        self.cuda = static.is_cuda
+        if self.cuda:
+            n, k = static.numel(), self.SLOTS
+            self._bufs = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(k)]
+            self._events = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        else:
+            self._bufs = [static]
+        self._arrays = [b.numpy() for b in self._bufs]
+        self._next = 0
+
+    def fill(self, static: torch.Tensor, fill: Callable[[np.ndarray], int]) -> None:
+        """``fill(host) -> n`` writes the first ``n`` entries of a host buffer; they reach
+        ``static[:n]`` (one non-blocking copy on CUDA)."""
+        k = self._next
+        self._next = (k + 1) % len(self._bufs)
+        if not self.cuda:
+            fill(self._arrays[k])
+            return
+        self._events[k].synchronize()  # the copy from it two calls ago (long done, as a rule)
+        n = fill(self._arrays[k])
+        static[:n].copy_(self._bufs[k][:n], non_blocking=True)
+        self._events[k].record()
 
 
 class GraphPrefill(GraphRunnerBase):
-    """Whole-forward prefill graphs, one per token bucket (module docstring)."""
+    """The padded prefill, one graph per token bucket, or eagerly on the same shapes with
+    ``eager=True`` (module docstring).
+
+    ``token_buckets``: the token counts a batch is padded to (sorted). ``max_chunks``: the
+    chunks a bucket holds (``B``; every bucket computes ``B`` rows of logits and sizes the
+    extend grid for ``B`` chunks of up to ``T`` tokens). ``capture``: capture at construction
+    (ignored with ``eager=True``); ``show_progress``: a progress bar and a summary line while
+    capturing."""
 
     EAGER_HINT = "prefill eagerly with ModelRunner.extend"
 
@@ -70,6 +143,7 @@ class GraphPrefill(GraphRunnerBase):
         token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS,
         max_chunks: int = DEFAULT_MAX_CHUNKS,
         *,
+        eager: bool = False,
         backend: str = "auto",
         capture: bool = True,
         show_progress: bool = False,
@@ -78,20 +152,30 @@ class GraphPrefill(GraphRunnerBase):
         validate_buckets(token_buckets, "token_buckets")
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
             raise ConfigError(f"max_chunks must be an integer >= 1, got {max_chunks!r}.")
+        if not isinstance(eager, bool):
+            raise ConfigError(f"eager must be True or False, got {eager!r}.")
         self.mr = model_runner
         self.device = canonical_device(model_runner.device)
         self.token_buckets = list(token_buckets)
         self.max_chunks = max_chunks
+        self.eager = eager
+        self.show_progress = show_progress
         self.width = model_runner.max_pages_per_request  # W
+        self._layouts: dict[int, ExtendLayout] = {}
         # a pool of its own (as PiecewisePrefill): its graphs replay between the decode
         # runner's, so sharing that pool would leave their outputs open to each other's scratch
         self._init_graphs(self.device, backend, pool or GraphPool())
         self._static = torch.zeros(
             self._layout(self.token_buckets[-1]).numel, dtype=torch.int64, device=self.device
         )
+        self._stage = _HostStage(self._static)
+        # every bucket's logits: one buffer outside the pool (a graph's own output would stay
+        # allocated in the pool for its life, B x vocab float32 per bucket)
+        vocab = model_runner.config.vocab_size
+        self._out = torch.empty(max_chunks, vocab, dtype=torch.float32, device=self.device)
         self._live: tuple[list[int], list[int], list[list[int]]] = ([1], [1], [[0]])
         self.stats = GraphPrefillStats()
-        if capture:
+        if capture and not eager:
             self.capture()
 
     @property
@@ -100,8 +184,11 @@ class GraphPrefill(GraphRunnerBase):
         return [self]
 
     def _layout(self, t: int) -> ExtendLayout:
-        b = self.max_chunks
-        return ExtendLayout(t, b, self.width, b + 1, b)
+        layout = self._layouts.get(t)
+        if layout is None:
+            b = self.max_chunks
+            layout = self._layouts[t] = ExtendLayout(t, b, self.width, b + 1, b)
+        return layout
 
     def _views(self, t: int) -> ExtendBatch:
         """The static inputs of bucket ``t`` as an extend batch (int32 fields cast in-graph)."""
@@ -109,17 +196,29 @@ class GraphPrefill(GraphRunnerBase):
         q_lens, kv_host, pages = self._live  # host copies: only the CPU attention reads them
         return ExtendBatch(*fields, q_lens, kv_host, pages, max_q_len_bound=t)
 
+    @torch.no_grad()
+    def _forward(self, t: int) -> torch.Tensor:  # [B, vocab] float32, the shared output
+        """The padded forward of bucket ``t``: what its graph captures and ``eager=True`` runs.
+        It reads only the static buffer and writes only the shared output."""
+        batch = self._views(t)
+        self.mr.attn_backend.init_extend_metadata(batch)
+        h = self.mr.model(batch.input_ids, batch.positions, self.mr.attn_backend)
+        # lm_head: cuBLAS returns the model dtype (the GEMV float32): the copy casts, as .float()
+        return self._out.copy_(self.mr.model.lm_head(h[batch.last_idx]))
+
     # -- capture -----------------------------------------------------------------------------
 
     def capture(self) -> CaptureStats:
         """One graph per token bucket, largest first; on failure nothing is kept."""
         self._check_alive("capture")
+        if self.eager:
+            raise ConfigError("an eager GraphPrefill captures no graph; build it with eager=False.")
         self._release_graphs()
         try:
             stats = capture_loop(
                 reversed(self.token_buckets),
                 self._capture_one,
-                show_progress=False,
+                show_progress=self.show_progress,
                 backend=self._backend,
             )
         except BaseException:
@@ -130,16 +229,12 @@ class GraphPrefill(GraphRunnerBase):
 
     def _capture_one(self, t: int) -> BucketStats:
         self._fill_padding(t)
-
-        @torch.no_grad()
-        def step() -> torch.Tensor:  # [B, vocab] float32; reads only the static buffer
-            batch = self._views(t)
-            self.mr.attn_backend.init_extend_metadata(batch)
-            h = self.mr.model(batch.input_ids, batch.positions, self.mr.attn_backend)
-            return self.mr.model.logits(h[batch.last_idx])
-
         graph, stats = capture_step(
-            self._backend, step, key=t, bs=t, what=f"the packed prefill of {t} tokens"
+            self._backend,
+            lambda: self._forward(t),
+            key=t,
+            bs=t,
+            what=f"the packed prefill of {t} tokens",
         )
         self.graphs[t] = graph
         return stats
@@ -152,7 +247,7 @@ class GraphPrefill(GraphRunnerBase):
     # -- replay ------------------------------------------------------------------------------
 
     def can_run(self, lengths: Sequence[int]) -> bool:
-        """True if a captured bucket holds chunks of these lengths (each >= 1)."""
+        """True if a bucket holds chunks of these lengths (each >= 1)."""
         return (
             0 < len(lengths) <= self.max_chunks
             and min(lengths) >= 1
@@ -165,27 +260,38 @@ class GraphPrefill(GraphRunnerBase):
         return self.extend(prompt_chunks(prompts, pages))
 
     def extend(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:  # [n, vocab] float32
-        """Prefill ``chunks`` from the graph of the smallest bucket holding them; the
-        contract of ``ModelRunner.extend``. The result is a view of the graph's output."""
+        """Prefill ``chunks`` at the smallest bucket holding them, from its graph (or eagerly
+        with ``eager=True``); the contract of ``ModelRunner.extend``. The result is a view of
+        the shared output: consume it before the next call."""
         self._check_alive("extend")
         lens = [len(c.tokens) for c in chunks]
         if not self.can_run(lens):
-            self.stats.eager_batches += 1
+            self.stats.unpadded_batches += 1
             return self.mr.extend(chunks)
         check_chunks(chunks, self.mr.page_size)
         t = pad_to_bucket(sum(lens), self.token_buckets)
-        host = torch.from_numpy(pack_extend(chunks, self.mr.page_size, self._layout(t)))
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        self._static[: host.numel()].copy_(host, non_blocking=True)
-        self._live = (lens, [c.end for c in chunks], [list(c.pages) for c in chunks])
-        self.graphs[t].replay()
-        self.stats.graph_batches += 1
-        return self.graphs[t].output[: len(chunks)]
+        layout, page = self._layout(t), self.mr.page_size
+        self._stage.fill(self._static, lambda host: pack_extend_into(host, chunks, page, layout))
+        self._live = (lens, [c.end for c in chunks], [c.pages for c in chunks])
+        if self.eager:
+            out = self._forward(t)
+            self.stats.padded_batches += 1
+        else:
+            self.graphs[t].replay()
+            out = self.graphs[t].output
+            self.stats.graph_batches += 1
+        return out[: len(chunks)]
 
     def shutdown(self) -> None:
         self._release_graphs()
         self._shut_down = True
 
 
-__all__ = ["DEFAULT_MAX_CHUNKS", "DEFAULT_TOKEN_BUCKETS", "GraphPrefill", "GraphPrefillStats"]
+__all__ = [
+    "DEFAULT_MAX_CHUNKS",
+    "DEFAULT_TOKEN_BUCKETS",
+    "GraphPrefill",
+    "GraphPrefillStats",
+    "activation_bytes",
+    "token_buckets_for",
+]
