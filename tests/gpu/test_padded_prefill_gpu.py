@@ -121,13 +121,14 @@ def test_exact_engine_equals_eager_engine_chunked_and_cached(budget):
     ]
     out = {}
     for mode in ("eager", "exact"):
-        small = {"max_chunks": 6}  # 16 requests: some steps pack more (unpadded in both)
+        small = {"max_chunks": 3}  # steps of more chunks run unpadded, in both modes
         engine = Engine(_twin(mr), mode, max_prefill_tokens=budget, prefill_config=small)
         assert engine.prefill == ("eager" if mode == "eager" else "graph")
         out[mode] = engine.generate(prompts, 12, ignore_eos=True)
         stats = engine.prefiller.stats
         print(mode, budget, stats)
-        assert stats.graph_batches + stats.padded_batches >= 2 and stats.unpadded_batches >= 1
+        padded = stats.graph_batches if mode == "exact" else stats.padded_batches
+        assert padded >= 1 and padded + stats.unpadded_batches >= 2
         assert engine.stats.cached_tokens > 0
         engine.shutdown()
     assert out["exact"] == out["eager"]
