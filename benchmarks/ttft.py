@@ -33,6 +33,7 @@ import importlib.util
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -51,6 +52,10 @@ HERE = Path(__file__).resolve().parent
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def say(line: str) -> None:
+    print(f"ttft: {line}", file=sys.stderr, flush=True)
 
 
 def ttft(engine: Engine, prompt: list[int], new_tokens: int) -> float:
@@ -169,18 +174,23 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     weights_s = time.perf_counter() - t0
+    say(f"weights in {weights_s:.1f} s")
     t0 = time.perf_counter()
     engine = Engine(mr)  # the defaults: mode, prefill, budgets, prefix caching
     build_s = time.perf_counter() - t0
+    say(f"engine ({engine.mode}, {engine.prefill} prefill) built in {build_s:.1f} s")
     t0 = time.perf_counter()
     warm_up(engine)
     warm_s = time.perf_counter() - t0
+    say(f"warm-up in {warm_s:.1f} s")
     rng = random.Random(args.seed)
     vocab = mr.config.vocab_size
     prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
     first = ttft(engine, prompt(args.new_len), args.new_tokens)
     second = ttft(engine, prompt(args.new_len), args.new_tokens)
+    say(f"new length {args.new_len}: first {first * 1e3:.2f} ms, second {second * 1e3:.2f} ms")
     times = [ttft(engine, prompt(args.prompt_len), args.new_tokens) for _ in range(args.requests)]
+    say(f"TTFT of {args.prompt_len} tokens: median {statistics.median(times) * 1e3:.2f} ms")
     chunk_counts = [int(c) for c in args.chunk_counts.split(",") if c]
     result = {
         "model": args.model,
