@@ -33,7 +33,7 @@ import torch
 from stepgraph.batch import pack_batch
 from stepgraph.bench.timing import cuda_time_ms
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
-from stepgraph.runner.input_checks import check_values
+from stepgraph.runner.input_checks import check_rows_fast, check_values
 from stepgraph.toy_model import ToyModelRunner
 
 
@@ -111,12 +111,16 @@ def replay_host_rows(mr: ToyModelRunner, runner: CudaGraphRunner, bare_fn) -> di
     for name, fn in kinds.items():
         out[name] = host_us_per_call(fn)
         out[f"{name}_over_bare"] = out[name] - bare
-    staging, rows = runner._staging, runner._host_rows(b1, 1)
+    staging, rows = runner._staging, runner._host_rows(b1)
     parts = {
-        "host_rows": host_us_per_call(lambda: runner._host_rows(b1, 1)),
+        # the rows' numpy views: kept for the same tensor, taken anew for another
+        "host_rows": host_us_per_call(lambda: runner._host_rows(b1)),
+        "host_rows_new_tensors": host_us_per_call(
+            lambda: (runner._host_rows(b1), setattr(runner, "_rows", (0, 0, None, None)))
+        ),
         # RunnerConfig.check_inputs="host" (default): one vectorised compare of the host rows
-        "value_checks": host_us_per_call(lambda: runner._check_rows(b1, rows)),
-        "copy_host_lens": host_us_per_call(lambda: runner.buffers.copy_host_lens(None, 1, rows[2])),
+        "value_checks": host_us_per_call(lambda: check_rows_fast(rows[2], rows[3], runner._limits)),
+        "stage_host_lens": host_us_per_call(lambda: runner.buffers.stage_host_lens(rows[2], 1)),
         "replay_hook": host_us_per_call(
             lambda: mr.attn_backend.init_forward_metadata_replay_cuda_graph(1, runner._static[1])
         ),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stepgraph.backends import CpuCapturedGraph
-from stepgraph.batch import ForwardMode, pack_batch
+from stepgraph.batch import PACKED, ForwardMode, pack_batch
 from stepgraph.errors import CaptureError, ConfigError, ReplayError
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
 from stepgraph.toy_model import ToyModelRunner
@@ -297,6 +297,25 @@ def test_exact_mode_applies_per_bucket_and_reapplies_after_reinstantiate(mr):
     assert sorted(upd.invalidated) == [1, 2, 4, 8]
     runner.replay(b3)
     assert runner.stats.node_edits == 6
+
+
+@pytest.mark.parametrize("checks", ["host", "off"])
+def test_exact_mode_of_staged_host_rows_takes_the_kv_length_of_their_column(mr, checks):
+    """A staged replay of host rows retunes to the longest KV length of the rows' column (what
+    the graph reads), with value checks on or off, and to ``max_seq_len`` where given."""
+    upd = FakeUpdater()
+    config = RunnerConfig(
+        max_bs=8, mode="exact", show_progress=False, pinned_staging=True, check_inputs=checks
+    )
+    runner = CudaGraphRunner(mr, config, exec_updater=upd)
+    b3 = mr.random_batch(3, torch.Generator().manual_seed(6), packed=True)
+    longest = int(PACKED.column(b3.packed_cpu, "seq_lens").max())
+    b3.seq_lens_cpu.fill_(1)  # not what the staged replay reads
+    runner.replay(b3)
+    assert upd.applied == [(4, longest)]
+    b3.max_seq_len = longest + 1  # a host hint wins over the column
+    runner.replay(b3)
+    assert upd.applied[-1] == (4, longest + 1)
 
 
 def test_exact_mode_without_nodes_is_a_capture_error(mr):

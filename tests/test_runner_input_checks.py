@@ -200,6 +200,13 @@ def test_staged_rows_changed_in_place_are_checked_and_replayed_anew():
     PACKED.column(batch.packed_cpu, "out_cache_loc")[2] = 40 * 4 - 1  # the last slot: valid
     runner.replay(batch)
     assert runner.stats.replays == 3
+    rows = batch.packed_cpu.numpy()  # numpy writes leave the tensor's version: the kept view
+    rows[1, PACKED.fields.index("input_ids")] = 97  # one past the vocabulary
+    with pytest.raises(ReplayError, match=r"input_ids\[1\] = 97 is outside \[0, 97\)"):
+        runner.replay(batch)
+    rows[1, PACKED.fields.index("input_ids")] = 96
+    runner.replay(batch)
+    torch.testing.assert_close(runner._staging.rows(1)[1, 0], torch.tensor(96))
     batch.packed_cpu.resize_(2, batch.packed_cpu.shape[1])  # same tensor, two rows now
     with pytest.raises(ReplayError, match=r"packed_cpu has shape \(2, 8\), expected \[3, <= 8\]"):
         runner.replay(batch)

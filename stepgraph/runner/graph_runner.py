@@ -109,7 +109,7 @@ class CudaGraphRunner(GraphRunnerBase):
         self._width = self.buffers.packed.shape[1]  # a packed row's columns, at most
         self._full_checks = config.check_inputs == "full"  # the general path's device copies
         self._checks_off = config.check_inputs == "off"
-        self._rows: tuple = (None, 0, None, None)  # ``_host_rows``' last tensor, its views
+        self._rows: tuple = (0, 0, None, None)  # ``_host_rows``' last tensor, its views
         self._states: dict[int, tuple] = {}  # bucket -> ``_replay_state``
         self._compiled: Callable[[ForwardBatch], torch.Tensor] | None = None
         lend_graph_buckets(model_runner.attn_backend, self.capture_bs)
@@ -237,14 +237,24 @@ class CudaGraphRunner(GraphRunnerBase):
         if bucket is None:
             bucket = self._bucket_of[bs] = pad_to_bucket(bs, self.capture_bs)
         staging = self._staging
-        rows = None if staging is None else self._host_rows(batch, bs)
-        if rows is None:  # every other batch: the general checks and copies
+        rows = None if staging is None else self._host_rows(batch)
+        if rows is None or rows[2].shape[0] != bs:  # the general checks and copies
             t_kv = self._check_replay(batch, bs)  # raises before anything is copied
             self._copy_inputs(batch, bucket)
         else:  # host rows into the pinned slot: numpy only, no torch call
-            t_kv = self._check_rows(batch, rows)  # raises before anything is copied
-            staging.stage_rows(rows[2], bucket)
-            self.buffers.copy_host_lens(None, bucket, rows[2])
+            values = rows[2]
+            t_kv = batch.max_seq_len
+            if self._checks_off or batch.values_checked:
+                if t_kv is None and (self._updater is not None or self._max_context is not None):
+                    t_kv = int(values[:, SEQ_COL].max())  # for the context check, or exact
+            else:  # one compare of every value; t_kv is needed in exact mode only
+                check_rows_fast(values, rows[3], self._limits)
+                if t_kv is None and self._updater is not None:
+                    t_kv = int(values[:, SEQ_COL].max())
+            if t_kv is not None and self._max_context is not None and t_kv > self._max_context:
+                self._too_long(t_kv)  # raises before anything is copied
+            staging.stage_rows(values, bucket)
+            self.buffers.stage_host_lens(values, bucket)
         hook, static, graph, launch, plan = self._states.get(bucket) or self._replay_state(bucket)
         hook(bucket, static)  # the attention backend's replay hook
         if plan is not None:
@@ -258,38 +268,27 @@ class CudaGraphRunner(GraphRunnerBase):
             out = self._out_rows[bs] = self.output_buffers[bucket][:bs]
         return out
 
-    def _host_rows(self, batch: ForwardBatch, bs: int):
-        """``batch.packed_cpu`` as numpy ``[bs, <= width]`` int64 when a staged replay can take
-        it as it is (its host rows and KV lengths of ``bs`` rows, value checks "host" or
-        "off"), with its unsigned view for the checks; else None (the general path, which
-        names what is wrong). The views of the last rows tensor are kept: an engine passes the
-        same rows every step (its address and shape say whether it is still the same)."""
-        src, lens = batch.packed_cpu, batch.seq_lens_cpu
-        if src is None or self._full_checks or not lens.is_cpu or lens.shape[0] != bs:
-            return None
+    def _host_rows(self, batch: ForwardBatch) -> tuple | None:
+        """``(packed_cpu, its version, its numpy rows, their uint64 view)`` when a staged
+        replay can take the batch's host rows as they are (int64 on the host, 2-D, no wider
+        than the static rows; value checks "host" or "off"); else None (the general path, which
+        names what is wrong). A staged replay reads the KV lengths from the rows' column, so
+        ``seq_lens_cpu`` is not read. The views of the last rows tensor are kept while its
+        version holds (an engine passes the same rows every step, written through numpy; any
+        torch write, resize or re-point bumps the version and they are taken anew)."""
+        src = batch.packed_cpu
         rows = self._rows
-        if src is not rows[0] or src.data_ptr() != rows[1] or src.shape != rows[2].shape:
-            if src.dtype is not torch.int64 or not src.is_cpu or src.requires_grad:
-                return None
-            values = src.numpy()
-            shape = values.shape
-            if len(shape) != 2 or shape[1] > self._width:
-                return None
-            rows = self._rows = (src, src.data_ptr(), values, values.view(_U64))
-        return rows if rows[2].shape[0] == bs else None
-
-    def _check_rows(self, batch: ForwardBatch, rows: tuple) -> int | None:
-        """The value checks of host rows (``check_rows_fast``: one vectorised compare, the KV
-        lengths read from their column) and the replay's KV length, as ``_check_replay``."""
-        checked = not (self._checks_off or batch.values_checked)
-        if checked:
-            check_rows_fast(rows[2], rows[3], self._limits)
-        t_kv = batch.max_seq_len
-        if t_kv is None and (self._updater is not None or not checked):
-            t_kv = int(rows[2][:, SEQ_COL].max()) if rows[2].shape[0] else 0
-        if t_kv is not None and self._max_context is not None and t_kv > self._max_context:
-            self._too_long(t_kv)
-        return t_kv
+        if src is rows[0] and src._version == rows[1]:
+            return rows
+        if src is None or self._full_checks or src.dtype is not torch.int64 or not src.is_cpu:
+            return None
+        if src.requires_grad:
+            return None
+        values = src.numpy()
+        if values.ndim != 2 or values.shape[1] > self._width:
+            return None
+        rows = self._rows = (src, src._version, values, values.view(_U64))
+        return rows
 
     def _replay_state(self, bucket: int) -> tuple:
         """What a replay of ``bucket`` touches, looked up once: the backend's replay hook, the

@@ -55,6 +55,7 @@ class GraphInputBuffers:
     dirty_rows: int = 0
     _rows: dict[int, _RowViews] = field(default_factory=dict, repr=False)
     _seq_np: np.ndarray = field(init=False, repr=False)  # seq_lens_cpu as numpy (zero-copy)
+    _lens_views: dict[int, np.ndarray] = field(default_factory=dict, repr=False)  # bs -> [:bs]
 
     def __post_init__(self) -> None:
         self._seq_np = self.seq_lens_cpu.numpy()
@@ -155,6 +156,17 @@ class GraphInputBuffers:
         else:
             bs = batch.batch_size
             seq[:bs] = batch.seq_lens_cpu.numpy()
+        if self.dirty_rows != bs:  # else nothing is stale and nothing changes
+            self._repad_stale_rows(bs, bucket, self.pad_host_lens)
+
+    def stage_host_lens(self, rows: np.ndarray, bucket: int) -> None:
+        """``copy_host_lens`` from staged numpy rows ``[bs, width]``, into a view kept per
+        ``bs`` (the staged replay's path: slicing costs host time)."""
+        bs = rows.shape[0]
+        dst = self._lens_views.get(bs)
+        if dst is None:
+            dst = self._lens_views[bs] = self._seq_np[:bs]
+        dst[...] = rows[:, _SEQ_COL]
         if self.dirty_rows != bs:  # else nothing is stale and nothing changes
             self._repad_stale_rows(bs, bucket, self.pad_host_lens)
 

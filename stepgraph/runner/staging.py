@@ -71,6 +71,8 @@ class PinnedStaging:
         self.copied = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)  # its host mirror
         self._host_np, self._pad_np = self.host.numpy(), self.pad.numpy()
         self._copied_np = self.copied.numpy()
+        self._copied_mv = memoryview(self._copied_np)  # [0]: a Python int, read live
+        self._views: dict[tuple[int, int, int], object] = {}  # (slot, bs, width) -> host rows
         self.dirty = [0] * SLOTS  # rows [:dirty[s]] of slot s may hold live values
         self.count = 0  # replays staged since capture: replay k reads slot k % 2
         self.waits = 0  # slot writes that had to wait for a copy (a host ahead of the GPU)
@@ -134,16 +136,20 @@ class PinnedStaging:
 
     def stage_rows(self, rows, bucket: int) -> None:
         """``stage`` of host rows given as numpy ``[bs, <= width]`` int64 (the replay's path
-        for a batch with ``packed_cpu``: one numpy write, no torch call)."""
-        count = self.count
-        if self._copied_np[0] > count:  # a graph replayed outside runner.replay
+        for a batch with ``packed_cpu``: one numpy write into a view kept per slot and shape,
+        no torch call)."""
+        count, copied = self.count, self._copied_mv[0]
+        if copied > count:  # a graph replayed outside runner.replay
             self._resync()
             count = self.count
-        elif self._copied_np[0] < count - 1:  # the slot's last reader has not copied yet
+        elif copied < count - 1:  # the slot's last reader has not copied yet
             self._wait_for(count - 1)
         slot = count & 1
-        bs = rows.shape[0]
-        self._host_np[:bs, slot, : rows.shape[1]] = rows
+        bs, width = rows.shape
+        dst = self._views.get((slot, bs, width))
+        if dst is None:
+            dst = self._views[(slot, bs, width)] = self._host_np[:bs, slot, :width]
+        dst[...] = rows
         if self.dirty[slot] != bs:  # else nothing is stale and nothing changes
             self._repad(slot, bs, bucket)
 
