@@ -9,6 +9,13 @@ powers of two to the prefill budget, a prompt longer than the budget so a chunk 
 cached prefix), alone and packed two at a time, greedy and sampled (the step's sampling and a
 request's own), and decodes each a few steps, then a batch of ``max_running`` rows (the decode
 graphs are captured already; this warms what runs around them).
+
+The prefill is padded to a token bucket in every mode (``model/prefill/graph_prefill.py``): its
+graphs, one per bucket, are captured when the engine is built (modes graph and exact), and the
+padded forward's kernels see a bucket's shapes whatever the prompt, so one prefill warms what
+every bucket of the eager mode runs. The lengths still reach each bucket and past the largest,
+and the widest decode batch packs more chunks than a bucket holds where ``max_running`` allows
+it: both run the unpadded forward, whose Triton variants are warmed here too.
 """
 
 from __future__ import annotations
