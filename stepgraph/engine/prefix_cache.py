@@ -56,7 +56,7 @@ from .prefix_match import (
     check_salt,
     token_list,
 )
-from .prefix_tree import PageTree
+from .prefix_tree import Entry, PageTree
 
 
 def page_tokens(tokens: Sequence[int], page_size: int) -> Iterator[tuple[int, ...]]:
@@ -331,11 +331,35 @@ class PrefixCache:
         new = pages[first:n]
         if len(set(new)) != len(new) or (first and pages[first - 1] in new):
             raise ConfigError("pages repeats a page; pass the request's block table.")
+        refs, entries, claim = tree.refs, tree.entries, tree.by_key.setdefault
+        chunks = page_tokens(toks[(first - offset) * ps :], ps)
+        if refs.keys() >= set(new) and entries.keys().isdisjoint(new):
+            # the common case, a request caching its own new pages: nothing can be refused,
+            # so each page is added as its key is claimed (``PageTree.add_held``'s fast path
+            # inline: no plan to take back, no second loop)
+            added, clock = 0, tree.clock
+            for page, chunk in zip(new, chunks):
+                key = (parent, chunk)
+                cached = claim(key, page)
+                if cached != page:
+                    parent = cached  # the same tokens in another page: ours stays private
+                    continue
+                if parent.__class__ is int and parent in refs:
+                    entries[page] = Entry(key, parent, clock)
+                    pe = entries[parent]
+                    pe.children += 1
+                    pe.pinned += 1  # ``page`` is referenced, so blocked; its parent already was
+                    tree.blocked += 1
+                else:
+                    tree.add(page, key, parent if parent.__class__ is int else None)
+                added += 1
+                parent = page
+            self._inserts += bool(added)
+            return added
         plan = []
-        refs, get_entry, claim = tree.refs, tree.entries.get, tree.by_key.setdefault
+        get_entry = entries.get
         # keys are claimed as the pages are checked; a refusal takes them back: it changes
         # nothing
-        chunks = page_tokens(toks[(first - offset) * ps :], ps)
         for i, page, chunk in zip(range(first, n), new, chunks):
             key = (parent, chunk)
             why = None
