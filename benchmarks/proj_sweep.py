@@ -489,6 +489,11 @@ def main(argv=None) -> dict:
     ]
     if fp8 and "lm_head" in args.cases.split(","):
         ap.error("--quantization fp8 has no lm_head case: the LM head stays in the model dtype")
+    if fp8 and args.tiles_out:
+        ap.error(
+            "--tiles-out writes bf16's tiles; with --quantization fp8 copy the printed "
+            "FP8_TILES literal into stepgraph/kernels/proj/tile_table.py"
+        )
     use_preset(args.preset)
     i, n_shards = map(int, args.shard.split("/"))
     g = torch.Generator(device=DEVICE).manual_seed(0)

@@ -105,6 +105,9 @@ def test_fp8_sweep_checks_every_tile_and_prints_the_fp8_table(monkeypatch, capsy
     with pytest.raises(SystemExit):
         sweep.main(["--quantization", "fp8", "--cases", "lm_head"])  # the head stays bf16
     assert "no lm_head case" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.main(["--quantization", "fp8", "--tiles-out", "x.json"])  # bf16's file format
+    assert "FP8_TILES literal" in capsys.readouterr().err
 
 
 def test_compile_shards_cover_every_tile_once(monkeypatch):
