@@ -123,14 +123,15 @@ def test_the_host_copy_leaves_stale_rows_only_where_no_chunk_reads():
     graph, _ = _pair(torch.float32)
     mr = graph.mr
     pages = [mr.kv_cache.reserve(10) for _ in range(3)]
-    graph.extend([PrefillChunk([5] * 2, 0, pg) for pg in pages])  # 6 tokens: bucket 8
-    graph.extend([PrefillChunk([6] * 3, 0, pages[0])])
-    layout = graph._layout(8)
-    want = pack_extend([PrefillChunk([6] * 3, 0, pages[0])], mr.page_size, layout)
-    head = layout.numel - layout.chunks * layout.width
+    graph.extend([PrefillChunk([5] * 2, 0, pg) for pg in pages])  # 6 tokens: bucket (8, 4)
+    now = [PrefillChunk([6] * 3, 0, pages[0]), PrefillChunk([7], 0, pages[1])]
+    graph.extend(now)  # the same bucket
+    layout = graph._layout(8, MAX_CHUNKS)
+    want = pack_extend(now, mr.page_size, layout)
+    n = layout.numel - (MAX_CHUNKS - 2) * layout.width  # up to chunk 2's row
     got = graph._static[: layout.numel].numpy()
-    assert (got[: head + layout.width] == want[: head + layout.width]).all()
-    assert got[head + layout.width] == pages[1][0]  # chunk 1's row from the batch before
+    assert (got[:n] == want[:n]).all()
+    assert got[n] == pages[2][0]  # chunk 2's row from the batch before
 
 
 def test_pack_extend_pads_every_segment():
@@ -180,7 +181,9 @@ def test_engine_defaults_to_the_padded_prefill():
     config = RunnerConfig(max_bs=6, show_progress=False)
     graph = Engine(_runner(), "graph", config)
     assert graph.prefill == "graph" and not graph.prefiller.eager
-    assert sorted(graph.prefiller.graphs) == graph.prefiller.token_buckets  # captured at build
+    prefiller = graph.prefiller  # captured at build: every token bucket, 1 chunk and max_chunks
+    assert prefiller.chunk_buckets == [1, 6]
+    assert sorted(prefiller.graphs) == [(t, b) for t in prefiller.token_buckets for b in (1, 6)]
     unpadded = Engine(_runner(), prefill="unpadded")
     assert unpadded.prefiller is unpadded.model_runner
     for e in (eager, graph):
@@ -210,6 +213,17 @@ def test_engine_tokens_equal_the_unpadded_prefills_in_float32(mode):
     assert engine.stats.cached_tokens > 0  # a chunk ran after a cached prefix
     _assert_no_leak(engine)
     engine.shutdown()
+
+
+def test_a_lone_chunk_runs_at_one_chunk_and_more_at_max_chunks(pair):
+    graph, eager = pair
+    assert graph.chunk_buckets == [1, MAX_CHUNKS]
+    one = _run(pair, [7], [0], seed=1)
+    two = _run(pair, [7, 3], [0, 0], seed=1)  # the same first prompt, packed with another
+    assert one.shape == (1, VOCAB) and two.shape == (2, VOCAB)
+    torch.testing.assert_close(one[0], two[0], rtol=1e-4, atol=1e-4)  # another shape: close
+    with pytest.raises(ConfigError, match="chunk_buckets must end at max_chunks=4"):
+        GraphPrefill(_runner(), BUCKETS, MAX_CHUNKS, chunk_buckets=(1, 2))
 
 
 def test_refusals():

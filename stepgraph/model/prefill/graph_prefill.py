@@ -1,7 +1,7 @@
 """The padded prefill: a packed batch of chunks in the static layout of its token bucket,
 replayed whole from that bucket's CUDA graph, or run eagerly on the very same shapes.
 
-    prefill = GraphPrefill(model_runner)               # captures one graph per token bucket
+    prefill = GraphPrefill(model_runner)               # one graph per token and chunk bucket
     logits = prefill.extend(chunks)                    # [n, vocab], like ModelRunner.extend
     padded = GraphPrefill(model_runner, eager=True)    # no graph: the same forward, eagerly
 
@@ -9,10 +9,10 @@ An eager prefill of a few hundred tokens is bound by the host: about 150 launche
 several times its compute (docs/experiments.md#whole-forward-prefill-graphs). The extend
 kernel takes its geometry from device tensors (``qo_indptr``, ``kv_lens``, the block table) and
 a grid sized by a host bound, so the whole forward can be captured: one graph per token bucket
-``T``, every chunk of a batch in it, up to ``max_chunks`` chunks.
+``T`` and chunk bucket ``B`` (1 or ``max_chunks`` by default), every chunk of a batch in it.
 
 One padded forward for every mode. A batch runs at its bucket's shapes whether a graph replays
-it or not: ``T`` tokens, ``B = max_chunks`` rows of logits, the extend grid sized for ``T``.
+it or not: ``T`` tokens, ``B`` rows of logits, the extend grid sized for ``B`` chunks of ``T``.
 The projections then see the same matrix shapes (cuBLAS picks its kernels by shape), so the
 graph of a bucket and the eager run (``eager=True``) give the same bits, and an engine in mode
 "exact" (graphs) equals one in mode "eager" (``eager=True``). A batch above the largest bucket,
@@ -24,7 +24,7 @@ Static inputs, one int64 buffer laid out per bucket (``extend_batch.ExtendLayout
 buffers reused in turn, of the token segments and the live chunks' block-table rows only):
 
     input_ids [T] | positions [T] | slots [T] | last_idx [B] | qo_indptr [B + 1] | kv_lens [B]
-    | block_table [B * W]                              (B = max_chunks, W = max pages a request)
+    | block_table [B * W]                          (B: the chunk bucket, W: max pages a request)
 
 Padding. Tokens past the live ones are token 0 at position 0 writing scratch slot 0; they
 belong to no chunk (``qo_indptr`` ends at the live count), so no chunk attends to them and
@@ -130,10 +130,13 @@ class GraphPrefill(GraphRunnerBase):
     ``eager=True`` (module docstring).
 
     ``token_buckets``: the token counts a batch is padded to (sorted). ``max_chunks``: the
-    chunks a bucket holds (``B``; every bucket computes ``B`` rows of logits and sizes the
-    extend grid for ``B`` chunks of up to ``T`` tokens). ``capture``: capture at construction
-    (ignored with ``eager=True``); ``show_progress``: a progress bar and a summary line while
-    capturing."""
+    most chunks a batch may have. ``chunk_buckets``: the chunk counts it is padded to (sorted,
+    the last ``max_chunks``; default ``(1, max_chunks)``): a graph per token bucket and chunk
+    bucket ``B``, which computes ``B`` rows of logits and sizes the extend grid for ``B``
+    chunks of up to ``T`` tokens, so a lone chunk (one request's prompt, or the next chunk of
+    a long one) launches no program for chunks it does not have. ``capture``: capture at
+    construction (ignored with ``eager=True``); ``show_progress``: a progress bar and a summary
+    line while capturing."""
 
     EAGER_HINT = "prefill eagerly with ModelRunner.extend"
 
@@ -143,6 +146,7 @@ class GraphPrefill(GraphRunnerBase):
         token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS,
         max_chunks: int = DEFAULT_MAX_CHUNKS,
         *,
+        chunk_buckets: Sequence[int] | None = None,
         eager: bool = False,
         backend: str = "auto",
         capture: bool = True,
@@ -152,21 +156,31 @@ class GraphPrefill(GraphRunnerBase):
         validate_buckets(token_buckets, "token_buckets")
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
             raise ConfigError(f"max_chunks must be an integer >= 1, got {max_chunks!r}.")
+        if chunk_buckets is None:
+            chunk_buckets = sorted({1, max_chunks})
+        validate_buckets(chunk_buckets, "chunk_buckets")
+        if chunk_buckets[-1] != max_chunks:
+            raise ConfigError(
+                f"chunk_buckets must end at max_chunks={max_chunks}, got {list(chunk_buckets)}."
+            )
         if not isinstance(eager, bool):
             raise ConfigError(f"eager must be True or False, got {eager!r}.")
         self.mr = model_runner
         self.device = canonical_device(model_runner.device)
         self.token_buckets = list(token_buckets)
         self.max_chunks = max_chunks
+        self.chunk_buckets = list(chunk_buckets)
         self.eager = eager
         self.show_progress = show_progress
         self.width = model_runner.max_pages_per_request  # W
-        self._layouts: dict[int, ExtendLayout] = {}
+        self._layouts: dict[tuple[int, int], ExtendLayout] = {}
         # a pool of its own (as PiecewisePrefill): its graphs replay between the decode
         # runner's, so sharing that pool would leave their outputs open to each other's scratch
         self._init_graphs(self.device, backend, pool or GraphPool())
         self._static = torch.zeros(
-            self._layout(self.token_buckets[-1]).numel, dtype=torch.int64, device=self.device
+            self._layout(self.token_buckets[-1], max_chunks).numel,
+            dtype=torch.int64,
+            device=self.device,
         )
         self._stage = _HostStage(self._static)
         # every bucket's logits: one buffer outside the pool (a graph's own output would stay
@@ -183,40 +197,46 @@ class GraphPrefill(GraphRunnerBase):
         """The graph runners behind this prefill (the engine's thread rule reaches them)."""
         return [self]
 
-    def _layout(self, t: int) -> ExtendLayout:
-        layout = self._layouts.get(t)
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (token bucket, chunk bucket), largest first: the order of capture."""
+        return [(t, b) for t in reversed(self.token_buckets) for b in reversed(self.chunk_buckets)]
+
+    def _layout(self, t: int, b: int) -> ExtendLayout:
+        layout = self._layouts.get((t, b))
         if layout is None:
-            b = self.max_chunks
-            layout = self._layouts[t] = ExtendLayout(t, b, self.width, b + 1, b)
+            layout = self._layouts[t, b] = ExtendLayout(t, b, self.width, b + 1, b)
         return layout
 
-    def _views(self, t: int) -> ExtendBatch:
-        """The static inputs of bucket ``t`` as an extend batch (int32 fields cast in-graph)."""
-        fields = unpack_extend(self._static, self._layout(t))
+    def _views(self, t: int, b: int) -> ExtendBatch:
+        """The static inputs of bucket ``(t, b)`` as an extend batch (int32 fields cast
+        in-graph)."""
+        fields = unpack_extend(self._static, self._layout(t, b))
         q_lens, kv_host, pages = self._live  # host copies: only the CPU attention reads them
         return ExtendBatch(*fields, q_lens, kv_host, pages, max_q_len_bound=t)
 
     @torch.no_grad()
-    def _forward(self, t: int) -> torch.Tensor:  # [B, vocab] float32, the shared output
-        """The padded forward of bucket ``t``: what its graph captures and ``eager=True`` runs.
-        It reads only the static buffer and writes only the shared output."""
-        batch = self._views(t)
+    def _forward(self, t: int, b: int) -> torch.Tensor:  # [b, vocab] float32, shared output
+        """The padded forward of bucket ``(t, b)``: what its graph captures and ``eager=True``
+        runs. It reads only the static buffer and writes only the shared output."""
+        batch = self._views(t, b)
         self.mr.attn_backend.init_extend_metadata(batch)
         h = self.mr.model(batch.input_ids, batch.positions, self.mr.attn_backend)
         # lm_head: cuBLAS returns the model dtype (the GEMV float32): the copy casts, as .float()
-        return self._out.copy_(self.mr.model.lm_head(h[batch.last_idx]))
+        return self._out[:b].copy_(self.mr.model.lm_head(h[batch.last_idx]))
 
     # -- capture -----------------------------------------------------------------------------
 
     def capture(self) -> CaptureStats:
-        """One graph per token bucket, largest first; on failure nothing is kept."""
+        """One graph per token bucket and chunk bucket, largest first; on failure nothing is
+        kept."""
         self._check_alive("capture")
         if self.eager:
             raise ConfigError("an eager GraphPrefill captures no graph; build it with eager=False.")
         self._release_graphs()
         try:
             stats = capture_loop(
-                reversed(self.token_buckets),
+                self.keys,
                 self._capture_one,
                 show_progress=self.show_progress,
                 backend=self._backend,
@@ -227,21 +247,22 @@ class GraphPrefill(GraphRunnerBase):
         self.stats.capture = stats
         return stats
 
-    def _capture_one(self, t: int) -> BucketStats:
-        self._fill_padding(t)
+    def _capture_one(self, key: tuple[int, int]) -> BucketStats:
+        t, b = key
+        self._fill_padding(t, b)
         graph, stats = capture_step(
             self._backend,
-            lambda: self._forward(t),
-            key=t,
+            lambda: self._forward(t, b),
+            key=key,
             bs=t,
-            what=f"the packed prefill of {t} tokens",
+            what=f"the packed prefill of {t} tokens in {b} chunks",
         )
-        self.graphs[t] = graph
+        self.graphs[key] = graph
         return stats
 
-    def _fill_padding(self, t: int) -> None:
+    def _fill_padding(self, t: int, b: int) -> None:
         """A batch of no live chunk: every token padding, every chunk empty."""
-        host = pack_extend([], self.mr.page_size, self._layout(t))
+        host = pack_extend([], self.mr.page_size, self._layout(t, b))
         self._static[: host.size].copy_(torch.from_numpy(host))
 
     # -- replay ------------------------------------------------------------------------------
@@ -270,15 +291,17 @@ class GraphPrefill(GraphRunnerBase):
             return self.mr.extend(chunks)
         check_chunks(chunks, self.mr.page_size)
         t = pad_to_bucket(sum(lens), self.token_buckets)
-        layout, page = self._layout(t), self.mr.page_size
+        b = pad_to_bucket(len(lens), self.chunk_buckets)
+        layout, page = self._layout(t, b), self.mr.page_size
         self._stage.fill(self._static, lambda host: pack_extend_into(host, chunks, page, layout))
         self._live = (lens, [c.end for c in chunks], [c.pages for c in chunks])
         if self.eager:
-            out = self._forward(t)
+            out = self._forward(t, b)
             self.stats.padded_batches += 1
         else:
-            self.graphs[t].replay()
-            out = self.graphs[t].output
+            graph = self.graphs[t, b]
+            graph.replay()
+            out = graph.output
             self.stats.graph_batches += 1
         return out[: len(chunks)]
 
