@@ -168,11 +168,14 @@ def test_bad_packed_input_errors_before_any_copy(mr, bad, match):
     assert torch.equal(runner.buffers.packed, before)
 
 
-def test_packed_batch_with_a_narrower_block_table(mr):
-    """Requests short enough for two pages may send only two table columns."""
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_batch_with_a_narrower_block_table(mr, packed, staged):
+    """Requests short enough for two pages may send only two table columns: as packed rows, or
+    as fields the runner packs (one concatenation into the static or the staged rows)."""
     from stepgraph.batch import PACKED, unpacked_batch
 
-    runner = CudaGraphRunner(mr, CFG)
+    runner = CudaGraphRunner(mr, replace(CFG, pinned_staging=staged))
     g = torch.Generator().manual_seed(21)
     runner.replay(mr.random_batch(6, g))  # leave full-width rows behind
     batch = mr.random_batch(5, g)
@@ -182,8 +185,12 @@ def test_packed_batch_with_a_narrower_block_table(mr):
     page = batch.block_table.long().gather(1, (last // mr.page_size)[:, None])[:, 0]
     batch.out_cache_loc = page * mr.page_size + last % mr.page_size
     narrow = unpacked_batch(pack_batch(batch)[:, : PACKED.width(2)], batch.seq_lens_cpu)
+    if not packed:
+        narrow.packed = None  # fields only: [5, 2] table columns
     want, _ = mr.eager_reference(batch)
+    before = runner.stats.packed_here
     torch.testing.assert_close(runner.replay(narrow), want, rtol=1e-5, atol=1e-5)
+    assert runner.stats.packed_here - before == (0 if packed or staged else 1)
 
 
 def test_request_longer_than_the_captured_context_is_refused_before_any_copy(mr):

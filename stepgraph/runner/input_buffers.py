@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..batch import BATCH_DTYPES, PACKED, ForwardBatch, ForwardMode, pack_batch
+from ..batch import BATCH_DTYPES, PACKED, ForwardBatch, ForwardMode
 
 _SEQ_COL = PACKED.fields.index("seq_lens")
 PAD_TOKEN_ID = 0
@@ -134,10 +134,11 @@ class GraphInputBuffers:
         bs = batch.batch_size
         src = batch.packed
         came_packed = src is not None
-        if src is None:
-            src = pack_batch(batch)
         rows = self.rows(bs)
-        if src.shape[1] == self.packed.shape[1]:
+        if src is None:  # the fields packed straight into the static rows: one launch
+            width = PACKED.table_col + batch.block_table.shape[1]
+            pack_fields(batch, rows.packed[:, :width])  # a narrower table: see below
+        elif src.shape[1] == self.packed.shape[1]:
             rows.packed.copy_(src)
         else:  # a narrower table: columns past it are never read (seq_len bounds the pages)
             rows.packed[:, : src.shape[1]].copy_(src)
@@ -201,6 +202,21 @@ class GraphInputBuffers:
         self.seq_lens_cpu[start:stop] = self.seq_len_fill_value
         self.block_table[start:stop] = PAD_PAGE
         self.out_cache_loc[start:stop] = PAD_SLOT
+
+
+def pack_fields(batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``pack_batch(batch)`` as ONE concatenation (int32 columns promoted to int64), into
+    ``out`` ``[bs, width]`` where given: one device launch where ``pack_batch`` takes four
+    (a cast, a stack, a cast, a cat), each 8-17 us of host time on the H200 VM."""
+    cols = (
+        batch.input_ids.unsqueeze(1),
+        batch.positions.unsqueeze(1),
+        batch.out_cache_loc.unsqueeze(1),
+        batch.seq_lens.unsqueeze(1),
+        batch.block_table,
+    )
+    assert PACKED.fields == ("input_ids", "positions", "out_cache_loc", "seq_lens")
+    return torch.cat(cols, 1) if out is None else torch.cat(cols, 1, out=out)
 
 
 def pad_row(max_pages: int, seq_len_fill_value: int, device: torch.device) -> torch.Tensor:

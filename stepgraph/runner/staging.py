@@ -38,8 +38,9 @@ import time
 
 import torch
 
-from ..batch import ForwardBatch, pack_batch
+from ..batch import ForwardBatch
 from ..errors import ReplayError
+from .input_buffers import pack_fields
 
 SLOTS = 2
 WAIT_LIMIT_S = 60.0  # a replay's copy not run after this long: the stream is stuck
@@ -129,7 +130,7 @@ class PinnedStaging:
             return rows
         slot = self._free_slot()  # device rows: a D2H copy, before the graph's on the stream
         bs = batch.batch_size
-        src = batch.packed if batch.packed is not None else pack_batch(batch)
+        src = batch.packed if batch.packed is not None else pack_fields(batch)  # one launch
         self.host[:bs, slot, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
         self._repad(slot, bs, bucket)
         return None
