@@ -168,3 +168,17 @@ def test_each_step_counts_its_wall_time_as_prefilling_or_decode_only(monkeypatch
     s = engine.stats
     assert (s.steps, s.prefill_steps, s.decode_steps) == (steps, 3, 2) and steps == 5
     assert (s.prefill_step_s, s.decode_step_s) == (3.0, 2.0)  # one tick a step
+
+
+def test_a_request_is_compared_by_identity():
+    """The engine finds a request in its lists by identity: closing one of 512 running compared
+    every field of each request before it (a dataclass's ``__eq__``), twice."""
+    from stepgraph.engine.requests import Request
+
+    a, twin = Request(0, [1, 2], 4), Request(0, [1, 2], 4)
+    assert a != twin and a == a
+    running = [twin, a]
+    assert running.index(a) == 1
+    running.remove(a)
+    assert running == [twin] and a not in running
+    assert len({a, twin}) == 2  # hashable, by identity

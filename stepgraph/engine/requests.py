@@ -19,8 +19,8 @@ PREFILLS = ("graph", "eager", "unpadded", "piecewise")
 DECODE_VIAS = ("runner", "configs")
 
 
-@dataclass
-class Request:
+@dataclass(eq=False)  # a request is itself: the engine's lists find it by identity, without
+class Request:  # comparing every field of each request before it (a close at 512 running)
     rid: int
     prompt: list[int]
     max_new_tokens: int
