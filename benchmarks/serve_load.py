@@ -308,8 +308,12 @@ def longest_gap(timings: list[RequestTiming], t0: float) -> dict | None:
     that had their first token before it and their last after it, ``stalled``: how many of them
     got no token inside it, 2 ms off either end (all: the engine or the server paused, not this
     stream);
-    ``first_tokens``: requests whose first token landed inside it or within 2 ms of its end
-    (their prefills ran in it), ``their_prompt_tokens``: their prompts' tokens, summed."""
+    ``first_tokens``: requests whose first token landed inside it, more than 2 ms after its
+    start and up to 2 ms after its end (their prefills ended in it), ``their_prompt_tokens``:
+    their prompts' tokens, summed;
+    ``waiting``: requests sent before its end whose first token came after its start (queued
+    or prefilling across some of it: a chunked prefill's first token lands only after its last
+    chunk), ``waiting_prompt_tokens``: their prompts' tokens."""
     best = None
     for i, t in enumerate(timings):
         for k, gap in enumerate(t.itls):
@@ -319,16 +323,19 @@ def longest_gap(timings: list[RequestTiming], t0: float) -> dict | None:
         return None
     gap, i, k = best
     start, end = timings[i].token_times[k], timings[i].token_times[k + 1]
-    decoding = stalled = firsts = prompt = 0
+    decoding = stalled = firsts = prompt = waiting = waiting_prompt = 0
     for j, t in enumerate(timings):
         if j == i or not t.token_times:
             continue
         times = t.token_times
+        if t.arrival < end and times[0] > start + LANDED_WITH_S:
+            waiting += 1
+            waiting_prompt += t.input_len
         if times[0] <= start and times[-1] >= end:
             decoding += 1  # a token within 2 ms of either end came from that end's step
             after = times[bisect.bisect_right(times, start + LANDED_WITH_S)]
             stalled += after >= end - LANDED_WITH_S
-        if start < times[0] <= end + LANDED_WITH_S:
+        if start + LANDED_WITH_S < times[0] <= end + LANDED_WITH_S:
             firsts += 1
             prompt += t.input_len
     return {
@@ -340,6 +347,8 @@ def longest_gap(timings: list[RequestTiming], t0: float) -> dict | None:
         "stalled": stalled,
         "first_tokens": firsts,
         "their_prompt_tokens": prompt,
+        "waiting": waiting,
+        "waiting_prompt_tokens": waiting_prompt,
     }
 
 
@@ -352,7 +361,8 @@ def describe_gap(gap: dict | None) -> str:
         f"{gap['token']}-{gap['token'] + 1}, at {gap['at_ms']:.0f} ms; of {gap['decoding']} "
         f"other requests decoding across it, {gap['stalled']} got no token in it; "
         f"{gap['first_tokens']} first tokens landed in it ({gap['their_prompt_tokens']} prompt "
-        "tokens)"
+        f"tokens); {gap['waiting']} requests waited for a first token across it "
+        f"({gap['waiting_prompt_tokens']} prompt tokens)"
     )
 
 
