@@ -18,9 +18,11 @@ kernel variant in ~800 ms on the H200). Beside each level: the server's own TPOT
 stamps as the engine's tokens reach it, ``/metrics``), so that HTTP's share shows, its engine
 steps (graph, eager, prefill) and the longest gap between two tokens of a request (a stall
 shows there), with where it fell: the request and token, its time into the level, how many
-other requests were decoding across it and got no token in it (all of them: the engine or
-the server paused), and which requests got their first token at its end (a prefill ran in it)
-with their prompt tokens. The JSON keeps every request's TTFT and longest gap.
+other requests were decoding across it and got no token in it (all of them: the engine, the
+server or this script paused), which requests got their first token at its end (a prefill
+ran in it) and which waited for one across it, with their prompt tokens, and how long this
+script's own event loop paused inside it (a task that wakes every ms records each wake-up
+more than 5 ms late). The JSON keeps every request's TTFT and longest gap.
 
 ``--max-prefill-tokens-with-decode 2048,1024,512`` (with ``--launch``) serves once per value
 (the server's flag of that name: the prompt tokens a step that also decodes prefills, at most;
@@ -271,23 +273,54 @@ async def level(client, url, model, prompts, max_tokens, concurrency) -> dict:
     """Every prompt once, at most ``concurrency`` in flight; vLLM's metrics of the run."""
     timings = [RequestTiming(0.0, len(p)) for p in prompts]
     bodies = [request_body(model, p, max_tokens) for p in prompts]  # before the clock
+    # its streams' chunks land the moment they are read: a pause of the load generator's own
+    # event loop stalls every stream at once, as an engine pause would (``watch_loop``)
     gate = asyncio.Semaphore(concurrency)
 
     async def go(i):
         async with gate:
             return await one(client, url, bodies[i], timings[i])
 
+    stalls: list[tuple[float, float]] = []
+    watch = asyncio.ensure_future(watch_loop(stalls))
     t0 = time.perf_counter()
-    outputs = await asyncio.gather(*(go(i) for i in range(len(prompts))))
+    try:
+        outputs = await asyncio.gather(*(go(i) for i in range(len(prompts))))
+    finally:
+        watch.cancel()
     short = [i for i, o in enumerate(outputs) if len(o) != max_tokens]
     if short:
         raise SystemExit(f"requests {short[:5]} returned fewer than {max_tokens} tokens")
     duration = max(t.token_times[-1] for t in timings) - t0
     out = serving_metrics(timings, duration)
     out.update(request_figures(timings))
-    out["gap"] = longest_gap(timings, t0)
-    out["max_gap_ms"] = out["gap"]["ms"] if out["gap"] else 0.0  # a stall shows
+    out["gap"] = gap = longest_gap(timings, t0)
+    out["max_gap_ms"] = gap["ms"] if gap else 0.0  # a stall shows
+    out["client_stall_ms"] = max((b - a for a, b in stalls), default=0.0) * 1e3
+    if gap:  # the client's own pauses inside the gap: the load generator's share of it
+        start = t0 + gap["at_ms"] / 1e3
+        gap["client_stall_ms"] = paused_within(stalls, start, start + gap["ms"] / 1e3) * 1e3
     return out
+
+
+def paused_within(stalls: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of the ``(from, to)`` pauses that fall inside ``[start, end]``."""
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in stalls)
+
+
+CLIENT_TICK_S, CLIENT_STALL_S = 0.001, 0.005
+
+
+async def watch_loop(stalls: list[tuple[float, float]]) -> None:
+    """Wake every ms on the load generator's own event loop; record ``(from, to)`` of every
+    wake-up more than 5 ms late (the client, not the server, held the streams then)."""
+    last = time.perf_counter()
+    while True:
+        await asyncio.sleep(CLIENT_TICK_S)
+        now = time.perf_counter()
+        if now - last > CLIENT_TICK_S + CLIENT_STALL_S:
+            stalls.append((last + CLIENT_TICK_S, now))
+        last = now
 
 
 def request_figures(timings: list[RequestTiming]) -> dict:
@@ -362,7 +395,8 @@ def describe_gap(gap: dict | None) -> str:
         f"other requests decoding across it, {gap['stalled']} got no token in it; "
         f"{gap['first_tokens']} first tokens landed in it ({gap['their_prompt_tokens']} prompt "
         f"tokens); {gap['waiting']} requests waited for a first token across it "
-        f"({gap['waiting_prompt_tokens']} prompt tokens)"
+        f"({gap['waiting_prompt_tokens']} prompt tokens); the load generator itself paused "
+        f"{gap.get('client_stall_ms', 0.0):.1f} ms of it"
     )
 
 
@@ -413,7 +447,10 @@ def report(rows: list[dict]) -> None:
     print("ms; srv TPOT: the server's engine's mean TPOT over the same requests")
     for m in rows:
         steps = ", ".join(f"{k} {v:.0f}" for k, v in m["server_steps"].items())
-        print(f"{m['level']} (concurrency {m['concurrency']}): engine {steps}")
+        print(
+            f"{m['level']} (concurrency {m['concurrency']}): engine {steps}; the load "
+            f"generator's longest pause {m['client_stall_ms']:.1f} ms"
+        )
         print(f"  {describe_gap(m['gap'])}")
         ttfts = " ".join(f"{x:.1f}" for x in m["ttft_ms_per_request"])
         print(f"  TTFT per request, ms, in send order: {ttfts}")

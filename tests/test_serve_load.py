@@ -5,11 +5,13 @@ value, in one call), and its refusals (one line on stderr, exit 2)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,6 +62,7 @@ def test_a_stall_of_every_stream_with_a_prefill_at_its_end(load):
     assert "150.0 ms: request 0, tokens 4-5, at 40 ms" in line
     assert "of 2 other requests decoding across it, 2 got no token in it" in line
     assert "3 requests waited for a first token across it (1031 prompt tokens)" in line
+    assert "the load generator itself paused 0.0 ms of it" in line  # none recorded here
 
 
 def test_a_gap_of_one_stream_while_the_others_get_tokens(load):
@@ -75,6 +78,28 @@ def test_a_gap_of_one_stream_while_the_others_get_tokens(load):
     assert (gap["decoding"], gap["stalled"], gap["first_tokens"], gap["waiting"]) == (1, 0, 0, 0)
     assert load.longest_gap([_timing(0.0, 10, [1.0])], 0.0) is None
     assert "none" in load.describe_gap(None)
+
+
+def test_the_load_generators_own_pauses_are_recorded_and_shared_out(load):
+    """A 30 ms block of the client's event loop is one pause of about 30 ms; wake-ups at most
+    5 ms late are none. The share of a gap is the pauses' overlap with it."""
+
+    async def run(block_s: float) -> list:
+        stalls: list = []
+        watch = asyncio.ensure_future(load.watch_loop(stalls))
+        await asyncio.sleep(0.01)
+        time.sleep(block_s)  # the loop held, as a GC pause or a slow parse would
+        await asyncio.sleep(0.01)
+        watch.cancel()
+        return stalls
+
+    stalls = asyncio.run(run(0.03))
+    assert len(stalls) == 1 and 0.025 < stalls[0][1] - stalls[0][0] < 0.2
+    quiet = asyncio.run(run(0.0))  # nothing held: no pause of the 30 ms (a busy box may lag)
+    assert all(b - a < 0.025 for a, b in quiet)
+    pauses = [(1.0, 1.03), (2.0, 2.01)]
+    assert load.paused_within(pauses, 1.02, 2.005) == pytest.approx(0.015)
+    assert load.paused_within(pauses, 1.03, 2.0) == 0.0  # touching ends share nothing
 
 
 def test_prefill_caps_parse_and_refuse(load):
@@ -134,3 +159,4 @@ def test_one_call_serves_each_cap_and_reports_it(tmp_path):
     assert len(level["ttft_ms_per_request"]) == level["completed"] == 8
     assert level["max_gap_ms"] == pytest.approx(max(level["max_gap_ms_per_request"]), abs=1e-3)
     assert "prefill cap conc" in r.stdout and "longest token gap" in r.stdout
+    assert level["client_stall_ms"] >= 0.0 and "client_stall_ms" in level["gap"]
