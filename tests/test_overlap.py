@@ -115,7 +115,7 @@ class LaggingDevice:
         monkeypatch.setattr(overlap_mod.InFlight, "synchronize", lagging_sync)
         monkeypatch.setattr(overlap_mod.InFlight, "done", property(lambda s: s not in self.running))
         kv, cache = engine.model_runner.kv_cache, engine.prefix_cache
-        allocate, free, evict = cache.allocate, kv.allocator.free, cache._tree.evict_leaf
+        allocate, free, evict = cache.allocate, kv.allocator.free, cache._tree.evict_leaves
 
         def checked_allocate(n):  # new pages only: matched cached pages are shared, read-only
             pages = allocate(n)
@@ -132,14 +132,14 @@ class LaggingDevice:
             poison(pages)
             free(pages)
 
-        def poisoned_evict():
-            page = evict()
-            poison([page])
-            return page
+        def poisoned_evict(n):
+            pages = evict(n)
+            poison(pages)
+            return pages
 
         monkeypatch.setattr(cache, "allocate", checked_allocate)
         monkeypatch.setattr(kv.allocator, "free", poisoned_free)
-        monkeypatch.setattr(cache._tree, "evict_leaf", poisoned_evict)
+        monkeypatch.setattr(cache._tree, "evict_leaves", poisoned_evict)
         self.kv, self.cache = kv, cache
 
     def track(self, engine: Engine) -> None:

@@ -243,6 +243,35 @@ def test_a_parent_released_before_its_child_is_evicted_after_it():
     c.check()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_evicting_many_leaves_at_once_takes_them_in_the_order_one_at_a_time_does(seed):
+    """``evict_leaves(n)`` (a parent that becomes the least recent leaf taken next, past the
+    heap) against ``evict_leaf`` n times on a twin: the same pages, in the same order, for every
+    n from 0 to all that are evictable; released chains share a stamp, so ties are common."""
+    rng = random.Random(seed)
+    many, one = cache(120), cache(120)
+    heads = [toks(2 * PS, rng) for _ in range(3)]
+    for _ in range(14):  # chains released together, branching off shared heads, or a head
+        head = rng.choice(heads)[: rng.choice((0, PS, 2 * PS))]  # released again alone (a
+        prompt = head + toks(rng.randrange(1, 5) * PS, rng)  # parent newer than its leaves)
+        prompt = head + [7] if head and rng.random() < 0.4 else prompt
+        computed(many, prompt)
+        computed(one, prompt)
+    held = [c.reserve(heads[0], 3) for c in (many, one)]  # a head's pages stay blocked
+    total, evicted = many.num_evictable, []
+    assert total == one.num_evictable > 0
+    while len(evicted) < total:
+        n = min(rng.randrange(0, 6), total - len(evicted))
+        pages = many._tree.evict_leaves(n)
+        assert pages == [one._tree.evict_leaf() for _ in range(n)]
+        evicted += pages
+    assert many.num_evictable == one.num_evictable == 0
+    for c, r in zip((many, one), held):
+        c.allocator.free(evicted)  # evicted pages are the allocator's again
+        c.release(r.pages)
+        c.check()
+
+
 def test_pressure_evicts_only_unreferenced_pages():
     c = cache(10)
     rng = random.Random(3)

@@ -237,16 +237,16 @@ def test_eviction_under_memory_pressure_takes_only_unreferenced_pages():
     want = _drive(_engine(False, num_pages=15), mix)
     engine = _engine(True, num_pages=15)
     cache = engine.prefix_cache
-    evict, evicted = cache._tree.evict_leaf, []
+    evict, evicted = cache._tree.evict_leaves, []
 
-    def checked_evict():
-        page = evict()
+    def checked_evict(n):
+        pages = evict(n)
         held = {p for r in engine.running for p in r.pages}
-        assert page not in held and cache.refcount(page) == 0
-        evicted.append(page)
-        return page
+        assert not held & set(pages) and not any(map(cache.refcount, pages))
+        evicted.extend(pages)
+        return pages
 
-    cache._tree.evict_leaf = checked_evict
+    cache._tree.evict_leaves = checked_evict
     assert _drive(engine, mix) == want
     assert evicted and cache.stats.evictions == len(evicted)
     assert engine.stats.cached_tokens > 0

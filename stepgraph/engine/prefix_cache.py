@@ -279,9 +279,10 @@ class PrefixCache:
                 "needed; wait for running requests to finish, or build the cache with more pages."
             )
         pages = self.allocator.allocate(min(n, self.allocator.num_free))
-        while len(pages) < n:
-            pages.append(self._tree.evict_leaf())
-            self.stats.evictions += 1
+        if len(pages) < n:
+            evicted = self._tree.evict_leaves(n - len(pages))
+            self.stats.evictions += len(evicted)
+            pages += evicted
         self._tree.hold(pages)
         return pages
 
@@ -391,9 +392,7 @@ class PrefixCache:
 
     def clear(self) -> int:
         """Drop every cached page nothing references (leaves first); returns how many."""
-        dropped = []
-        while self._tree.evictable:
-            dropped.append(self._tree.evict_leaf())
+        dropped = self._tree.evict_leaves(self._tree.evictable)
         if dropped:
             self.allocator.free(dropped)
         return len(dropped)
