@@ -364,3 +364,4 @@ class CudaGraphRunner(GraphRunnerBase):
         self._plans.clear()
         self._bucket_of.clear()
         self._states.clear()
+        self._rows = (0, 0, None, None)  # the last host rows: a caller's tensor, let go
