@@ -265,19 +265,13 @@ class Engine:
         and frees its pages once the device is idle (``abort_all``), then propagates: a failed
         step leaks nothing."""
         self._check_thread("step")  # before the try: another thread's call aborts nothing
-        stats = self.stats
-        start, prefills = time.perf_counter(), stats.prefill_steps
+        stats, start, prefills = self.stats, time.perf_counter(), self.stats.prefill_steps
         try:
             out = self._step(sampling, generator)
         except BaseException:
             self.abort_all()
             raise
-        took = time.perf_counter() - start  # EngineStats: steps that prefilled, or not
-        stats.steps += 1
-        if stats.prefill_steps != prefills:
-            stats.prefill_step_s += took
-        else:
-            stats.decode_step_s += took
+        stats.count_step(time.perf_counter() - start, prefills)  # prefilled, or decode only
         return out
 
     def _step(self, sampling: Sampling, generator: torch.Generator | None) -> list[tuple[int, int]]:

@@ -149,6 +149,16 @@ class EngineStats:
         """``cached_tokens / queried_tokens``: the prefix cache's hit rate (0.0 before any)."""
         return self.cached_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
+    def count_step(self, seconds: float, prefill_steps_before: int) -> None:
+        """Count an ``Engine.step`` of ``seconds``: under ``prefill_step_s`` if it ran a
+        prefill (``prefill_steps`` moved past ``prefill_steps_before``), else
+        ``decode_step_s``."""
+        self.steps += 1
+        if self.prefill_steps != prefill_steps_before:
+            self.prefill_step_s += seconds
+        else:
+            self.decode_step_s += seconds
+
     @property
     def decode_steps(self) -> int:
         """Decode forwards (graph replays and eager steps)."""
