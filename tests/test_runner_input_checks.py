@@ -233,10 +233,18 @@ def test_staged_rows_refuse_a_kv_length_past_the_context_at_the_limit(ctx):
     assert runner.stats.replays == 0 and runner._staging.count == 0
 
 
-def test_staged_rows_of_a_wrong_dtype_take_the_general_path_and_are_named():
+def test_staged_rows_of_a_wrong_dtype_device_or_shape_take_the_general_path_and_are_named():
     toy = ToyModelRunner(num_pages=40, page_size=4, max_pages_per_request=4)
     runner = CudaGraphRunner(toy, RunnerConfig(max_bs=4, show_progress=False, pinned_staging=True))
     batch = toy.random_batch(2, torch.Generator().manual_seed(4), packed=True)
-    batch.packed_cpu = batch.packed_cpu.to(torch.int32)
+    rows = batch.packed_cpu
+    batch.packed_cpu = rows.to(torch.int32)
     with pytest.raises(ReplayError, match="packed_cpu is torch.int32 on cpu, expected int64"):
         runner.replay(batch)
+    batch.packed_cpu = rows.to("meta")  # numpy() refuses it: the general path names it
+    with pytest.raises(ReplayError, match="packed_cpu is torch.int64 on meta, expected int64"):
+        runner.replay(batch)
+    batch.packed_cpu = rows[0]  # one row, 1-D
+    with pytest.raises(ReplayError, match=r"packed_cpu has shape \(8,\), expected \[2, <= 8\]"):
+        runner.replay(batch)
+    assert runner.stats.replays == 0

@@ -42,6 +42,7 @@ __all__ = ["CudaGraphRunner", "RunnerConfig", "logger"]
 
 _DECODE = ForwardMode.DECODE
 _U64 = np.uint64
+_I64 = torch.int64
 
 
 class CudaGraphRunner(GraphRunnerBase):
@@ -280,11 +281,12 @@ class CudaGraphRunner(GraphRunnerBase):
         rows = self._rows
         if src is rows[0] and src._version == rows[1]:
             return rows
-        if src is None or self._full_checks or src.dtype is not torch.int64 or not src.is_cpu:
+        if src is None or self._full_checks or src.dtype is not _I64:
             return None
-        if src.requires_grad:
+        try:
+            values = src.numpy()  # refuses a tensor off the host, or one that requires grad
+        except (TypeError, RuntimeError):
             return None
-        values = src.numpy()
         if values.ndim != 2 or values.shape[1] > self._width:
             return None
         rows = self._rows = (src, src._version, values, values.view(_U64))
