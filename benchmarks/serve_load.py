@@ -549,15 +549,19 @@ def main() -> int:
     out.update(levels=runs[-1]["levels"], server_exit=runs[-1]["server_exit"])  # as before
     if len(runs) > 1:
         report_caps(runs)
-    if args.offline:
+    if args.offline:  # the engine's default cap offline; each run's share of it
         out["offline_output_throughput"] = base = offline(args)
-        print(
-            f"engine offline (bench --serve): {base:.1f} output tok/s; over HTTP: "
-            + ", ".join(
-                f"c{m['concurrency']} {m['output_throughput'] / base:.0%}"
-                for m in runs[-1]["levels"]
+        for run in runs:
+            cap = run["max_prefill_tokens_with_decode"]
+            print(
+                f"engine offline (bench --serve): {base:.1f} output tok/s; over HTTP"
+                + ("" if cap is None else f" (prefill cap {cap})")
+                + ": "
+                + ", ".join(
+                    f"c{m['concurrency']} {m['output_throughput'] / base:.0%}"
+                    for m in run["levels"]
+                )
             )
-        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
