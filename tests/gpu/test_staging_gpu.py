@@ -121,3 +121,22 @@ def test_staged_host_rows_with_a_bad_value_are_refused_before_the_device_sees_th
     want, _ = mr.eager_reference(good)
     torch.testing.assert_close(runner.replay(good), want, rtol=1e-4, atol=1e-4)
     runner.shutdown()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_batches_of_device_fields_are_packed_in_one_launch_and_equal_eager(mr, staged):
+    """A batch of device fields only is packed by one concatenation (int32 columns promoted):
+    straight into the static rows unstaged, into the pinned slot through one D2H copy staged;
+    at every bucket, the last with a block table narrower than the runner's."""
+    cfg = RunnerConfig(max_bs=64, show_progress=False, pinned_staging=staged)
+    runner = CudaGraphRunner(mr, cfg)
+    g = torch.Generator().manual_seed(9)
+    for bs in runner.capture_bs:
+        batch = mr.random_batch(bs, g)  # fields only
+        want, _ = mr.eager_reference(batch)
+        torch.testing.assert_close(runner.replay(batch), want, rtol=1e-4, atol=1e-4)
+    batch = mr.random_batch(5, g, max_len=2 * mr.page_size)  # two pages a request at most
+    batch.block_table = batch.block_table[:, :2].contiguous()
+    want, _ = mr.eager_reference(batch)
+    torch.testing.assert_close(runner.replay(batch), want, rtol=1e-4, atol=1e-4)
+    runner.shutdown()
