@@ -154,8 +154,8 @@ def test_one_row_fp8_rule_tile(nan_empty, dtype, k):
 
 def test_fp8_rule_counts_bytes_and_programs():
     """One row: block_k twice bf16's (in bytes the same), 16 KB a program; from 2 rows swap-AB
-    through pointers, 64 weight rows (qkv 32), split K until 2 x 132 programs or one chunk a
-    split."""
+    through pointers, 64 weight rows (qkv 32), 128 of K, split K until 2 x 132 programs, one
+    chunk a split, or the reduce's partials at SPLIT_REGS."""
     shapes = {
         "gemv_residual": [(2048, 2048), (2048, 8192), (4096, 14336)],
         "gate_up_silu_normed": [(16384, 2048), (28672, 4096)],
@@ -170,12 +170,20 @@ def test_fp8_rule_counts_bytes_and_programs():
             for m in (2, 16, 17, 64):
                 t = fp8_default_tile(kernel, m, n, k)
                 assert t.tma == SWAP_POINTERS and t.block_n == (32 if "qkv" in kernel else 64)
-                rows = n // 2 if kernel in proj_tiles.PAIRED else n
-                programs = -(-rows // t.block_n) * t.split_k
-                assert programs >= TARGET_PROGRAMS or k // (2 * t.split_k) < t.block_k
+                parts = 2 if kernel in proj_tiles.PAIRED else 1
+                programs = -(-n // parts // t.block_n) * t.split_k
+                partials = t.split_k * block_m(m) * t.block_n * parts
+                assert t.block_k == 128 and partials <= proj_tiles.SPLIT_REGS
+                assert (
+                    programs >= TARGET_PROGRAMS
+                    or k // (2 * t.split_k) < t.block_k  # one more split: under a chunk
+                    or 2 * partials > proj_tiles.SPLIT_REGS
+                ), (kernel, n, k, m, t)
                 assert k // t.split_k >= t.block_k  # every split a whole chunk at least
+    # 8 splits of 64 x 64 spilled registers on sm_90, 4 did not
+    assert fp8_default_tile("gemv_residual", 64, 2048, 2048).split_k == 4
     # float32 activations: shorter chunks (the x tile is twice the bytes)
-    assert fp8_default_tile("gemv_residual", 8, 2048, 2048, 4).block_k == 128
+    assert fp8_default_tile("gemv_residual", 8, 2048, 2048, 4).block_k == 64
 
 
 def test_fp8_tiles_are_read_per_bucket_and_fall_back_to_the_rule():

@@ -86,6 +86,7 @@ def default_tile(kernel: str, m: int, n: int, k: int) -> Tile:
 
 SWAP_POINTERS = 3  # Tile.tma: swap-AB through pointers (the weight the MMA's register operand)
 FP8_ONE_ROW_BYTES = 16384  # weight bytes a one-row FP8 program streams (as bf16's 8k elements)
+SPLIT_REGS = 16384  # split_k x BLOCK_M x BLOCK_N (x 2 paired): the FP8 rule's split-K cap
 
 
 def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> Tile:
@@ -94,9 +95,11 @@ def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> T
     elements, ``FP8_ONE_ROW_BYTES`` a program, 8 warps for its float32 products). Several:
     swap-AB through pointers (``SWAP_POINTERS``: the converted weight tile is the MMA's
     register operand, nothing goes back to shared memory), 64 weight rows a program (a Hopper
-    warpgroup MMA's M; 32 for qkv, whose tiles divide head_dim / 2), 256 bytes of K a chunk
-    (128 at 64 rows or float32 activations), then split K (powers of two, every split a whole
-    chunk) until ``TARGET_PROGRAMS`` programs."""
+    warpgroup MMA's M; 32 for qkv, whose tiles divide head_dim / 2), 128 bytes of K a chunk
+    (at 256 the register operand took 239-255 registers a thread on sm_90), four stages, then
+    split K (powers of two, every split a whole chunk) until ``TARGET_PROGRAMS`` programs, as
+    long as the split-K reduce's partials (``SPLIT_REGS`` floats of a program) fit: 8 splits of
+    64 x 64 spilled, 4 did not."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
     kcap = triton.next_power_of_2(max(k, 16))
@@ -108,15 +111,20 @@ def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> T
             bn = max(1, bn // 2)  # both row sets in one tile budget
         return Tile(bn, bk, 8)
     bm = block_m(m)
-    rows = n // 2 if kernel in PAIRED else n
+    paired = kernel in PAIRED
+    rows = n // 2 if paired else n
     bn = 32 if kernel.startswith("qkv_rope") else 64
-    bk = max(16, min(256 if bm <= 32 and x_bytes <= 2 else 128, kcap))
+    bk = max(16, min(128 if x_bytes <= 2 else 64, kcap))
     split = 1
     if kernel != "lm_head":
         tiles = triton.cdiv(rows, bn)
-        while tiles * split < TARGET_PROGRAMS and k // (2 * split) >= bk:
+        while (
+            tiles * split < TARGET_PROGRAMS
+            and k // (2 * split) >= bk
+            and 2 * split * bm * bn * (2 if paired else 1) <= SPLIT_REGS
+        ):
             split *= 2
-    return Tile(bn, bk, 4, 3, split, SWAP_POINTERS)
+    return Tile(bn, bk, 4, 4, split, SWAP_POINTERS)
 
 
 def fp8_table_tile(
@@ -328,6 +336,7 @@ __all__ = [
     "CUBLAS",
     "FP8_ONE_ROW_BYTES",
     "KERNELS",
+    "SPLIT_REGS",
     "SWAP_POINTERS",
     "TILES",
     "Tile",
