@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..batch import ForwardBatch
@@ -73,7 +74,7 @@ class PinnedStaging:
         self._host_np, self._pad_np = self.host.numpy(), self.pad.numpy()
         self._copied_np = self.copied.numpy()
         self._copied_mv = memoryview(self._copied_np)  # [0]: a Python int, read live
-        self._views: dict[tuple[int, int, int], object] = {}  # (slot, bs, width) -> host rows
+        self._views: dict[tuple[int, int, int], np.ndarray] = {}  # (slot, bs, width) -> rows
         self.dirty = [0] * SLOTS  # rows [:dirty[s]] of slot s may hold live values
         self.count = 0  # replays staged since capture: replay k reads slot k % 2
         self.waits = 0  # slot writes that had to wait for a copy (a host ahead of the GPU)
@@ -135,7 +136,7 @@ class PinnedStaging:
         self._repad(slot, bs, bucket)
         return None
 
-    def stage_rows(self, rows, bucket: int) -> None:
+    def stage_rows(self, rows: np.ndarray, bucket: int) -> None:
         """``stage`` of host rows given as numpy ``[bs, <= width]`` int64 (the replay's path
         for a batch with ``packed_cpu``: one numpy write into a view kept per slot and shape,
         no torch call)."""
