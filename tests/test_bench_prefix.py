@@ -61,8 +61,9 @@ def test_workload_checks_at_the_limit_and_one_past():
         check_prefix_workload(a, 128, "m")
     m = _args(workload="multi-turn", turns=4, turn_len=16)
     check_prefix_workload(m, 127, "m")  # 2 * 4 * 16 - 1
-    with pytest.raises(ConfigError, match="--turns or --turn-len"):
+    with pytest.raises(ConfigError, match="--turns, --turn-len or --answer-len"):
         check_prefix_workload(m, 126, "m")
+    assert m.answer_len == 16  # the default: --turn-len
     with pytest.raises(ConfigError, match="--turn-len must be an integer >= 1, got 0"):
         check_prefix_workload(_args(workload="multi-turn", turn_len=0), 10**6, "m")
     with pytest.raises(ConfigError, match="--workload chat: choose one of"):
@@ -76,6 +77,24 @@ def test_workload_checks_at_the_limit_and_one_past():
         2048,
     )
     assert (d.question_len, d.conversations, d.turns, d.turn_len) == (128, 32, 6, 256)
+    assert d.answer_len == 256
+
+
+def test_answer_len_checks_at_one_and_one_past_the_models_positions():
+    # 4 turns of 16-token questions and 1-token answers: 4 * 17 - 1 = 67 positions
+    one = _args(workload="multi-turn", turns=4, turn_len=16, answer_len=1)
+    check_prefix_workload(one, 67, "m")
+    assert longest_context(one) == 67
+    with pytest.raises(ConfigError, match="needs 67 positions .* lower --turns, --turn-len or"):
+        check_prefix_workload(one, 66, "m")
+    with pytest.raises(ConfigError, match="--answer-len must be an integer >= 1, got 0"):
+        check_prefix_workload(_args(workload="multi-turn", answer_len=0), 10**6, "m")
+    eight = _args(workload="multi-turn", turns=6, turn_len=256, answer_len=8)
+    check_prefix_workload(eight, 6 * 264 - 1, "m")  # the last turn: 6 questions, 6 answers
+    with pytest.raises(ConfigError, match="needs 1583 positions"):
+        check_prefix_workload(eight, 6 * 264 - 2, "m")
+    # not yet checked (None): the default, the turn's length
+    assert longest_context(_args(workload="multi-turn", turns=2, turn_len=5)) == 19
 
 
 def test_each_turn_waits_for_the_one_before_and_carries_it():
@@ -189,6 +208,45 @@ def test_a_run_that_cannot_fit_is_refused_naming_max_running(monkeypatch, capsys
     assert cli_main(argv) == 2  # the command: one line, exit 2, before anything is built
     err = capsys.readouterr().err
     assert "--max-running 32 requests of 96 tokens need" in err and "building" not in err
+
+
+def test_short_answers_carry_into_the_next_turn_and_the_header_says_so(tmp_path, capsys):
+    """``--answer-len 5``: every turn asks for 5 tokens, the next prompt carries them, and the
+    cache finds every full page written before a turn (its answer's last token never written)."""
+    out = tmp_path / "short.json"
+    argv = ["bench", "--serve", "--device", "cpu", "--workload", "multi-turn", "--answer-len"]
+    argv += ["5", "--conversations", "3", "--turns", "4", "--turn-len", "40", "--json", str(out)]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "3 conversations x 4 turns, questions of 40 tokens, answers of 5;" in text
+    report = json.loads(out.read_text())
+    assert report["sizes"] == "3 conversations x 4 turns, questions of 40 tokens, answers of 5"
+    on, ps, q, a = report["runs"]["on"], 16, 40, 5
+    assert on["requests"] == 12
+    # turn t (from 0): t questions and t answers before its own question
+    assert on["queried_tokens"] == 3 * sum(q * (t + 1) + a * t for t in range(4))
+    assert on["cached_tokens"] == 3 * sum((t * (q + a) - 1) // ps * ps for t in range(1, 4))
+    assert on["decode_steps"] >= 4  # 5 tokens a turn: the first from the prefill
+
+
+def test_each_turn_asks_for_the_answer_len():
+    mr = ModelRunner.from_preset("tiny", "cpu", torch.float32, max_bs=4, max_context_len=128)
+    engine = Engine(mr, "eager")
+    added = []
+    add = engine.add_request
+
+    def recording(prompt, n, **kw):
+        added.append((list(prompt), n))
+        return add(prompt, n, **kw)
+
+    engine.add_request = recording
+    qs = turn_questions(2, 3, 16, 512, seed=3)
+    timings, _ = serve_turns(engine, qs, 1)  # one token a turn: at the limit
+    assert [n for _, n in added] == [1] * 6
+    assert all(len(t.token_times) == 1 for t in timings)
+    for p, _ in added:  # turn t: t questions and t one-token answers, then its question
+        turn = (len(p) - 16) // 17
+        assert len(p) == 16 + 17 * turn
 
 
 def test_multi_turn_finds_every_full_page_written_before_it(tmp_path):

@@ -5,9 +5,9 @@ and on/off ratios.
 
 Shared prefix: every request is queued at once (``serve.serve``). Multi-turn: a turn is added
 when the previous turn of its chat has finished, its prompt that turn's prompt and output plus a
-new question (``serve_turns``). Before each timed run the engine runs one shared-prefix pair
-(compiles the prefill kernels, also for a chunk after a cached prefix), then the cache is
-cleared: the timed run starts cold.
+new question (``serve_turns``), asking for ``--answer-len`` tokens (default ``--turn-len``).
+Before each timed run the engine runs one shared-prefix pair (compiles the prefill kernels, also
+for a chunk after a cached prefix), then the cache is cleared: the timed run starts cold.
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ import time
 from ..engine.phase_timer import PHASES, PhaseTimer
 from ..errors import StepGraphError
 from .serve_metrics import RequestTiming, percentile, serving_metrics
-from .workload_prefix import longest_context, next_prompt, shared_prefix_prompts, turn_questions
+from .workload_prefix import (
+    answer_tokens,
+    longest_context,
+    next_prompt,
+    shared_prefix_prompts,
+    turn_questions,
+)
 
 
-def serve_turns(engine, questions: list[list[list[int]]], turn_len: int) -> tuple[list, float]:
-    """Run every chat's turns in order, each added once the turn before it finished; return
-    the requests' timings (in submission order) and the seconds from start to last token."""
+def serve_turns(engine, questions: list[list[list[int]]], answer_len: int) -> tuple[list, float]:
+    """Run every chat's turns in order, each asking for ``answer_len`` tokens and added once the
+    turn before it finished; return the requests' timings (in submission order) and the seconds
+    from start to last token."""
     n_turns = len(questions[0])
     prompts: list[list[int] | None] = [None] * len(questions)
     outputs: list[list[int]] = [[] for _ in questions]
@@ -38,7 +45,7 @@ def serve_turns(engine, questions: list[list[list[int]]], turn_len: int) -> tupl
         prompts[chat], outputs[chat] = prompt, []
         timing = RequestTiming(time.perf_counter(), len(prompt))
         timings.append(timing)
-        live[engine.add_request(prompt, turn_len, ignore_eos=True)] = (chat, turn, timing)
+        live[engine.add_request(prompt, answer_len, ignore_eos=True)] = (chat, turn, timing)
 
     for chat in range(len(questions)):
         submit(chat, 0)
@@ -49,7 +56,7 @@ def serve_turns(engine, questions: list[list[list[int]]], turn_len: int) -> tupl
             chat, turn, timing = live[rid]
             outputs[chat].append(token)
             timing.token_times.append(end)
-            if len(outputs[chat]) == turn_len:
+            if len(outputs[chat]) == answer_len:
                 del live[rid]
                 engine.finished.pop(rid, None)
                 if turn + 1 < n_turns:
@@ -109,7 +116,7 @@ def run_workload(engine, args: argparse.Namespace, vocab: int, serve) -> dict:
         timings, duration = run.timings, run.duration_s
     else:
         questions = turn_questions(args.conversations, args.turns, args.turn_len, vocab, seed)
-        timings, duration = serve_turns(engine, questions, args.turn_len)
+        timings, duration = serve_turns(engine, questions, answer_tokens(args))
     engine.timer = None
     out = summarize(timings, duration, engine.stats)
     out["host_ms_by_phase"] = phase_totals(timer)
@@ -145,7 +152,10 @@ def _sizes(args: argparse.Namespace) -> str:
             f"{args.groups} groups x {args.prompts_per_group} prompts, system prompt "
             f"{args.system_prompt_len}, question {args.question_len}, output {args.output_len}"
         )
-    return f"{args.conversations} conversations x {args.turns} turns of {args.turn_len} tokens"
+    return (
+        f"{args.conversations} conversations x {args.turns} turns, questions of {args.turn_len} "
+        f"tokens, answers of {answer_tokens(args)}"
+    )
 
 
 def _setup(args: argparse.Namespace, plan) -> str:

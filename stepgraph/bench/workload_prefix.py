@@ -5,7 +5,9 @@
   every request asks for ``output_len`` tokens and all are queued at once, shuffled.
 - ``multi-turn``: ``conversations`` chats of ``turns`` turns. A turn's prompt is the previous
   turn's prompt, that turn's output, then a new question of ``turn_len`` tokens; it asks for
-  ``turn_len`` tokens and is submitted when the previous turn of its chat has finished.
+  ``answer_len`` tokens (default ``turn_len``) and is submitted when the previous turn of its
+  chat has finished. With 256-token answers the run is decode-bound; SGLang's multi_turn_chat
+  benchmark draws answers of 4-8 tokens, where the prefill dominates (``--answer-len 8``).
 
 Token ids are seeded random draws from ``[1, vocab)`` (the id 0 is left out, as in the random
 workload), so a run is the same every time and caching on and off see the same requests.
@@ -19,7 +21,8 @@ import random
 from ..errors import ConfigError
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
-# defaults: SGLang's generated-shared-prefix sizes; 32 chats of 6 turns of 256 tokens
+# defaults: SGLang's generated-shared-prefix sizes; 32 chats of 6 turns of 256 tokens (the
+# question, and the answer unless answer_len is given)
 PREFIX_DEFAULTS = {
     "workload": "random",
     "groups": 16,
@@ -29,6 +32,7 @@ PREFIX_DEFAULTS = {
     "conversations": 32,
     "turns": 6,
     "turn_len": 256,
+    "answer_len": None,  # multi-turn: turn_len
 }
 
 
@@ -67,7 +71,14 @@ def longest_context(args: argparse.Namespace) -> int:
     """The most positions one request of the workload needs (prompt + new tokens - 1)."""
     if args.workload == "shared-prefix":
         return args.system_prompt_len + args.question_len + args.output_len - 1
-    return 2 * args.turns * args.turn_len - 1  # the last turn: every turn before, both sides
+    # the last turn: every question, every answer before its own, then its own answer
+    return args.turns * (args.turn_len + answer_tokens(args)) - 1
+
+
+def answer_tokens(args: argparse.Namespace) -> int:
+    """The tokens each multi-turn turn asks for: ``answer_len``, else ``turn_len``."""
+    given = getattr(args, "answer_len", None)
+    return args.turn_len if given is None else given
 
 
 def requests_in_flight(args: argparse.Namespace) -> int:
@@ -85,6 +96,8 @@ def check_prefix_workload(args: argparse.Namespace, limit: int, model: str) -> N
             setattr(args, key, value)
     if args.workload not in WORKLOADS:
         raise ConfigError(f"--workload {args.workload}: choose one of {', '.join(WORKLOADS)}.")
+    if args.answer_len is None:
+        args.answer_len = args.turn_len
     for key in list(PREFIX_DEFAULTS)[1:]:
         value = getattr(args, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -97,7 +110,7 @@ def check_prefix_workload(args: argparse.Namespace, limit: int, model: str) -> N
         flags = (
             "--system-prompt-len, --question-len or --output-len"
             if args.workload == "shared-prefix"
-            else "--turns or --turn-len"
+            else "--turns, --turn-len or --answer-len"
         )
         raise ConfigError(
             f"--workload {args.workload} needs {need} positions for its longest request, more "
@@ -124,7 +137,16 @@ def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
         ("--question-len", f"shared-prefix: tokens (default {d['question_len']})"),
         ("--conversations", f"multi-turn: chats (default {d['conversations']})"),
         ("--turns", f"multi-turn: turns a chat (default {d['turns']})"),
-        ("--turn-len", f"multi-turn: question and answer tokens a turn (default {d['turn_len']})"),
+        (
+            "--turn-len",
+            "multi-turn: question tokens a turn, and answer tokens unless --answer-len "
+            f"(default {d['turn_len']})",
+        ),
+        (
+            "--answer-len",
+            "multi-turn: tokens each turn's answer asks for (default: --turn-len, a "
+            "decode-bound run; SGLang's multi_turn_chat draws 4-8, where the prefill dominates)",
+        ),
     )
     for flag, text in sizes:
         p.add_argument(flag, type=int, default=None, help=f"--serve --workload {text}")
@@ -140,6 +162,7 @@ __all__ = [
     "PREFIX_DEFAULTS",
     "WORKLOADS",
     "add_prefix_arguments",
+    "answer_tokens",
     "check_prefix_workload",
     "longest_context",
     "next_prompt",
