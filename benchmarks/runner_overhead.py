@@ -37,12 +37,12 @@ from stepgraph.runner.input_checks import check_rows_fast, check_values
 from stepgraph.toy_model import ToyModelRunner
 
 
-def make_model(device: str = "cuda") -> ToyModelRunner:
+def make_model(device: str = "cuda", num_layers: int = 24) -> ToyModelRunner:
     cpu = device == "cpu"  # the stand-in's graph is a no-op there: one small layer is enough
     return ToyModelRunner(
         vocab=1024,
         hidden=16 if cpu else 256,
-        num_layers=1 if cpu else 24,
+        num_layers=1 if cpu else num_layers,
         num_pages=4200,
         page_size=16,
         max_pages_per_request=16,
@@ -90,9 +90,56 @@ def cycling(batches):
     return lambda runner: runner.replay(following())
 
 
+def interleaved_us(calls: dict, *, rounds: int = 400, warmup: int = 5) -> dict:
+    """Host microseconds of each call in ``calls`` (``"bare"`` among them), each timed alone
+    right after the device drained (no sync inside the timed region), in rounds that take every
+    call once in a rotating order, so that a host that drifts over the run drifts for all
+    alike. Per call: the median, and the median over rounds of its time minus the bare call's
+    of the same round (``_over_bare``). Timed back to back instead, a call finds its code and
+    the interpreter's branch history warm: a user's batch on the CPU stand-in cost 3.4-3.9 us
+    so, 5.3-5.7 interleaved, 8.4 after a 100 us spin before each call."""
+    names = list(calls)
+    for name in names:
+        for _ in range(warmup):
+            calls[name]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            fn = calls[name]
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - t0) * 1e6)
+    _sync()
+    out = {}
+    for name in names:
+        out[name] = statistics.median(samples[name])
+        if name != "bare":
+            pairs = zip(samples[name], samples["bare"])
+            out[f"{name}_over_bare"] = statistics.median(a - b for a, b in pairs)
+    return out
+
+
+def bare_launch(runner: CudaGraphRunner, bucket: int = 1):
+    """The bare ``graph.replay()`` of ``bucket``, with the staged copy counted on the host as
+    a replay through the runner counts it (else the runner's next call finds the device's
+    count ahead and synchronizes to count back in: a CUDA call inside its timed call)."""
+    launch, staging = runner.graphs[bucket].replay, runner._staging
+    if staging is None:
+        return launch
+
+    def bare() -> None:
+        launch()
+        staging.count += 1
+
+    return bare
+
+
 def replay_host_rows(mr: ToyModelRunner, runner: CudaGraphRunner, bare_fn) -> dict:
-    """Host microseconds of ``runner.replay`` at bs 1 for each kind of batch, over ``bare_fn``
-    (the bare launch, timed in the same run), and the parts of the staged path alone."""
+    """Host microseconds of ``runner.replay`` at bs 1 for each kind of batch over ``bare_fn``
+    (the bare launch), in interleaved rounds (``interleaved_us``), and the host parts of the
+    staged path alone (pure host work, no device call: timed back to back)."""
     b1 = user_batch(mr, 1)
     engine_b1 = random_batch(mr, 1, 1)  # an engine's: host rows only, values vouched for
     engine_b1.packed_cpu, engine_b1.values_checked = b1.packed_cpu, True
@@ -100,17 +147,15 @@ def replay_host_rows(mr: ToyModelRunner, runner: CudaGraphRunner, bare_fn) -> di
     fields_b1 = random_batch(mr, 1, 1)  # device fields only (no host rows): packed per call
     fresh = cycling([user_batch(mr, 1000 + i) for i in range(64)])
     runner.replay(b1)
-    bare = host_us_per_call(bare_fn)
-    kinds = {
-        "user": lambda: runner.replay(b1),  # value checks on (check_inputs="host")
-        "user_new_tensors": lambda: fresh(runner),
-        "engine": lambda: runner.replay(engine_b1),
-        "device_fields": lambda: runner.replay(fields_b1),
-    }
-    out = {"bare": bare}
-    for name, fn in kinds.items():
-        out[name] = host_us_per_call(fn)
-        out[f"{name}_over_bare"] = out[name] - bare
+    out = interleaved_us(
+        {
+            "bare": bare_fn,
+            "user": lambda: runner.replay(b1),  # value checks on (check_inputs="host")
+            "user_new_tensors": lambda: fresh(runner),
+            "engine": lambda: runner.replay(engine_b1),
+            "device_fields": lambda: runner.replay(fields_b1),
+        }
+    )
     staging, rows = runner._staging, runner._host_rows(b1)
     parts = {
         # the rows' numpy views: kept for the same tensor, taken anew for another
@@ -130,14 +175,8 @@ def replay_host_rows(mr: ToyModelRunner, runner: CudaGraphRunner, bare_fn) -> di
             lambda: check_values(b1, runner._limits, runner.config.check_inputs)
         ),
     }
-    if staging is not None:  # with the bare launch and the count, as a replay stages them
-
-        def stage() -> None:
-            staging.stage_rows(rows[2], 1)
-            bare_fn()
-            staging.count += 1
-
-        parts["stage_rows"] = host_us_per_call(stage) - bare
+    if staging is not None:  # the slot write alone (the same slot each time: no launch)
+        parts["stage_rows"] = host_us_per_call(lambda: staging.stage_rows(rows[2], 1))
     out["parts"] = parts
     return out
 
@@ -153,10 +192,14 @@ def cpu_main(args) -> None:
     def bare() -> None:  # a graph's launch as the host sees it: the staged copy counted
         staging._copied_np[0] += 1
 
+    def bare_alone() -> None:  # counted on the host too, as ``bare_launch`` does
+        bare()
+        staging.count += 1
+
     for graph in runner.graphs.values():
         graph.launcher = lambda: bare
     runner._states.clear()  # the per-bucket state takes the no-op launch
-    rows = {"device": "cpu", "replay_bs1": replay_host_rows(mr, runner, bare)}
+    rows = {"device": "cpu", "replay_bs1": replay_host_rows(mr, runner, bare_alone)}
     text = json.dumps(rows, indent=2)
     if args.json:
         with open(args.json, "w") as f:
@@ -246,7 +289,7 @@ def main() -> None:
     rows["host_us_runner_replay_unpacked"] = host_us_per_call(lambda: unpacked.replay(b1_fields))
     unpacked.shutdown()
     rows["check_inputs"] = runner.config.check_inputs
-    rows["replay_bs1"] = replay_host_rows(mr, runner, graph.replay)  # every batch kind, parts
+    rows["replay_bs1"] = replay_host_rows(mr, runner, bare_launch(runner))  # every kind, parts
     staging = runner._staging
     rows["host_us_parts_staged"] = (
         {
@@ -330,22 +373,34 @@ def main() -> None:
 
 
 def replay_only(mr: ToyModelRunner, args) -> None:
+    """The replay host figures alone: on the toy of about 200 kernels, and on a graph short on
+    the GPU (one layer, about 10 kernels), whose bare launch costs little and swings less."""
     runner = CudaGraphRunner(mr, RunnerConfig(max_bs=32, show_progress=False))
     rows = {
         "device": torch.cuda.get_device_name(),
         "kernels_per_step": count_kernels(mr, user_batch(mr, 1)),
         "staged_by_default": runner.staged,
-        "replay_bs1": replay_host_rows(mr, runner, runner.graphs[1].replay),
+        "replay_bs1": replay_host_rows(mr, runner, bare_launch(runner)),
     }
+    runner.shutdown()
+    short = make_model(num_layers=1)
+    runner = CudaGraphRunner(short, RunnerConfig(max_bs=32, show_progress=False))
+    rows["short_graph_kernels_per_step"] = count_kernels(short, user_batch(short, 1))
+    rows["short_graph_replay_bs1"] = replay_host_rows(short, runner, bare_launch(runner))
+    runner.shutdown()
     text = json.dumps(rows, indent=2)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
     print(text)
-    r = rows["replay_bs1"]
-    print(f"\nrunner.replay host time over a bare graph.replay() ({r['bare']:.1f} us), bs 1:")
-    for k in ("user", "user_new_tensors", "engine", "device_fields"):
-        print(f"  {k:<18} {r[k + '_over_bare']:6.1f} us  (target <= 15)")
+    for key, kernels in (("replay_bs1", "kernels_per_step"), ("short_graph_replay_bs1", None)):
+        r, n = rows[key], rows[kernels or "short_graph_kernels_per_step"]
+        print(
+            f"\nrunner.replay host time over a bare graph.replay() ({n} kernels, bare "
+            f"{r['bare']:.1f} us), bs 1, median of paired rounds:"
+        )
+        for k in ("user", "user_new_tensors", "engine", "device_fields"):
+            print(f"  {k:<18} {r[k + '_over_bare']:6.1f} us  (median {r[k]:.1f}; target <= 15)")
 
 
 if __name__ == "__main__":
