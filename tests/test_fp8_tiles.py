@@ -29,6 +29,7 @@ from stepgraph.kernels.proj.proj_tiles import (
     tma_descriptors,
 )
 from stepgraph.kernels.proj.qkv_rope import qkv_rope, qkv_tile
+from stepgraph.kernels.proj.tile_table import FP8_TILES
 from stepgraph.model.fp8_weight import quantize_per_channel
 from stepgraph.tuning import DecodeTuning, ProjTables
 from tests.conftest import rel_err
@@ -153,9 +154,9 @@ def test_one_row_fp8_rule_tile(nan_empty, dtype, k):
 
 
 def test_fp8_rule_counts_bytes_and_programs():
-    """One row: block_k twice bf16's (in bytes the same), 16 KB a program; from 2 rows swap-AB
-    through pointers, 64 weight rows (qkv 32), 128 of K, split K until 2 x 132 programs, one
-    chunk a split, or the reduce's partials at SPLIT_REGS."""
+    """One row: bf16's rule (8k elements a program); from 2 rows swap-AB through pointers, 64
+    weight rows (qkv 32), 128 of K, split K until 2 x 132 programs, one chunk a split, or the
+    reduce's partials at SPLIT_REGS."""
     shapes = {
         "gemv_residual": [(2048, 2048), (2048, 8192), (4096, 14336)],
         "gate_up_silu_normed": [(16384, 2048), (28672, 4096)],
@@ -163,10 +164,7 @@ def test_fp8_rule_counts_bytes_and_programs():
     }
     for kernel, sizes in shapes.items():
         for n, k in sizes:
-            one, bf16 = fp8_default_tile(kernel, 1, n, k), default_tile(kernel, 1, n, k)
-            assert one.block_k == min(2 * bf16.block_k, k), (kernel, n, k)
-            pairs = 2 if kernel.startswith("gate_up") else 1
-            assert one.block_n * pairs * one.block_k == proj_tiles.FP8_ONE_ROW_BYTES
+            assert fp8_default_tile(kernel, 1, n, k) == default_tile(kernel, 1, n, k)
             for m in (2, 16, 17, 64):
                 t = fp8_default_tile(kernel, m, n, k)
                 assert t.tma == SWAP_POINTERS and t.block_n == (32 if "qkv" in kernel else 64)
@@ -204,8 +202,8 @@ def test_fp8_tiles_are_read_per_bucket_and_fall_back_to_the_rule():
     q1 = ("qkv_rope", 3072, 2048, 1)
     tq = ProjTables(fp8_tiles={q1: Tile(8, 2048, 8)})
     assert qkv_tile(True, 1, 3072, 2048, 32, 2, tq, True) == Tile(8, 2048, 8)
-    rule = fp8_default_tile("qkv_rope", 1, 3072, 2048)
-    assert qkv_tile(True, 1, 3072, 2048, 32, 2, None, True).block_n == rule.block_n // 2
+    rule, none = fp8_default_tile("qkv_rope", 1, 3072, 2048), ProjTables(fp8_tiles={})
+    assert qkv_tile(True, 1, 3072, 2048, 32, 2, none, True).block_n == rule.block_n // 2
     with pytest.raises(ValueError, match=r"tables.fp8_tiles"):
         ProjTables(fp8_tiles={key16: (64, 128)})
 
@@ -243,9 +241,11 @@ def test_the_fp8_plan_takes_fp8_tiles_and_keeps_the_head_in_bf16():
     assert plan.lm_head.tile == tile_for("lm_head", 8, *shapes.lm_head)  # bf16's table
     one = step_plan.plan_step(shapes, 1, 1, tuning)
     assert one.o_proj.tile == fp8_default_tile("gemv_residual", 1, *shapes.o_proj)
-    assert (
-        block_m(1) == 1 and one.qkv.tile.block_k == 2 * tile_for("qkv_rope", 1, 3072, 2048).block_k
-    )
+    assert one.qkv.tile == qkv_tile(True, 1, 3072, 2048, 32, 2, ProjTables(fp8_tiles={}), True)
+    # the shipped table: its one-row tiles
+    shipped = step_plan.plan_step(shapes, 1, 1, DecodeTuning())
+    assert shipped.o_proj.tile == FP8_TILES[("gemv_residual", 2048, 2048, 1)]
+    assert shipped.qkv.tile == FP8_TILES[("qkv_rope", 3072, 2048, 1)]
 
 
 def test_fp8_tiles_count_as_measured_for_unmeasured_shapes():

@@ -85,14 +85,13 @@ def default_tile(kernel: str, m: int, n: int, k: int) -> Tile:
 
 
 SWAP_POINTERS = 3  # Tile.tma: swap-AB through pointers (the weight the MMA's register operand)
-FP8_ONE_ROW_BYTES = 16384  # weight bytes a one-row FP8 program streams (as bf16's 8k elements)
 SPLIT_REGS = 16384  # split_k x BLOCK_M x BLOCK_N (x 2 paired): the FP8 rule's split-K cap
 
 
 def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> Tile:
     """The rule for FP8 weights (e4m3, one byte an element; activations of ``x_bytes``) at
-    shapes not in ``FP8_TILES``. One row: bf16's rule in bytes (``block_k`` twice bf16's in
-    elements, ``FP8_ONE_ROW_BYTES`` a program, 8 warps for its float32 products). Several:
+    shapes not in ``FP8_TILES``. One row: bf16's rule in elements (8k a program: with 16 KB of
+    e4m3 a program, twice the elements, the GEMV lost 2-37% to it on the H200). Several:
     swap-AB through pointers (``SWAP_POINTERS``: the converted weight tile is the MMA's
     register operand, nothing goes back to shared memory), 64 weight rows a program (a Hopper
     warpgroup MMA's M; 32 for qkv, whose tiles divide head_dim / 2), 128 bytes of K a chunk
@@ -104,12 +103,7 @@ def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> T
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
     kcap = triton.next_power_of_2(max(k, 16))
     if m <= 1:
-        rows_bf16 = 2048 if n <= 2048 else 1024 if n <= 4096 else 512
-        bk = max(64, min(2 * rows_bf16, kcap))
-        bn = max(1, min(FP8_ONE_ROW_BYTES // bk, triton.next_power_of_2(n)))
-        if kernel in ("gate_up_silu", "gate_up_silu_normed"):
-            bn = max(1, bn // 2)  # both row sets in one tile budget
-        return Tile(bn, bk, 8)
+        return default_tile(kernel, m, n, k)  # bf16's 8k elements: 8 KB of e4m3 a program
     bm = block_m(m)
     paired = kernel in PAIRED
     rows = n // 2 if paired else n
@@ -334,7 +328,6 @@ def splitk_workspace(
 
 __all__ = [
     "CUBLAS",
-    "FP8_ONE_ROW_BYTES",
     "KERNELS",
     "SPLIT_REGS",
     "SWAP_POINTERS",

@@ -91,7 +91,18 @@ CUBLAS.add(("qkv_rope", *_Q8, 16))
 # as TILES, BLOCK_M 1 included (the one-row GEMV: block_k counts e4m3 elements, one byte each),
 # from benchmarks/proj_sweep.py --quantization fp8 on the H200; other keys take
 # proj_tiles.fp8_default_tile (docs/experiments.md#fp8-weight-tiles).
-FP8_TILES: dict[tuple[str, int, int, int], Tile] = {}
+# One row (2026-12-03, µs a call against bf16's tile on bf16 weights): the GEMV's 8k elements a
+# program as bf16's (8 KB of e4m3: more programs won over 16 KB), four warps.
+FP8_TILES: dict[tuple[str, int, int, int], Tile] = {
+    ("qkv_rope", *_QKV, 1): Tile(4, 1024, 4),  # 4.42 (bf16 5.11)
+    ("gemv_residual", *_O, 1): Tile(4, 2048, 4),  # 2.54 (3.32)
+    ("gate_up_silu", *_GU, 1): Tile(8, 512, 4),  # 11.77 (17.06)
+    ("gemv_residual", *_DOWN, 1): Tile(8, 2048, 8),  # 6.18 (9.50)
+    ("qkv_rope", *_Q8, 1): Tile(8, 512, 4),  # 11.04 (15.84)
+    ("gemv_residual", *_O8, 1): Tile(8, 1024, 4),  # 6.09 (9.64)
+    ("gate_up_silu", *_GU8, 1): Tile(8, 512, 4),  # 36.62 (57.45)
+    ("gemv_residual", *_D8, 1): Tile(8, 1024, 4),  # 16.49 (28.38)
+}
 
 # Where the norm runs as its own kernel (add_rmsnorm) before the fused kernel's ``_normed``
 # variant, the activation then streaming as it is: with the norm in the prologue the fused
