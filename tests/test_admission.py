@@ -209,9 +209,7 @@ def test_a_resumed_insert_caches_what_a_whole_one_does():
     assert whole.insert(toks, a) == 5
     assert parts.insert(toks[: 2 * PS + 3], b) == 2
     assert parts.insert(toks, b, start=2) == 3
-    assert {e.key[1] for e in whole._tree.entries.values()} == {
-        e.key[1] for e in parts._tree.entries.values()
-    }
+    assert {k[1] for k in whole._tree.keys.values()} == {k[1] for k in parts._tree.keys.values()}
     assert parts.match(toks).num_tokens == whole.match(toks).num_tokens == 5 * PS
     wrong = _cache()
     w = wrong.allocate(6)
@@ -246,9 +244,7 @@ def test_an_insert_from_an_offset_caches_what_a_whole_one_does_and_checks_the_of
     assert parts.insert(toks[: 3 * PS], b) == 3
     # only the tokens from the page before the new ones: pages 2.. of the written tokens
     assert parts.insert(toks[2 * PS :], b, start=3, offset=2) == 3
-    assert [e.key[1] for e in whole._tree.entries.values()] == [
-        e.key[1] for e in parts._tree.entries.values()
-    ]
+    assert [k[1] for k in whole._tree.keys.values()] == [k[1] for k in parts._tree.keys.values()]
     assert parts.match(toks).num_tokens == whole.match(toks).num_tokens == 6 * PS
     assert parts.insert(toks[5 * PS :], b, start=6, offset=5) == 0  # nothing new
     for offset, start in ((3, 3), (6, 6), (7, 6)):  # at most start - 1: one past it refused

@@ -56,7 +56,7 @@ from .prefix_match import (
     check_salt,
     token_list,
 )
-from .prefix_tree import Entry, PageTree
+from .prefix_tree import PageTree
 
 
 def page_tokens(tokens: Sequence[int], page_size: int) -> Iterator[tuple[int, ...]]:
@@ -101,7 +101,7 @@ class PrefixCache:
 
     @property
     def num_cached(self) -> int:
-        return len(self._tree.entries)
+        return len(self._tree.keys)
 
     @property
     def num_evictable(self) -> int:
@@ -121,7 +121,7 @@ class PrefixCache:
         return self._tree.refs.get(page, 0)
 
     def is_cached(self, page: int) -> bool:
-        return page in self._tree.entries
+        return page in self._tree.keys
 
     # -- lookup and admission ------------------------------------------------------------
     def match(
@@ -184,8 +184,7 @@ class PrefixCache:
             return num_pages - lo
         shared = 0
         for page, key in zip(match.pages, match.keys):
-            e = tree.entries.get(page)
-            if e is not None and e.key == key and tree.is_blocked(page):
+            if tree.keys.get(page) == key and tree.is_blocked(page):
                 shared += 1
         return num_pages - shared
 
@@ -228,8 +227,7 @@ class PrefixCache:
             m = pages
             if m.epoch != self._tree.epoch:
                 for page, key in zip(m.pages, m.keys):
-                    e = self._tree.entries.get(page)
-                    if e is None or e.key != key:
+                    if self._tree.keys.get(page) != key:
                         raise ConfigError(
                             f"page {page} of this match was evicted since it was made; call "
                             "match again (or use reserve, which matches and acquires at once)."
@@ -241,7 +239,7 @@ class PrefixCache:
             pages = m.pages
         else:
             pages = list(pages)
-            bad = [p for p in pages if p not in self._tree.entries]
+            bad = [p for p in pages if p not in self._tree.keys]
             if bad:
                 raise ConfigError(
                     f"pages {bad} are not cached; only cached pages are shared (acquire the "
@@ -320,9 +318,9 @@ class PrefixCache:
         first = 0
         if 0 < start <= n:
             page = pages[start - 1]
-            e = tree.entries.get(page)
+            cached = tree.keys.get(page)
             lo = (start - 1 - offset) * ps
-            if e is not None and e.key[1] == tuple(toks[lo : lo + ps]):
+            if cached is not None and cached[1] == tuple(toks[lo : lo + ps]):
                 first, parent = start, page
             elif offset:
                 raise ConfigError(
@@ -332,13 +330,14 @@ class PrefixCache:
         new = pages[first:n]
         if len(set(new)) != len(new) or (first and pages[first - 1] in new):
             raise ConfigError("pages repeats a page; pass the request's block table.")
-        refs, entries, claim = tree.refs, tree.entries, tree.by_key.setdefault
+        refs, keys, claim = tree.refs, tree.keys, tree.by_key.setdefault
         chunks = page_tokens(toks[(first - offset) * ps :], ps)
-        if refs.keys() >= set(new) and entries.keys().isdisjoint(new):
+        if refs.keys() >= set(new) and keys.keys().isdisjoint(new):
             # the common case, a request caching its own new pages: nothing can be refused,
             # so each page is added as its key is claimed (``PageTree.add_held``'s fast path
             # inline: no plan to take back, no second loop)
             added, clock = 0, tree.clock
+            children, pinned, stamps = tree.children, tree.pinned, tree.stamps
             for page, chunk in zip(new, chunks):
                 key = (parent, chunk)
                 cached = claim(key, page)
@@ -346,10 +345,11 @@ class PrefixCache:
                     parent = cached  # the same tokens in another page: ours stays private
                     continue
                 if parent.__class__ is int and parent in refs:
-                    entries[page] = Entry(key, parent, clock)
-                    pe = entries[parent]
-                    pe.children += 1
-                    pe.pinned += 1  # ``page`` is referenced, so blocked; its parent already was
+                    keys[page] = key
+                    children[page] = pinned[page] = 0
+                    stamps[page] = clock
+                    children[parent] += 1
+                    pinned[parent] += 1  # ``page`` is referenced, so blocked; its parent was
                     tree.blocked += 1
                 else:
                     tree.add(page, key, parent if parent.__class__ is int else None)
@@ -358,7 +358,7 @@ class PrefixCache:
             self._inserts += bool(added)
             return added
         plan = []
-        get_entry = entries.get
+        get_key = keys.get
         # keys are claimed as the pages are checked; a refusal takes them back: it changes
         # nothing
         for i, page, chunk in zip(range(first, n), new, chunks):
@@ -367,14 +367,14 @@ class PrefixCache:
             if page not in refs:
                 why = f"page {page} is not held; insert a request's pages before releasing them."
             else:
-                e = get_entry(page)
-                if e is None:
+                cached_key = get_key(page)
+                if cached_key is None:
                     cached = claim(key, page)
                     if cached != page:
                         parent = cached  # the same tokens in another page: ours stays private
                         continue
                     plan.append((page, key, parent))
-                elif e.key != key:
+                elif cached_key != key:
                     at = (i - offset) * ps
                     why = (
                         f"page {page} is cached for other tokens than tokens[{at}:{at + ps}]; "
@@ -402,7 +402,7 @@ class PrefixCache:
         page is free, held or cached, exactly one of free and not (tests; costs O(pages))."""
         self._tree.check()
         alloc = self.allocator
-        taken = set(self._tree.refs) | set(self._tree.entries)
+        taken = set(self._tree.refs) | set(self._tree.keys)
         assert taken == alloc._used, f"pages lost or doubled: {sorted(taken ^ alloc._used)}"
         assert not taken & set(alloc._free), "a held or cached page is also free"
 
