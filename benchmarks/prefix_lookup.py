@@ -11,8 +11,9 @@ CPU only, a few seconds. Prints a short table last.
 ``--gc N``: what N cached pages cost the garbage collector, in ms a full (generation 2) pass,
 this process's heap (torch and stepgraph imported) frozen first, as ``stepgraph serve``'s
 engine loop freezes it after warm-up (``gc.freeze``), then not frozen: 7 passes in a row with
-the cache empty, then with N unreferenced cached pages (prompts of 2,000 tokens), and how many
-objects the cache added to what the collector tracks. Every running request of a serving loop
+the cache empty, then with N unreferenced cached pages (prompts of 2,000 tokens), how many
+objects the cache added to what the collector tracks, and (frozen) a pass after each two new
+requests' pages were cached, as while serving. Every running request of a serving loop
 waits out such a pass: a gap between two of its tokens.
 """
 
@@ -99,21 +100,30 @@ def gc_cost(num_pages: int, page_size: int) -> dict:
     holding ``num_pages`` unreferenced pages."""
     per = 2000 // page_size  # pages of a 2,000-token prompt
     rng = random.Random(0)
-    row: dict = {"cached_pages": num_pages}
+    row: dict = {"cached_pages": num_pages, "request_pages": per}
     gc.collect()
     gc.freeze()  # the heap before the cache: frozen, as the engine loop does after warm-up
     try:
         row["frozen_empty_ms"] = full_passes_ms()
         tracked = len(gc.get_objects())
         cache = PrefixCache(PageAllocator(num_pages + per + 1), page_size)
-        while cache.num_cached < num_pages:
-            n = min(per, num_pages - cache.num_cached)
+
+        def request(c: PrefixCache, n: int) -> None:  # n pages computed, cached, released
             toks = [rng.randrange(1, 150_000) for _ in range(n * page_size)]
-            r = cache.reserve(toks, n)
-            cache.insert(toks, r.pages)
-            cache.release(r.pages)
+            r = c.reserve(toks, n)
+            c.insert(toks, r.pages)
+            c.release(r.pages)
+
+        while cache.num_cached < num_pages:
+            request(cache, min(per, num_pages - cache.num_cached))
         row["frozen_cached_ms"] = full_passes_ms()
         row["objects_added"] = len(gc.get_objects()) - tracked
+        after = []
+        for _ in range(7):  # as in serving: new pages cached (others evicted) between passes
+            request(cache, per)
+            request(cache, per)
+            after += full_passes_ms(1)
+        row["frozen_after_inserts_ms"] = after
     finally:
         gc.unfreeze()
     row["cached_ms"] = full_passes_ms()
@@ -133,6 +143,11 @@ def print_gc(row: dict) -> None:
         empty, cached = row[f"{key}empty_ms"], row[f"{key}cached_ms"]
         cells = [f"{p[0]:.1f} / {min(p):.1f}" for p in (empty, cached)]
         print(f"{name:<11} {cells[0]:>14} {cells[1]:>14}")
+    after = row["frozen_after_inserts_ms"]
+    print(
+        f"frozen, a pass after each 2 requests cached {2 * row['request_pages']} new pages: "
+        f"longest {max(after):.1f}, median {statistics.median(after):.1f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

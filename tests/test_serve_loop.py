@@ -118,6 +118,25 @@ def test_one_message_per_step_with_the_tokens_generate_gives():
     assert msgs[-1][2][3] == 2  # both submissions taken
 
 
+def test_the_loop_serves_with_what_was_alive_before_it_frozen_out_of_the_collector():
+    import gc
+
+    engine, seen = _engine(), []
+    frozen_before = gc.get_freeze_count()
+
+    class Watching(_Inbox):
+        def recv(self) -> tuple:
+            seen.append(gc.get_freeze_count())
+            return super().recv()
+
+    want = _engine().generate([[1, 2, 3]], 4, ignore_eos=True)[0]
+    out = _Outbox()
+    EngineLoop(engine, Watching((SUBMIT, 7, _fields([1, 2, 3], 4))), out).run()
+    assert seen and min(seen) > frozen_before  # the model and the engine among them
+    assert gc.get_freeze_count() == 0  # thawed when it returns
+    assert _tokens(out.msgs)[0] == {7: want}  # the same tokens
+
+
 def test_an_abort_before_it_runs_frees_it_and_an_unknown_id_is_ignored():
     msgs = _run(
         _engine(),

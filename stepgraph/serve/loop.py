@@ -20,6 +20,7 @@ The transport around it says ``(READY, info)`` once the engine is built (``engin
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any, Protocol
@@ -114,7 +115,19 @@ class EngineLoop:
         self._started: set[int] = set()  # engine ids whose first tokens (and hits) were sent
 
     def run(self) -> None:
-        """Serve the inbox until ``STOP``; every request left is aborted, its pages freed."""
+        """Serve the inbox until ``STOP``; every request left is aborted, its pages freed.
+
+        What is alive when it starts (the model, the warm-up's objects) is frozen out of the
+        garbage collector's passes until it returns (``gc.freeze``): a full pass walked it all
+        while every running request waited (45 ms on the CPU with torch and the tiny model)."""
+        gc.collect()
+        gc.freeze()
+        try:
+            self._serve()
+        finally:
+            gc.unfreeze()
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             if not engine.has_unfinished:
