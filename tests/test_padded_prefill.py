@@ -284,3 +284,40 @@ def test_pack_extend_equals_a_token_by_token_reference(page_size):
         layout = ExtendLayout(tokens, 6, width, 8, 8)
         want = _pack_reference(chunks, page_size, layout)
         assert (pack_extend(chunks, page_size, layout) == want).all()
+
+
+@pytest.mark.parametrize("mlp_rows", [5, 16, 10**6])
+def test_the_padded_forward_is_the_models_forward_at_the_last_rows(mlp_rows):
+    """``padded_forward`` keeps only the chunks' last rows after the last layer's attention and
+    runs the MLP a few rows at a time: the model's forward at those rows, in float32, and every
+    K/V it writes is the model's (bit for bit where the MLP runs whole)."""
+    from stepgraph.model.prefill.extend_batch import build_extend_batch
+    from stepgraph.model.prefill.graph_prefill import padded_forward
+
+    mrs = [_runner(), _runner()]
+    g = torch.Generator().manual_seed(mlp_rows % 97)
+    lens = [13, 1, 7]
+    pages = [mrs[0].kv_cache.reserve(n) for n in lens]
+    assert [mrs[1].kv_cache.reserve(n) for n in lens] == pages
+    chunks = [
+        PrefillChunk(torch.randint(1, VOCAB, (n,), generator=g).tolist(), 0, pg)
+        for n, pg in zip(lens, pages)
+    ]
+    outs = []
+    for k, mr in enumerate(mrs):
+        batch = build_extend_batch(chunks, mr.page_size, mr.device)
+        mr.attn_backend.init_extend_metadata(batch)
+        with torch.no_grad():
+            if k == 0:
+                outs.append(padded_forward(mr.model, batch, mr.attn_backend, mlp_rows))
+            else:
+                h = mr.model(batch.input_ids, batch.positions, mr.attn_backend)
+                outs.append(h[batch.last_idx])
+    assert outs[0].shape == (3, mrs[0].config.hidden_size)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    kv = [mr.kv_cache.k_caches + mr.kv_cache.v_caches for mr in mrs]
+    for a, b in zip(*kv):  # every token's K/V: written before any row is dropped
+        if mlp_rows >= sum(lens):
+            assert torch.equal(a, b)
+        else:  # the MLP in parts: other GEMM shapes under the next layers' K/V
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

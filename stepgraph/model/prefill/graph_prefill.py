@@ -76,13 +76,53 @@ def token_buckets_for(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> list[
     return buckets
 
 
-def activation_bytes(config, tokens: int, itemsize: int) -> int:
-    """The most activation bytes the padded forward of ``tokens`` holds at once, about: in the
-    MLP, the residual, its normed input, the gate-up product and its SiLU-mul output,
-    ``tokens * itemsize * (2 * hidden + 3 * intermediate)``. The largest bucket's capture sets
-    the pool (the smaller ones reuse its blocks): for llama-3.2-1b in bf16, 448 MiB at 8192
-    tokens, 224 at 4096, 112 at 2048."""
-    return tokens * itemsize * (2 * config.hidden_size + 3 * config.intermediate_size)
+MLP_ROWS = 2048  # the padded forward's MLP runs on at most this many rows at a time
+
+
+def activation_bytes(config, tokens: int, itemsize: int, mlp_rows: int = MLP_ROWS) -> int:
+    """The most activation bytes the padded forward of ``tokens`` holds at once, about: around
+    attention the residual, q, k and v, the rotated q and the output
+    (``hidden + q + 2 kv + 2 q`` a token); in the MLP the residual, its normed input and the
+    output, and for ``mlp_rows`` rows at a time the gate-up product, its SiLU-mul and their
+    down projection. The largest bucket's capture sets the pool (the smaller ones reuse its
+    blocks): for llama-3.2-1b in bf16, 200 MiB at 8192 tokens, 128 at 2048."""
+    attention = tokens * (config.hidden_size + 3 * config.q_size + 2 * config.kv_size)
+    rows = min(tokens, mlp_rows)
+    mlp = 3 * tokens * config.hidden_size
+    mlp += rows * (3 * config.intermediate_size + config.hidden_size)
+    return itemsize * max(attention, mlp)
+
+
+def padded_forward(
+    model, batch: ExtendBatch, backend, mlp_rows: int = MLP_ROWS
+) -> torch.Tensor:  # [B, hidden], the final norm of each chunk's last token
+    """The decoder over every row of ``batch`` (a padded bucket), as ``LlamaModel.forward``
+    and its layers compute it, but with only the rows that are read kept alive: each
+    activation is dropped once used, the MLP runs ``mlp_rows`` rows at a time (its gate-up
+    product is the largest activation), and after the last layer's attention (which writes
+    every token's K/V) only the chunks' last rows go on through its projections, its MLP and
+    the final norm: one layer's o_proj and MLP of ``T`` rows less."""
+    rope = (model.rope_cos, model.rope_sin)
+    positions, last = batch.positions, batch.last_idx
+    x, residual = model.embed_tokens(batch.input_ids), None
+    final = len(model.layers) - 1
+    for i, layer in enumerate(model.layers):
+        qkv, residual = layer.before_attention(x, residual)
+        x = None
+        o = backend.rope_attention(layer.self_attn.layer_id, qkv, positions, *rope)
+        qkv = None
+        o = o.reshape(o.shape[0], -1)
+        if i == final:
+            o, residual = o[last], residual[last]
+        h = layer.self_attn.o_proj(o)
+        o = None
+        h, residual = layer.post_attention_layernorm(h, residual)
+        if h.shape[0] <= mlp_rows:
+            x = layer.mlp(h)
+        else:
+            x = torch.cat([layer.mlp(part) for part in h.split(mlp_rows)])
+        h = None
+    return model.norm(x, residual)[0]
 
 
 @dataclass
@@ -220,10 +260,11 @@ class GraphPrefill(GraphRunnerBase):
         """The padded forward of bucket ``(t, b)``: what its graph captures and ``eager=True``
         runs. It reads only the static buffer and writes only the shared output."""
         batch = self._views(t, b)
-        self.mr.attn_backend.init_extend_metadata(batch)
-        h = self.mr.model(batch.input_ids, batch.positions, self.mr.attn_backend)
+        backend, model = self.mr.attn_backend, self.mr.model
+        backend.init_extend_metadata(batch)
+        h = padded_forward(model, batch, backend)
         # lm_head: cuBLAS returns the model dtype (the GEMV float32): the copy casts, as .float()
-        return self._out[:b].copy_(self.mr.model.lm_head(h[batch.last_idx]))
+        return self._out[:b].copy_(model.lm_head(h))
 
     # -- capture -----------------------------------------------------------------------------
 
@@ -315,6 +356,8 @@ __all__ = [
     "DEFAULT_TOKEN_BUCKETS",
     "GraphPrefill",
     "GraphPrefillStats",
+    "MLP_ROWS",
     "activation_bytes",
+    "padded_forward",
     "token_buckets_for",
 ]
