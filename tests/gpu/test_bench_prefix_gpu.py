@@ -44,3 +44,17 @@ def test_shared_prefix_on_cuda_runs_every_prompt_at_once(tmp_path):
     # each group's first computes its system prompt's 16 pages; its 7 mates find them
     assert on["cached_tokens"] == 4 * 7 * 256 and on["prefill_tokens"] == 32 * 288 - 28 * 256
     assert on["requests"] == off["requests"] == 32
+
+
+def test_multi_turn_with_short_answers_on_cuda(tmp_path):
+    """``--answer-len 4``: each turn asks for 4 tokens, the next carries them, and the cache
+    finds every full page written before a turn."""
+    out = tmp_path / "short.json"
+    argv = [*TINY, "--workload", "multi-turn", "--conversations", "4", "--turns", "3"]
+    assert main([*argv, "--turn-len", "40", "--answer-len", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["sizes"] == "4 conversations x 3 turns, questions of 40 tokens, answers of 4"
+    on = report["runs"]["on"]
+    assert on["queried_tokens"] == 4 * sum(40 * (t + 1) + 4 * t for t in range(3))
+    assert on["cached_tokens"] == 4 * sum((44 * t - 1) // 16 * 16 for t in range(1, 3))
+    assert on["requests"] == report["runs"]["off"]["requests"] == 12
