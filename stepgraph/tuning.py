@@ -116,15 +116,19 @@ class ProjTables:
     def with_tiles_file(self, path: str) -> ProjTables:
         """These tables with the tiles of ``path`` (``benchmarks/proj_sweep.py --tiles-out``,
         ``{"kernel,n,k,block_m": [tile fields]}``) added, each in place of a ``cublas`` choice
-        of the same key (the sweep's tile is tried)."""
+        of the same key (the sweep's tile is tried); keys ``"fp8:kernel,n,k,block_m"`` (its
+        ``--quantization fp8``) go to ``fp8_tiles``."""
         with open(path) as f:
             items = json.load(f).items()
-        tiles, cublas = dict(self.tiles), set(self.cublas)
+        tiles, cublas, fp8 = dict(self.tiles), set(self.cublas), dict(self.fp8_tiles)
         for key, fields in items:
             kernel, n, k, bm = key.split(",")
+            if kernel.startswith("fp8:"):
+                fp8[(kernel[4:], int(n), int(k), int(bm))] = Tile(*fields)
+                continue
             tiles[(kernel, int(n), int(k), int(bm))] = Tile(*fields)
             cublas.discard((kernel, int(n), int(k), int(bm)))
-        return dataclasses.replace(self, tiles=tiles, cublas=frozenset(cublas))
+        return dataclasses.replace(self, tiles=tiles, cublas=frozenset(cublas), fp8_tiles=fp8)
 
 
 def attention_pdl_modes(spec: str) -> tuple:

@@ -11,6 +11,7 @@ import torch
 from stepgraph.errors import ConfigError
 from stepgraph.kernels.proj.gate_up_silu import gate_up_silu
 from stepgraph.kernels.proj.norm_gemv import gemv_residual
+from stepgraph.kernels.proj.proj_tiles import act_e4m3, as_tile, tile_for
 from stepgraph.kernels.proj.qkv_rope import qkv_rope
 from stepgraph.model.fp8_weight import quantize_per_channel
 from tests.conftest import rel_err
@@ -69,7 +70,15 @@ def test_gate_up_silu_fp8(nan_empty, dtype, m, k, inter, blocks):
     x, nw, w, _ = inputs(m, k, 2 * inter, dtype, m * inter + k)
     data, scale, w64 = fp8(w, zero_row=inter + 2)  # an up row: that output is 0
     out = gate_up_silu(x, nw, data, EPS, blocks=blocks, w_scale=scale)
-    gate, up = (rms64(x, nw) @ w64.T).split(inter, dim=-1)
+    tile = as_tile(blocks) if blocks else tile_for("gate_up_silu", m, 2 * inter, k, 2, fp8=True)
+    xin = rms64(x, nw)
+    if act_e4m3(tile, m, True, x):  # the rule's tile from 2 rows in float16: W8A8
+        from .test_fp8_tiles import quantized_x
+
+        xf = x.float()
+        xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype).float()
+        xin = quantized_x((xn * nw.float()).to(dtype), tile.block_k)
+    gate, up = (xin @ w64.T).split(inter, dim=-1)
     ref = gate * torch.sigmoid(gate) * up
     assert out.shape == (m, inter) and out.dtype == dtype
     assert rel_err(out, ref) < 2 * TOL[dtype]

@@ -140,6 +140,121 @@ def test_qkv_rope_fp8_every_form(nan_empty, dtype, form, m):
     check_qkv_rope(q, qkv, positions, cos_t, sin_t, *caches, slots, n_heads, 2 * TOL[dtype])
 
 
+A8_FORMS = {  # W8A8 in every loop form
+    "a8-swap": Tile(16, 64, 4, 2, 1, SWAP_POINTERS, 1),
+    "a8-swap-split": Tile(32, 32, 4, 2, 2, SWAP_POINTERS, 1),
+    "a8-tma-swap": Tile(16, 64, 4, 2, 2, 1, 1),
+    "a8-tma-x": Tile(16, 64, 4, 2, 1, 2, 1),
+    "a8-pointers": Tile(16, 32, 4, 2, 1, 0, 1),
+}
+
+
+def quantized_x(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """``x`` as W8A8 tiles see it, in float64: each row of each ``block_k`` chunk scaled by
+    2^(e - 7) (its absmax in [2^e, 2^(e + 1))), rounded to e4m3 (torch: nearest, ties to even),
+    scaled back."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for k0 in range(0, x.shape[1], block_k):
+        xf = x[:, k0 : k0 + block_k].float()
+        amax = xf.abs().amax(dim=1)
+        e = (((amax.view(torch.int32) >> 23) & 0xFF) - 127).clamp(-100, 127)
+        inv = torch.ldexp(torch.ones(e.shape, device=x.device), 7 - e)  # float32: exact
+        q = (xf * inv[:, None]).to(torch.float8_e4m3fn)
+        out[:, k0 : k0 + block_k] = (
+            q.double() * torch.ldexp(torch.ones(()), e - 7).double()[:, None]
+        )
+    return out
+
+
+@pytest.mark.parametrize("form", list(A8_FORMS))
+@pytest.mark.parametrize("m", [2, 16, 17, 64])
+def test_gemv_residual_w8a8_every_form(nan_empty, form, m):
+    """W8A8: against float64 over the same quantized x (tight), and over x itself (loose: e4m3
+    keeps 4 significant bits); scale 0 and huge; a row of zeros; K 144 (a partial chunk)."""
+    k, n, dtype = 144, 40, torch.float16
+    x, _, w = inputs(m, k, n, dtype, m * 3 + len(form))
+    x[m - 1] = 0  # a row of zeros: its scale is 2^-107, its products 0
+    x[0, :5] *= 1e3  # one row's chunk 0 ranging wide: small values go subnormal or to 0
+    data, scale, w64 = fp8(w, zero_row=1, huge_row=33)
+    res = torch.randn(m, n, generator=torch.Generator().manual_seed(2)).to(dtype)
+    tile = A8_FORMS[form]
+    y = gemv_residual(x, data, res, blocks=tile, w_scale=scale)
+    keep = [c for c in range(n) if c != 33]
+    ref = quantized_x(x, tile.block_k) @ w64.T + res.double()
+    assert rel_err(y[:, keep], ref[:, keep]) < TOL[dtype]
+    assert torch.equal(y[:, 1], res[:, 1]) and torch.equal(y[m - 1], res[m - 1])
+    plain = x.double() @ w64.T + res.double()  # rows past the wide one: e4m3's 4 bits
+    assert rel_err(y[1:, keep], plain[1:, keep]) < 5e-2
+    assert torch.isinf(y[1:-1, 33]).all()  # 1e30 overflows float16, as the reference does
+
+
+@pytest.mark.parametrize("form", ["a8-swap", "a8-tma-swap", "a8-pointers"])
+@pytest.mark.parametrize("m", [2, 17])
+def test_gate_up_and_qkv_w8a8(nan_empty, form, m):
+    from .test_fused_step_kernels import rope_tables
+
+    tile, dtype = A8_FORMS[form], torch.float16
+    k, inter = 144, 24
+    x, nw, w = inputs(m, k, 2 * inter, dtype, m + 5)
+    data, scale, w64 = fp8(w, zero_row=inter + 2)
+    out = gate_up_silu(x, None, data, EPS, blocks=tile, w_scale=scale)
+    gate, up = (quantized_x(x, tile.block_k) @ w64.T).split(inter, dim=-1)
+    assert rel_err(out, gate * torch.sigmoid(gate) * up) < 2 * TOL[dtype]
+    assert torch.all(out[:, 2] == 0)
+    normed = gate_up_silu(x, nw, data, EPS, blocks=tile, w_scale=scale)  # norm in the prologue
+    gate, up = (rms64(x, nw) @ w64.T).split(inter, dim=-1)
+    assert rel_err(normed, gate * torch.sigmoid(gate) * up) < 8e-2
+    # qkv on a normed x (the handoff's and the separate norm's form)
+    n_heads, n_kv, hd, pages, ps = 4, 2, 32, 5, 8
+    n = (n_heads + 2 * n_kv) * hd
+    x, _, w = inputs(m, 80, n, dtype, 3 * m)
+    data, scale, w64 = fp8(w)
+    g = torch.Generator().manual_seed(11)
+    cos_t, sin_t = rope_tables(hd, 64, dtype, g)
+    positions = torch.randint(0, 64, (m,), generator=g)
+    slots = torch.randperm(pages * ps, generator=g)[:m]
+    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q = qkv_rope(
+        x,
+        None,
+        data,
+        None,
+        EPS,
+        positions,
+        cos_t,
+        sin_t,
+        k_cache,
+        v_cache,
+        slots,
+        n_heads,
+        blocks=tile,
+        w_scale=scale,
+    )
+    qkv = quantized_x(x, tile.block_k) @ w64.T
+    caches = (k_cache, v_cache), (k0, v0)
+    check_qkv_rope(q, qkv, positions, cos_t, sin_t, *caches, slots, n_heads, 2 * TOL[dtype])
+
+
+def test_w8a8_is_for_fp8_weights_and_two_byte_activations():
+    """float32 activations and bf16 weights ignore ``a8`` (the float32 path stays exact against
+    float64 over the dequantized weights); one row is the GEMV; a8 needs 32 of K a chunk."""
+    t = Tile(16, 64, 4, 2, 1, SWAP_POINTERS, 1)
+    x16, x32 = torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 8)
+    assert proj_tiles.act_e4m3(t, 2, True, x16) and not proj_tiles.act_e4m3(t, 2, True, x32)
+    assert not proj_tiles.act_e4m3(t, 2, False, x16) and not proj_tiles.act_e4m3(t, 1, True, x16)
+    assert not proj_tiles.act_e4m3(dataclasses.replace(t, a8=0), 2, True, x16)
+    x, _, w = inputs(17, 144, 40, torch.float32, 9)
+    data, scale, w64 = fp8(w)
+    y = gemv_residual(x, data, None, blocks=t, w_scale=scale)
+    assert rel_err(y, x.double() @ w64.T) < 1e-5  # float32: dequantized, not W8A8
+    with pytest.raises(ConfigError, match="block_k >= 32"):
+        proj_tiles.check_tile("gemv_residual", Tile(16, 16, 4, 2, 1, SWAP_POINTERS, 1), 2)
+    with pytest.raises(ConfigError, match="a8 must be 0 or 1"):
+        proj_tiles.check_tile("gemv_residual", Tile(16, 64, 4, 2, 1, SWAP_POINTERS, 2), 2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k", [200, 4096 + 48])
 def test_one_row_fp8_rule_tile(nan_empty, dtype, k):
@@ -316,3 +431,27 @@ def test_bench_memory_counts_the_fp8_model(monkeypatch):
         check_bench_args(args)
     args.quantization = None  # without the second model it fits
     check_bench_args(args)
+
+
+@pytest.mark.parametrize("m", [1, 64, 65, 130])
+@pytest.mark.parametrize("block", [None, (16, 32)])
+def test_fp8_gemv_rows_takes_any_rows_without_a_dequantized_weight(nan_empty, m, block):
+    """``Fp8Linear`` on CUDA up to ``ROWS_MAX`` rows: 64 rows a launch into one output (a
+    dequantized weight in the graph's pool made FP8's capture pool 334 MiB against 192)."""
+    from stepgraph.kernels.proj import fp8_gemv as fg
+    from stepgraph.model.fp8_weight import quantize_per_block
+
+    k, n = 96, 40
+    x, _, w = inputs(m, k, n, torch.float32, m)
+    q = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    launches = []
+    real = fg.fp8_gemv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            fg, "fp8_gemv", lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw)
+        )
+        y = fg.fp8_gemv_rows(x, q.data, q.scale, block, bias)
+    assert launches == [min(64, m - r) for r in range(0, m, 64)]
+    assert rel_err(y, fg.fp8_gemv_reference(x, q.data, q.scale, block, bias)) < 1e-5
+    assert fg.ROWS_MAX == 512  # the largest default decode bucket

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from ..kernels.proj.fp8_gemv import MAX_M as FP8_MAX_M
-from ..kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv
+from ..kernels.proj.fp8_gemv import ROWS_MAX as FP8_ROWS_MAX
+from ..kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv_rows
 from .fp8_weight import FP8_DTYPE, Fp8Weight, quantize_per_channel, scale_shape
 from .llama import Linear
 
@@ -111,8 +111,10 @@ class Fp8Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if x.is_cuda and 0 < x.shape[0] <= FP8_MAX_M and x.stride(-1) == 1:
-            return fp8_gemv(x, self.weight, self.weight_scale, self.block, self.bias)
+        # decode's rows (up to the largest bucket): the FP8-weight GEMV, 64 rows a launch, no
+        # dequantized weight; more (a prefill): cuBLAS on the dequantized weight
+        if x.is_cuda and 0 < x.shape[0] <= FP8_ROWS_MAX and x.stride(-1) == 1:
+            return fp8_gemv_rows(x, self.weight, self.weight_scale, self.block, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

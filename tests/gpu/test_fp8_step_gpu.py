@@ -78,13 +78,15 @@ def test_fused_fp8_step_equals_the_dequantized_weights(bs):
     assert plan.fused and mr.uses_fused(bs)
     got, tokens = _logits(mr, bs)
     ref, _ = _logits(_dequantized_twin(mr), bs)
+    # W8A8 tiles (from 2 rows) quantize the activations to e4m3 too: 4 significant bits
+    tol = 8e-2 if any(p.tile.a8 for p in (plan.qkv, plan.o_proj, plan.down) if p.tile) else 3e-2
     err = (got - ref).abs().max() / ref.abs().max()
-    assert err < 3e-2, float(err)
+    assert err < tol, float(err)
     assert torch.equal(tokens, got.argmax(-1))
     # the reference kernels (the FP8-weight GEMV) on the same FP8 weights agree as well
     mr.set_kernels("reference")
     fp8_ref, _ = _logits(mr, bs)
-    assert (got - fp8_ref).abs().max() / fp8_ref.abs().max() < 3e-2
+    assert (got - fp8_ref).abs().max() / fp8_ref.abs().max() < tol
 
 
 @pytest.mark.parametrize("bs", [1, 8])

@@ -244,6 +244,43 @@ def dot_t(acc, w, x):
 
 
 @triton.jit
+def quantize_rows_e4m3(x):
+    # x [BLOCK_M, BLOCK_K] (bf16/fp16, one K chunk) -> (xq [BLOCK_M, BLOCK_K] e4m3, sx [BLOCK_M]
+    # float32), x ~ xq * sx per row: a power-of-two scale 2^(e - 7) for a row absmax in
+    # [2^e, 2^(e + 1)), so |x / sx| < 256 <= 448 and the scaling is exact; then each value
+    # rounded to the nearest e4m3 (ties to even) in float32 by the magic-constant add
+    # (v + c) - c, c = 1.5 * 2^(ulp exponent + 23), exact at these magnitudes, so the cast
+    # after it converts an e4m3 value as it is (the interpreter's own cast rounds otherwise).
+    # A row of zeros: sx = 2^-107, xq = 0.
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.abs(xf), axis=1)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.minimum(tl.maximum(e, -100), 127)
+    inv = ((134 - e) << 23).to(tl.float32, bitcast=True)  # 2^(7 - e)
+    sx = ((120 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 7)
+    v = xf * inv[:, None]
+    ev = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    u = tl.maximum(ev, -6) - 3  # the e4m3 ulp at v: 2^u (subnormals: 2^-9)
+    c = (((u + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    xq = ((v + c) - c).to(tl.float8e4nv)
+    return xq, sx
+
+
+@triton.jit
+def dot_a8(acc, w, x, SWAP: tl.constexpr):
+    # W8A8: w [BLOCK_N, BLOCK_K] e4m3 times x [BLOCK_M, BLOCK_K] quantized per row for this
+    # chunk (quantize_rows_e4m3) on FP8 tensor cores, the chunk's float32 sums times the rows'
+    # scales added to acc ([BLOCK_N, BLOCK_M] when SWAP, else [BLOCK_M, BLOCK_N]): the
+    # promotion to float32 every chunk (the MMA's own accumulator keeps fewer bits)
+    xq, sx = quantize_rows_e4m3(x)
+    if SWAP:
+        acc += tl.dot(w, tl.trans(xq)) * sx[None, :]
+    else:
+        acc += tl.dot(xq, tl.trans(w)) * sx[:, None]
+    return acc
+
+
+@triton.jit
 def gemv_loop(
     w1_ptrs,
     w2_ptrs,
@@ -263,11 +300,13 @@ def gemv_loop(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP: tl.constexpr = False,
+    A8: tl.constexpr = False,
 ):
     # w1_ptrs, w2_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0; w1, w2: their tiles at k_lo,
     # loaded before the PDL wait. Sums over k in [k_lo, k_hi) (the whole row: 0, K).
     # SWAP (BLOCK_M >= 16, Tile.tma == 3): acc [BLOCK_N, BLOCK_M] = w @ x^T (dot_t), the weight
-    # tile the MMA's register operand, transposed after the loop.
+    # tile the MMA's register operand, transposed after the loop. A8 (e4m3 w, BLOCK_M >= 16,
+    # x bf16/fp16): x quantized per row per chunk, FP8 tensor cores (dot_a8).
     # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 each (acc2 = acc1 unless PAIRED)
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
@@ -279,7 +318,11 @@ def gemv_loop(
     a2 = a1
     # -- the first chunk: its weight tile is already here --
     x = x_tile(x_ptr, nw_ptr, stride_xm, k_lo, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-    if SWAP:
+    if A8:
+        a1 = dot_a8(a1, w1, x, SWAP)
+        if PAIRED:
+            a2 = dot_a8(a2, w2, x, SWAP)
+    elif SWAP:
         a1 = dot_t(a1, w1, x)
         if PAIRED:
             a2 = dot_t(a2, w2, x)
@@ -294,7 +337,11 @@ def gemv_loop(
         if PAIRED:
             w2 = tl.load(w2_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
         x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-        if SWAP:
+        if A8:
+            a1 = dot_a8(a1, w1, x, SWAP)
+            if PAIRED:
+                a2 = dot_a8(a2, w2, x, SWAP)
+        elif SWAP:
             a1 = dot_t(a1, w1, x)
             if PAIRED:
                 a2 = dot_t(a2, w2, x)
@@ -345,6 +392,7 @@ def norm_block(m: int, k: int) -> int:
 
 __all__ = [
     "MAX_M",
+    "dot_a8",
     "dot_t",
     "finish_acc",
     "first_w_tile",
@@ -352,6 +400,7 @@ __all__ = [
     "gpu_fence",
     "norm_block",
     "proj_blocks",
+    "quantize_rows_e4m3",
     "row_inv_rms",
     "k_range",
     "mul_acc",

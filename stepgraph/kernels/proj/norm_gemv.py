@@ -31,6 +31,7 @@ from .gemv_tiles import (
 )
 from .norm_handoff import check_handoff, residual_out, ssq_args
 from .proj_tiles import (
+    act_e4m3,
     as_tile,
     block_m,
     check_tile,
@@ -89,6 +90,7 @@ def _norm_gemv_kernel(
     NORM_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
     W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr (tma_tiles.proj_loop)
+    A8: tl.constexpr,  # W_FP8 and x quantized to e4m3 per row per chunk (gemv_tiles.dot_a8)
 ):
     pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
@@ -149,6 +151,7 @@ def _norm_gemv_kernel(
         NORM_BLOCK,
         SSQ_PAD,
         W_FP8,
+        A8,
     )
     pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
@@ -322,6 +325,7 @@ def _launch(
         NORM_BLOCK=norm_block(m, k),
         SPLIT_K=tile.split_k,
         W_FP8=fp8,
+        A8=act_e4m3(tile, m, fp8, x),
         **tile.launch(),
         **launch_options(pdl),
     )

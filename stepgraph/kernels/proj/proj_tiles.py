@@ -91,11 +91,12 @@ SPLIT_REGS = 16384  # split_k x BLOCK_M x BLOCK_N (x 2 paired): the FP8 rule's s
 def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> Tile:
     """The rule for FP8 weights (e4m3, one byte an element; activations of ``x_bytes``) at
     shapes not in ``FP8_TILES``. One row: bf16's rule in elements (8k a program: with 16 KB of
-    e4m3 a program, twice the elements, the GEMV lost 2-37% to it on the H200). Several:
-    swap-AB through pointers (``SWAP_POINTERS``: the converted weight tile is the MMA's
-    register operand, nothing goes back to shared memory), 64 weight rows a program (a Hopper
-    warpgroup MMA's M; 32 for qkv, whose tiles divide head_dim / 2), 128 bytes of K a chunk
-    (at 256 the register operand took 239-255 registers a thread on sm_90), four stages, then
+    e4m3 a program, twice the elements, the GEMV lost 2-37% to it on the H200). Several: W8A8
+    (``a8``: x quantized per row per chunk, FP8 tensor cores; float32 x: not) swap-AB through
+    pointers (``SWAP_POINTERS``: the weight rows are the MMA's M; W8A16, converting the
+    weight to bf16 from 2 rows, tied or lost to bf16 on the H200), 64 weight rows a program (a
+    Hopper warpgroup MMA's M; 32 for qkv, whose tiles divide head_dim / 2), 128 bytes of K a
+    chunk (at 256 W8A16's register operand took 239-255 registers a thread), four stages, then
     split K (powers of two, every split a whole chunk) until ``TARGET_PROGRAMS`` programs, as
     long as the split-K reduce's partials (``SPLIT_REGS`` floats of a program) fit: 8 splits of
     64 x 64 spilled, 4 did not."""
@@ -118,7 +119,7 @@ def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> T
             and 2 * split * bm * bn * (2 if paired else 1) <= SPLIT_REGS
         ):
             split *= 2
-    return Tile(bn, bk, 4, 4, split, SWAP_POINTERS)
+    return Tile(bn, bk, 4, 4, split, SWAP_POINTERS, 0 if x_bytes > 2 else 1)
 
 
 def fp8_table_tile(
@@ -259,6 +260,13 @@ def loop_mode(tile: Tile, m: int, descs) -> int:
     return SWAP_POINTERS if tile.tma == SWAP_POINTERS and block_m(m) >= 16 else 0
 
 
+def act_e4m3(tile: Tile, m: int, fp8: bool, x: torch.Tensor) -> bool:
+    """Whether ``tile`` runs W8A8 at ``m`` rows (the kernels' ``A8``): an ``a8`` tile, e4m3
+    weights (``fp8``), tensor-core rows and activations of 2 bytes (float32 ones keep the
+    dequantized path, exact against float64)."""
+    return bool(tile.a8) and fp8 and block_m(m) >= 16 and x.element_size() == 2
+
+
 def tma_descriptors(
     tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int, tma: bool = True
 ):
@@ -292,6 +300,11 @@ def check_tile(kernel: str, tile: Tile, m: int) -> Tile:
         )
     if tile.split_k < 1:
         raise ConfigError(f"{kernel}: split_k must be >= 1; got {tile}")
+    if tile.a8 not in (0, 1) or (tile.a8 and m > 1 and tile.block_k < 32):
+        raise ConfigError(
+            f"{kernel}: a8 must be 0 or 1, and an a8 tile needs block_k >= 32 (FP8 tensor "
+            f"cores take K in 32s); got {tile}"
+        )
     if tile.tma not in (0, 1, 2, SWAP_POINTERS):
         raise ConfigError(
             f"{kernel}: tma must be 0 (pointers), 1 or 2 (TMA) or {SWAP_POINTERS} (swap-AB "
@@ -333,6 +346,7 @@ __all__ = [
     "SWAP_POINTERS",
     "TILES",
     "Tile",
+    "act_e4m3",
     "as_tile",
     "block_m",
     "check_tile",

@@ -35,6 +35,7 @@ from .norm_gemv import rmsnorm_reference
 from .norm_handoff import check_handoff, ssq_args
 from .proj_tiles import (
     Tile,
+    act_e4m3,
     as_tile,
     block_m,
     check_tile,
@@ -156,6 +157,7 @@ def _qkv_rope_kernel(
     NORM_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
     W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr (tma_tiles.proj_loop)
+    A8: tl.constexpr,  # W_FP8 and x quantized to e4m3 per row per chunk (gemv_tiles.dot_a8)
 ):
     pid = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
@@ -223,6 +225,7 @@ def _qkv_rope_kernel(
         NORM_BLOCK,
         SSQ_PAD,
         W_FP8,
+        A8,
     )
     pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
@@ -400,6 +403,7 @@ def qkv_rope(
             NORM_BLOCK=norm_block(m, k),
             SPLIT_K=tile.split_k,
             W_FP8=fp8,
+            A8=act_e4m3(tile, m, fp8, x),
             **tile.launch(),
             **launch_options(pdl),
         )

@@ -21,6 +21,8 @@ class Tile:
     # descriptor; 2 x @ w^T, the weight by descriptor and x from pointers (a register operand);
     # 3 swap-AB through pointers, no descriptor (w @ x^T: the weight tile, converted in
     # registers when e4m3, is the MMA's register operand; gemv_tiles.gemv_loop's SWAP)
+    a8: int = 0  # 1: W8A8 for e4m3 weights from 2 rows: x quantized to e4m3 per row per K
+    # chunk, FP8 tensor cores (gemv_tiles.dot_a8); bf16 weights and float32 x ignore it
 
     def launch(self) -> dict:
         """The launch options: ``num_warps``, and ``num_stages`` when set."""

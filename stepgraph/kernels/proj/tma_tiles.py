@@ -27,7 +27,16 @@ import triton
 import triton.language as tl
 
 from ..pdl import hopper_or_later
-from .gemv_tiles import FENCE, dot_t, first_w_tile, gemv_loop, mul_acc, row_inv_rms, x_tile
+from .gemv_tiles import (
+    FENCE,
+    dot_a8,
+    dot_t,
+    first_w_tile,
+    gemv_loop,
+    mul_acc,
+    row_inv_rms,
+    x_tile,
+)
 from .norm_handoff import ssq_inv_rms
 
 try:  # Triton >= 3.4
@@ -138,6 +147,7 @@ def tma_loop(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    A8: tl.constexpr = False,
 ):
     # gemv_tiles.gemv_loop with the weight through its descriptor, every load inside the loop
     # (the software pipeliner keeps num_stages of them in flight; a tile loaded into registers
@@ -156,11 +166,17 @@ def tma_loop(
             w2 = w_desc.load([row2, k0])
         if SWAP:
             x = tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM, BLOCK_K)
+        else:
+            x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
+        if A8:  # W8A8: x quantized per row for this chunk, FP8 tensor cores
+            a1 = dot_a8(a1, w1, x, SWAP)
+            if PAIRED:
+                a2 = dot_a8(a2, w2, x, SWAP)
+        elif SWAP:
             a1 = dot_t(a1, w1, x)
             if PAIRED:
                 a2 = dot_t(a2, w2, x)
         else:
-            x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
             a1 = mul_acc(a1, w1, x, BLOCK_M)
             if PAIRED:
                 a2 = mul_acc(a2, w2, x, BLOCK_M)
@@ -244,6 +260,7 @@ def proj_loop(
     NORM_BLOCK: tl.constexpr,
     SSQ_PAD: tl.constexpr,
     W_FP8: tl.constexpr,
+    A8: tl.constexpr = False,
 ):
     # The part after the wait: each row's 1 / RMS when NORM (ones for an x that needs no norm:
     # o_proj, down, or x normed by its own kernel), then the K loop through descriptors
@@ -253,7 +270,8 @@ def proj_loop(
     # a scale of each row of the products after the loop: the loop is a normed x's.
     # W_FP8: the weight is e4m3 (any loop: converted to x's dtype in registers, exactly) with
     # float32 scales per output channel at s_ptr, applied to the sums of rows row1.. (and
-    # row2..) after the loop. TMA 3: the pointer loop swap-AB (gemv_loop's SWAP).
+    # row2..) after the loop. TMA 3: the pointer loop swap-AB (gemv_loop's SWAP). A8 (e4m3
+    # weights, bf16/fp16 x, BLOCK_M >= 16): W8A8, x quantized per row per chunk (dot_a8).
     # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)
     if NORM:
         inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
@@ -279,6 +297,7 @@ def proj_loop(
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
+            A8,
         )
     else:
         a1, a2 = gemv_loop(
@@ -300,6 +319,7 @@ def proj_loop(
             BLOCK_N,
             BLOCK_K,
             TMA == 3,
+            A8,
         )
     if W_FP8:
         offs_s = tl.arange(0, BLOCK_N)
