@@ -167,14 +167,17 @@ def quantized_x(x: torch.Tensor, block_k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("form", list(A8_FORMS))
-@pytest.mark.parametrize("m", [2, 16, 17, 64])
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 64])
 def test_gemv_residual_w8a8_every_form(nan_empty, form, m):
     """W8A8: against float64 over the same quantized x (tight), and over x itself (loose: e4m3
     keeps 4 significant bits); scale 0 and huge; a row of zeros; K 144 (a partial chunk)."""
     k, n, dtype = 144, 40, torch.float16
     x, _, w = inputs(m, k, n, dtype, m * 3 + len(form))
-    x[m - 1] = 0  # a row of zeros: its scale is 2^-107, its products 0
-    x[0, :5] *= 1e3  # one row's chunk 0 ranging wide: small values go subnormal or to 0
+    wide, zero = m > 1, m > 2
+    if zero:
+        x[m - 1] = 0  # a row of zeros: its scale is 2^-107, its products 0
+    if wide:
+        x[0, :5] *= 1e3  # one row's chunk 0 ranging wide: small values go subnormal or to 0
     data, scale, w64 = fp8(w, zero_row=1, huge_row=33)
     res = torch.randn(m, n, generator=torch.Generator().manual_seed(2)).to(dtype)
     tile = A8_FORMS[form]
@@ -182,14 +185,14 @@ def test_gemv_residual_w8a8_every_form(nan_empty, form, m):
     keep = [c for c in range(n) if c != 33]
     ref = quantized_x(x, tile.block_k) @ w64.T + res.double()
     assert rel_err(y[:, keep], ref[:, keep]) < TOL[dtype]
-    assert torch.equal(y[:, 1], res[:, 1]) and torch.equal(y[m - 1], res[m - 1])
+    assert torch.equal(y[:, 1], res[:, 1]) and (not zero or torch.equal(y[m - 1], res[m - 1]))
     plain = x.double() @ w64.T + res.double()  # rows past the wide one: e4m3's 4 bits
-    assert rel_err(y[1:, keep], plain[1:, keep]) < 5e-2
-    assert torch.isinf(y[1:-1, 33]).all()  # 1e30 overflows float16, as the reference does
+    assert rel_err(y[int(wide) :, keep], plain[int(wide) :, keep]) < 5e-2
+    assert torch.isinf(y[int(wide) : m - int(zero), 33]).all()  # 1e30 overflows float16
 
 
 @pytest.mark.parametrize("form", ["a8-swap", "a8-tma-swap", "a8-pointers"])
-@pytest.mark.parametrize("m", [2, 17])
+@pytest.mark.parametrize("m", [1, 2, 17])
 def test_gate_up_and_qkv_w8a8(nan_empty, form, m):
     from .test_fused_step_kernels import rope_tables
 
@@ -203,7 +206,7 @@ def test_gate_up_and_qkv_w8a8(nan_empty, form, m):
     assert torch.all(out[:, 2] == 0)
     normed = gate_up_silu(x, nw, data, EPS, blocks=tile, w_scale=scale)  # norm in the prologue
     gate, up = (rms64(x, nw) @ w64.T).split(inter, dim=-1)
-    assert rel_err(normed, gate * torch.sigmoid(gate) * up) < 8e-2
+    assert rel_err(normed, gate * torch.sigmoid(gate) * up) < 0.12  # silu(gate) * up: twice
     # qkv on a normed x (the handoff's and the separate norm's form)
     n_heads, n_kv, hd, pages, ps = 4, 2, 32, 5, 8
     n = (n_heads + 2 * n_kv) * hd
@@ -243,7 +246,11 @@ def test_w8a8_is_for_fp8_weights_and_two_byte_activations():
     t = Tile(16, 64, 4, 2, 1, SWAP_POINTERS, 1)
     x16, x32 = torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 8)
     assert proj_tiles.act_e4m3(t, 2, True, x16) and not proj_tiles.act_e4m3(t, 2, True, x32)
-    assert not proj_tiles.act_e4m3(t, 2, False, x16) and not proj_tiles.act_e4m3(t, 1, True, x16)
+    assert not proj_tiles.act_e4m3(t, 2, False, x16)
+    assert proj_tiles.launch_block_m(t, 1, True, x16) == 16  # one row: tensor cores, M padded
+    assert proj_tiles.launch_block_m(t, 1, True, x32) == 1  # float32: the GEMV
+    assert proj_tiles.launch_block_m(t, 1, False, x16) == 1  # bf16 weights: the GEMV
+    assert proj_tiles.launch_block_m(dataclasses.replace(t, a8=0), 1, True, x16) == 1
     assert not proj_tiles.act_e4m3(dataclasses.replace(t, a8=0), 2, True, x16)
     x, _, w = inputs(17, 144, 40, torch.float32, 9)
     data, scale, w64 = fp8(w)
@@ -251,6 +258,8 @@ def test_w8a8_is_for_fp8_weights_and_two_byte_activations():
     assert rel_err(y, x.double() @ w64.T) < 1e-5  # float32: dequantized, not W8A8
     with pytest.raises(ConfigError, match="block_k >= 32"):
         proj_tiles.check_tile("gemv_residual", Tile(16, 16, 4, 2, 1, SWAP_POINTERS, 1), 2)
+    with pytest.raises(ConfigError, match="block_n >= 16"):  # one row: tensor cores too
+        proj_tiles.check_tile("gemv_residual", Tile(8, 64, 4, 2, 1, SWAP_POINTERS, 1), 1)
     with pytest.raises(ConfigError, match="a8 must be 0 or 1"):
         proj_tiles.check_tile("gemv_residual", Tile(16, 64, 4, 2, 1, SWAP_POINTERS, 2), 2)
 

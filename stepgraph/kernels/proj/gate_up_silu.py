@@ -32,8 +32,8 @@ from .norm_handoff import check_handoff, ssq_args
 from .proj_tiles import (
     act_e4m3,
     as_tile,
-    block_m,
     check_tile,
+    launch_block_m,
     loop_mode,
     splitk_workspace,
     tile_for,
@@ -210,13 +210,14 @@ def gate_up_silu(
             )
         )
         check_tile("gate_up_silu", tile, m)
+        bm = launch_block_m(tile, m, fp8, x)
         pdl = resolve_pdl(use_pdl, x.device, t)
         tiles = triton.cdiv(inter, tile.block_n)
         ws, tickets = out, out
         if tile.split_k > 1:
-            elems = tiles * tile.split_k * 2 * block_m(m) * tile.block_n
+            elems = tiles * tile.split_k * 2 * bm * tile.block_n
             ws, tickets = splitk_workspace(x.device, elems, tiles)
-        descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)
+        descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma, bm)
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, out)
         _gate_up_silu_kernel[(tiles, tile.split_k)](
             x,
@@ -240,7 +241,7 @@ def gate_up_silu(
             NORM=norm_w is not None,
             SSQ_PAD=ssq_pad,
             USE_PDL=pdl,
-            TMA=loop_mode(tile, m, descs),
+            TMA=loop_mode(tile, m, descs, bm),
             PREFETCH=prefetch_lines(
                 tile.block_n,
                 k,
@@ -252,10 +253,10 @@ def gate_up_silu(
             )
             if descs
             else 0,
-            BLOCK_M=block_m(m),
+            BLOCK_M=bm,
             BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k,
-            NORM_BLOCK=norm_block(m, k),
+            NORM_BLOCK=norm_block(bm if m == 1 else m, k),
             SPLIT_K=tile.split_k,
             W_FP8=fp8,
             A8=act_e4m3(tile, m, fp8, x),

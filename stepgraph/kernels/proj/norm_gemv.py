@@ -33,8 +33,8 @@ from .norm_handoff import check_handoff, residual_out, ssq_args
 from .proj_tiles import (
     act_e4m3,
     as_tile,
-    block_m,
     check_tile,
+    launch_block_m,
     loop_mode,
     splitk_workspace,
     tile_for,
@@ -252,7 +252,7 @@ def _launch(
         )
     )
     check_tile(kernel, tile, m)
-    bm = block_m(m)
+    bm = launch_block_m(tile, m, fp8, x)
     part_val, part_idx = parts if parts is not None else (y, y)
     tiles = triton.cdiv(n, tile.block_n)
     ws, tickets = y, y
@@ -260,7 +260,7 @@ def _launch(
         elems = tiles * tile.split_k * tile.block_n * bm if tile.split_k > 1 else 0
         ws, tickets = splitk_workspace(x.device, elems, tiles + 1)
     pdl = resolve_pdl(use_pdl, x.device, t)
-    descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma)
+    descs = tma_descriptors(tile, m, x, weight, tile.block_n, t.tma, bm)
     ssq, stride_s, n_parts, ssq_pad = ssq_args(ssq_in, m, y)
     xw, out = y, None
     if next_norm is not None:
@@ -307,7 +307,7 @@ def _launch(
         if tokens is not None
         else 2,
         USE_PDL=pdl,
-        TMA=loop_mode(tile, m, descs),
+        TMA=loop_mode(tile, m, descs, bm),
         PREFETCH=prefetch_lines(
             tile.block_n,
             k,
@@ -322,7 +322,7 @@ def _launch(
         BLOCK_M=bm,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        NORM_BLOCK=norm_block(m, k),
+        NORM_BLOCK=norm_block(bm if m == 1 else m, k),
         SPLIT_K=tile.split_k,
         W_FP8=fp8,
         A8=act_e4m3(tile, m, fp8, x),

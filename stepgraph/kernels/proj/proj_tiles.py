@@ -251,30 +251,47 @@ def no_pdl_bucket(
     return elem_bytes == 2 and (qkv_n, k, bucket) in _tables(tables).no_pdl_buckets
 
 
-def loop_mode(tile: Tile, m: int, descs) -> int:
-    """The kernels' ``TMA`` constexpr for ``tile`` at ``m`` rows: the tile's TMA mode where
-    ``tma_descriptors`` gave descriptors, ``SWAP_POINTERS`` for a swap-AB pointer tile on
-    tensor-core rows, else 0 (the pointer loop)."""
+def loop_mode(tile: Tile, m: int, descs, bm: int | None = None) -> int:
+    """The kernels' ``TMA`` constexpr for ``tile`` at ``m`` rows (``bm``: the launch's BLOCK_M,
+    ``launch_block_m``; None: ``block_m(m)``): the tile's TMA mode where ``tma_descriptors``
+    gave descriptors, ``SWAP_POINTERS`` for a swap-AB pointer tile on tensor-core rows, else 0
+    (the pointer loop)."""
     if descs:
         return tile.tma
-    return SWAP_POINTERS if tile.tma == SWAP_POINTERS and block_m(m) >= 16 else 0
+    bm = block_m(m) if bm is None else bm
+    return SWAP_POINTERS if tile.tma == SWAP_POINTERS and bm >= 16 else 0
+
+
+def launch_block_m(tile: Tile, m: int, fp8: bool, x: torch.Tensor) -> int:
+    """BLOCK_M of a launch of ``m`` rows: ``block_m(m)``, except one row on an ``a8`` tile
+    with e4m3 weights and 2-byte activations, which runs W8A8 on FP8 tensor cores with M
+    padded to 16 (the weight straight to the MMA, no conversion) instead of the GEMV."""
+    if m == 1 and act_e4m3(tile, m, fp8, x):
+        return 16
+    return block_m(m)
 
 
 def act_e4m3(tile: Tile, m: int, fp8: bool, x: torch.Tensor) -> bool:
     """Whether ``tile`` runs W8A8 at ``m`` rows (the kernels' ``A8``): an ``a8`` tile, e4m3
-    weights (``fp8``), tensor-core rows and activations of 2 bytes (float32 ones keep the
-    dequantized path, exact against float64)."""
-    return bool(tile.a8) and fp8 and block_m(m) >= 16 and x.element_size() == 2
+    weights (``fp8``) and activations of 2 bytes (float32 ones keep the dequantized path,
+    exact against float64); one row too, padded to 16 (``launch_block_m``)."""
+    return bool(tile.a8) and fp8 and m >= 1 and x.element_size() == 2
 
 
 def tma_descriptors(
-    tile: Tile, m: int, x: torch.Tensor, weight: torch.Tensor, rows: int, tma: bool = True
+    tile: Tile,
+    m: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rows: int,
+    tma: bool = True,
+    bm: int | None = None,
 ):
     """``(weight descriptor, x descriptor)`` when ``tile`` streams through TMA at ``m`` rows
     (``tma``, ``DecodeTuning.tma``; ``tile.tma``, tensor-core rows, boxes ``[rows, block_k]``
     and ``[BLOCK_M, block_k]`` that TMA takes, both tensors ``tma_ready``), else None: the
-    pointer loop, same tile."""
-    bm = block_m(m)
+    pointer loop, same tile. ``bm``: the launch's BLOCK_M (None: ``block_m(m)``)."""
+    bm = block_m(m) if bm is None else bm
     if not tma or tile.tma not in (1, 2) or bm < 16 or not box_fits(rows, tile.block_k, bm):
         return None
     if not tma_ready(weight, *((x,) if tile.tma == 1 else ())):
@@ -300,10 +317,10 @@ def check_tile(kernel: str, tile: Tile, m: int) -> Tile:
         )
     if tile.split_k < 1:
         raise ConfigError(f"{kernel}: split_k must be >= 1; got {tile}")
-    if tile.a8 not in (0, 1) or (tile.a8 and m > 1 and tile.block_k < 32):
+    if tile.a8 not in (0, 1) or (tile.a8 and (tile.block_k < 32 or tile.block_n < 16)):
         raise ConfigError(
-            f"{kernel}: a8 must be 0 or 1, and an a8 tile needs block_k >= 32 (FP8 tensor "
-            f"cores take K in 32s); got {tile}"
+            f"{kernel}: a8 must be 0 or 1, and an a8 tile (FP8 tensor cores, one row too) "
+            f"needs block_n >= 16 and block_k >= 32; got {tile}"
         )
     if tile.tma not in (0, 1, 2, SWAP_POINTERS):
         raise ConfigError(
@@ -353,6 +370,7 @@ __all__ = [
     "default_tile",
     "fp8_default_tile",
     "fp8_table_tile",
+    "launch_block_m",
     "loop_mode",
     "no_pdl_bucket",
     "prefer_cublas",

@@ -37,9 +37,9 @@ from .proj_tiles import (
     Tile,
     act_e4m3,
     as_tile,
-    block_m,
     check_tile,
     fp8_table_tile,
+    launch_block_m,
     loop_mode,
     splitk_workspace,
     tile_for,
@@ -343,6 +343,7 @@ def qkv_rope(
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
+        bm = launch_block_m(tile, m, fp8, x)
         if bd & (bd - 1) or (bd < half and half % bd):
             raise ConfigError(
                 f"qkv_rope: BLOCK_D={bd} must be a power of two dividing head_dim / 2 = {half} "
@@ -352,9 +353,9 @@ def qkv_rope(
         tiles = (n_heads + 2 * n_kv) * triton.cdiv(half, bd)
         ws, tickets = q, q
         if tile.split_k > 1:
-            elems = tiles * tile.split_k * 2 * block_m(m) * bd
+            elems = tiles * tile.split_k * 2 * bm * bd
             ws, tickets = splitk_workspace(x.device, elems, tiles)
-        descs = tma_descriptors(tile, m, x, weight, bd, t.tma)
+        descs = tma_descriptors(tile, m, x, weight, bd, t.tma, bm)
         sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, q)
         _qkv_rope_kernel[(tiles, tile.split_k)](
             x,
@@ -391,16 +392,16 @@ def qkv_rope(
             NORM=norm_w is not None,
             SSQ_PAD=ssq_pad,
             USE_PDL=pdl,
-            TMA=loop_mode(tile, m, descs),
+            TMA=loop_mode(tile, m, descs, bm),
             PREFETCH=prefetch_lines(
                 bd, k, tile.split_k, tile.block_k, weight.element_size(), True, t.l2_prefetch_bytes
             )
             if descs
             else 0,
-            BLOCK_M=block_m(m),
+            BLOCK_M=bm,
             BLOCK_D=bd,
             BLOCK_K=tile.block_k,
-            NORM_BLOCK=norm_block(m, k),
+            NORM_BLOCK=norm_block(bm if m == 1 else m, k),
             SPLIT_K=tile.split_k,
             W_FP8=fp8,
             A8=act_e4m3(tile, m, fp8, x),
