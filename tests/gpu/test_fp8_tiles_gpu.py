@@ -24,13 +24,13 @@ from tests.test_fp8_tiles import quantized_x
 pytestmark = pytest.mark.cuda
 
 DEV, DT, EPS = "cuda", torch.bfloat16, 1e-5
-FORMS = [  # (block_n, block_k, warps, stages, split_k, tma): every loop form
+FORMS = [  # (block_n, block_k, warps, stages, split_k, tma[, a8]): every loop form, W8A16 and
+    # W8A8 (the sweep's candidates: their compiles are cached by then)
     Tile(64, 256, 4, 3, 4, SWAP_POINTERS),
-    Tile(64, 128, 4, 4, 8, SWAP_POINTERS),
     Tile(64, 256, 4, 3, 4, 1),
     Tile(32, 128, 4, 4, 4, 2),
     Tile(32, 256, 4, 3, 4, 0),
-    Tile(64, 128, 4, 4, 4, SWAP_POINTERS, 1),  # W8A8: x in e4m3 per row per chunk
+    Tile(64, 128, 4, 4, 4, SWAP_POINTERS, 1),
     Tile(64, 128, 4, 4, 4, 1, 1),
     Tile(32, 128, 4, 4, 4, 0, 1),
 ]
@@ -72,7 +72,7 @@ def test_gemv_residual_fp8_forms(m, tile, n, k):
 
 
 @pytest.mark.parametrize("m", [1, 8, 64])
-@pytest.mark.parametrize("tile", [FORMS[0], FORMS[2], FORMS[5], None], ids=lambda t: str(t))
+@pytest.mark.parametrize("tile", [FORMS[0], FORMS[1], FORMS[4], None], ids=lambda t: str(t))
 def test_gate_up_fp8_forms(m, tile):
     if m == 1 and tile is not None:
         pytest.skip("one row: the GEMV")
