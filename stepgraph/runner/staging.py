@@ -75,6 +75,7 @@ class PinnedStaging:
         self._copied_np = self.copied.numpy()
         self._copied_mv = memoryview(self._copied_np)  # [0]: a Python int, read live
         self._views: dict[tuple[int, int, int], np.ndarray] = {}  # (slot, bs, width) -> rows
+        self._host_views: dict[tuple[int, int, int], torch.Tensor] = {}  # the same, as torch
         self.dirty = [0] * SLOTS  # rows [:dirty[s]] of slot s may hold live values
         self.count = 0  # replays staged since capture: replay k reads slot k % 2
         self.waits = 0  # slot writes that had to wait for a copy (a host ahead of the GPU)
@@ -130,9 +131,12 @@ class PinnedStaging:
             self.stage_rows(rows, bucket)
             return rows
         slot = self._free_slot()  # device rows: a D2H copy, before the graph's on the stream
-        bs = batch.batch_size
         src = batch.packed if batch.packed is not None else pack_fields(batch)  # one launch
-        self.host[:bs, slot, : src.shape[1]].copy_(src, non_blocking=src.is_cuda)
+        bs, width = src.shape
+        dst = self._host_views.get((slot, bs, width))  # torch's slicing: host time per call
+        if dst is None:
+            dst = self._host_views[(slot, bs, width)] = self.host[:bs, slot, :width]
+        dst.copy_(src, non_blocking=src.is_cuda)
         self._repad(slot, bs, bucket)
         return None
 
