@@ -140,3 +140,25 @@ def test_batches_of_device_fields_are_packed_in_one_launch_and_equal_eager(mr, s
     want, _ = mr.eager_reference(batch)
     torch.testing.assert_close(runner.replay(batch), want, rtol=1e-4, atol=1e-4)
     runner.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["host_rows", "device_packed", "device_fields"])
+def test_a_staged_replay_makes_no_host_sync(mr, kind):
+    """No batch kind's replay waits for the device on the host (torch's sync debug mode turns
+    any synchronizing CUDA call into an error): host rows (numpy into the pinned slot), device
+    rows (a D2H copy queued on the stream) and device fields (one concatenation, then that)."""
+    runner = CudaGraphRunner(mr, RunnerConfig(max_bs=64, show_progress=False, pinned_staging=True))
+    batch = mr.random_batch(3, torch.Generator().manual_seed(13), packed=kind != "device_fields")
+    if kind == "device_packed":
+        batch.packed_cpu = None
+    runner.replay(batch)  # the first call builds its views and the bucket's state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            runner.replay(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert runner.stats.replays == 5
+    runner.shutdown()
