@@ -149,6 +149,11 @@ A8_FORMS = {  # W8A8 in every loop form
 }
 
 
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float32 for integer e in [-126, 127], built from its bits (exact on any device)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
 def quantized_x(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """``x`` as W8A8 tiles see it, in float64: each row of each ``block_k`` chunk scaled by
     2^(e - 7) (its absmax in [2^e, 2^(e + 1))), rounded to e4m3 (torch: nearest, ties to even),
@@ -158,11 +163,8 @@ def quantized_x(x: torch.Tensor, block_k: int) -> torch.Tensor:
         xf = x[:, k0 : k0 + block_k].float()
         amax = xf.abs().amax(dim=1)
         e = (((amax.view(torch.int32) >> 23) & 0xFF) - 127).clamp(-100, 127)
-        inv = torch.ldexp(torch.ones(e.shape, device=x.device), 7 - e)  # float32: exact
-        q = (xf * inv[:, None]).to(torch.float8_e4m3fn)
-        out[:, k0 : k0 + block_k] = (
-            q.double() * torch.ldexp(torch.ones(()), e - 7).double()[:, None]
-        )
+        q = (xf * pow2(7 - e)[:, None]).to(torch.float8_e4m3fn)  # exact scaling in float32
+        out[:, k0 : k0 + block_k] = q.double() * pow2(e - 7).double()[:, None]
     return out
 
 
