@@ -281,6 +281,37 @@ def dot_a8(acc, w, x, SWAP: tl.constexpr):
 
 
 @triton.jit
+def chunk_acc(
+    a1,
+    a2,
+    w1,
+    w2,
+    x,
+    A8: tl.constexpr,
+    SWAP: tl.constexpr,
+    PAIRED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    # one K chunk's multiply-accumulate, as both K loops (gemv_loop, tma_tiles.tma_loop) run it:
+    # A8 (W8A8) x quantized per row for this chunk, FP8 tensor cores (dot_a8); SWAP w @ x^T
+    # (dot_t); else x @ w^T or one row's products (mul_acc). w2 and a2 only when PAIRED.
+    # -> (a1, a2)
+    if A8:
+        a1 = dot_a8(a1, w1, x, SWAP)
+        if PAIRED:
+            a2 = dot_a8(a2, w2, x, SWAP)
+    elif SWAP:
+        a1 = dot_t(a1, w1, x)
+        if PAIRED:
+            a2 = dot_t(a2, w2, x)
+    else:
+        a1 = mul_acc(a1, w1, x, BLOCK_M)
+        if PAIRED:
+            a2 = mul_acc(a2, w2, x, BLOCK_M)
+    return a1, a2
+
+
+@triton.jit
 def gemv_loop(
     w1_ptrs,
     w2_ptrs,
@@ -318,18 +349,7 @@ def gemv_loop(
     a2 = a1
     # -- the first chunk: its weight tile is already here --
     x = x_tile(x_ptr, nw_ptr, stride_xm, k_lo, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-    if A8:
-        a1 = dot_a8(a1, w1, x, SWAP)
-        if PAIRED:
-            a2 = dot_a8(a2, w2, x, SWAP)
-    elif SWAP:
-        a1 = dot_t(a1, w1, x)
-        if PAIRED:
-            a2 = dot_t(a2, w2, x)
-    else:
-        a1 = mul_acc(a1, w1, x, BLOCK_M)
-        if PAIRED:
-            a2 = mul_acc(a2, w2, x, BLOCK_M)
+    a1, a2 = chunk_acc(a1, a2, w1, w2, x, A8, SWAP, PAIRED, BLOCK_M)
     # -- the rest: a plain stream of weight tiles (evict_first: never re-read this step) --
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         mask_w = mask_n[:, None] & ((k0 + offs_k) < k_hi)[None, :]
@@ -337,18 +357,7 @@ def gemv_loop(
         if PAIRED:
             w2 = tl.load(w2_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
         x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-        if A8:
-            a1 = dot_a8(a1, w1, x, SWAP)
-            if PAIRED:
-                a2 = dot_a8(a2, w2, x, SWAP)
-        elif SWAP:
-            a1 = dot_t(a1, w1, x)
-            if PAIRED:
-                a2 = dot_t(a2, w2, x)
-        else:
-            a1 = mul_acc(a1, w1, x, BLOCK_M)
-            if PAIRED:
-                a2 = mul_acc(a2, w2, x, BLOCK_M)
+        a1, a2 = chunk_acc(a1, a2, w1, w2, x, A8, SWAP, PAIRED, BLOCK_M)
     if SWAP:
         a1 = tl.trans(a1)
         if PAIRED:

@@ -29,11 +29,10 @@ import triton.language as tl
 from ..pdl import hopper_or_later
 from .gemv_tiles import (
     FENCE,
-    dot_a8,
+    chunk_acc,
     dot_t,
     first_w_tile,
     gemv_loop,
-    mul_acc,
     row_inv_rms,
     x_tile,
 )
@@ -162,24 +161,14 @@ def tma_loop(
     a2 = a1
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w1 = w_desc.load([row1, k0])
+        w2 = w1  # read only when PAIRED
         if PAIRED:
             w2 = w_desc.load([row2, k0])
         if SWAP:
             x = tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM, BLOCK_K)
         else:
             x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-        if A8:  # W8A8: x quantized per row for this chunk, FP8 tensor cores
-            a1 = dot_a8(a1, w1, x, SWAP)
-            if PAIRED:
-                a2 = dot_a8(a2, w2, x, SWAP)
-        elif SWAP:
-            a1 = dot_t(a1, w1, x)
-            if PAIRED:
-                a2 = dot_t(a2, w2, x)
-        else:
-            a1 = mul_acc(a1, w1, x, BLOCK_M)
-            if PAIRED:
-                a2 = mul_acc(a2, w2, x, BLOCK_M)
+        a1, a2 = chunk_acc(a1, a2, w1, w2, x, A8, SWAP, PAIRED, BLOCK_M)
     if SWAP:
         a1 = tl.trans(a1)
         if PAIRED:
