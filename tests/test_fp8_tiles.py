@@ -65,6 +65,45 @@ def inputs(m, k, n, dtype, seed):
     return x, nw, w
 
 
+# qkv_rope's shapes here: 4 heads and 2 KV heads of 32, K 80, a cache of 5 pages of 8
+QKV_HEADS, QKV_KV_HEADS, QKV_HD, QKV_PAGES, QKV_PS, QKV_K = 4, 2, 32, 5, 8, 80
+QKV_N = (QKV_HEADS + 2 * QKV_KV_HEADS) * QKV_HD
+
+
+def check_qkv_rope_fp8(x, nw, data, scale, tile, qkv64):
+    """``qkv_rope`` of ``x`` (normed in the prologue with ``nw``, or taken as normed with None)
+    on the e4m3 ``data``/``scale`` at ``tile``, over random positions and cache slots, checked
+    against ``qkv64``, the float64 projection it should match."""
+    from .test_fused_step_kernels import rope_tables
+
+    m, dtype = x.shape[0], x.dtype
+    g = torch.Generator().manual_seed(11)
+    cos_t, sin_t = rope_tables(QKV_HD, 64, dtype, g)
+    positions = torch.randint(0, 64, (m,), generator=g)
+    slots = torch.randperm(QKV_PAGES * QKV_PS, generator=g)[:m]
+    k_cache = torch.randn(QKV_PAGES, QKV_PS, QKV_KV_HEADS, QKV_HD, generator=g).to(dtype)
+    v_cache = torch.randn(QKV_PAGES, QKV_PS, QKV_KV_HEADS, QKV_HD, generator=g).to(dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q = qkv_rope(
+        x,
+        nw,
+        data,
+        None,
+        EPS,
+        positions,
+        cos_t,
+        sin_t,
+        k_cache,
+        v_cache,
+        slots,
+        QKV_HEADS,
+        blocks=tile,
+        w_scale=scale,
+    )
+    caches = (k_cache, v_cache), (k0, v0)
+    check_qkv_rope(q, qkv64, positions, cos_t, sin_t, *caches, slots, QKV_HEADS, 2 * TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("m", [2, 16, 17, 64])
@@ -105,39 +144,9 @@ def test_gate_up_silu_fp8_every_form(nan_empty, dtype, form, m):
 @pytest.mark.parametrize("form", ["swap", "swap-split", "tma-swap"])
 @pytest.mark.parametrize("m", [2, 17])
 def test_qkv_rope_fp8_every_form(nan_empty, dtype, form, m):
-    from .test_fused_step_kernels import rope_tables
-
-    n_heads, n_kv, hd, pages, ps, k = 4, 2, 32, 5, 8, 80
-    n = (n_heads + 2 * n_kv) * hd
-    x, nw, w = inputs(m, k, n, dtype, 3 * m)
+    x, nw, w = inputs(m, QKV_K, QKV_N, dtype, 3 * m)
     data, scale, w64 = fp8(w)
-    g = torch.Generator().manual_seed(11)
-    cos_t, sin_t = rope_tables(hd, 64, dtype, g)
-    positions = torch.randint(0, 64, (m,), generator=g)
-    slots = torch.randperm(pages * ps, generator=g)[:m]
-    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
-    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
-    k0, v0 = k_cache.clone(), v_cache.clone()
-    tile = FORMS[form]
-    q = qkv_rope(
-        x,
-        nw,
-        data,
-        None,
-        EPS,
-        positions,
-        cos_t,
-        sin_t,
-        k_cache,
-        v_cache,
-        slots,
-        n_heads,
-        blocks=tile,
-        w_scale=scale,
-    )
-    qkv = rms64(x, nw) @ w64.T
-    caches = (k_cache, v_cache), (k0, v0)
-    check_qkv_rope(q, qkv, positions, cos_t, sin_t, *caches, slots, n_heads, 2 * TOL[dtype])
+    check_qkv_rope_fp8(x, nw, data, scale, FORMS[form], rms64(x, nw) @ w64.T)
 
 
 A8_FORMS = {  # W8A8 in every loop form
@@ -196,8 +205,6 @@ def test_gemv_residual_w8a8_every_form(nan_empty, form, m):
 @pytest.mark.parametrize("form", ["a8-swap", "a8-tma-swap", "a8-pointers"])
 @pytest.mark.parametrize("m", [1, 2, 17])
 def test_gate_up_and_qkv_w8a8(nan_empty, form, m):
-    from .test_fused_step_kernels import rope_tables
-
     tile, dtype = A8_FORMS[form], torch.float16
     k, inter = 144, 24
     x, nw, w = inputs(m, k, 2 * inter, dtype, m + 5)
@@ -210,36 +217,9 @@ def test_gate_up_and_qkv_w8a8(nan_empty, form, m):
     gate, up = (rms64(x, nw) @ w64.T).split(inter, dim=-1)
     assert rel_err(normed, gate * torch.sigmoid(gate) * up) < 0.12  # silu(gate) * up: twice
     # qkv on a normed x (the handoff's and the separate norm's form)
-    n_heads, n_kv, hd, pages, ps = 4, 2, 32, 5, 8
-    n = (n_heads + 2 * n_kv) * hd
-    x, _, w = inputs(m, 80, n, dtype, 3 * m)
+    x, _, w = inputs(m, QKV_K, QKV_N, dtype, 3 * m)
     data, scale, w64 = fp8(w)
-    g = torch.Generator().manual_seed(11)
-    cos_t, sin_t = rope_tables(hd, 64, dtype, g)
-    positions = torch.randint(0, 64, (m,), generator=g)
-    slots = torch.randperm(pages * ps, generator=g)[:m]
-    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
-    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
-    k0, v0 = k_cache.clone(), v_cache.clone()
-    q = qkv_rope(
-        x,
-        None,
-        data,
-        None,
-        EPS,
-        positions,
-        cos_t,
-        sin_t,
-        k_cache,
-        v_cache,
-        slots,
-        n_heads,
-        blocks=tile,
-        w_scale=scale,
-    )
-    qkv = quantized_x(x, tile.block_k) @ w64.T
-    caches = (k_cache, v_cache), (k0, v0)
-    check_qkv_rope(q, qkv, positions, cos_t, sin_t, *caches, slots, n_heads, 2 * TOL[dtype])
+    check_qkv_rope_fp8(x, None, data, scale, tile, quantized_x(x, tile.block_k) @ w64.T)
 
 
 def test_w8a8_is_for_fp8_weights_and_two_byte_activations():
