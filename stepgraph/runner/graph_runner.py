@@ -262,7 +262,7 @@ class CudaGraphRunner(GraphRunnerBase):
             self.stats.node_edits += self._updater.apply(plan, graph, t_kv)
         launch()
         if staging is not None:
-            staging.count += 1  # ``PinnedStaging.replayed``
+            staging.replayed()
         self.stats.replays += 1
         out = self._out_rows.get(bs)  # one view per bs: slicing costs host time
         if out is None:  # every bucket's output is rows of one shared buffer

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from ..batch import BATCH_DTYPES, PACKED, ForwardBatch, ForwardMode
+from .input_checks import SEQ_COL
 
-_SEQ_COL = PACKED.fields.index("seq_lens")
 PAD_TOKEN_ID = 0
 PAD_POSITION = 0
 PAD_PAGE = 0
@@ -150,13 +150,11 @@ class GraphInputBuffers:
         """Pinned-staging path (``staging.py`` stages the packed rows): only the host
         ``seq_lens_cpu`` rows here, from ``rows`` (the staged numpy rows) where given, stale
         ones re-padded. numpy, no torch op: each ``.numpy()`` costs about a microsecond."""
-        seq = self._seq_np
         if rows is not None:
-            bs = rows.shape[0]
-            seq[:bs] = rows[:, _SEQ_COL]
-        else:
-            bs = batch.batch_size
-            seq[:bs] = batch.seq_lens_cpu.numpy()
+            self.stage_host_lens(rows, bucket)
+            return
+        bs = batch.batch_size
+        self._seq_np[:bs] = batch.seq_lens_cpu.numpy()
         if self.dirty_rows != bs:  # else nothing is stale and nothing changes
             self._repad_stale_rows(bs, bucket, self.pad_host_lens)
 
@@ -167,7 +165,7 @@ class GraphInputBuffers:
         dst = self._lens_views.get(bs)
         if dst is None:
             dst = self._lens_views[bs] = self._seq_np[:bs]
-        dst[...] = rows[:, _SEQ_COL]
+        dst[...] = rows[:, SEQ_COL]
         if self.dirty_rows != bs:  # else nothing is stale and nothing changes
             self._repad_stale_rows(bs, bucket, self.pad_host_lens)
 
@@ -204,6 +202,10 @@ class GraphInputBuffers:
         self.out_cache_loc[start:stop] = PAD_SLOT
 
 
+# pack_fields concatenates the columns in PACKED's order
+assert PACKED.fields == ("input_ids", "positions", "out_cache_loc", "seq_lens")
+
+
 def pack_fields(batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
     """``pack_batch(batch)`` as ONE concatenation (int32 columns promoted to int64), into
     ``out`` ``[bs, width]`` where given: one device launch where ``pack_batch`` takes four
@@ -215,7 +217,6 @@ def pack_fields(batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.T
         batch.seq_lens.unsqueeze(1),
         batch.block_table,
     )
-    assert PACKED.fields == ("input_ids", "positions", "out_cache_loc", "seq_lens")
     return torch.cat(cols, 1) if out is None else torch.cat(cols, 1, out=out)
 
 

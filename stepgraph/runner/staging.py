@@ -144,13 +144,7 @@ class PinnedStaging:
         """``stage`` of host rows given as numpy ``[bs, <= width]`` int64 (the replay's path
         for a batch with ``packed_cpu``: one numpy write into a view kept per slot and shape,
         no torch call)."""
-        count, copied = self.count, self._copied_mv[0]
-        if copied > count:  # a graph replayed outside runner.replay
-            self._resync()
-            count = self.count
-        elif copied < count - 1:  # the slot's last reader has not copied yet
-            self._wait_for(count - 1)
-        slot = count & 1
+        slot = self._free_slot()
         bs, width = rows.shape
         dst = self._views.get((slot, bs, width))
         if dst is None:
@@ -161,10 +155,13 @@ class PinnedStaging:
 
     def _free_slot(self) -> int:
         """The slot of the next replay, once the replay that read it last has copied it."""
-        if self._copied_np[0] > self.count:  # a graph replayed outside runner.replay
+        count, copied = self.count, self._copied_mv[0]
+        if copied > count:  # a graph replayed outside runner.replay
             self._resync()
-        self._wait_for(self.count - 1)
-        return self.count & 1
+            count = self.count
+        elif copied < count - 1:  # the slot's last reader has not copied yet
+            self._wait_for(count - 1)
+        return count & 1
 
     def _repad(self, slot: int, bs: int, bucket: int) -> None:
         """Pad rows ``[bs:bucket]`` of ``slot`` that a larger batch left live."""
