@@ -94,12 +94,19 @@ def test_eager_padded_equals_the_graph_bit_for_bit(pair, lens, starts, padded):
 
 
 def test_random_chunk_mixes(pair):
+    """``_run`` asserts the bits and the KV of each mix; here also that the mixes reached the
+    padded forward in both (not only the unpadded fallback, which is the same code in both)."""
+    graph, eager = pair
+    before = (graph.stats.graph_batches, eager.stats.padded_batches)
     g = torch.Generator().manual_seed(11)
     for trial in range(6):
         n = int(torch.randint(1, MAX_CHUNKS + 2, (1,), generator=g))
         lens = torch.randint(1, 20, (n,), generator=g).tolist()
         starts = torch.randint(0, 40, (n,), generator=g).tolist()
-        _run(pair, lens, starts, seed=100 + trial)
+        logits = _run(pair, lens, starts, seed=100 + trial)
+        assert logits.shape == (n, VOCAB) and torch.isfinite(logits).all()
+    padded = graph.stats.graph_batches - before[0]
+    assert padded > 0 and eager.stats.padded_batches - before[1] == padded
 
 
 def test_padded_equals_unpadded_in_float32():
