@@ -45,12 +45,17 @@ def shared_prefix_cache(model_runner: Any) -> PrefixCache:
     return cache
 
 
-def written_tokens(req: Request) -> list[int]:
-    """The tokens whose KV the launched steps write into ``req``'s pages: its prefilled prompt,
+def written_count(req: Request) -> int:
+    """How many tokens' KV the launched steps write into ``req``'s pages: its prefilled prompt,
     then each landed output token that was fed back (all but the newest one the request was
     scheduled; the last sampled token is never fed, so its KV is never written)."""
     fed = max(req.scheduled - 1, 0) if req.prefilled == len(req.prompt) else 0
-    return req.prompt[: req.prefilled] + req.output[:fed]
+    return req.prefilled + fed
+
+
+def written_tokens(req: Request) -> list[int]:
+    """The tokens whose KV the launched steps write into ``req``'s pages (``written_count``)."""
+    return req.prompt[: req.prefilled] + req.output[: written_count(req) - req.prefilled]
 
 
 def page_keys(
@@ -170,10 +175,7 @@ class EngineCache:
         if look is None:
             look = req.lookup = Lookup()
         ps, prompt, start = self.cache.page_size, req.prompt, look.inserted
-        written = req.prefilled
-        if written == len(prompt):
-            written += max(req.scheduled - 1, 0)  # written_tokens: the outputs fed back
-        n = min(written // ps, len(req.pages))
+        n = min(written_count(req) // ps, len(req.pages))
         if n <= start:
             return
         # from the page before the new ones (the insert resumes under it), unless that page
@@ -203,5 +205,6 @@ __all__ = [
     "model_identity",
     "page_keys",
     "shared_prefix_cache",
+    "written_count",
     "written_tokens",
 ]
