@@ -334,25 +334,15 @@ class PrefixCache:
         chunks = page_tokens(toks[(first - offset) * ps :], ps)
         if refs.keys() >= set(new) and keys.keys().isdisjoint(new):
             # the common case, a request caching its own new pages: nothing can be refused,
-            # so each page is added as its key is claimed (``PageTree.add_held``'s fast path
-            # inline: no plan to take back, no second loop)
-            added, clock = 0, tree.clock
-            children, pinned, stamps = tree.children, tree.pinned, tree.stamps
+            # so each page is added as its key is claimed (no plan to take back)
+            added, add = 0, tree.add_held_page
             for page, chunk in zip(new, chunks):
                 key = (parent, chunk)
                 cached = claim(key, page)
                 if cached != page:
                     parent = cached  # the same tokens in another page: ours stays private
                     continue
-                if parent.__class__ is int and parent in refs:
-                    keys[page] = key
-                    children[page] = pinned[page] = 0
-                    stamps[page] = clock
-                    children[parent] += 1
-                    pinned[parent] += 1  # ``page`` is referenced, so blocked; its parent was
-                    tree.blocked += 1
-                else:
-                    tree.add(page, key, parent if parent.__class__ is int else None)
+                add(page, key, parent)
                 added += 1
                 parent = page
             self._inserts += bool(added)

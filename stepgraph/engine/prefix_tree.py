@@ -105,21 +105,23 @@ class PageTree:
         self._flip(page, True)
 
     def add_held(self, plan: list[tuple[int, tuple, object]]) -> None:
-        """``add`` each ``(page, key, parent)`` in order (``parent``: a page, or a namespace for
-        a prompt's first page), its key already in ``by_key``. A page whose parent is
-        referenced, the common case of a request caching its own pages, takes no walk up."""
-        refs, clock = self.refs, self.clock
-        keys, children, pinned, stamps = self.keys, self.children, self.pinned, self.stamps
+        """``add_held_page`` each ``(page, key, parent)`` of ``plan`` in order."""
         for page, key, parent in plan:
-            if parent.__class__ is not int or parent not in refs:
-                self.add(page, key, parent if parent.__class__ is int else None)
-                continue
-            keys[page] = key
-            children[page] = pinned[page] = 0
-            stamps[page] = clock
-            children[parent] += 1
-            pinned[parent] += 1  # ``page`` is referenced, so blocked; its parent already was
-            self.blocked += 1
+            self.add_held_page(page, key, parent)
+
+    def add_held_page(self, page: int, key: tuple, parent: object) -> None:
+        """``add`` a referenced ``page`` (``parent``: a page, or a namespace for a prompt's
+        first page), its key already in ``by_key``. A page whose parent is referenced, the
+        common case of a request caching its own pages, takes no walk up."""
+        if parent.__class__ is not int or parent not in self.refs:
+            self.add(page, key, parent if parent.__class__ is int else None)
+            return
+        self.keys[page] = key
+        self.children[page] = self.pinned[page] = 0
+        self.stamps[page] = self.clock
+        self.children[parent] += 1
+        self.pinned[parent] += 1  # ``page`` is referenced, so blocked; its parent already was
+        self.blocked += 1
 
     def is_blocked(self, page: int) -> bool:
         return page in self.refs or self.pinned[page] > 0
