@@ -23,7 +23,7 @@ from .constants import CPU_MAX_BS, CPU_MODES, DTYPES, GPU_MAX_BS
 from .modes import OUR_MODES
 from .peers import PEERS
 from .serve_args import serve_flags_given
-from .workload import bench_bytes
+from .workload import bench_bytes, memory_shortfall
 
 GPU_SIZES, GPU_CONTEXTS = [1, 8, 32], [512, 4096, 32768]  # the decode bench's defaults
 CPU_SIZES, CPU_CONTEXTS = [1, 2], [16, 64]
@@ -152,14 +152,11 @@ def check_bench_memory(parts: dict[str, int], args: argparse.Namespace, tp: int 
     """Refuse up front what cannot fit (as the KV cache's ``check_memory`` does), naming the
     flags that set it: ``parts`` (``bench_bytes``) against the memory free on the device. With
     ``--tp`` on CUDA each rank holds a shard on its own GPU; on the CPU the ranks share it."""
-    from ..model.kv_cache import free_bytes
-
     device = args.device
-    need = sum(parts.values()) // (tp if device == "cuda" else 1)
-    free = free_bytes(device)
-    if free is None or need <= free:
+    short = memory_shortfall(parts, device, tp if device == "cuda" else 1)
+    if short is None:
         return
-    each = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
+    need, free, each = short
     raise UsageError(
         f"argument --batch-sizes/--contexts: the largest batch size at the longest context "
         f"needs at least {need / 2**30:.2f} GiB ({each}), but {free / 2**30:.2f} GiB is free "

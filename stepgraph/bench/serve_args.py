@@ -267,14 +267,13 @@ def check_serve_memory(
     """Refuse up front a run whose KV cache (``plan.max_running`` requests of ``max_context``
     tokens), weights and logits cannot fit in the memory free on the device: one line naming
     --max-running (``ConfigError``), before anything is built."""
-    from ..model.kv_cache import free_bytes
-    from .workload import bench_bytes
+    from .workload import bench_bytes, memory_shortfall
 
     parts = bench_bytes(config, dtype, plan.max_running, max_context, plan.page_size)
-    need, free = sum(parts.values()), free_bytes(args.device)
-    if free is None or need <= free:
+    short = memory_shortfall(parts, args.device)
+    if short is None:
         return
-    each = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
+    need, free, each = short
     raise ConfigError(
         f"--max-running {plan.max_running} requests of {max_context} tokens need at least "
         f"{need / 2**30:.2f} GiB ({each}), but {free / 2**30:.2f} GiB is free on "

@@ -109,3 +109,15 @@ def kv_bytes(mr: ModelRunner, point: Point) -> int:
     c = mr.config
     elt = mr.kv_cache.k_caches[0].element_size()
     return point.bs * point.context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * elt
+
+
+def memory_shortfall(parts: dict[str, int], device: str, ranks: int = 1) -> tuple | None:
+    """``(need, free, each)`` when ``parts`` (bytes by what holds them, split over ``ranks``)
+    cannot fit in the memory free on ``device``: bytes needed and free, and the parts as text
+    in GiB; None when they fit or the free memory is unknown."""
+    from ..model.kv_cache import free_bytes
+
+    need, free = sum(parts.values()) // ranks, free_bytes(device)
+    if free is None or need <= free:
+        return None
+    return need, free, ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
