@@ -137,24 +137,30 @@ for _name, _tiles in _FEW_SPLIT_TILES.items():
 
 
 # FP8 weights (--quantization fp8): per case, one-row tiles (key 1: the GEMV's (block_n,
-# block_k, warps), block_k in e4m3 elements, around the first sweep's winners; then W8A8 tiles,
-# one row padded to 16 on FP8 tensor cores) and tensor-core tiles (key 16, every BLOCK_M):
-# the W8A16 winners of the first FP8 sweep (x @ w^T through pointers, tma 0; TMA swap-AB, 1;
-# TMA x @ w^T, 2; swap-AB through pointers, 3), then W8A8 tiles (a8 1, the seventh field: x
-# quantized per row per chunk, FP8 tensor cores), split K for programs >= 2 x 132 SMs
+# block_k, warps), block_k in e4m3 elements: FP8_ONE_ROW, barrier-free tiles (BLOCK_K >= 8 x 32
+# lanes x the warps, so the weight loads take x's layout: gemv_tiles.w_cols) at 2, 4 and 8 warps
+# beside the first sweep's winners; W8A8 tiles, one row padded to 16 on FP8 tensor cores, lost
+# to them) and tensor-core tiles (key 16, every BLOCK_M): the W8A16 winners of the first FP8
+# sweep (x @ w^T through pointers, tma 0; TMA swap-AB, 1; TMA x @ w^T, 2; swap-AB through
+# pointers, 3), then W8A8 tiles (a8 1, the seventh field: x quantized per row per chunk, FP8
+# tensor cores), split K for programs >= 2 x 132 SMs
+FP8_ONE_ROW = [
+    (4, 1024, 4),
+    (8, 1024, 4),
+    (16, 1024, 4),
+    (2, 2048, 4),
+    (4, 2048, 4),
+    (8, 2048, 4),
+    (8, 2048, 8),
+    (4, 4096, 8),
+    (8, 512, 2),
+    (16, 512, 2),
+    (8, 512, 4),
+    (4, 512, 4),
+]
 FP8_CANDIDATES: dict[str, dict[int, list[tuple]]] = {
     "o_proj": {
-        1: [
-            (4, 2048, 4),
-            (8, 1024, 4),
-            (8, 2048, 4),
-            (4, 1024, 4),
-            (8, 2048, 8),
-            (16, 512, 4),
-            (64, 128, 4, 4, 8, 3, 1),
-            (64, 128, 4, 4, 4, 1, 1),
-            (64, 256, 4, 3, 4, 3, 1),
-        ],
+        1: FP8_ONE_ROW,
         16: [
             (32, 256, 4, 3, 4, 0),
             (64, 256, 4, 3, 4, 3),
@@ -169,17 +175,7 @@ FP8_CANDIDATES: dict[str, dict[int, list[tuple]]] = {
         ],
     },
     "down": {
-        1: [
-            (8, 2048, 8),
-            (8, 1024, 4),
-            (4, 2048, 4),
-            (8, 2048, 4),
-            (16, 1024, 8),
-            (4, 4096, 8),
-            (64, 128, 4, 4, 8, 3, 1),
-            (64, 256, 4, 3, 8, 1, 1),
-            (64, 128, 4, 4, 16, 3, 1),
-        ],
+        1: FP8_ONE_ROW,
         16: [
             (64, 256, 4, 4, 8, 1),
             (64, 256, 4, 3, 8, 3),
@@ -194,17 +190,7 @@ FP8_CANDIDATES: dict[str, dict[int, list[tuple]]] = {
         ],
     },
     "gate_up": {
-        1: [
-            (8, 512, 4),
-            (4, 1024, 4),
-            (16, 512, 4),
-            (8, 1024, 4),
-            (8, 512, 8),
-            (4, 512, 4),
-            (64, 128, 4, 4, 2, 3, 1),
-            (64, 256, 4, 3, 1, 1, 1),
-            (64, 128, 4, 4, 1, 3, 1),
-        ],
+        1: FP8_ONE_ROW,
         16: [
             (64, 256, 8, 3, 1, 0),
             (64, 256, 4, 3, 2, 1),
@@ -219,17 +205,7 @@ FP8_CANDIDATES: dict[str, dict[int, list[tuple]]] = {
         ],
     },
     "qkv": {
-        1: [
-            (4, 1024, 4),
-            (8, 512, 4),
-            (4, 2048, 4),
-            (8, 1024, 4),
-            (2, 2048, 4),
-            (16, 512, 4),
-            (32, 128, 4, 4, 8, 3, 1),
-            (32, 256, 4, 3, 4, 1, 1),
-            (32, 128, 4, 4, 4, 3, 1),
-        ],
+        1: FP8_ONE_ROW,
         16: [
             (32, 256, 4, 3, 4, 0),
             (32, 128, 4, 4, 8, 3),

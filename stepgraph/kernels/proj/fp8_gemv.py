@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
-from .gemv_tiles import k_range, splitk_reduce
+from .gemv_tiles import k_range, splitk_reduce, w_cols
 from .proj_tiles import block_m, splitk_workspace
 from .tile_table import Tile
 
@@ -154,7 +154,8 @@ def _fp8_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    offs_k = w_cols(BLOCK_K, BLOCK_M == 1)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # -- weights and scales only before the wait: they are never written during a step --
     w = load_w_chunk(w_ptrs, k_lo, k_hi, mask_n, BLOCK_K)
     s = chunk_scales(s_ptr, stride_sn, offs_n, mask_n, k_lo, W_FORMAT, SCALE_BN, SCALE_BK)

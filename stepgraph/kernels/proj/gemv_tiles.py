@@ -42,6 +42,20 @@ MAX_M = 64  # batch rows one launch takes (M padded to BLOCK_M = 16, 32 or 64 fo
 
 
 @triton.jit
+def w_cols(BLOCK_K: tl.constexpr, NARROW: tl.constexpr):
+    # The weight tile's column offsets, [BLOCK_K]. NARROW (one row of x against e4m3 weights):
+    # the same values, contiguous in runs of 8 only, so that each thread loads 8 weights (8
+    # bytes) beside the 8 bf16 of x (16 bytes) it multiplies them by. With runs of 16 (16 bytes
+    # of e4m3, Triton's widest load) the weight tile took a layout x's does not slice, and x
+    # went through shared memory with barriers in every K iteration; with 8, and BLOCK_K >= 8 x
+    # 32 lanes x the warps, the loop has no barrier (docs/experiments.md#fp8-one-row-loads).
+    offs = tl.arange(0, BLOCK_K)
+    if NARROW:
+        offs = (offs // 8) * 8 + offs % 8
+    return offs
+
+
+@triton.jit
 def first_w_tile(w_ptrs, mask_n, k_lo, k_hi, BLOCK_K: tl.constexpr):
     # w_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0 -> the tile at k_lo (columns from k_hi on
     # read as 0), [BLOCK_N, BLOCK_K] in the weight dtype

@@ -28,6 +28,7 @@ from .gemv_tiles import (
     k_range,
     norm_block,
     splitk_reduce,
+    w_cols,
 )
 from .norm_handoff import check_handoff, residual_out, ssq_args
 from .proj_tiles import (
@@ -98,7 +99,8 @@ def _norm_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    offs_k = w_cols(BLOCK_K, W_FP8 and BLOCK_M == 1)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # -- weights only before the wait: they are never written during a step --
     n0 = pid_n * BLOCK_N
     w, _ = weights_before_wait(
