@@ -7,8 +7,9 @@ e4m3 value is a bf16, float16 and float32 value) and accumulated in float32. Per
 multiply the accumulator once per output, after the K loop (and after the split-K sum); block
 scales multiply each chunk's products, a chunk lying inside one block (``BLOCK_K`` divides
 ``bk``). Two paths, as the bf16 kernels (``gemv_tiles``):
-- one row (``BLOCK_M == 1``): a weight stream, products in a ``[BLOCK_N, BLOCK_K]`` float32 tile
-  reduced once after the loop; split-K where column tiles alone leave SMs idle;
+- one row (``BLOCK_M == 1``): a weight stream, each thread's runs of 8 products summed into a
+  ``[BLOCK_N, BLOCK_K / 8]`` float32 tile (``gemv_tiles.row_products``), reduced once after the
+  loop; split-K where column tiles alone leave SMs idle;
 - 2-64 rows (``BLOCK_M`` 16, 32 or 64): ``tl.dot`` on tensor cores, the weight converted to x's
   dtype (float32 x: "ieee" precision, no TF32).
 Split-K shares ``gemv_tiles.splitk_reduce``: the last program of a column tile sums the float32
@@ -29,7 +30,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
-from .gemv_tiles import k_range, splitk_reduce, w_cols
+from .gemv_tiles import k_range, row_acc, row_products, splitk_reduce, w_cols
 from .proj_tiles import block_m, splitk_workspace
 from .tile_table import Tile
 
@@ -78,14 +79,14 @@ def chunk_scales(
 @triton.jit
 def fp8_mul_acc(acc, w, x, s, W_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr):
     # w: a [BLOCK_N, BLOCK_K] e4m3 chunk; s: its rows' chunk_scales (used by W_BLOCK only).
-    # BLOCK_M == 1: x [BLOCK_K] float32, acc [BLOCK_N, BLOCK_K] += (w * s) * x[None, :];
+    # BLOCK_M == 1: x [BLOCK_K] float32, acc += (w * s) * x[None, :] in runs (row_products);
     # else x [BLOCK_M, BLOCK_K] in its dtype, acc [BLOCK_M, BLOCK_N] += (x @ w^T) * s[None, :]
     # on tensor cores (w converted to x's dtype, exactly)
     if BLOCK_M == 1:
         wf = w.to(tl.float32)
         if W_FORMAT == 2:
             wf = wf * s[:, None]
-        acc = acc + wf * x[None, :]
+        acc = row_products(acc, wf, x)
     elif x.dtype == tl.float32:
         if W_FORMAT == 2:
             acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee") * s[None, :]
@@ -161,7 +162,7 @@ def _fp8_gemv_kernel(
     s = chunk_scales(s_ptr, stride_sn, offs_n, mask_n, k_lo, W_FORMAT, SCALE_BN, SCALE_BK)
     pdl_wait_then_trigger(USE_PDL)
     if BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = row_acc(BLOCK_N, BLOCK_K, True)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x = x_chunk(x_ptr, stride_xm, M, k_lo, k_hi, BLOCK_M, BLOCK_K)

@@ -41,6 +41,35 @@ FENCE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 MAX_M = 64  # batch rows one launch takes (M padded to BLOCK_M = 16, 32 or 64 for tl.dot)
 
 
+ROW_RUN = tl.constexpr(8)  # one row of e4m3 weights: products summed in runs of this many
+
+
+@triton.jit
+def row_products(acc, wf, x):
+    # one row: acc += wf * x[None, :], wf [BLOCK_N, BLOCK_K] float32. e4m3 weights (acc
+    # [BLOCK_N, BLOCK_K // ROW_RUN]): each run of ROW_RUN products, all in one thread
+    # (w_cols), summed there first, so the accumulator holds an eighth of the chunk's registers
+    # and a thread streams twice the weights at the same occupancy: the 8B's one-row gate-up
+    # went from 90% to 100% of copy bandwidth (docs/experiments.md#fp8-one-row-loads)
+    p = wf * x[None, :]
+    if acc.shape[1] == wf.shape[1]:
+        acc = acc + p
+    else:
+        acc = acc + tl.sum(tl.reshape(p, (wf.shape[0], acc.shape[1], ROW_RUN)), axis=2)
+    return acc
+
+
+@triton.jit
+def row_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr):
+    # the one-row accumulator: [BLOCK_N, BLOCK_K] float32, or with e4m3 weights one value per
+    # run of ROW_RUN products (row_products)
+    if W_FP8 and BLOCK_K >= ROW_RUN:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // ROW_RUN), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    return acc
+
+
 @triton.jit
 def w_cols(BLOCK_K: tl.constexpr, NARROW: tl.constexpr):
     # The weight tile's column offsets, [BLOCK_K]. NARROW (one row of x against e4m3 weights):
@@ -227,7 +256,7 @@ def mul_acc(acc, w, x, BLOCK_M: tl.constexpr):
     # (FP8 weights, scales applied by the caller after the loop) is converted to x's dtype in
     # registers, exactly
     if BLOCK_M == 1:
-        acc = acc + w.to(tl.float32) * x[None, :]
+        acc = row_products(acc, w.to(tl.float32), x)
     elif w.dtype == tl.float8e4nv:
         if x.dtype == tl.float32:
             acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -355,7 +384,7 @@ def gemv_loop(
     # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 each (acc2 = acc1 unless PAIRED)
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
-        a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a1 = row_acc(BLOCK_N, BLOCK_K, w1.dtype == tl.float8e4nv)
     elif SWAP:
         a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -382,7 +411,7 @@ def gemv_loop(
 @triton.jit
 def finish_acc(a1, a2, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr):
     # the K loop's accumulators as the epilogues take them: one row's [BLOCK_N, BLOCK_K]
-    # products summed to [1, BLOCK_N]; acc2 = acc1 unless PAIRED
+    # products (or their runs' sums: row_acc) summed to [1, BLOCK_N]; acc2 = acc1 unless PAIRED
     if BLOCK_M == 1:
         a1 = tl.sum(a1, axis=1)[None, :]  # [1, BLOCK_N]
         a2 = tl.sum(a2, axis=1)[None, :]
