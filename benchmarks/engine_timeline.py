@@ -57,7 +57,9 @@ def analyse(acts, gap_us: float) -> dict:
     firsts = [a for a in acts if "fill_inputs" in a[0] or "graph_inputs" in a[0]]
     starts = [a[1] for a in firsts]
     periods = [b - a for a, b in zip(starts, starts[1:])]
-    busy, gaps = 0.0, defaultdict(lambda: [0, 0.0])
+    if len(starts) > 1:  # whole steps only: from the first step's start to the last's
+        acts = [a for a in acts if starts[0] <= a[1] < starts[-1]]
+    busy, gaps = (acts[0][2] - acts[0][1] if acts else 0.0), defaultdict(lambda: [0, 0.0])
     frontier = acts[0][2] if acts else 0.0
     prev = acts[0][0] if acts else ""
     for name, s, e in acts[1:]:
