@@ -22,7 +22,6 @@ from stepgraph.kernels.proj.proj_tiles import (
     TARGET_PROGRAMS,
     Tile,
     block_m,
-    default_tile,
     fp8_default_tile,
     loop_mode,
     tile_for,
@@ -260,9 +259,10 @@ def test_one_row_fp8_rule_tile(nan_empty, dtype, k):
 
 
 def test_fp8_rule_counts_bytes_and_programs():
-    """One row: bf16's rule (8k elements a program); from 2 rows swap-AB through pointers, 64
-    weight rows (qkv 32), 128 of K, split K until 2 x 132 programs, one chunk a split, or the
-    reduce's partials at SPLIT_REGS."""
+    """One row: 2048 of K and 8k weights a program (of each half where paired), 4 warps, K
+    under 2048 in one chunk; from 2 rows swap-AB through pointers, 64 weight rows (qkv 32),
+    128 of K, split K until 2 x 132 programs, one chunk a split, or the reduce's partials at
+    SPLIT_REGS."""
     shapes = {
         "gemv_residual": [(2048, 2048), (2048, 8192), (4096, 14336)],
         "gate_up_silu_normed": [(16384, 2048), (28672, 4096)],
@@ -270,7 +270,7 @@ def test_fp8_rule_counts_bytes_and_programs():
     }
     for kernel, sizes in shapes.items():
         for n, k in sizes:
-            assert fp8_default_tile(kernel, 1, n, k) == default_tile(kernel, 1, n, k)
+            assert fp8_default_tile(kernel, 1, n, k) == Tile(4, 2048, 4)
             for m in (2, 16, 17, 64):
                 t = fp8_default_tile(kernel, m, n, k)
                 assert t.tma == SWAP_POINTERS and t.block_n == (32 if "qkv" in kernel else 64)
@@ -284,6 +284,11 @@ def test_fp8_rule_counts_bytes_and_programs():
                     or 2 * partials > proj_tiles.SPLIT_REGS
                 ), (kernel, n, k, m, t)
                 assert k // t.split_k >= t.block_k  # every split a whole chunk at least
+    # K short of 2048 (Qwen2.5-0.5B's 896): one chunk of the next power of two, 8 rows; 2049:
+    # two chunks of 2048; few rows: no more programs' rows than the weight has
+    assert fp8_default_tile("gemv_residual", 1, 896, 896) == Tile(8, 1024, 4)
+    assert fp8_default_tile("gemv_residual", 1, 896, 2049) == Tile(4, 2048, 4)
+    assert fp8_default_tile("gemv_residual", 1, 2, 1024) == Tile(2, 1024, 4)
     # 8 splits of 64 x 64 spilled registers on sm_90, 4 did not
     assert fp8_default_tile("gemv_residual", 64, 2048, 2048).split_k == 4
     # float32 activations: shorter chunks (the x tile is twice the bytes)

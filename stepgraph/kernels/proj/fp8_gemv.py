@@ -190,13 +190,14 @@ def _fp8_gemv_kernel(
 
 def fp8_tile(m: int, n: int, k: int, block: tuple[int, int] | None = None) -> Tile:
     """The default launch shape for ``m`` rows of an ``[n, k]`` FP8 weight (``block``: its
-    scale blocks; ``BLOCK_K`` never exceeds their K). One row: ``ONE_ROW_ELEMS`` weights a chunk
-    (long rows where N is small, more programs where it is wide); several: 32 columns and 128 of
-    K on tensor cores. Then split K (powers of two, each split two chunks or more) until about
-    ``TARGET_PROGRAMS`` programs. Not yet measured on the H200 (``benchmarks/fp8_gemv.py``)."""
+    scale blocks; ``BLOCK_K`` never exceeds their K). One row: ``ONE_ROW_ELEMS`` weights a chunk,
+    up to 2048 of K (the fused kernels' rule, ``proj_tiles.fp8_default_tile``: on the H200 a
+    plain one-row GEMV at 4 x 2048 ran within 5% of the best tile at the 8B's gate-up and down
+    and the 1B's gate-up); several: 32 columns and 128 of K on tensor cores. Then split K
+    (powers of two, each split two chunks or more) until about ``TARGET_PROGRAMS`` programs."""
     kcap = triton.next_power_of_2(max(k, 16))
     if m <= 1:
-        bk = min(kcap, 1024 if n <= 4096 else 512, block[1] if block else 1 << 30)
+        bk = min(kcap, 2048, block[1] if block else 1 << 30)
         bn, warps, stages = max(1, min(ONE_ROW_ELEMS // bk, triton.next_power_of_2(n))), 4, None
     else:
         bk = min(kcap, 128, block[1] if block else 1 << 30)

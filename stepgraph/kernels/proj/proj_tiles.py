@@ -85,13 +85,16 @@ def default_tile(kernel: str, m: int, n: int, k: int) -> Tile:
 
 
 SWAP_POINTERS = 3  # Tile.tma: swap-AB through pointers (the weight the MMA's register operand)
+FP8_ROW_K, FP8_ROW_ELEMS = 2048, 8192  # the FP8 one-row rule: K a chunk, weights a program
 SPLIT_REGS = 16384  # split_k x BLOCK_M x BLOCK_N (x 2 paired): the FP8 rule's split-K cap
 
 
 def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> Tile:
     """The rule for FP8 weights (e4m3, one byte an element; activations of ``x_bytes``) at
-    shapes not in ``FP8_TILES``. One row: bf16's rule in elements (8k a program: with 16 KB of
-    e4m3 a program, twice the elements, the GEMV lost 2-37% to it on the H200). Several: W8A8
+    shapes not in ``FP8_TILES``. One row: ``FP8_ROW_K`` of K and ``FP8_ROW_ELEMS`` weights a
+    program (of each half where the kernel pairs two), 4 warps: within 0-22% of the sweep's
+    winner at each of the eight one-row shapes of the 1B and 8B on the H200 (the best single
+    tile there; docs/experiments.md#fp8-one-row-loads). Several: W8A8
     (``a8``: x quantized per row per chunk, FP8 tensor cores; float32 x: not) swap-AB through
     pointers (``SWAP_POINTERS``: the weight rows are the MMA's M; W8A16, converting the
     weight to bf16 from 2 rows, tied or lost to bf16 on the H200), 64 weight rows a program (a
@@ -103,8 +106,9 @@ def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> T
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
     kcap = triton.next_power_of_2(max(k, 16))
-    if m <= 1:
-        return default_tile(kernel, m, n, k)  # bf16's 8k elements: 8 KB of e4m3 a program
+    if m <= 1:  # 2048 of K, 8k weights (both halves: 16k) a program, 4 warps
+        bk = max(32, min(FP8_ROW_K, kcap))
+        return Tile(max(1, min(FP8_ROW_ELEMS // bk, triton.next_power_of_2(n))), bk, 4)
     bm = block_m(m)
     paired = kernel in PAIRED
     rows = n // 2 if paired else n
