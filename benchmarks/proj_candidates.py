@@ -1,5 +1,6 @@
 """The tiles ``proj_sweep.py`` checks and times per case: ``CANDIDATES`` (bf16, tensor-core
-tiles at 8-64 rows) and ``FP8_CANDIDATES`` (e4m3 weights, one-row and tensor-core tiles).
+tiles at 8-64 rows), ``FP8_ONE_ROW`` and ``FP8_CANDIDATES`` (e4m3 weights: one-row tiles, every
+case; tensor-core tiles per case).
 A ``Tile`` is ``(block_n, block_k, num_warps, num_stages, split_k[, tma[, a8]])``."""
 
 from __future__ import annotations
@@ -136,11 +137,11 @@ for _name, _tiles in _FEW_SPLIT_TILES.items():
     CANDIDATES[_name] += [T(*t) for t in _tiles]
 
 
-# FP8 weights (--quantization fp8): per case, one-row tiles (key 1: the GEMV's (block_n,
-# block_k, warps), block_k in e4m3 elements: FP8_ONE_ROW, barrier-free tiles (BLOCK_K >= 8 x 32
-# lanes x the warps, so the weight loads take x's layout: gemv_tiles.w_cols) at 2, 4 and 8 warps
-# beside the first sweep's winners; W8A8 tiles, one row padded to 16 on FP8 tensor cores, lost
-# to them) and tensor-core tiles (key 16, every BLOCK_M): the W8A16 winners of the first FP8
+# FP8 weights (--quantization fp8). One row, every case: FP8_ONE_ROW, the GEMV's (block_n,
+# block_k, warps), block_k in e4m3 elements: barrier-free tiles (BLOCK_K >= 8 x 32 lanes x the
+# warps, so the weight loads take x's layout: gemv_tiles.w_cols) at 2, 4 and 8 warps beside the
+# first sweep's winners (W8A8 tiles, one row padded to 16 on FP8 tensor cores, lost to them).
+# From two rows, per case (FP8_CANDIDATES, every BLOCK_M): the W8A16 winners of the first FP8
 # sweep (x @ w^T through pointers, tma 0; TMA swap-AB, 1; TMA x @ w^T, 2; swap-AB through
 # pointers, 3), then W8A8 tiles (a8 1, the seventh field: x quantized per row per chunk, FP8
 # tensor cores), split K for programs >= 2 x 132 SMs
@@ -158,67 +159,55 @@ FP8_ONE_ROW = [
     (8, 512, 4),
     (4, 512, 4),
 ]
-FP8_CANDIDATES: dict[str, dict[int, list[tuple]]] = {
-    "o_proj": {
-        1: FP8_ONE_ROW,
-        16: [
-            (32, 256, 4, 3, 4, 0),
-            (64, 256, 4, 3, 4, 3),
-            (32, 128, 4, 4, 4, 2),
-            (64, 128, 4, 4, 4, 0),
-            (64, 128, 4, 4, 4, 3, 1),
-            (64, 128, 4, 4, 8, 3, 1),
-            (64, 256, 4, 3, 4, 3, 1),
-            (64, 128, 4, 4, 4, 1, 1),
-            (64, 256, 4, 3, 4, 1, 1),
-            (32, 128, 4, 4, 4, 0, 1),
-        ],
-    },
-    "down": {
-        1: FP8_ONE_ROW,
-        16: [
-            (64, 256, 4, 4, 8, 1),
-            (64, 256, 4, 3, 8, 3),
-            (64, 256, 4, 3, 4, 1),
-            (32, 256, 4, 3, 8, 0),
-            (64, 128, 4, 4, 8, 3, 1),
-            (64, 256, 4, 3, 8, 3, 1),
-            (64, 128, 4, 4, 16, 3, 1),
-            (64, 256, 4, 3, 8, 1, 1),
-            (64, 128, 4, 4, 8, 1, 1),
-            (128, 128, 8, 3, 4, 3, 1),
-        ],
-    },
-    "gate_up": {
-        1: FP8_ONE_ROW,
-        16: [
-            (64, 256, 8, 3, 1, 0),
-            (64, 256, 4, 3, 2, 1),
-            (64, 128, 4, 4, 1, 2),
-            (64, 256, 4, 3, 1, 1),
-            (64, 128, 4, 4, 2, 3, 1),
-            (64, 256, 4, 3, 1, 3, 1),
-            (64, 256, 4, 3, 2, 3, 1),
-            (64, 128, 4, 4, 1, 1, 1),
-            (64, 256, 4, 3, 1, 1, 1),
-            (128, 128, 8, 3, 1, 3, 1),
-        ],
-    },
-    "qkv": {
-        1: FP8_ONE_ROW,
-        16: [
-            (32, 256, 4, 3, 4, 0),
-            (32, 128, 4, 4, 8, 3),
-            (16, 64, 4, 3, 2, 0),
-            (64, 128, 4, 4, 4, 0),
-            (32, 128, 4, 4, 8, 3, 1),
-            (32, 256, 4, 3, 4, 3, 1),
-            (64, 128, 4, 4, 4, 3, 1),
-            (32, 128, 4, 4, 4, 1, 1),
-            (32, 256, 4, 3, 4, 1, 1),
-            (32, 128, 4, 4, 4, 0, 1),
-        ],
-    },
+FP8_CANDIDATES: dict[str, list[tuple]] = {
+    "o_proj": [
+        (32, 256, 4, 3, 4, 0),
+        (64, 256, 4, 3, 4, 3),
+        (32, 128, 4, 4, 4, 2),
+        (64, 128, 4, 4, 4, 0),
+        (64, 128, 4, 4, 4, 3, 1),
+        (64, 128, 4, 4, 8, 3, 1),
+        (64, 256, 4, 3, 4, 3, 1),
+        (64, 128, 4, 4, 4, 1, 1),
+        (64, 256, 4, 3, 4, 1, 1),
+        (32, 128, 4, 4, 4, 0, 1),
+    ],
+    "down": [
+        (64, 256, 4, 4, 8, 1),
+        (64, 256, 4, 3, 8, 3),
+        (64, 256, 4, 3, 4, 1),
+        (32, 256, 4, 3, 8, 0),
+        (64, 128, 4, 4, 8, 3, 1),
+        (64, 256, 4, 3, 8, 3, 1),
+        (64, 128, 4, 4, 16, 3, 1),
+        (64, 256, 4, 3, 8, 1, 1),
+        (64, 128, 4, 4, 8, 1, 1),
+        (128, 128, 8, 3, 4, 3, 1),
+    ],
+    "gate_up": [
+        (64, 256, 8, 3, 1, 0),
+        (64, 256, 4, 3, 2, 1),
+        (64, 128, 4, 4, 1, 2),
+        (64, 256, 4, 3, 1, 1),
+        (64, 128, 4, 4, 2, 3, 1),
+        (64, 256, 4, 3, 1, 3, 1),
+        (64, 256, 4, 3, 2, 3, 1),
+        (64, 128, 4, 4, 1, 1, 1),
+        (64, 256, 4, 3, 1, 1, 1),
+        (128, 128, 8, 3, 1, 3, 1),
+    ],
+    "qkv": [
+        (32, 256, 4, 3, 4, 0),
+        (32, 128, 4, 4, 8, 3),
+        (16, 64, 4, 3, 2, 0),
+        (64, 128, 4, 4, 4, 0),
+        (32, 128, 4, 4, 8, 3, 1),
+        (32, 256, 4, 3, 4, 3, 1),
+        (64, 128, 4, 4, 4, 3, 1),
+        (32, 128, 4, 4, 4, 1, 1),
+        (32, 256, 4, 3, 4, 1, 1),
+        (32, 128, 4, 4, 4, 0, 1),
+    ],
 }
 FP8_CANDIDATES["qkv_normed"] = FP8_CANDIDATES["qkv"]
 FP8_CANDIDATES["gate_up_normed"] = FP8_CANDIDATES["gate_up"]

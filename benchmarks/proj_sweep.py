@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from benchmarks.proj_candidates import CANDIDATES, FP8_CANDIDATES
+from benchmarks.proj_candidates import CANDIDATES, FP8_CANDIDATES, FP8_ONE_ROW
 from stepgraph.bench.timing import copy_bandwidth_gbps, graph_call_us
 from stepgraph.kernels.elementwise.rope_kv import rope_kv_reference
 from stepgraph.kernels.proj.gate_up_silu import gate_up_silu, gate_up_silu_reference
@@ -185,13 +185,13 @@ def launched_tile(name: str, m: int, fp8: bool = False) -> Tile:
 def candidates(name: str, m: int, fp8: bool) -> list[Tile]:
     """The tiles swept for ``name`` at ``m`` rows: bf16's ``CANDIDATES``; with ``fp8`` the
     launcher's own (``FP8_TILES`` or the rule's), bf16's tile through the pointer loop (what
-    FP8 weights ran before tiles of their own), then ``FP8_CANDIDATES`` of the row class
-    (qkv: tiles wider than head_dim / 2 left out)."""
+    FP8 weights ran before tiles of their own), then ``FP8_ONE_ROW`` at one row, else the
+    case's ``FP8_CANDIDATES`` (qkv: tiles wider than head_dim / 2 left out)."""
     if not fp8:
         return [launched_tile(name, m), *CANDIDATES[name]]
     bf16 = launched_tile(name, m)
     tiles = [launched_tile(name, m, True), dataclasses.replace(bf16, tma=0)]
-    tiles += [T(*t) for t in FP8_CANDIDATES[name][1 if m <= 1 else 16]]
+    tiles += [T(*t) for t in (FP8_ONE_ROW if m <= 1 else FP8_CANDIDATES[name])]
     if name.startswith("qkv"):
         tiles = [t for t in tiles if t.block_n <= HD // 2]
     return list(dict.fromkeys(tiles))

@@ -12,12 +12,12 @@ from stepgraph.errors import ConfigError
 from stepgraph.kernels.proj.gate_up_silu import gate_up_silu
 from stepgraph.kernels.proj.norm_gemv import gemv_residual
 from stepgraph.kernels.proj.proj_tiles import act_e4m3, as_tile, tile_for
-from stepgraph.kernels.proj.qkv_rope import qkv_rope
 from stepgraph.model.fp8_weight import quantize_per_channel
 from tests.conftest import rel_err
-from tests.references import check_qkv_rope, rms64
+from tests.references import rms64
 
-from .test_fused_step_kernels import EPS, inputs, rope_tables
+from .test_fp8_tiles import check_qkv_rope_fp8
+from .test_fused_step_kernels import EPS, inputs
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -94,41 +94,12 @@ def test_qkv_rope_fp8(nan_empty, dtype, m, bias, blocks):
     n = (n_heads + 2 * n_kv) * hd
     x, nw, w, b = inputs(m, k, n, dtype, 7 * m, bias)
     data, scale, w64 = fp8(w)
-    g = torch.Generator().manual_seed(11)
-    cos_t, sin_t = rope_tables(hd, 64, dtype, g)
+    qkv = rms64(x, nw) @ w64.T + (b.double() if bias else 0)
     positions = torch.tensor([5, 0, 63][:m])
     slots = torch.tensor([ps - 1, ps, 4 * ps + 3][:m])
-    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
-    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
-    k0, v0 = k_cache.clone(), v_cache.clone()
-    q = qkv_rope(
-        x,
-        nw,
-        data,
-        b,
-        EPS,
-        positions,
-        cos_t,
-        sin_t,
-        k_cache,
-        v_cache,
-        slots,
-        n_heads,
-        blocks=blocks,
-        w_scale=scale,
-    )
-    qkv = rms64(x, nw) @ w64.T + (b.double() if bias else 0)
-    check_qkv_rope(
-        q,
-        qkv,
-        positions,
-        cos_t,
-        sin_t,
-        (k_cache, v_cache),
-        (k0, v0),
-        slots,
-        n_heads,
-        2 * TOL[dtype],
+    shape = (n_heads, n_kv, hd), (pages, ps)
+    check_qkv_rope_fp8(
+        x, nw, data, scale, blocks, qkv, b, *shape, positions, slots, tol=2 * TOL[dtype]
     )
 
 

@@ -69,25 +69,42 @@ QKV_HEADS, QKV_KV_HEADS, QKV_HD, QKV_PAGES, QKV_PS, QKV_K = 4, 2, 32, 5, 8, 80
 QKV_N = (QKV_HEADS + 2 * QKV_KV_HEADS) * QKV_HD
 
 
-def check_qkv_rope_fp8(x, nw, data, scale, tile, qkv64):
+def check_qkv_rope_fp8(
+    x,
+    nw,
+    data,
+    scale,
+    tile,
+    qkv64,
+    bias=None,
+    heads=(QKV_HEADS, QKV_KV_HEADS, QKV_HD),
+    cache=(QKV_PAGES, QKV_PS),
+    positions=None,
+    slots=None,
+    tol=None,
+):
     """``qkv_rope`` of ``x`` (normed in the prologue with ``nw``, or taken as normed with None)
-    on the e4m3 ``data``/``scale`` at ``tile``, over random positions and cache slots, checked
-    against ``qkv64``, the float64 projection it should match."""
+    on the e4m3 ``data``/``scale`` (and ``bias``) at ``tile``, with ``heads`` (q heads, KV
+    heads, head_dim) over a cache of ``cache`` (pages, page size), at ``positions`` and cache
+    ``slots`` (default: random), checked against ``qkv64``, the float64 projection it should
+    match, within ``tol`` (default twice this file's tolerance for x's dtype)."""
     from .test_fused_step_kernels import rope_tables
 
+    (n_heads, n_kv, hd), (pages, ps) = heads, cache
     m, dtype = x.shape[0], x.dtype
     g = torch.Generator().manual_seed(11)
-    cos_t, sin_t = rope_tables(QKV_HD, 64, dtype, g)
-    positions = torch.randint(0, 64, (m,), generator=g)
-    slots = torch.randperm(QKV_PAGES * QKV_PS, generator=g)[:m]
-    k_cache = torch.randn(QKV_PAGES, QKV_PS, QKV_KV_HEADS, QKV_HD, generator=g).to(dtype)
-    v_cache = torch.randn(QKV_PAGES, QKV_PS, QKV_KV_HEADS, QKV_HD, generator=g).to(dtype)
+    cos_t, sin_t = rope_tables(hd, 64, dtype, g)
+    if positions is None:
+        positions = torch.randint(0, 64, (m,), generator=g)
+        slots = torch.randperm(pages * ps, generator=g)[:m]
+    k_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(pages, ps, n_kv, hd, generator=g).to(dtype)
     k0, v0 = k_cache.clone(), v_cache.clone()
     q = qkv_rope(
         x,
         nw,
         data,
-        None,
+        bias,
         EPS,
         positions,
         cos_t,
@@ -95,12 +112,13 @@ def check_qkv_rope_fp8(x, nw, data, scale, tile, qkv64):
         k_cache,
         v_cache,
         slots,
-        QKV_HEADS,
+        n_heads,
         blocks=tile,
         w_scale=scale,
     )
     caches = (k_cache, v_cache), (k0, v0)
-    check_qkv_rope(q, qkv64, positions, cos_t, sin_t, *caches, slots, QKV_HEADS, 2 * TOL[dtype])
+    tol = 2 * TOL[dtype] if tol is None else tol
+    check_qkv_rope(q, qkv64, positions, cos_t, sin_t, *caches, slots, n_heads, tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

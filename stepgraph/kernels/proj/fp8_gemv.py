@@ -31,14 +31,13 @@ import triton.language as tl
 from ...errors import ConfigError
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from .gemv_tiles import k_range, row_acc, row_products, splitk_reduce, w_cols
-from .proj_tiles import block_m, splitk_workspace
+from .proj_tiles import FP8_ROW_ELEMS, FP8_ROW_K, block_m, splitk_workspace
 from .tile_table import Tile
 
 W_CHANNEL, W_BLOCK = 1, 2  # W_FORMAT: scales per output channel, or per (bn, bk) block
 MAX_M = 64  # rows one launch takes
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TARGET_PROGRAMS = 256  # split K until about two programs per SM of an H200 (132 SMs)
-ONE_ROW_ELEMS = 8192  # weights a one-row program converts per chunk (64 float32 a thread)
 
 
 @triton.jit
@@ -155,7 +154,7 @@ def _fp8_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    offs_k = w_cols(BLOCK_K, BLOCK_M == 1)
+    offs_k = w_cols(BLOCK_K, True, BLOCK_M)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # -- weights and scales only before the wait: they are never written during a step --
     w = load_w_chunk(w_ptrs, k_lo, k_hi, mask_n, BLOCK_K)
@@ -190,15 +189,15 @@ def _fp8_gemv_kernel(
 
 def fp8_tile(m: int, n: int, k: int, block: tuple[int, int] | None = None) -> Tile:
     """The default launch shape for ``m`` rows of an ``[n, k]`` FP8 weight (``block``: its
-    scale blocks; ``BLOCK_K`` never exceeds their K). One row: ``ONE_ROW_ELEMS`` weights a chunk,
-    up to 2048 of K (the fused kernels' rule, ``proj_tiles.fp8_default_tile``: on the H200 a
-    plain one-row GEMV at 4 x 2048 ran within 5% of the best tile at the 8B's gate-up and down
-    and the 1B's gate-up); several: 32 columns and 128 of K on tensor cores. Then split K
+    scale blocks; ``BLOCK_K`` never exceeds their K). One row: the fused kernels' rule
+    (``proj_tiles.FP8_ROW_K`` of K, ``FP8_ROW_ELEMS`` weights a chunk; on the H200 a plain
+    one-row GEMV at 4 x 2048 ran within 5% of the best tile at the 8B's gate-up and down and
+    the 1B's gate-up); several: 32 columns and 128 of K on tensor cores. Then split K
     (powers of two, each split two chunks or more) until about ``TARGET_PROGRAMS`` programs."""
     kcap = triton.next_power_of_2(max(k, 16))
     if m <= 1:
-        bk = min(kcap, 2048, block[1] if block else 1 << 30)
-        bn, warps, stages = max(1, min(ONE_ROW_ELEMS // bk, triton.next_power_of_2(n))), 4, None
+        bk = min(kcap, FP8_ROW_K, block[1] if block else 1 << 30)
+        bn, warps, stages = max(1, min(FP8_ROW_ELEMS // bk, triton.next_power_of_2(n))), 4, None
     else:
         bk = min(kcap, 128, block[1] if block else 1 << 30)
         bn, warps, stages = 32, 4, 3

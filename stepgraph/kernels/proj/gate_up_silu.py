@@ -82,7 +82,7 @@ def _gate_up_silu_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows are INTER further
     mask_n = offs_n < INTER
-    offs_k = w_cols(BLOCK_K, W_FP8 and BLOCK_M == 1)
+    offs_k = w_cols(BLOCK_K, W_FP8, BLOCK_M)
     g_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = w_ptr + (offs_n + INTER)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # -- weights only before the wait (TMA: a ragged last tile's gate rows run into up rows,

@@ -71,15 +71,15 @@ def row_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr):
 
 
 @triton.jit
-def w_cols(BLOCK_K: tl.constexpr, NARROW: tl.constexpr):
-    # The weight tile's column offsets, [BLOCK_K]. NARROW (one row of x against e4m3 weights):
-    # the same values, contiguous in runs of 8 only, so that each thread loads 8 weights (8
+def w_cols(BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, BLOCK_M: tl.constexpr):
+    # The weight tile's column offsets, [BLOCK_K]. One row of x against e4m3 weights: the same
+    # values, contiguous in runs of 8 only, so that each thread loads 8 weights (8
     # bytes) beside the 8 bf16 of x (16 bytes) it multiplies them by. With runs of 16 (16 bytes
     # of e4m3, Triton's widest load) the weight tile took a layout x's does not slice, and x
     # went through shared memory with barriers in every K iteration; with 8, and BLOCK_K >= 8 x
     # 32 lanes x the warps, the loop has no barrier (docs/experiments.md#fp8-one-row-loads).
     offs = tl.arange(0, BLOCK_K)
-    if NARROW:
+    if W_FP8 and BLOCK_M == 1:
         offs = (offs // 8) * 8 + offs % 8
     return offs
 

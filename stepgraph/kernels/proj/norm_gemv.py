@@ -99,7 +99,7 @@ def _norm_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    offs_k = w_cols(BLOCK_K, W_FP8 and BLOCK_M == 1)
+    offs_k = w_cols(BLOCK_K, W_FP8, BLOCK_M)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # -- weights only before the wait: they are never written during a step --
     n0 = pid_n * BLOCK_N

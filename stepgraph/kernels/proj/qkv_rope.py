@@ -169,7 +169,7 @@ def _qkv_rope_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     mask_n = d < HALF  # all true when BLOCK_D divides HALF
-    offs_k = w_cols(BLOCK_K, W_FP8 and BLOCK_M == 1)
+    offs_k = w_cols(BLOCK_K, W_FP8, BLOCK_M)
     w1_ptrs = w_ptr + rows1[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     w2_ptrs = w1_ptrs + HALF * stride_wn
     # -- weights only before the wait (TMA, BLOCK_D > HALF: the boxes run past the half; those
