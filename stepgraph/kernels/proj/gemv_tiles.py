@@ -38,6 +38,9 @@ import triton.language as tl
 
 # fences are inline PTX: compiled kernels only (the interpreter has no inline asm)
 FENCE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# compiled, float32 -> e4m3 is the hardware's cvt.rn.satfinite (round to nearest, ties to even);
+# the interpreter's cast rounds otherwise, so there the rounding is done in float32 first
+E4M3_CAST = FENCE
 MAX_M = 64  # batch rows one launch takes (M padded to BLOCK_M = 16, 32 or 64 for tl.dot)
 
 
@@ -291,9 +294,11 @@ def quantize_rows_e4m3(x):
     # x [BLOCK_M, BLOCK_K] (bf16/fp16, one K chunk) -> (xq [BLOCK_M, BLOCK_K] e4m3, sx [BLOCK_M]
     # float32), x ~ xq * sx per row: a power-of-two scale 2^(e - 7) for a row absmax in
     # [2^e, 2^(e + 1)), so |x / sx| < 256 <= 448 and the scaling is exact; then each value
-    # rounded to the nearest e4m3 (ties to even) in float32 by the magic-constant add
-    # (v + c) - c, c = 1.5 * 2^(ulp exponent + 23), exact at these magnitudes, so the cast
-    # after it converts an e4m3 value as it is (the interpreter's own cast rounds otherwise).
+    # rounded to the nearest e4m3 (ties to even). Compiled: the hardware's cast (E4M3_CAST),
+    # 1-6 us a call less than rounding in float32 at 8-64 rows (docs/experiments.md, FP8
+    # weight tiles). The interpreter's own cast rounds otherwise, so there the rounding is
+    # done in float32 by the magic-constant add (v + c) - c, c = 1.5 * 2^(ulp exponent + 23),
+    # exact at these magnitudes, and the cast converts an e4m3 value as it is. Same values.
     # A row of zeros: sx = 2^-107, xq = 0.
     xf = x.to(tl.float32)
     amax = tl.max(tl.abs(xf), axis=1)
@@ -302,10 +307,13 @@ def quantize_rows_e4m3(x):
     inv = ((134 - e) << 23).to(tl.float32, bitcast=True)  # 2^(7 - e)
     sx = ((120 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 7)
     v = xf * inv[:, None]
-    ev = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    u = tl.maximum(ev, -6) - 3  # the e4m3 ulp at v: 2^u (subnormals: 2^-9)
-    c = (((u + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    xq = ((v + c) - c).to(tl.float8e4nv)
+    if E4M3_CAST:
+        xq = v.to(tl.float8e4nv)
+    else:
+        ev = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        u = tl.maximum(ev, -6) - 3  # the e4m3 ulp at v: 2^u (subnormals: 2^-9)
+        c = (((u + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        xq = ((v + c) - c).to(tl.float8e4nv)
     return xq, sx
 
 
