@@ -38,6 +38,12 @@ def main() -> None:
         default=None,
         help="fp8: the projections' weights quantized to e4m3 on load, per channel",
     )
+    ap.add_argument(
+        "--warmup-iters",
+        type=int,
+        default=RunnerConfig.warmup_iters,
+        help="eager runs of each bucket before its capture (RunnerConfig.warmup_iters)",
+    )
     args = ap.parse_args()
     mr = build_model_runner(
         args.model,
@@ -51,7 +57,13 @@ def main() -> None:
     modes = args.modes.split(",")
     for mode in modes:
         runner = CudaGraphRunner(
-            mr, RunnerConfig(max_bs=args.max_bs, mode=mode, show_progress=False)
+            mr,
+            RunnerConfig(
+                max_bs=args.max_bs,
+                mode=mode,
+                show_progress=False,
+                warmup_iters=args.warmup_iters,
+            ),
         )
         s = runner.stats.capture
         rows[mode] = {
