@@ -6,6 +6,9 @@ Per batch size: the period of a step on the device (start of one replay's first 
 next's), the time the device was busy in it, and the idle gaps over ``--gap-us`` with the names
 of what ran before and after each, summed over the traced steps by that pair. A step period over
 the bench's GPU step is idle time the host (or a copy) left, and the pairs say where it falls.
+Beside it, under the same profiler, the engine's own runner replaying one fixed batch of ``bs``
+rows back to back (the bench's GPU step): a busy time over the bench's is device work the engine
+adds, a period over it with equal busy time is idle.
 
     PYTHONPATH=. python3 benchmarks/engine_timeline.py --batch-sizes 1,8 --context 512
 """
@@ -19,7 +22,7 @@ from collections import defaultdict
 
 import torch
 
-from stepgraph.bench.workload import build_model_runner
+from stepgraph.bench.workload import Point, build_model_runner, decode_batch
 from stepgraph.engine import Engine
 from stepgraph.runner import RunnerConfig
 
@@ -44,6 +47,31 @@ def trace_steps(engine: Engine, prompts: list[list[int]], steps: int):
         torch.cuda.synchronize()
     engine.drain()
     engine.finished.clear()
+    acts = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+    return sorted(acts, key=lambda a: a[1])
+
+
+def trace_replays(engine: Engine, bs: int, context: int, steps: int):
+    """As ``trace_steps``, for the engine's runner replaying one decode batch of ``bs`` rows at
+    ``context`` tokens ``steps`` times back to back (what ``stepgraph bench`` times)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    mr = engine.model_runner
+    batch, pages = decode_batch(mr, Point(bs, context))
+    for _ in range(WARM_STEPS):
+        engine.runner.replay(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.runner.replay(batch)
+        torch.cuda.synchronize()
+    for req_pages in pages:
+        mr.kv_cache.release(req_pages)
     acts = [
         (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
@@ -103,13 +131,15 @@ def main(argv=None) -> dict:
             prompts = torch.randint(1, mr.config.vocab_size, (bs, args.context), generator=g)
             trace_steps(engine, prompts.tolist(), 4)  # untimed: compiles
             res = analyse(trace_steps(engine, prompts.tolist(), args.steps), args.gap_us)
-            out[bs] = res
-            print(
-                f"bs {bs}: period {res['period_us']:.1f} µs, busy "
-                f"{res['busy_us_per_step']:.1f} µs a step ({res['steps']} steps)"
-            )
-            for gp in res["gaps"]:
-                print(f"   {gp['us_per_step']:7.2f} µs/step  x{gp['count']:<4} {gp['pair']}")
+            alone = analyse(trace_replays(engine, bs, args.context, args.steps), args.gap_us)
+            out[bs] = {"engine": res, "runner_alone": alone}
+            for what, r in (("engine", res), ("runner alone", alone)):
+                print(
+                    f"bs {bs} {what}: period {r['period_us']:.1f} µs, busy "
+                    f"{r['busy_us_per_step']:.1f} µs a step ({r['steps']} steps)"
+                )
+                for gp in r["gaps"]:
+                    print(f"   {gp['us_per_step']:7.2f} µs/step  x{gp['count']:<4} {gp['pair']}")
     finally:
         engine.shutdown()
     if args.json:
