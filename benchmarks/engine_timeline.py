@@ -100,11 +100,15 @@ def analyse(acts, gap_us: float) -> dict:
             frontier, prev = e, name
     steps = max(1, len(periods))
     top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:8]
+    by_kernel: dict[str, float] = defaultdict(float)
+    for name, s, e in acts:
+        by_kernel[name[:60]] += (e - s) / steps
     return {
         "steps": len(periods),
         "period_us": statistics.median(periods) if periods else float("nan"),
         "busy_us_per_step": busy / steps,
         "gaps": [{"pair": k, "count": c, "us_per_step": t / steps} for k, (c, t) in top],
+        "kernel_us_per_step": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])),
     }
 
 
@@ -116,10 +120,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--gap-us", type=float, default=2.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kernels", type=int, default=10, help="kernels printed, by time a step")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    mr = build_model_runner(
-        args.model, "cuda", torch.bfloat16, max(sizes), args.context + args.steps + 64
+    mr = build_model_runner(  # pages for twice the rows: the runner-alone batches beside
+        args.model, "cuda", torch.bfloat16, 2 * max(sizes), args.context + args.steps + 64
     )
     engine = Engine(
         mr, "exact", RunnerConfig(capture_bs=sizes, show_progress=False), max_running=max(sizes)
@@ -132,14 +137,24 @@ def main(argv=None) -> dict:
             trace_steps(engine, prompts.tolist(), 4)  # untimed: compiles
             res = analyse(trace_steps(engine, prompts.tolist(), args.steps), args.gap_us)
             alone = analyse(trace_replays(engine, bs, args.context, args.steps), args.gap_us)
-            out[bs] = {"engine": res, "runner_alone": alone}
-            for what, r in (("engine", res), ("runner alone", alone)):
+            # the context the engine's requests had halfway through its traced steps
+            mid = args.context + WARM_STEPS + args.steps // 2
+            alone_mid = analyse(trace_replays(engine, bs, mid, args.steps), args.gap_us)
+            out[bs] = {"engine": res, "runner_alone": alone, "runner_alone_mid": alone_mid}
+            runs = (
+                ("engine", res),
+                ("runner alone", alone),
+                (f"runner alone, ctx {mid}", alone_mid),
+            )
+            for what, r in runs:
                 print(
                     f"bs {bs} {what}: period {r['period_us']:.1f} µs, busy "
                     f"{r['busy_us_per_step']:.1f} µs a step ({r['steps']} steps)"
                 )
                 for gp in r["gaps"]:
                     print(f"   {gp['us_per_step']:7.2f} µs/step  x{gp['count']:<4} {gp['pair']}")
+                for name, us in list(r["kernel_us_per_step"].items())[: args.kernels]:
+                    print(f"   {us:7.2f} µs/step  {name}")
     finally:
         engine.shutdown()
     if args.json:
