@@ -17,6 +17,7 @@ from stepgraph.graph_update import fa_apply, fa_plan, kernel_nodes
 from stepgraph.kernels.decode.reference import paged_decode_reference
 from stepgraph.kernels.decode.splits import (
     H200_NUM_SMS,
+    SplitLadder,
     fa_split_keys,
     ladder_cap,
     ladder_steps,
@@ -27,11 +28,12 @@ from .fake_driver import FakeDriver
 from .test_flash_decode import fd, make_case, poisoned_workspace, rel_err
 
 SMS = H200_NUM_SMS  # 132
-# (n_kv_heads, bs, max_splits) -> the ladder's steps [(first t_kv, ns), ...], worked out by hand:
-#   cap = min(64, pow2_floor(4 * 132 // (bs * n_kv))); ns = min(cap, pow2_floor(t // 128)),
-#   then clamped to max_splits (128: splits.MIN_SPLIT_KEYS; where cap == 2, 384 in place of
-#   128: splits.CAP2_MIN_SPLIT_KEYS).
-LADDERS = {
+POW2 = SplitLadder(pow2_splits=True)
+# (n_kv_heads, bs, max_splits) -> the earlier (power-of-two) ladder's steps [(first t_kv, ns),
+# ...], worked out by hand: cap = min(64, pow2_floor(4 * 132 // (bs * n_kv))); ns = min(cap,
+# pow2_floor(t // 128)), then clamped to max_splits (128: splits.MIN_SPLIT_KEYS; where cap == 2,
+# 384 in place of 128: splits.CAP2_MIN_SPLIT_KEYS).
+POW2_LADDERS = {
     (8, 1, 64): [(1, 1), (256, 2), (512, 4), (1024, 8), (2048, 16), (4096, 32), (8192, 64)],
     (8, 8, 64): [(1, 1), (256, 2), (512, 4), (1024, 8)],  # cap 528 // 64 = 8
     (8, 32, 64): [(1, 1), (768, 2)],  # cap pow2_floor(528 // 256 = 2): 384 keys the least
@@ -41,6 +43,29 @@ LADDERS = {
     (2, 4, 16): [(1, 1), (256, 2), (512, 4), (1024, 8), (2048, 16)],  # cap 64, clamped at 16
     (8, 64, 64): [(1, 1)],  # 512 (request, head) pairs: cap pow2_floor(max(1, 1)) = 1
 }
+# The ladder: ns = min(cap, ceil(t / least)) from 2 * least keys (one split below), clamped to
+# max_splits: 2 splits at 2 * least, then one more every least keys, (k - 1) * least + 1 for k.
+# (cap, least, clamp) per grid, by hand from the caps above.
+TILE_GRIDS = {
+    (8, 1, 64): (64, 128),
+    (8, 8, 64): (8, 128),
+    (8, 32, 64): (2, 384),
+    (8, 17, 64): (2, 384),
+    (8, 16, 64): (4, 128),
+    (1, 1, 48): (64, 128),
+    (2, 4, 16): (64, 128),
+    (8, 64, 64): (1, 128),
+}
+
+
+def tile_steps(cap: int, least: int, clamp: int) -> list[tuple[int, int]]:
+    top = min(cap, clamp)
+    if top == 1:
+        return [(1, 1)]
+    return [(1, 1), (2 * least, 2)] + [((k - 1) * least + 1, k) for k in range(3, top + 1)]
+
+
+LADDERS = {g: tile_steps(cap, least, g[2]) for g, (cap, least) in TILE_GRIDS.items()}
 CAPS = {(8, 1): 64, (8, 8): 8, (8, 32): 2, (1, 1): 64, (2, 4): 64, (8, 64): 1, (4, 3): 32}
 # (t_kv, n_kv, bs) -> keys per split, by hand: max(128, ceil(t / ns))
 KEYS = {
@@ -48,8 +73,8 @@ KEYS = {
     (1, 8, 1): 128,
     (255, 8, 1): 255,  # ns 1: one split holds it all
     (256, 8, 1): 128,
-    (257, 8, 1): 129,  # ns 2, ceil(257 / 2)
-    (1000, 8, 1): 250,  # ns pow2_floor(7) = 4
+    (257, 8, 1): 86,  # ns 3, ceil(257 / 3)
+    (1000, 8, 1): 125,  # ns ceil(1000 / 128) = 8
     (100_000, 8, 1): 1563,  # ns 64, ceil(100000 / 64)
     (100_000, 8, 8): 12_500,  # ns 8
     (5000, 8, 32): 2500,  # ns 2
@@ -68,11 +93,12 @@ def ns_from_table(steps: list[tuple[int, int]], t: int) -> int:
 @pytest.mark.parametrize("grid", list(LADDERS))
 def test_ladder_steps_equal_the_hand_written_table(grid):
     n_kv, bs, max_splits = grid
-    assert ladder_steps(n_kv, bs, SMS, max_splits) == LADDERS[grid]
-    for t, ns in LADDERS[grid]:  # each step's first length, and the length before it
-        assert num_splits_for(t, n_kv, bs, SMS, max_splits) == ns
-        if t > 1:
-            assert num_splits_for(t - 1, n_kv, bs, SMS, max_splits) < ns
+    for ladder, table in ((SplitLadder(), LADDERS), (POW2, POW2_LADDERS)):
+        assert ladder_steps(n_kv, bs, SMS, max_splits, ladder=ladder) == table[grid]
+        for t, ns in table[grid]:  # each step's first length, and the length before it
+            assert num_splits_for(t, n_kv, bs, SMS, max_splits, ladder=ladder) == ns
+            if t > 1:
+                assert num_splits_for(t - 1, n_kv, bs, SMS, max_splits, ladder=ladder) < ns
 
 
 def test_caps_and_keys_per_split_equal_the_hand_written_values():

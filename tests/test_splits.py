@@ -1,4 +1,5 @@
-"""The split ladder: monotone, few steps, never a split shorter than one tile, fills the GPU."""
+"""The split ladder: monotone, one tile a split below the cap (never less than two thirds of
+one), fills the GPU; the earlier power-of-two ladder (``SplitLadder.pow2_splits``) beside."""
 
 from __future__ import annotations
 
@@ -6,15 +7,20 @@ import pytest
 
 from stepgraph.kernels.decode.splits import (
     BLOCK_N,
+    DEFAULT_LADDER,
     H200_NUM_SMS,
     LADDER_MAX_SPLITS,
     MIN_SPLIT_KEYS,
     PROGRAMS_PER_SM,
+    SplitLadder,
     fa_split_keys,
     ladder_cap,
     ladder_steps,
+    least_keys,
     num_splits_for,
 )
+
+POW2 = SplitLadder(pow2_splits=True)
 
 T_MAX = 131072
 GRIDS = [  # (n_kv_heads, bs, num_sms, max_splits)
@@ -50,32 +56,61 @@ def test_ladder_monotone_and_bounded(n_kv, bs, sms, max_splits):
     assert steps[0][0] == 1
     assert [t for t, _ in steps] == sorted({t for t, _ in steps})
     assert all(a[1] < b[1] for a, b in zip(steps, steps[1:])), steps
-    assert len(steps) - 1 <= 16
+    assert len(steps) - 1 <= LADDER_MAX_SPLITS
     assert changes <= len(steps) - 1
+    pow2 = ladder_steps(n_kv, bs, sms, max_splits, t_max=T_MAX, ladder=POW2)
+    assert len(pow2) - 1 <= 16  # the earlier ladder: log2(cap) steps, and a clamp's
 
 
 @pytest.mark.parametrize("n_kv, bs, sms, max_splits", GRIDS)
 def test_split_keys_gives_back_ns_and_at_least_one_tile(n_kv, bs, sms, max_splits):
     for t in list(range(1, 600)) + [1023, 1024, 1025, 4095, 4097, 32767, 32768, 99999, T_MAX]:
         sk = fa_split_keys(t, n_kv, bs, sms)
-        assert sk >= MIN_SPLIT_KEYS
+        least = least_keys(ladder_cap(n_kv, bs, sms))
+        assert 3 * sk >= 2 * least  # never under two thirds of a tile
         ns = -(-t // sk)
         assert num_splits_for(t, n_kv, bs, sms, max_splits) == max(1, min(max_splits, ns))
-        if ns > 1:  # every split but the last holds sk keys; the last one at least one tile
+        if ns == 1:
+            assert sk >= least
+        elif ns < ladder_cap(n_kv, bs, sms):  # below the cap: one tile a split
+            assert sk <= least
+        if ns > 1:  # every split but the last holds sk keys; the last one at least one key
             assert t - (ns - 1) * sk >= 1
-            assert ns & (ns - 1) == 0, "the ladder uses power-of-two split counts"
+        sk2 = fa_split_keys(t, n_kv, bs, sms, ladder=POW2)
+        ns2 = -(-t // sk2)
+        assert sk2 >= least and (ns2 == 1 or ns2 & (ns2 - 1) == 0), "pow2: powers of two"
 
 
 def test_llama_1b_step_counts_on_h200():
-    counts = {bs: len(ladder_steps(8, bs, H200_NUM_SMS, 64)) - 1 for bs in (1, 8, 32)}
+    def counts(pps=None, ladder=DEFAULT_LADDER):
+        return {
+            bs: len(ladder_steps(8, bs, H200_NUM_SMS, 64, programs_per_sm=pps, ladder=ladder)) - 1
+            for bs in (1, 8, 32)
+        }
+
     assert PROGRAMS_PER_SM == 4
-    assert counts == {1: 6, 8: 3, 32: 1}
-    assert ladder_steps(8, 1, H200_NUM_SMS, 64)[-1] == (8192, 64)  # 128 keys a split
+    # a split every 128 keys up to the cap: 64 at one row, 8 at bs 8; 2 (from 768) at bs 32
+    assert counts() == {1: 63, 8: 7, 32: 1}
+    assert ladder_steps(8, 1, H200_NUM_SMS, 64)[-1] == (63 * 128 + 1, 64)
+    assert counts(ladder=POW2) == {1: 6, 8: 3, 32: 1}  # the earlier ladder
+    assert ladder_steps(8, 1, H200_NUM_SMS, 64, ladder=POW2)[-1] == (8192, 64)
     # the first ladder (2 per SM) is still one argument away
-    counts = {
-        bs: len(ladder_steps(8, bs, H200_NUM_SMS, 64, programs_per_sm=2)) - 1 for bs in (1, 8, 32)
-    }
-    assert counts == {1: 5, 8: 2, 32: 0}
+    assert counts(pps=2, ladder=POW2) == {1: 5, 8: 2, 32: 0}
+    assert counts(pps=2) == {1: 31, 8: 3, 32: 0}
+
+
+def test_one_tile_a_split_just_past_a_power_of_two():
+    # 535 keys at one row: five splits of 107 (one 128-key tile each), where the power-of-two
+    # ladder took four of 134 (two tiles each, the second nearly empty)
+    assert num_splits_for(535, 8, 1, H200_NUM_SMS, 64) == 5
+    assert fa_split_keys(535, 8, 1, H200_NUM_SMS) == 107
+    assert num_splits_for(535, 8, 1, H200_NUM_SMS, 64, ladder=POW2) == 4
+    assert fa_split_keys(535, 8, 1, H200_NUM_SMS, ladder=POW2) == 134
+    # at the limits: 2 * 128 keys two splits, one more key three; the cap at 63 * 128 + 1
+    assert [num_splits_for(t, 8, 1, H200_NUM_SMS, 64) for t in (255, 256, 257)] == [1, 2, 3]
+    assert [num_splits_for(t, 8, 1, H200_NUM_SMS, 64) for t in (8064, 8065)] == [63, 64]
+    with pytest.raises(ValueError, match="pow2_splits"):
+        SplitLadder(pow2_splits=1)
 
 
 @pytest.mark.parametrize("pps", [1, 2, 4, 8, 16])
@@ -86,9 +121,10 @@ def test_every_programs_per_sm_keeps_the_contract(pps, n_kv, bs, sms, max_splits
     for t in ts:
         sk = fa_split_keys(t, n_kv, bs, sms, pps)
         ns = num_splits_for(t, n_kv, bs, sms, max_splits, pps)
-        assert sk >= MIN_SPLIT_KEYS and ns == max(1, min(max_splits, -(-t // sk))) >= prev
+        assert 3 * sk >= 2 * MIN_SPLIT_KEYS and ns == max(1, min(max_splits, -(-t // sk))) >= prev
         prev = ns
-    assert len(ladder_steps(n_kv, bs, sms, max_splits, programs_per_sm=pps)) - 1 <= 16
+    steps = ladder_steps(n_kv, bs, sms, max_splits, programs_per_sm=pps)
+    assert len(steps) - 1 <= LADDER_MAX_SPLITS
     programs = bs * n_kv * num_splits_for(T_MAX, n_kv, bs, sms, 64, pps)
     assert programs <= max(pps * sms, bs * n_kv)
 
@@ -172,21 +208,23 @@ def test_wide_heads_take_64_keys_a_split_at_the_limit_and_one_past():
 
     assert splits.WIDE_MIN_SPLIT_KEYS == splits.WIDE_MIN_SPLIT_KEYS_DEFAULT == BLOCK_N == 64
     ns = lambda t, hd, bs=1: num_splits_for(t, 8, bs, H200_NUM_SMS, 64, head_dim=hd)  # noqa: E731
-    # head_dim 128 (cap 64 at one row): 1 split below 128 keys, 2 from 128, 4 from 256
-    assert [ns(t, 128) for t in (127, 128, 129, 255, 256, 257)] == [1, 2, 2, 2, 4, 4]
-    assert [ns(t, 64) for t in (127, 128, 255, 256, 257)] == [1, 1, 1, 2, 2]  # unchanged
+    # head_dim 128 (cap 64 at one row): 1 split below 128 keys, then one a 64 keys
+    assert [ns(t, 128) for t in (127, 128, 129, 255, 256, 257)] == [1, 2, 3, 4, 4, 5]
+    assert [ns(t, 64) for t in (127, 128, 255, 256, 257)] == [1, 1, 1, 2, 3]  # 128 keys a split
     assert [ns(t, None) for t in (255, 256)] == [1, 2]  # no head_dim: the 64 ladder
     assert ns(4096, 128) == 64 and ns(4096, 64) == 32 and ns(8192, 64) == 64
     assert ns(100, 65) == 1 and ns(128, 65) == 2  # any head wider than 64
     # cap 2 (17-33 rows) keeps its own least for every head_dim
     assert [ns(t, 128, 32) for t in (767, 768)] == [1, 2]
-    for t in (1, 63, 64, 65, 127, 128, 200, 4095, 4097, T_MAX):  # never below one 64-key tile
+    for t in (1, 63, 64, 65, 127, 128, 200, 4095, 4097, T_MAX):  # 2/3 of a 64-key tile or more
         sk = fa_split_keys(t, 8, 1, H200_NUM_SMS, head_dim=128)
-        assert sk >= 64 and num_splits_for(t, 8, 1, H200_NUM_SMS, 64, head_dim=128) == min(
+        assert 3 * sk >= 2 * 64 and num_splits_for(t, 8, 1, H200_NUM_SMS, 64, head_dim=128) == min(
             64, -(-t // sk)
         )
     steps = ladder_steps(8, 1, H200_NUM_SMS, 64, head_dim=128)
-    assert steps == [(1, 1), (128, 2), (256, 4), (512, 8), (1024, 16), (2048, 32), (4096, 64)]
+    assert steps == [(1, 1), (128, 2)] + [((k - 1) * 64 + 1, k) for k in range(3, 65)]
+    pow2 = ladder_steps(8, 1, H200_NUM_SMS, 64, head_dim=128, ladder=POW2)
+    assert pow2 == [(1, 1), (128, 2), (256, 4), (512, 8), (1024, 16), (2048, 32), (4096, 64)]
 
 
 def test_ladder_for_hands_out_one_monotone_ladder_a_head_dim():

@@ -6,22 +6,26 @@ same geometry wherever it runs.
 
 The ladder: the main kernel runs ``bs * n_kv_heads * ns`` programs, and we want about
 ``programs_per_sm`` of them per multiprocessor (``SplitLadder.programs_per_sm``, 4). The split
-count is a power of two,
+count is one per ``least`` keys, up to the cap,
 
-    ns(t_kv) = min(cap, pow2_floor(t_kv // least))  (1 when t_kv < 2 * least)
+    ns(t_kv) = min(cap, ceil(t_kv / least))  (1 when t_kv < 2 * least)
     cap      = min(LADDER_MAX_SPLITS, pow2_floor(programs_per_sm * num_sms // (bs * n_kv)))
     least    = CAP2_MIN_SPLIT_KEYS (384) where cap == 2, else MIN_SPLIT_KEYS (128);
                WIDE_MIN_SPLIT_KEYS (64) instead of 128 for heads wider than 64 (``head_dim``)
 
-and ``fa_split_keys`` returns ``ceil(t_kv / ns)`` keys per split (at least ``least``), which
-gives back exactly ``ns = ceil(t_kv / split_keys)``. Hence:
+and ``fa_split_keys`` returns ``ceil(t_kv / ns)`` keys per split, which gives back exactly
+``ns = ceil(t_kv / split_keys)``. Hence:
 
-- no split is given fewer than ``MIN_SPLIT_KEYS`` keys (two ``BLOCK_N`` tiles; one tile of the
-  tuned variant, ``flash_decode.DEFAULT_VARIANTS``, whose 128-key tile would round a 64-key
-  split up and leave half the splits empty), or ``WIDE_MIN_SPLIT_KEYS`` for wider heads, whose
-  kernel variant takes 64-key tiles;
-- ``ns`` is non-decreasing in ``t_kv`` and changes at most ``log2(cap)`` <= 6 times from 1 to
-  128k keys (each change is a graph-node edit in exact mode, so rare steps are the point);
+- below the cap every split fits one tile of the kernel variant (``least`` keys: the tuned
+  variant's 128, ``flash_decode.DEFAULT_VARIANTS``; 64 for wider heads, whose variant takes
+  64-key tiles), and holds at least two thirds of one (a shorter split would leave its tile
+  mostly empty);
+- the earlier ladder took a power of two, ``min(cap, pow2_floor(t_kv // least))``
+  (``SplitLadder.pow2_splits``): one tile a split only where ``t_kv`` is a power of two times
+  ``least``, and just past one (513 keys: four splits of 129) two tiles, the second nearly
+  empty, which cost the 1B's step 5% at 535 keys (docs/experiments.md#whole-tiles-a-split);
+- ``ns`` is non-decreasing in ``t_kv``; it changes every ``least`` keys up to the cap (each
+  change is a graph-node edit in exact mode: one every 128 steps at most, host work only);
 - for long contexts the grid holds ``bs * n_kv * cap`` programs: between ``programs_per_sm / 2``
   and ``programs_per_sm`` per SM while ``bs * n_kv <= programs_per_sm * num_sms`` (and the cap
   of 64 splits is not reached), one split per (request, KV head) beyond that.
@@ -59,15 +63,17 @@ PROGRAMS_PER_SM = 4  # the main kernel's occupancy target (the sweep tries 2, 4,
 
 @dataclass(frozen=True)
 class SplitLadder:
-    """The ladder's measured choices (``DecodeTuning.split``): the least keys a split below cap
-    2 (``min_keys``), at cap 2 (``cap2_min_keys``), for heads wider than 64
-    (``wide_min_keys``), each a positive multiple of ``BLOCK_N``; and the programs a
-    multiprocessor the grid aims at (``programs_per_sm``, at least 1)."""
+    """The ladder's measured choices (``DecodeTuning.split``): the keys of one split's tile below
+    cap 2 (``min_keys``), at cap 2 (``cap2_min_keys``), for heads wider than 64
+    (``wide_min_keys``), each a positive multiple of ``BLOCK_N``; the programs a
+    multiprocessor the grid aims at (``programs_per_sm``, at least 1); and ``pow2_splits``,
+    the earlier power-of-two split counts."""
 
     min_keys: int = MIN_SPLIT_KEYS
     cap2_min_keys: int = CAP2_MIN_SPLIT_KEYS
     wide_min_keys: int = WIDE_MIN_SPLIT_KEYS
     programs_per_sm: int = PROGRAMS_PER_SM
+    pow2_splits: bool = False  # the earlier ladder: power-of-two split counts (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("min_keys", "cap2_min_keys", "wide_min_keys"):
@@ -79,6 +85,8 @@ class SplitLadder:
         pps = self.programs_per_sm
         if type(pps) is not int or pps < 1:
             raise ValueError(f"split.programs_per_sm={pps!r} must be an int of at least 1")
+        if type(self.pow2_splits) is not bool:
+            raise ValueError(f"split.pow2_splits={self.pow2_splits!r} must be a bool")
 
 
 DEFAULT_LADDER = SplitLadder()
@@ -140,12 +148,18 @@ def fa_split_keys(
     head_dim: int | None = None,
     ladder: SplitLadder = DEFAULT_LADDER,
 ) -> int:
-    """Keys per split for a live maximum length ``t_kv`` (always >= ``least_keys``)."""
+    """Keys per split for a live maximum length ``t_kv``: ``ceil(t_kv / ns)`` for the ladder's
+    ``ns`` (module docstring); ``least_keys`` or more while one split takes it all."""
     _check(t_kv, n_kv_heads, bs, num_sms)
     cap = ladder_cap(n_kv_heads, bs, num_sms, programs_per_sm, ladder)
     least = least_keys(cap, head_dim, ladder)
-    ns = min(cap, _pow2_floor(t_kv // least))
-    return max(least, -(-t_kv // ns))
+    if t_kv < 2 * least:
+        return max(least, t_kv)
+    if ladder.pow2_splits:
+        ns = min(cap, _pow2_floor(t_kv // least))
+    else:
+        ns = min(cap, -(-t_kv // least))
+    return -(-t_kv // ns)
 
 
 def splits_from_keys(t_kv: int, split_keys: int, max_splits: int) -> int:
