@@ -43,7 +43,8 @@ def test_the_backend_takes_the_wide_ladder(mr):
     assert backend.head_dim == 128
     assert backend.split_keys is splits.ladder_for(128) is not splits.fa_split_keys
     assert backend.splits_for(127, 1) == 1 and backend.splits_for(128, 1) == 2
-    assert backend.splits_for(255, 1) == 2 and backend.splits_for(256, 1) == 4
+    # then one split a 64-key tile: 3 from 129, 4 from 193, 5 from 257
+    assert [backend.splits_for(t, 1) for t in (129, 192, 193, 256, 257)] == [3, 3, 4, 4, 5]
     narrow = splits.num_splits_for(200, backend.num_kv_heads, 1, backend.num_sms, 64)
     assert narrow == 1  # the head_dim-64 ladder would take one split there
 
@@ -54,7 +55,11 @@ def test_exact_equals_eager_at_every_step_of_the_wide_ladder(mr):
     before = [c.clone() for c in caches]
     try:
         seen = set()
-        for context in (1, 127, 128, 129, 200, 255, 256, 257, 511, 512, 1000):
+        contexts = (1, 127, 128, 129, 200, 255, 256, 257, 511, 512, 1000)
+        cap = splits.ladder_cap(mr.attn_backend.num_kv_heads, 1, mr.attn_backend.num_sms)
+        # by hand: one split below 2 x 64 keys, then ceil(t / 64) up to the cap
+        want = {1 if t < 128 else min(cap, -(-t // 64)) for t in contexts}
+        for context in contexts:
             batch, pages = decode_batch(mr, Point(1, context), seed=context)
             try:
                 eager = mr.forward(batch).clone()
@@ -69,6 +74,6 @@ def test_exact_equals_eager_at_every_step_of_the_wide_ladder(mr):
                     mr.kv_cache.release(p)
                 for c, c0 in zip(caches, before):
                     c.copy_(c0)
-        assert seen == {1, 2, 4, 8}, seen
+        assert seen == want and len(want) >= 7, seen
     finally:
         runner.shutdown()
