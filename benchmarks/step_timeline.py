@@ -13,6 +13,7 @@ Kinds are the kernel's name and its position in the layer (``_norm_gemv_kernel``
 and down), as medians over the middle layers of several replays, in µs.
 
     PYTHONPATH=. python3 benchmarks/step_timeline.py --batch-sizes 1,8,32 --context 512
+    PYTHONPATH=. python3 benchmarks/step_timeline.py --quantization fp8   # FP8 weights
     STEPGRAPH_PDL=0 PYTHONPATH=. python3 benchmarks/step_timeline.py   # each kernel alone
 """
 
@@ -98,10 +99,18 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--quantization", default=None, choices=("fp8",), help="FP8 weights")
     ap.add_argument("--json")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    mr = build_model_runner(args.model, "cuda", torch.bfloat16, max(sizes), args.context + 64)
+    mr = build_model_runner(
+        args.model,
+        "cuda",
+        torch.bfloat16,
+        max(sizes),
+        args.context + 64,
+        quantization=args.quantization,
+    )
     layers = mr.config.num_layers
     out = []
     for bs in sizes:
