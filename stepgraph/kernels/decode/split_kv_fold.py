@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..launch_math import next_pow2
 from ..pdl import pdl_trigger_late, pdl_wait_then_trigger
 from ..proj.gemv_tiles import gpu_fence
 from .split_kv import split_partial
@@ -243,7 +244,7 @@ def launch_fold(
         UPCAST=upcast,
         NUM_STAGES=cfg.num_stages,
         SPLITS_PAD=splits_pad,
-        MERGE_G=triton.next_power_of_2(group),
+        MERGE_G=next_pow2(group),
         MERGE=num_splits > 1,
         USE_PDL=pdl,
         num_warps=cfg.num_warps,

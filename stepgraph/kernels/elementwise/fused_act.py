@@ -8,6 +8,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..launch_math import cdiv
+
 
 @triton.jit
 def _silu_mul_kernel(
@@ -42,7 +44,7 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:  # [T, 2
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t:
-        _silu_mul_kernel[(t, triton.cdiv(inter, block))](
+        _silu_mul_kernel[(t, cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
         )
     return out

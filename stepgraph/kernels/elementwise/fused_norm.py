@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_math import next_pow2
+
 
 @triton.jit
 def _add_rmsnorm_kernel(
@@ -98,7 +100,7 @@ def add_rmsnorm(
             eps,
             HAS_RESIDUAL=has_res,
             GATHER=False,
-            BLOCK_N=triton.next_power_of_2(n),
+            BLOCK_N=next_pow2(n),
             num_warps=8 if n >= 2048 else 4,
         )
     return out, res_out
@@ -130,7 +132,7 @@ def embed_rmsnorm(
             eps,
             HAS_RESIDUAL=False,
             GATHER=True,
-            BLOCK_N=triton.next_power_of_2(n),
+            BLOCK_N=next_pow2(n),
             num_warps=8 if n >= 2048 else 4,
         )
     return out, rows

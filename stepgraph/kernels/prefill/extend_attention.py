@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_math import cdiv
 from .extend_inputs import ExtendTile, check_extend_inputs
 
 # -- the tile per (head_dim, dtype); any other shape gets FALLBACK_TILE (fp32: FP32_TILE) --
@@ -285,7 +286,7 @@ def extend_attention(
     upcast = _INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else None  # None: the default
 
-    grid = (n_heads, triton.cdiv(max_q_len, cfg.block_m), bs)
+    grid = (n_heads, cdiv(max_q_len, cfg.block_m), bs)
     _extend_kernel[grid](
         out,
         q,

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ConfigError
+from ..launch_math import cdiv, next_pow2
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from .gemv_tiles import k_range, row_acc, row_products, splitk_reduce, w_cols
 from .proj_tiles import FP8_ROW_ELEMS, FP8_ROW_K, block_m, splitk_workspace
@@ -194,14 +195,14 @@ def fp8_tile(m: int, n: int, k: int, block: tuple[int, int] | None = None) -> Ti
     one-row GEMV at 4 x 2048 ran within 5% of the best tile at the 8B's gate-up and down and
     the 1B's gate-up); several: 32 columns and 128 of K on tensor cores. Then split K
     (powers of two, each split two chunks or more) until about ``TARGET_PROGRAMS`` programs."""
-    kcap = triton.next_power_of_2(max(k, 16))
+    kcap = next_pow2(max(k, 16))
     if m <= 1:
         bk = min(kcap, FP8_ROW_K, block[1] if block else 1 << 30)
-        bn, warps, stages = max(1, min(FP8_ROW_ELEMS // bk, triton.next_power_of_2(n))), 4, None
+        bn, warps, stages = max(1, min(FP8_ROW_ELEMS // bk, next_pow2(n))), 4, None
     else:
         bk = min(kcap, 128, block[1] if block else 1 << 30)
         bn, warps, stages = 32, 4, 3
-    programs, split = triton.cdiv(n, bn), 1
+    programs, split = cdiv(n, bn), 1
     while programs * split < TARGET_PROGRAMS and k >= 4 * split * bk:
         split *= 2
     return Tile(bn, max(16, bk), warps, stages, split)
@@ -224,7 +225,7 @@ def _check(x, weight, scale, block, bias, out) -> tuple[int, int, int]:
     n = weight.shape[0]
     if weight.shape[1] != k or k < 1:
         raise ConfigError(f"fp8_gemv: x has K = {k}, the weight {tuple(weight.shape)}")
-    want = (n,) if block is None else (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    want = (n,) if block is None else (cdiv(n, block[0]), cdiv(k, block[1]))
     if scale.dtype != torch.float32 or tuple(scale.shape) != want or not scale.is_contiguous():
         raise ConfigError(
             f"fp8_gemv: scale must be contiguous float32 of shape {want}; got {scale.dtype} of "
@@ -282,7 +283,7 @@ def fp8_gemv(
     y = out if out is not None else x.new_empty(m, n, dtype=out_dtype or x.dtype)
     if m == 0 or n == 0:
         return y
-    bm, tiles = block_m(m), triton.cdiv(n, t.block_n)
+    bm, tiles = block_m(m), cdiv(n, t.block_n)
     ws, tickets = y, y
     if t.split_k > 1:
         ws, tickets = splitk_workspace(x.device, tiles * t.split_k * t.block_n * bm, tiles)

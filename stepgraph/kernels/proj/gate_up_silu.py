@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ...tuning import DecodeTuning, default_tuning
+from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from .fp8_gemv import fp8_scales
 from .gemv_tiles import (
@@ -213,7 +214,7 @@ def gate_up_silu(
         check_tile("gate_up_silu", tile, m)
         bm = launch_block_m(tile, m, fp8, x)
         pdl = resolve_pdl(use_pdl, x.device, t)
-        tiles = triton.cdiv(inter, tile.block_n)
+        tiles = cdiv(inter, tile.block_n)
         ws, tickets = out, out
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * bm * tile.block_n

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_math import cdiv, next_pow2
+
 MAX_M = 8  # batch rows one launch takes; larger batches belong to cuBLAS
 
 
@@ -84,12 +86,12 @@ def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int]:
     """Default ``(BLOCK_N, BLOCK_K, num_warps)``: at least ~4 programs per SM of an H200 for
     the 2k-wide projections, and a ``BLOCK_M * BLOCK_N * BLOCK_K`` product of 8k elements per
     iteration (64 float32 registers a thread at 4 warps; fewer K per row as the batch grows)."""
-    block_m = max(1, triton.next_power_of_2(m))
+    block_m = max(1, next_pow2(m))
     max_n = max(1, 8192 // (block_m * 256))  # keep >= 256 K per row: 512-byte row segments
     block_n = min(4, max_n)
-    while block_n < max_n and triton.cdiv(n, block_n * 2) >= 512:
+    while block_n < max_n and cdiv(n, block_n * 2) >= 512:
         block_n *= 2
-    block_k = max(32, min(triton.next_power_of_2(k), 8192 // (block_n * block_m)))
+    block_k = max(32, min(next_pow2(k), 8192 // (block_n * block_m)))
     return block_n, block_k, 4
 
 
@@ -110,7 +112,7 @@ def gemv(
     block_n, block_k, num_warps = block_n or dbn, block_k or dbk, num_warps or dnw
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
+        _gemv_kernel[(cdiv(n, block_n),)](
             x,
             weight,
             bias if bias is not None else weight,
@@ -122,7 +124,7 @@ def gemv(
             weight.stride(0),
             y.stride(0),
             HAS_BIAS=bias is not None,
-            BLOCK_M=max(1, triton.next_power_of_2(m)),
+            BLOCK_M=max(1, next_pow2(m)),
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             num_warps=num_warps,

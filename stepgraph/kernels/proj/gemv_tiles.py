@@ -36,6 +36,8 @@ import os
 import triton
 import triton.language as tl
 
+from ..launch_math import next_pow2
+
 # fences are inline PTX: compiled kernels only (the interpreter has no inline asm)
 FENCE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # compiled, float32 -> e4m3 is the hardware's cvt.rn.satfinite (round to nearest, ties to even);
@@ -439,15 +441,15 @@ def proj_blocks(m: int, n_rows: int, k: int) -> tuple[int, int, int]:
     if m != 1:
         raise ValueError(f"proj_blocks is the one-row rule (m = {m}); use proj_tiles.tile_for")
     block_k = 2048 if n_rows <= 2048 else 1024 if n_rows <= 4096 else 512
-    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
-    return max(1, min(8192 // block_k, triton.next_power_of_2(n_rows))), block_k, 4
+    block_k = max(32, min(block_k, next_pow2(k)))
+    return max(1, min(8192 // block_k, next_pow2(n_rows))), block_k, 4
 
 
 def norm_block(m: int, k: int) -> int:
     """Chunk of the sum-of-squares pass: the whole row up to 4k elements of ``[BLOCK_M, K]``
     (one load from L2 per program, not a loop of dependent loads)."""
-    block_m = max(1, triton.next_power_of_2(m))
-    return max(16, min(triton.next_power_of_2(k), 4096 // block_m))
+    block_m = max(1, next_pow2(m))
+    return max(16, min(next_pow2(k), 4096 // block_m))
 
 
 __all__ = [

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ...tuning import DecodeTuning, default_tuning
+from ..launch_math import cdiv, next_pow2
 from ..pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
 from ..sampling.argmax_parts import _NO_INDEX, fold_argmax, fold_block
 from .norm_handoff import ssq_args, ssq_inv_rms
@@ -113,12 +114,12 @@ def head_scale(
             f"{tuple(logits.shape)} {logits.dtype}"
         )
     sums, stride_s, n_parts, ssq_pad = ssq_args(ssq, m, raw)
-    parts = triton.cdiv(v, BLOCK_V)
+    parts = cdiv(v, BLOCK_V)
     argmax = tokens_out is not None
     part_val = torch.empty(m, parts, dtype=torch.float32, device=raw.device)
     part_idx = torch.empty(m, parts, dtype=torch.int32, device=raw.device)
     _, tickets = splitk_workspace(raw.device, 1, 1)  # one ticket, zero between launches
-    block_m = triton.next_power_of_2(m)
+    block_m = next_pow2(m)
     t = default_tuning(tuning)
     pdl = resolve_pdl(use_pdl, raw.device, t)
     _head_scale_kernel[(m, parts)](

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...tuning import DecodeTuning, default_tuning
+from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from ..sampling.argmax_parts import fold_argmax, fold_block
 from .fp8_gemv import fp8_scales
@@ -256,7 +257,7 @@ def _launch(
     check_tile(kernel, tile, m)
     bm = launch_block_m(tile, m, fp8, x)
     part_val, part_idx = parts if parts is not None else (y, y)
-    tiles = triton.cdiv(n, tile.block_n)
+    tiles = cdiv(n, tile.block_n)
     ws, tickets = y, y
     if tile.split_k > 1 or tokens is not None:  # tokens: one more ticket, the fold's
         elems = tiles * tile.split_k * tile.block_n * bm if tile.split_k > 1 else 0
@@ -433,7 +434,7 @@ def argmax_programs(m: int, n: int, k: int, blocks=None, elem_bytes: int = 2, ta
     tile = (
         as_tile(blocks) if blocks is not None else tile_for("lm_head", m, n, k, elem_bytes, tables)
     )
-    return triton.cdiv(n, tile.block_n)
+    return cdiv(n, tile.block_n)
 
 
 __all__ = [

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ConfigError
+from ..launch_math import next_pow2
 
 
 @triton.jit
@@ -141,7 +142,7 @@ def ssq_args(ssq: torch.Tensor | None, m: int, fallback: torch.Tensor) -> tuple:
             f"ssq must be a [rows >= {m}, parts >= 1] float32 tensor with contiguous rows (the "
             f"sums of squares gemv_residual(..., next_norm=w) returns with x), got {got}"
         )
-    return ssq, ssq.stride(0), ssq.shape[1], triton.next_power_of_2(ssq.shape[1])
+    return ssq, ssq.stride(0), ssq.shape[1], next_pow2(ssq.shape[1])
 
 
 def check_handoff(norm_w, ssq, kernel: str, need_norm: bool = False) -> None:

@@ -22,9 +22,9 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
-import triton
 
 from ...errors import ConfigError
+from ..launch_math import cdiv, next_pow2
 from .gemv_tiles import proj_blocks
 from .tile_table import CUBLAS, TILES, Tile
 from .tma_tiles import box_fits, descriptor, tma_ready
@@ -47,7 +47,7 @@ TARGET_PROGRAMS = 264  # two programs per SM of the H200 (132 SMs)
 
 def block_m(m: int) -> int:
     """Rows one launch computes: 1 for one row, else M padded to 16, 32 or 64 (``tl.dot``)."""
-    return 1 if m <= 1 else max(16, triton.next_power_of_2(m))
+    return 1 if m <= 1 else max(16, next_pow2(m))
 
 
 def _tables(tables: ProjTables | None) -> ProjTables:
@@ -74,12 +74,12 @@ def default_tile(kernel: str, m: int, n: int, k: int) -> Tile:
     bm = block_m(m)
     rows = n // 2 if kernel in PAIRED else n  # per program: pairs
     bn = 64 if kernel == "lm_head" else 16
-    while bn > 16 and triton.cdiv(rows, bn) < TARGET_PROGRAMS:
+    while bn > 16 and cdiv(rows, bn) < TARGET_PROGRAMS:
         bn //= 2
-    bk = max(16, min(128 if bm <= 32 else 64, triton.next_power_of_2(k)))
+    bk = max(16, min(128 if bm <= 32 else 64, next_pow2(k)))
     split = 1
     if kernel != "lm_head":
-        while triton.cdiv(rows, bn) * split * 2 <= TARGET_PROGRAMS and k // (2 * split) >= 512:
+        while cdiv(rows, bn) * split * 2 <= TARGET_PROGRAMS and k // (2 * split) >= 512:
             split *= 2
     return Tile(bn, bk, 4, 3, split)
 
@@ -105,10 +105,10 @@ def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> T
     64 x 64 spilled, 4 did not."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
-    kcap = triton.next_power_of_2(max(k, 16))
+    kcap = next_pow2(max(k, 16))
     if m <= 1:  # 2048 of K, 8k weights (both halves: 16k) a program, 4 warps
         bk = max(32, min(FP8_ROW_K, kcap))
-        return Tile(max(1, min(FP8_ROW_ELEMS // bk, triton.next_power_of_2(n))), bk, 4)
+        return Tile(max(1, min(FP8_ROW_ELEMS // bk, next_pow2(n))), bk, 4)
     bm = block_m(m)
     paired = kernel in PAIRED
     rows = n // 2 if paired else n
@@ -116,7 +116,7 @@ def fp8_default_tile(kernel: str, m: int, n: int, k: int, x_bytes: int = 2) -> T
     bk = max(16, min(128 if x_bytes <= 2 else 64, kcap))
     split = 1
     if kernel != "lm_head":
-        tiles = triton.cdiv(rows, bn)
+        tiles = cdiv(rows, bn)
         while (
             tiles * split < TARGET_PROGRAMS
             and k // (2 * split) >= bk

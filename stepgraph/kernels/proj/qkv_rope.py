@@ -24,6 +24,7 @@ import triton.language as tl
 from ...errors import ConfigError
 from ...tuning import DecodeTuning, default_tuning
 from ..elementwise.rope_kv import rope_kv_reference
+from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from .fp8_gemv import fp8_scales
 from .gemv_tiles import (
@@ -351,7 +352,7 @@ def qkv_rope(
                 "(or above it: one masked tile a head); pass other blocks (or blocks=None)"
             )
         pdl = resolve_pdl(use_pdl, x.device, t)
-        tiles = (n_heads + 2 * n_kv) * triton.cdiv(half, bd)
+        tiles = (n_heads + 2 * n_kv) * cdiv(half, bd)
         ws, tickets = q, q
         if tile.split_k > 1:
             elems = tiles * tile.split_k * 2 * bm * bd

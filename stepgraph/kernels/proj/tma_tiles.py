@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_math import cdiv
 from ..pdl import hopper_or_later
 from .gemv_tiles import (
     FENCE,
@@ -346,7 +347,7 @@ def prefetch_lines(
 def l2_lines(budget: int, block_n: int, k: int, split_k: int, block_k: int, elem: int) -> int:
     """``budget`` bytes, or all of a program's ``block_n`` rows over its split of ``k`` if less,
     as a power of two of 128-byte lines (0 below one line): ``l2_prefetch``'s ``LINES``."""
-    span = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    span = cdiv(cdiv(k, split_k), block_k) * block_k
     lines = min(budget, block_n * span * elem) // 128
     return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
 

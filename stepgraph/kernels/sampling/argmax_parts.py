@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..launch_math import next_pow2
 from ..proj.gemv_tiles import gpu_fence
 
 # Partials one reduce step holds per thread of the launch. The reduce's registers count for the
@@ -31,7 +32,7 @@ def fold_block(m_block: int, parts: int, num_warps: int, per_thread: int = PER_T
     """``BLOCK_P`` of the folded reduce: a power of two, at least 2, at most a row's partials
     (rounded up), and ``BLOCK_M * BLOCK_P`` at most ``PER_THREAD`` a thread of the launch."""
     cap = 1 << (max(1, per_thread * 32 * num_warps // m_block).bit_length() - 1)  # pow2 <=
-    return max(2, min(triton.next_power_of_2(parts), cap))
+    return max(2, min(next_pow2(parts), cap))
 
 
 @triton.jit

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ...tuning import DecodeTuning
+from ..launch_math import cdiv, next_pow2
 from ..pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
 
 BLOCK_V = 4096  # columns a program of the first launch reads: 32 programs a row at vocab 128256
@@ -99,7 +100,7 @@ def argmax_rows(
     tokens = out if out is not None else logits.new_empty(m, dtype=torch.int64)
     if m == 0:
         return tokens
-    parts = triton.cdiv(v, block_v)
+    parts = cdiv(v, block_v)
     keys = torch.empty(m, parts, dtype=torch.int32, device=logits.device)
     cols = torch.empty(m, parts, dtype=torch.int32, device=logits.device)
     pdl = resolve_pdl(use_pdl, logits.device, tuning)
@@ -121,7 +122,7 @@ def argmax_rows(
         tokens,
         parts,
         USE_PDL=pdl,
-        BLOCK_P=min(1024, triton.next_power_of_2(parts)),
+        BLOCK_P=min(1024, next_pow2(parts)),
         num_warps=1,
         **launch_options(pdl),
     )

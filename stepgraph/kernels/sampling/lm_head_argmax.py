@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...tuning import DecodeTuning, default_tuning
+from ..launch_math import next_pow2
 from ..pdl import launch_options, pdl_wait_then_trigger_short, resolve_pdl
 from ..proj.norm_gemv import argmax_programs, norm_gemv, norm_gemv_reference
 from .argmax_parts import parts_argmax
@@ -99,7 +100,7 @@ def lm_head_argmax(
             n_prog,
             part_val.stride(0),
             USE_PDL=pdl,
-            BLOCK_P=min(1024, triton.next_power_of_2(n_prog)),
+            BLOCK_P=min(1024, next_pow2(n_prog)),
             num_warps=4,
             **launch_options(pdl),
         )
