@@ -11,6 +11,7 @@ import torch
 
 from ..batch import PACKED, ForwardBatch, ForwardMode, unpacked_batch
 from ..errors import ConfigError
+from ..kernels.triton_setup import start_triton_key
 from ..tuning import DecodeTuning, default_tuning
 from .attention import PagedAttentionBackend
 from .config import ModelConfig, get_preset
@@ -38,6 +39,12 @@ def default_context_len(config: ModelConfig, max_context_len: int | None = None)
     """``max_context_len`` if given, else the model's positions capped at
     ``DEFAULT_MAX_CONTEXT_LEN`` (the KV cache is sized for it)."""
     return max_context_len or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
+
+
+def _warm_triton(device: torch.device | str) -> None:
+    """On CUDA, Triton's own hash computed while the weights load (``triton_setup``)."""
+    if torch.device(device).type == "cuda":
+        start_triton_key()
 
 
 class ModelRunner:
@@ -164,6 +171,7 @@ class ModelRunner:
         """A model of ``config`` with random weights from ``seed`` (see ``init_random``);
         ``quantization="fp8"``: its projections then quantized per channel (``Fp8Linear``)."""
         check_quantization(quantization)
+        _warm_triton(device)
         max_context_len = default_context_len(config, max_context_len)
         model = init_random(build_model(config, device, dtype, max_positions=max_context_len), seed)
         if quantization == "fp8":
@@ -219,6 +227,7 @@ class ModelRunner:
         from .hf_loader import load_hf_config, load_hf_model
 
         check_quantization(quantization)
+        _warm_triton(device)
         config = load_hf_config(path)
         max_context_len = default_context_len(config, max_context_len)
         model = load_hf_model(
