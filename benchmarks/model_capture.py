@@ -10,13 +10,17 @@ bf16's).
 The modes run one after the other in one process, in ``--modes`` order: the first pays every
 kernel variant's first use (a Triton compile, or a load from its disk cache) in its eager
 warm-ups, the later ones find them compiled. ``warmup_seconds`` (per bucket in the ledger)
-says how much of each capture that was; ``--modes exact,graph`` swaps who pays.
+says how much of each capture that was; ``--modes exact,graph`` swaps who pays. Each mode also
+prints its seconds by phase (the first eager run of each bucket, host time; the later ones;
+recording and instantiating; exact's plan of the attention nodes) and the wall time of the
+runner's construction, which adds the loop's own work (freezing the collector, buffers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -56,6 +60,8 @@ def main() -> None:
     rows = {}
     modes = args.modes.split(",")
     for mode in modes:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         runner = CudaGraphRunner(
             mr,
             RunnerConfig(
@@ -65,10 +71,15 @@ def main() -> None:
                 warmup_iters=args.warmup_iters,
             ),
         )
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0  # the runner's construction: what a caller waits
         s = runner.stats.capture
         rows[mode] = {
             "buckets": len(s.buckets),
             "seconds": round(s.seconds, 3),
+            "wall_seconds": round(wall, 3),
+            # first eager runs (host), later ones, recording, exact's plan, the rest
+            "phases": {k: round(v, 3) for k, v in s.phases().items()},
             # the eager warm-ups: first-use compiles of the kernel variants land here
             "warmup_seconds": round(s.warmup_seconds, 3),
             "capture_seconds_after_warmup": round(s.seconds - s.warmup_seconds, 3),
@@ -87,7 +98,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     rows["model"] = args.model
     rows["quantization"] = args.quantization
-    rows["summary"] = {f"{m}_{k}": v for m in modes for k, v in rows[m].items() if k != "ledger"}
+    rows["summary"] = {
+        f"{m}_{k}": v for m in modes for k, v in rows[m].items() if k not in ("ledger", "phases")
+    }
     rows["order"] = modes
     if args.json:
         with open(args.json, "w") as f:
@@ -99,8 +112,10 @@ def main() -> None:
             f"{r['warmup_seconds']:.2f} s), "
             f"pool {r['pool_mib']:.0f} MiB (target <= 256; allocator's count "
             f"{r['pool_held_mib']}), outside {r['outside_mib']:.0f} MiB, "
-            f"slowest {r['slowest_bucket_s']} s"
+            f"slowest {r['slowest_bucket_s']} s; "
+            f"the runner's construction {r['wall_seconds']:.2f} s"
         )
+        print("       by phase (s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
 
 
 if __name__ == "__main__":

@@ -161,10 +161,15 @@ def capture_step(
         try:
             start = backend.pool_mark()
             t0 = time.perf_counter()
-            backend.warmup(step, warmup_iters)
+            backend.warmup(step, 1)
+            first = time.perf_counter() - t0  # host time: its launches are queued
+            if warmup_iters > 1:
+                backend.warmup(step, warmup_iters - 1)
             before = backend.pool_mark()  # what the warm-up left live is outside the pool
-            warm = time.perf_counter() - t0  # pool_mark synchronized: the warm-up has run
+            t1 = time.perf_counter()
+            warm = t1 - t0  # pool_mark synchronized: the warm-up has run
             graph = backend.capture(step, key=key)
+            record = time.perf_counter() - t1
         except CaptureError:
             raise
         except Exception as e:
@@ -173,7 +178,8 @@ def capture_step(
                 "call, or run it eagerly."
             ) from e
     held = backend.held_bytes()
-    return graph, BucketStats(bs, sw.seconds, before, held, before - start, warm)
+    stats = BucketStats(bs, sw.seconds, before, held, before - start, warm, first, record)
+    return graph, stats
 
 
 def storage_ptrs(tensors: Iterable[Any]) -> set[int]:

@@ -14,6 +14,7 @@ retunes attention nodes in mode "exact", replays, and returns the first ``bs`` o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from threading import current_thread
@@ -170,7 +171,10 @@ class CudaGraphRunner(GraphRunnerBase):
         self.graphs[bs] = graph
         self.output_buffers[bs] = graph.output
         if self._updater is not None:
+            t0 = time.perf_counter()
             self._plans[bs] = self._updater.plan(graph, bs)
+            plan = time.perf_counter() - t0  # host work: reads the graph's nodes
+            stats = replace(stats, seconds=stats.seconds + plan, plan_seconds=plan)
         return stats
 
     def _forward_for(self, bs: int) -> Callable[[ForwardBatch], torch.Tensor]:

@@ -37,6 +37,13 @@ class BucketStats:
     # launches is compiled or loaded on its first use in the process (the first runner to
     # capture pays it; a second runner over the same model, or another mode, does not)
     warmup_seconds: float = 0.0
+    # of ``warmup_seconds``, the host time of the first eager run (its launches queued): with a
+    # warm process, the step's Python (docs/experiments.md#launch-arithmetic-in-plain-python)
+    first_warmup_seconds: float = 0.0
+    # of ``seconds``: the capture itself (recording the step, instantiating the graph), and the
+    # exact mode's plan of the graph's attention nodes (``ExecUpdater.plan``) after it
+    record_seconds: float = 0.0
+    plan_seconds: float = 0.0
 
     @property
     def pool_bytes(self) -> int:
@@ -67,6 +74,21 @@ class CaptureStats:
         """Of ``seconds``, the eager warm-ups (first-use compiles land here)."""
         return sum(b.warmup_seconds for b in self.buckets)
 
+    def phases(self) -> dict[str, float]:
+        """Seconds of every bucket's capture by phase, summed: the first eager run (host),
+        the later ones and the device's finishing of both, the recording and instantiation,
+        the exact mode's plan, and the rest (the allocator's marks before the warm-ups)."""
+        first = sum(b.first_warmup_seconds for b in self.buckets)
+        record = sum(b.record_seconds for b in self.buckets)
+        plan = sum(b.plan_seconds for b in self.buckets)
+        return {
+            "first_warmup": first,
+            "later_warmups": self.warmup_seconds - first,
+            "record": record,
+            "plan": plan,
+            "other": self.seconds - self.warmup_seconds - record - plan,
+        }
+
     def summary(self) -> str:
         return (
             f"captured {len(self.buckets)} buckets in {self.seconds:.2f} s, "
@@ -87,6 +109,9 @@ class CaptureStats:
                 "bs": b.bs,
                 "seconds": round(b.seconds, 4),
                 "warmup_seconds": round(b.warmup_seconds, 4),
+                "first_warmup_seconds": round(b.first_warmup_seconds, 4),
+                "record_seconds": round(b.record_seconds, 4),
+                "plan_seconds": round(b.plan_seconds, 4),
                 "pool_mib": round(b.pool_bytes / 2**20, 2),
                 "outside_mib": round(b.outside_bytes / 2**20, 2),
             }

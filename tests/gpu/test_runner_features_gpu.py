@@ -89,6 +89,10 @@ def test_reinstantiate_in_exact_mode_pushes_every_edit_again():
     mr = _model(max_bs=4)
     cfg = RunnerConfig(capture_bs=(1, 4), mode="exact", show_progress=False)
     runner = CudaGraphRunner(mr, cfg)
+    # the ledger counts each bucket's plan of its attention nodes in its seconds
+    ledger = runner.stats.capture
+    assert all(0 < b.plan_seconds < b.seconds for b in ledger.buckets)
+    assert ledger.phases()["plan"] == sum(b.plan_seconds for b in ledger.buckets)
     cases = [([700], 1), ([300, 2500, 90, 1200], 2), ([4096], 3)]  # below the buckets' splits
     try:
         for lens, seed in cases:
