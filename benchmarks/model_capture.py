@@ -78,6 +78,7 @@ def main() -> None:
             "buckets": len(s.buckets),
             "seconds": round(s.seconds, 3),
             "wall_seconds": round(wall, 3),
+            "kernel_variants": s.kernel_variants,  # first used in this process, in this capture
             # first eager runs (host), later ones, recording, exact's plan, the rest
             "phases": {k: round(v, 3) for k, v in s.phases().items()},
             # the eager warm-ups: first-use compiles of the kernel variants land here
@@ -113,7 +114,8 @@ def main() -> None:
             f"pool {r['pool_mib']:.0f} MiB (target <= 256; allocator's count "
             f"{r['pool_held_mib']}), outside {r['outside_mib']:.0f} MiB, "
             f"slowest {r['slowest_bucket_s']} s; "
-            f"the runner's construction {r['wall_seconds']:.2f} s"
+            f"the runner's construction {r['wall_seconds']:.2f} s, "
+            f"{r['kernel_variants']} kernel variants first used"
         )
         print("       by phase (s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
 

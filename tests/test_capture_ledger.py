@@ -155,3 +155,42 @@ def test_ledger_splits_a_capture_into_its_phases():
     assert phases["record"] >= 0.15 and phases["other"] >= 0.0
     row = stats.ledger()[0]
     assert row["first_warmup_seconds"] >= 0.2 and row["record_seconds"] >= 0.15
+
+
+def test_kernel_variants_first_used_in_the_capture_show_while_it_runs(capsys):
+    """A compile during the warm-ups (Triton's post-compile hook, as a cold first bucket fires
+    it for each variant) shows in the progress bar as it happens and is counted in the stats;
+    the hook set before the capture is called too, and restored after it."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    seen = []
+
+    def previous(**kwargs):  # a hook of the caller's, set before the capture
+        seen.append(kwargs["fn"].name)
+
+    knobs.runtime.jit_post_compile_hook, before = previous, knobs.runtime.jit_post_compile_hook
+    try:
+        mr = ToyModelRunner(num_pages=160, seed=3)
+        forward, calls = mr.forward, []
+
+        def compiling_forward(batch):
+            if len(calls) < 2:  # two variants on first use, in the first bucket's warm-up
+                info = SimpleNamespace(module="toy", name=f"kernel{len(calls)}", jit_function=None)
+                knobs.runtime.jit_post_compile_hook(fn=info)
+            calls.append(1)
+            return forward(batch)
+
+        mr.forward = compiling_forward
+        runner = CudaGraphRunner(mr, RunnerConfig(max_bs=4, show_progress=True))
+        assert knobs.runtime.jit_post_compile_hook is previous  # restored
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    stats = runner.stats.capture
+    assert stats.kernel_variants == 2 and seen == ["kernel0", "kernel1"]
+    assert stats.summary().endswith(", 2 kernel variants first used")
+    err = capsys.readouterr().err
+    assert "kernels=1" in err and "kernels=2" in err
+    again = CudaGraphRunner(mr, RunnerConfig(max_bs=4, show_progress=False)).stats.capture
+    assert again.kernel_variants == 0 and "kernel variant" not in again.summary()

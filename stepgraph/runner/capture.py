@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..backends import CapturedGraph, GraphBackend
 from ..errors import CaptureError
 from ..graph_pool import GraphPool
+from .compiles import CompileCounter
 from .config import RunnerConfig
 from .stats import BucketStats, CaptureStats, Stopwatch
 
@@ -134,10 +135,16 @@ def capture_loop(
     bar = tqdm(
         list(items), desc="stepgraph capture", unit="graph", disable=not show_progress, leave=False
     )
-    with freeze_gc(freeze), model_capture_mode():
+
+    def progress(kernels: int) -> None:  # a cold first bucket compiles for tens of seconds
+        bar.set_postfix(pool_mib=f"{stats.pool_bytes / 2**20:.1f}", kernels=kernels)
+
+    counter = CompileCounter(on_compile=progress if show_progress else None)
+    with freeze_gc(freeze), model_capture_mode(), counter:
         for item in bar:
             stats.buckets.append(capture_one(item))
-            bar.set_postfix(pool_mib=f"{stats.pool_bytes / 2**20:.1f}")
+            progress(counter.count)
+    stats.kernel_variants = counter.count
     if backend is not None:
         stats.pool_held_bytes = backend.pool_held_bytes()
     logger.info("stepgraph: %s", stats.summary())

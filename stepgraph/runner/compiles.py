@@ -16,7 +16,7 @@ after every compile, cache hit on disk included: a new variant in this process),
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -59,16 +59,19 @@ class CompileCounter:
     """While inside, every Triton compile in this process is counted by kernel name (its
     ``jit_post_compile_hook``; one set before is still called, and restored on exit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_compile: Callable[[int], Any] | None = None) -> None:
         self.names: Counter[str] = Counter()
         self._knobs: Any = None
         self._previous: Any = None
+        self._on_compile = on_compile  # called with the count after each compile (progress)
 
     def hook(self, *args: Any, **kwargs: Any) -> Any:
         info = kwargs.get("fn")  # Triton's JitFunctionInfo(module, name, jit_function)
         name = getattr(info, "name", None)
         key = f"{info.module}.{name}" if name else str(kwargs.get("repr", "?"))
         self.names[key] += 1
+        if self._on_compile is not None:
+            self._on_compile(self.count)
         if self._previous is not None:
             return self._previous(*args, **kwargs)
         return None

@@ -56,6 +56,9 @@ class CaptureStats:
     # The allocator's own count of the pool's segments after capture (None: not measured, e.g.
     # on the CPU); the ledger's pool column sums to it when the pool was empty before.
     pool_held_bytes: int | None = None
+    # Triton kernel variants compiled, or loaded from its disk cache, during the capture: the
+    # first uses in this process (0 for a second runner over the same model, or on the CPU)
+    kernel_variants: int = 0
 
     @property
     def seconds(self) -> float:
@@ -90,9 +93,11 @@ class CaptureStats:
         }
 
     def summary(self) -> str:
+        n = self.kernel_variants
+        first_uses = f", {n} kernel variant{'s' * (n != 1)} first used" if n else ""
         return (
             f"captured {len(self.buckets)} buckets in {self.seconds:.2f} s, "
-            f"pool {self.pool_bytes / 2**20:.1f} MiB"
+            f"pool {self.pool_bytes / 2**20:.1f} MiB{first_uses}"
         )
 
     def as_dict(self) -> dict:
