@@ -129,7 +129,8 @@ def capture_loop(
     backend: GraphBackend | None = None,
 ) -> CaptureStats:
     """Capture every item in order inside one frozen-GC capture-mode block, with a progress bar
-    and a one-line summary (graphs, seconds, pool MiB) at the end. ``backend``: whose pool the
+    (pool MiB, and the kernel variants used first as each one compiles or loads) and a one-line
+    summary (graphs, seconds, pool MiB, kernel variants) at the end. ``backend``: whose pool the
     allocator is asked about afterwards (``CaptureStats.pool_held_bytes``)."""
     stats = CaptureStats()
     bar = tqdm(
