@@ -127,13 +127,13 @@ def test_ledger_counts_a_first_use_compile_in_the_warm_up_of_its_bucket():
 
 def test_ledger_splits_a_capture_into_its_phases():
     """Each bucket's seconds split into the first eager run, the later ones, the recording and
-    the rest; a slow first run (0.2 s), a slow second run (0.1 s) and a slow captured run
-    (0.15 s) land in their own phase, and the phases add up to the capture's seconds."""
+    the rest; a slow first run (0.3 s), a slow second run (0.1 s) and a slow captured run
+    (0.2 s) land in their own phase, and the phases add up to the capture's seconds."""
     import time
 
     mr = ToyModelRunner(num_pages=160, seed=3)
     forward, calls = mr.forward, []
-    naps = {0: 0.2, 1: 0.1, 2: 0.15}  # the largest bucket's two warm-ups, then its capture
+    naps = {0: 0.3, 1: 0.1, 2: 0.2}  # the largest bucket's two warm-ups, then its capture
 
     def slow_forward(batch):
         time.sleep(naps.get(len(calls), 0.0))
@@ -144,17 +144,17 @@ def test_ledger_splits_a_capture_into_its_phases():
     stats = CudaGraphRunner(mr, RunnerConfig(max_bs=4, show_progress=False)).stats.capture
     first, *rest = stats.buckets
     assert first.bs == 4
-    assert 0.2 <= first.first_warmup_seconds < 0.3
-    assert 0.1 <= first.warmup_seconds - first.first_warmup_seconds < 0.2
-    assert 0.15 <= first.record_seconds < first.seconds - first.warmup_seconds + 1e-9
+    assert 0.3 <= first.first_warmup_seconds < 0.5
+    assert 0.1 <= first.warmup_seconds - first.first_warmup_seconds < 0.3
+    assert 0.2 <= first.record_seconds < first.seconds - first.warmup_seconds + 1e-9
     assert first.plan_seconds == 0.0  # mode graph: no plan
     assert all(b.first_warmup_seconds < 0.1 and b.record_seconds < 0.1 for b in rest)
     phases = stats.phases()
     assert abs(sum(phases.values()) - stats.seconds) < 1e-9
-    assert phases["first_warmup"] >= 0.2 and phases["later_warmups"] >= 0.1
-    assert phases["record"] >= 0.15 and phases["other"] >= 0.0
+    assert phases["first_warmup"] >= 0.3 and phases["later_warmups"] >= 0.1
+    assert phases["record"] >= 0.2 and phases["other"] >= 0.0
     row = stats.ledger()[0]
-    assert row["first_warmup_seconds"] >= 0.2 and row["record_seconds"] >= 0.15
+    assert row["first_warmup_seconds"] >= 0.3 and row["record_seconds"] >= 0.2
 
 
 def test_kernel_variants_first_used_in_the_capture_show_while_it_runs(capsys):
