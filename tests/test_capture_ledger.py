@@ -141,7 +141,8 @@ def test_ledger_splits_a_capture_into_its_phases():
         return forward(batch)
 
     mr.forward = slow_forward
-    stats = CudaGraphRunner(mr, RunnerConfig(max_bs=4, show_progress=False)).stats.capture
+    cfg = RunnerConfig(max_bs=4, show_progress=False, warmup_until_settled=False)
+    stats = CudaGraphRunner(mr, cfg).stats.capture
     first, *rest = stats.buckets
     assert first.bs == 4
     assert 0.3 <= first.first_warmup_seconds < 0.5

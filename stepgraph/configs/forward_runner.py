@@ -166,7 +166,14 @@ class ConfigGraphRunner(GraphRunnerBase):
             forward = torch.compile(forward, dynamic=False)
         step = lambda: forward(walk=key.walk, inputs=static)  # reads only static buffers
         try:
-            graph, stats = capture_step(self._backend, step, key=key, bs=key.bs, what=f"{key}")
+            graph, stats = capture_step(
+                self._backend,
+                step,
+                key=key,
+                bs=key.bs,
+                what=f"{key}",
+                until_settled=not (c.compile and self.compile_enabled),  # torch.compile's kernels
+            )
             self._check_output(graph.output, static, key, rows=next(iter(static.values())))
         except BaseException:
             self._release_graphs()

@@ -124,7 +124,14 @@ class PiecewiseRunner(GraphRunnerBase):
                 views.update(self._shared.copy_in(raw, shape))
                 return next(iter(views.values()))
 
-            graph, stats = capture_step(self._backend, step, key=key, bs=shape.bs, what=what)
+            graph, stats = capture_step(
+                self._backend,
+                step,
+                key=key,
+                bs=shape.bs,
+                what=what,
+                until_settled=not self.compile_enabled,  # torch.compile's kernels: not counted
+            )
             earlier = [t for out in self.outputs.values() for t in out.values()]
             known = [*static.values(), *resources.values(), *call.kwargs.values(), *earlier]
             outputs = region.seal(storage_ptrs(known))

@@ -7,7 +7,8 @@ read and write one explicit ``CaptureState`` instead of scattered globals, and
 
     with freeze_gc(), model_capture_mode():          # capture_loop, in short
         for key in keys_largest_first:
-            backend.warmup(step, iters)              # compiles every kernel variant
+            backend.warmup(step, 1)                  # compiles every kernel variant
+            ...                                      # again while a run used a new one
             graph = backend.capture(step, key=key)   # one side stream, one shared pool
 """
 
@@ -48,6 +49,9 @@ class CaptureState:
 
     pool: Any = None
     capturing: bool = False
+    # Inside ``capture_loop``: its count of Triton kernel variants first used, which tells a
+    # bucket's warm-ups when they have settled (``capture_step``)
+    compiles: CompileCounter | None = None
 
     def pool_for_new_runner(self) -> GraphPool:
         """The pool a runner created now captures into: the global one, or a fresh one that
@@ -142,9 +146,13 @@ def capture_loop(
 
     counter = CompileCounter(on_compile=progress if show_progress else None)
     with freeze_gc(freeze), model_capture_mode(), counter:
-        for item in bar:
-            stats.buckets.append(capture_one(item))
-            progress(counter.count)
+        STATE.compiles = counter
+        try:
+            for item in bar:
+                stats.buckets.append(capture_one(item))
+                progress(counter.count)
+        finally:
+            STATE.compiles = None
     stats.kernel_variants = counter.count
     if backend is not None:
         stats.pool_held_bytes = backend.pool_held_bytes()
@@ -162,17 +170,32 @@ def capture_step(
     bs: int,
     what: str,
     warmup_iters: int = RunnerConfig.warmup_iters,
+    until_settled: bool = True,
 ) -> tuple[CapturedGraph, BucketStats]:
     """Warm ``step`` up eagerly, then capture it. Failures become ``CaptureError`` naming
-    ``what`` and chaining the cause; the caller releases what it captured before."""
+    ``what`` and chaining the cause; the caller releases what it captured before.
+
+    At most ``warmup_iters`` eager runs. Inside ``capture_loop`` with ``until_settled``, a run
+    after the first follows only a run that used a Triton kernel variant for the first time
+    (compiled or loaded from the disk cache): a run that used none has nothing left to settle,
+    and the recording would find every kernel loaded. A step whose kernels come from
+    ``torch.compile`` (which the count does not see) passes ``until_settled=False``."""
+    counter = STATE.compiles if until_settled else None
     with Stopwatch(backend.device) as sw:
         try:
             start = backend.pool_mark()
             t0 = time.perf_counter()
+            seen = counter.count if counter is not None else 0
             backend.warmup(step, 1)
             first = time.perf_counter() - t0  # host time: its launches are queued
-            if warmup_iters > 1:
-                backend.warmup(step, warmup_iters - 1)
+            runs = 1
+            while runs < warmup_iters:
+                if counter is not None:
+                    if counter.count == seen:
+                        break  # the last run used no new variant
+                    seen = counter.count
+                backend.warmup(step, 1)
+                runs += 1
             before = backend.pool_mark()  # what the warm-up left live is outside the pool
             t1 = time.perf_counter()
             warm = t1 - t0  # pool_mark synchronized: the warm-up has run
@@ -186,7 +209,7 @@ def capture_step(
                 "call, or run it eagerly."
             ) from e
     held = backend.held_bytes()
-    stats = BucketStats(bs, sw.seconds, before, held, before - start, warm, first, record)
+    stats = BucketStats(bs, sw.seconds, before, held, before - start, warm, first, record, 0.0, runs)
     return graph, stats
 
 

@@ -30,7 +30,13 @@ class RunnerConfig:
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     torch_compile_mode: str = "max-autotune-no-cudagraphs"  # the graph runner owns the graphs
+    # Eager runs of each bucket before its capture, at most. With ``warmup_until_settled``, a
+    # run after the first follows only a run that used a Triton kernel variant for the first
+    # time (``capture_step``): the second run of a bucket whose kernels were all loaded already
+    # bought nothing (docs/experiments.md#warm-ups-until-nothing-new-loads). Set it False for a
+    # model with lazy state of its own that needs every run.
     warmup_iters: int = 2
+    warmup_until_settled: bool = True
     backend: str = "auto"  # "cuda", "cpu" (stand-in) or "auto" (by device)
     show_progress: bool = True
     freeze_gc: bool = True

@@ -167,6 +167,8 @@ class CudaGraphRunner(GraphRunnerBase):
             bs=bs,
             what=f"the decode step for batch size {bs}",
             warmup_iters=self.config.warmup_iters,
+            # torch.compile's kernels are not in the count: its buckets take every run
+            until_settled=self.config.warmup_until_settled and bs not in self.compile_bs,
         )
         self.graphs[bs] = graph
         self.output_buffers[bs] = graph.output

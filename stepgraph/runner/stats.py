@@ -44,6 +44,9 @@ class BucketStats:
     # exact mode's plan of the graph's attention nodes (``ExecUpdater.plan``) after it
     record_seconds: float = 0.0
     plan_seconds: float = 0.0
+    # eager runs before the capture: one, and another while the last used a kernel variant
+    # for the first time, up to ``RunnerConfig.warmup_iters`` (``capture_step``)
+    warmups: int = 1
 
     @property
     def pool_bytes(self) -> int:
@@ -117,6 +120,7 @@ class CaptureStats:
                 "first_warmup_seconds": round(b.first_warmup_seconds, 4),
                 "record_seconds": round(b.record_seconds, 4),
                 "plan_seconds": round(b.plan_seconds, 4),
+                "warmups": b.warmups,
                 "pool_mib": round(b.pool_bytes / 2**20, 2),
                 "outside_mib": round(b.outside_bytes / 2**20, 2),
             }
@@ -125,14 +129,17 @@ class CaptureStats:
 
     def ledger_table(self) -> str:
         """The ledger as text: one line per bucket, then the totals."""
-        lines = [f"{'bs':>6} {'seconds':>8} {'warm-up':>8} {'pool MiB':>9} {'outside MiB':>11}"]
+        lines = [
+            f"{'bs':>6} {'seconds':>8} {'warm-up':>8} {'runs':>4} {'pool MiB':>9} {'outside MiB':>11}"
+        ]
         for r in self.ledger():
             lines.append(
-                f"{r['bs']:>6} {r['seconds']:>8.3f} {r['warmup_seconds']:>8.3f} "
+                f"{r['bs']:>6} {r['seconds']:>8.3f} {r['warmup_seconds']:>8.3f} {r['warmups']:>4} "
                 f"{r['pool_mib']:>9.1f} {r['outside_mib']:>11.1f}"
             )
+        runs = sum(b.warmups for b in self.buckets)
         lines.append(
-            f"{'total':>6} {self.seconds:>8.3f} {self.warmup_seconds:>8.3f} "
+            f"{'total':>6} {self.seconds:>8.3f} {self.warmup_seconds:>8.3f} {runs:>4} "
             f"{self.pool_bytes / 2**20:>9.1f} {self.outside_bytes / 2**20:>11.1f}"
         )
         return "\n".join(lines)
