@@ -209,7 +209,9 @@ def capture_step(
                 "call, or run it eagerly."
             ) from e
     held = backend.held_bytes()
-    stats = BucketStats(bs, sw.seconds, before, held, before - start, warm, first, record, 0.0, runs)
+    stats = BucketStats(
+        bs, sw.seconds, before, held, before - start, warm, first, record, warmups=runs
+    )
     return graph, stats
 
 

@@ -129,9 +129,8 @@ class CaptureStats:
 
     def ledger_table(self) -> str:
         """The ledger as text: one line per bucket, then the totals."""
-        lines = [
-            f"{'bs':>6} {'seconds':>8} {'warm-up':>8} {'runs':>4} {'pool MiB':>9} {'outside MiB':>11}"
-        ]
+        head = ("bs", 6), ("seconds", 8), ("warm-up", 8), ("runs", 4), ("pool MiB", 9)
+        lines = [" ".join(f"{name:>{w}}" for name, w in head) + f" {'outside MiB':>11}"]
         for r in self.ledger():
             lines.append(
                 f"{r['bs']:>6} {r['seconds']:>8.3f} {r['warmup_seconds']:>8.3f} {r['warmups']:>4} "
