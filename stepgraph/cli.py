@@ -54,7 +54,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         from .model.decode.kernel_plan import format_plan
 
         dtype = args.dtype or "bfloat16"
-        print(format_plan(args.model, dtype, config, DTYPES[dtype].itemsize))
+        itemsize = DTYPES[dtype].itemsize
+        print(format_plan(args.model, dtype, config, itemsize, quantization=args.quantization))
     return 0
 
 
@@ -258,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, GPU, driver, and what is missing")
     add_model_args(
         info,
-        quantization_help=None,
+        quantization_help="for --model: the plan with the projections' weights in FP8 (e4m3) "
+        "per channel, as --quantization fp8 loads them",
         model_help="also print which decode kernels run at each batch bucket for this preset "
         "or local HF directory (no weights are read)",
     )

@@ -113,6 +113,35 @@ def test_info_prints_the_plan(capsys):
     assert "argument --model: 'no-such-model' is neither a preset" in capsys.readouterr().err
 
 
+def test_info_prints_the_fp8_plan(capsys):
+    """``--quantization fp8``: the projections' tiles from the FP8 table, each marked with
+    what its activations run as; the LM head stays in the model's dtype, unmarked."""
+    from stepgraph.kernels.proj.tile_table import FP8_TILES
+
+    assert main(["info", "--model", "llama-3.2-1b", "--quantization", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "(bfloat16, FP8 (e4m3) projection weights per channel," in out
+    fp8 = {
+        b: c
+        for b, _, c in kernel_plan.kernel_plan(
+            PRESETS["llama-3.2-1b"], 2, None, None, "fp8-channel"
+        )
+    }
+    assert fp8[1]["o_proj"] == "gemv_residual 8x2048 w4 W8A16"  # the one-row GEMV
+    assert FP8_TILES[("gemv_residual", 2048, 2048, 1)] == kernel_plan.Tile(8, 2048, 4)
+    assert fp8[32]["down"].startswith("gemv_residual 64x256 w4 s3 split8 TMA1 W8A8")
+    assert "    down      gemv_residual 64x256 w4 s3 split8 TMA1 W8A8" in out
+    for pieces in fp8.values():
+        assert "W8" not in pieces["lm_head"] and "W8" not in pieces["attention"]
+        assert all(
+            ("W8A8" in c) != ("W8A16" in c)
+            for p, c in pieces.items()
+            if p not in ("lm_head", "attention")
+        )
+    plain = by_bucket(PRESETS["llama-3.2-1b"])
+    assert not any("W8" in c for _, pieces in plain.values() for c in pieces.values())
+
+
 @pytest.fixture(scope="module")
 def mr():
     runner = build_model_runner("tiny", "cpu", torch.float32, max_bs=17, max_context=64)

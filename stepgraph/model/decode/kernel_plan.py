@@ -14,6 +14,7 @@ from .step_attention import describe
 from .step_plan import (
     CUBLAS,
     CUBLAS_HANDOFF,
+    FP8_FUSED,
     HANDOFF,
     PIECE_KERNELS,
     SEPARATE,
@@ -41,25 +42,34 @@ def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def config_shapes(config: ModelConfig, elem_bytes: int = 2) -> StepShapes:
+def config_shapes(
+    config: ModelConfig, elem_bytes: int = 2, weight_format: str = "plain"
+) -> StepShapes:
     """The plan's ``StepShapes`` of an unsharded model of ``config`` (the H200's
-    multiprocessors, any context: the split ladder's cap)."""
+    multiprocessors, any context: the split ladder's cap); ``weight_format`` ``"fp8-channel"``:
+    the projections' weights quantized to e4m3 per channel, as ``--quantization fp8`` loads
+    them."""
     attn = (config.num_heads, config.num_kv_heads, config.head_dim)
-    return StepShapes(**piece_shapes(config), attention=attn, elem_bytes=elem_bytes)
+    return StepShapes(
+        **piece_shapes(config), attention=attn, elem_bytes=elem_bytes, weight_format=weight_format
+    )
 
 
-def tile_text(t: Tile) -> str:
-    """``Tile(64, 128, 4, 5, 4, 1)`` -> ``64x128 w4 s5 split4 TMA1`` (defaults left out)."""
+def tile_text(t: Tile, fp8: bool = False) -> str:
+    """``Tile(64, 128, 4, 5, 4, 1)`` -> ``64x128 w4 s5 split4 TMA1`` (defaults left out); with
+    ``fp8`` (e4m3 weights) the tile's activations too: ``W8A8`` (x quantized per row on FP8
+    tensor cores, an ``a8`` tile) or ``W8A16``."""
     parts = [f"{t.block_n}x{t.block_k}", f"w{t.num_warps}"]
     parts += [f"s{t.num_stages}"] if t.num_stages else []
     parts += [f"split{t.split_k}"] if t.split_k > 1 else []
     parts += [f"TMA{t.tma}"] if t.tma else []
+    parts += [("W8A8" if t.a8 else "W8A16")] if fp8 else []
     return " ".join(parts)
 
 
-def proj_text(piece: str, p: ProjPlan, layer0: ProjPlan | None = None) -> str:
+def proj_text(piece: str, p: ProjPlan, layer0: ProjPlan | None = None, fp8: bool = False) -> str:
     """One projection of the plan as text (``layer0``: qkv's form at layer 0, where it
-    differs)."""
+    differs; ``fp8``: the projection streams e4m3 weights)."""
     kernel = PIECE_KERNELS[piece]
     if p.how == CUBLAS_HANDOFF and piece == "qkv":
         return (
@@ -73,22 +83,23 @@ def proj_text(piece: str, p: ProjPlan, layer0: ProjPlan | None = None) -> str:
         )
     if p.how == CUBLAS:
         return f"norm + cuBLAS + {BESIDE[piece]}"
-    text = f"{'norm, then ' if p.how == SEPARATE else ''}{kernel} {tile_text(p.tile)}"
+    text = f"{'norm, then ' if p.how == SEPARATE else ''}{kernel} {tile_text(p.tile, fp8)}"
     if p.how == HANDOFF:
         text += SUMS
         if layer0 is not None:  # layer 0's input is the embedding: no sums beside it
-            text += f" (layer 0: {proj_text(piece, layer0)})"
+            text += f" (layer 0: {proj_text(piece, layer0, fp8=fp8)})"
     return text
 
 
-def choices(plan: StepPlan) -> dict[str, str]:
-    """``{piece: text}`` in the step's order, the attention's after qkv."""
+def choices(plan: StepPlan, fp8: bool = False) -> dict[str, str]:
+    """``{piece: text}`` in the step's order, the attention's after qkv (``fp8``: the
+    projections stream e4m3 weights, the LM head its own dtype)."""
     return {
-        "qkv": proj_text("qkv", plan.qkv, plan.qkv0),
+        "qkv": proj_text("qkv", plan.qkv, plan.qkv0, fp8),
         "attention": describe(plan.attention),
-        "o_proj": proj_text("o_proj", plan.o_proj),
-        "gate_up": proj_text("gate_up", plan.gate_up),
-        "down": proj_text("down", plan.down),
+        "o_proj": proj_text("o_proj", plan.o_proj, fp8=fp8),
+        "gate_up": proj_text("gate_up", plan.gate_up, fp8=fp8),
+        "down": proj_text("down", plan.down, fp8=fp8),
         "lm_head": proj_text("lm_head", plan.lm_head),
     }
 
@@ -104,27 +115,39 @@ def path_text(plan: StepPlan) -> str:
 
 
 def kernel_plan(
-    config: ModelConfig, elem_bytes: int = 2, buckets=None, tuning: DecodeTuning | None = None
+    config: ModelConfig,
+    elem_bytes: int = 2,
+    buckets=None,
+    tuning: DecodeTuning | None = None,
+    weight_format: str = "plain",
 ):
     """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``: the
     step's plan at each (choices empty where the reference kernels run)."""
-    shapes, t = config_shapes(config, elem_bytes), default_tuning(tuning)
+    shapes, t = config_shapes(config, elem_bytes, weight_format), default_tuning(tuning)
+    fp8 = weight_format == FP8_FUSED
     out = []
     for b in buckets or default_capture_sizes(FUSED_MAX_BS):
         plan = plan_step(shapes, b, b, t)
-        out.append((b, path_text(plan), choices(plan) if plan.fused else {}))
+        out.append((b, path_text(plan), choices(plan, fp8) if plan.fused else {}))
     return out
 
 
 def format_plan(
-    name: str, dtype: str, config: ModelConfig, elem_bytes: int, tuning: DecodeTuning | None = None
+    name: str,
+    dtype: str,
+    config: ModelConfig,
+    elem_bytes: int,
+    tuning: DecodeTuning | None = None,
+    quantization: str | None = None,
 ) -> str:
-    """The plan as ``stepgraph info --model`` prints it."""
+    """The plan as ``stepgraph info --model [--quantization fp8]`` prints it."""
+    weights = ", FP8 (e4m3) projection weights per channel" if quantization == "fp8" else ""
     lines = [
-        f"decode kernels of {name} ({dtype}, the fused step on CUDA; `--kernels reference`"
-        " runs the reference kernels everywhere):"
+        f"decode kernels of {name} ({dtype}{weights}, the fused step on CUDA; `--kernels "
+        "reference` runs the reference kernels everywhere):"
     ]
-    for b, path, pieces in kernel_plan(config, elem_bytes, tuning=tuning):
+    fmt = FP8_FUSED if quantization == "fp8" else "plain"
+    for b, path, pieces in kernel_plan(config, elem_bytes, tuning=tuning, weight_format=fmt):
         lines.append(f"  bs bucket {b}: {path}")
         lines += [f"    {p:<9} {c}" for p, c in pieces.items()]
     lines.append(f"  above {FUSED_MAX_BS} rows: reference kernels (the fused kernels take 64 rows)")
