@@ -31,6 +31,25 @@ from ..kernels.proj.gemv import MAX_M, gemv
 from .config import ModelConfig, rope_inv_freq
 
 
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows`` rows (``x`` itself when it has as many)."""
+    n = x.shape[0]
+    if n >= rows:
+        return x
+    padded = x.new_zeros((rows, *x.shape[1:]))
+    padded[:n] = x
+    return padded
+
+
+def at_rows(fn, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (a projection), computed on ``x`` padded to ``rows`` rows
+    and cut back to ``x``'s. cuBLAS picks a GEMM's kernel, and so its reduction order, by the
+    row count: an eager step of ``bs`` rows computes its GEMMs at the rows of the graph bucket
+    it would replay in, so that it and the graph (exact mode) agree bit for bit."""
+    n = x.shape[0]
+    return fn(x) if n >= rows else fn(pad_rows(x, rows))[:n]
+
+
 class AttentionFn(Protocol):
     def rope_attention(
         self,
@@ -144,10 +163,16 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,  # [T] int64
         rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionFn,
+        live: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [T, hidden] each
+        """``live``: the rows the attention serves (its metadata's); rows past it are padding
+        that only the row-wise parts compute (``LlamaModel.forward``'s ``rows``)."""
         qkv, residual = self.before_attention(x, residual)
-        o = backend.rope_attention(self.self_attn.layer_id, qkv, positions, *rope)  # [T, H, hd]
-        return self.after_attention(o.reshape(x.shape[0], -1), residual)
+        if live is None:
+            o = backend.rope_attention(self.self_attn.layer_id, qkv, positions, *rope)
+            return self.after_attention(o.reshape(x.shape[0], -1), residual)  # [T, H * hd]
+        o = backend.rope_attention(self.self_attn.layer_id, qkv[:live], positions[:live], *rope)
+        return self.after_attention(pad_rows(o.reshape(live, -1), x.shape[0]), residual)
 
 
 class LlamaModel(nn.Module):
@@ -185,12 +210,21 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         backend: AttentionFn,
+        rows: int = 0,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
+        """``rows``: run the row-wise parts (embedding, norms, projections) on the batch padded
+        to this many rows, as a decode graph of that bucket runs them, and the attention on
+        the ``T`` live rows; the padding rows are dropped at the end. An eager decode step
+        passes its graph bucket's rows, so its GEMMs are the graph's (``at_rows``)."""
         rope = (self.rope_cos, self.rope_sin)
+        n, live = input_ids.shape[0], None
+        if rows > n:  # token 0 at position 0: any valid row; the attention never sees it
+            input_ids, positions, live = pad_rows(input_ids, rows), pad_rows(positions, rows), n
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, rope, backend)
-        return self.norm(x, residual)[0]
+            x, residual = layer(x, residual, positions, rope, backend, live)
+        h = self.norm(x, residual)[0]
+        return h if live is None else h[:n]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # h: [n, hidden] -> [n, vocab] float32
         # float32 logits: sampling and parity checks read them without another cast. The GEMV
@@ -273,9 +307,11 @@ def build_model(
 __all__ = [
     "Attention",
     "AttentionFn",
+    "at_rows",
     "Linear",
     "LlamaModel",
     "RMSNorm",
     "build_model",
     "init_random",
+    "pad_rows",
 ]

@@ -27,7 +27,7 @@ from .decode.fused_decode import (
 )
 from .fp8_linear import check_quantization, quantize_model
 from .kv_cache import KVCache
-from .llama import LlamaModel, build_model, init_random
+from .llama import LlamaModel, at_rows, build_model, init_random
 from .prefill.extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
 
 DEFAULT_PAGE_SIZE = 16
@@ -310,11 +310,13 @@ class ModelRunner:
                 tokens_out=self.greedy_tokens[:bs],
                 tuning=self.tuning,
             )
-        h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [bs, hidden]
+        # the row-wise parts at the rows of the graph bucket bs replays in (``at_rows``)
+        rows = kernel_class(bs, self.attn_backend)
+        h = self.model(batch.input_ids, batch.positions, self.attn_backend, rows)  # [bs, hidden]
         if out is None:
-            return self.model.logits(h)
+            return at_rows(self.model.logits, h, rows)
         # lm_head: float32 from the GEMV, the model dtype from cuBLAS; the copy casts.
-        return out.copy_(self.model.lm_head(h))
+        return out.copy_(at_rows(self.model.lm_head, h, rows))
 
     @torch.no_grad()
     def extend(

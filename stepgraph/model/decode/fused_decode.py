@@ -51,7 +51,7 @@ from ...kernels.proj.norm_gemv import norm_gemv
 from ...kernels.proj.qkv_rope import qkv_rope
 from ...kernels.sampling.lm_head_argmax import lm_head_argmax
 from ...tuning import DecodeTuning, default_tuning
-from ..llama import LlamaModel
+from ..llama import LlamaModel, at_rows
 from . import fused_mlp, step_attention
 from .kernel_choice import KERNEL_CHOICES, check_kernels, default_kernels, unfusable_reason
 from .step_heads import cublas_head as _cublas_head
@@ -122,18 +122,32 @@ def _embed(model, input_ids: torch.Tensor, plan: StepPlan):
 
 
 def _qkv(
-    model, layer, i, r, hand, positions, meta, kv, n_heads, use_pdl, x0, plan, t: DecodeTuning
+    model,
+    layer,
+    i,
+    r,
+    hand,
+    positions,
+    meta,
+    kv,
+    n_heads,
+    use_pdl,
+    x0,
+    plan,
+    t: DecodeTuning,
+    rows: int,
 ) -> torch.Tensor:
     """Layer ``i``'s q ``[bs, n_heads, head_dim]``, rotated; this token's K/V into the pages,
     as ``plan`` (a ``ProjPlan``) says: cuBLAS + RoPE/KV write (on what ``hand`` holds, the 1 /
     RMS and the bias applied by the RoPE kernel; else after the norm's kernel), else
     ``qkv_rope`` on what ``hand`` holds, after the norm's own kernel, or with the norm in its
-    prologue. ``x0``: the norm already run with the embedding (layer 0)."""
+    prologue. ``x0``: the norm already run with the embedding (layer 0). ``rows``: the graph
+    bucket's, at which cuBLAS's GEMM runs (``at_rows``)."""
     attn, norm1 = layer.self_attn, layer.input_layernorm
     w_qkv = attn.qkv_proj.weight
     if plan.how == CUBLAS_HANDOFF:  # GEMM, then RoPE with the rows' 1 / RMS and the bias
         return rope_kv(
-            F.linear(hand[0], w_qkv),
+            at_rows(lambda x: F.linear(x, w_qkv), hand[0], rows),
             positions,
             model.rope_cos,
             model.rope_sin,
@@ -148,7 +162,7 @@ def _qkv(
         )
     if plan.how == CUBLAS:  # norm, GEMM, RoPE
         return rope_kv(
-            attn.qkv_proj(norm1(r)[0] if x0 is None else x0),
+            at_rows(attn.qkv_proj, norm1(r)[0] if x0 is None else x0, rows),
             positions,
             model.rope_cos,
             model.rope_sin,
@@ -215,8 +229,9 @@ def fused_decode_step(
     n_heads = model.config.num_heads
     bs = input_ids.shape[0]
     plan = step_plan(bs, model, backend, t)
-    if not plan.fused:  # the reference kernels, greedy tokens taken here
-        return _cublas_head(model, model(input_ids, positions, backend), logits_out, tokens_out, t)
+    if not plan.fused:  # the reference kernels, greedy tokens taken here, GEMMs at the bucket
+        h = model(input_ids, positions, backend, plan.bucket)
+        return _cublas_head(model, h, logits_out, tokens_out, t, plan.bucket)
     attn = plan.attention
     if use_pdl is None:
         use_pdl = plan.use_pdl
@@ -247,12 +262,13 @@ def fused_decode_step(
             x0 if i == 0 else None,
             plan.qkv if i else plan.qkv0,
             t,
+            plan.bucket,
         )
         o = step_attention.attention(backend, i, q, plan.bucket, use_pdl, t, plan=attn)
         r, hand = fused_mlp.mlp_half(
             model, i, o.reshape(bs, -1), r, plan, use_pdl, t, last=i == last
         )
-    head = plan.lm_head
+    head, rows = plan.lm_head, plan.bucket  # rows: cuBLAS's, the graph bucket's (``at_rows``)
     if head.how == PARALLEL:  # its slice, then every rank's
         local = norm_gemv(
             r,
@@ -272,7 +288,7 @@ def fused_decode_step(
         return logits
     if head.how == CUBLAS_HANDOFF:  # GEMM, then the rows' 1 / RMS and the argmax in one launch
         return head_scale(
-            F.linear(hand[0], model.lm_head.weight),
+            at_rows(lambda x: F.linear(x, model.lm_head.weight), hand[0], rows),
             hand[1],
             r.shape[1],
             model.norm.eps,
@@ -282,7 +298,7 @@ def fused_decode_step(
             tuning=t,
         )
     if head.how == CUBLAS:  # norm, GEMM
-        return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out, t)
+        return _cublas_head(model, model.norm(r)[0], logits_out, tokens_out, t, rows)
     x, nw, ssq = (r, model.norm.weight, None) if head.how != HANDOFF else (hand[0], None, hand[1])
     logits, _ = lm_head_argmax(
         x,

@@ -7,16 +7,24 @@ import torch
 
 from ...kernels.sampling.argmax_rows import argmax_rows
 from ...tuning import DecodeTuning
-from ..llama import LlamaModel
+from ..llama import LlamaModel, at_rows
 
 
 def cublas_head(
-    model: LlamaModel, h: torch.Tensor, logits_out, tokens_out, tuning: DecodeTuning | None = None
+    model: LlamaModel,
+    h: torch.Tensor,
+    logits_out,
+    tokens_out,
+    tuning: DecodeTuning | None = None,
+    rows: int = 0,
 ) -> torch.Tensor:
     """The LM head of the normed ``h`` as ``F.linear`` (into ``logits_out`` when given), then the
     greedy tokens into ``tokens_out`` when given: the reference rows' head, and the fused step's
-    where cuBLAS measured faster."""
-    logits = model.logits(h) if logits_out is None else logits_out.copy_(model.lm_head(h))
+    where cuBLAS measured faster. ``rows``: the GEMM's rows, the graph bucket's (``at_rows``)."""
+    if logits_out is None:
+        logits = at_rows(model.logits, h, rows)
+    else:
+        logits = logits_out.copy_(at_rows(model.lm_head, h, rows))
     if tokens_out is not None:
         greedy_tokens(logits, tokens_out, tuning)
     return logits
