@@ -14,15 +14,18 @@ starts when it is sent; a chunk's tokens are stamped when it arrives. The reques
 kept-alive connections of the script's own (``--client raw``; ``--client httpx``: httpx's pool,
 which on the CPU box sent 64 requests at once over up to 0.24 s instead of 16 ms). Before the
 clock starts both workloads run once untimed (first-use compiles: Triton compiles a prefill
-kernel variant in ~800 ms on the H200). Beside each level: the server's own TPOT (its
-stamps as the engine's tokens reach it, ``/metrics``), so that HTTP's share shows, its engine
-steps (graph, eager, prefill) and the longest gap between two tokens of a request (a stall
-shows there), with where it fell: the request and token, its time into the level, how many
-other requests were decoding across it and got no token in it (all of them: the engine, the
-server or this script paused), which requests got their first token at its end (a prefill
-ran in it) and which waited for one across it, with their prompt tokens, and how long this
-script's own event loop paused inside it (a task that wakes every ms records each wake-up
-more than 5 ms late). The JSON keeps every request's TTFT and longest gap.
+kernel variant in ~800 ms on the H200). Each use of a workload sends its prompt lengths with
+fresh token ids: a caching server would otherwise serve the rehearsal's prompts from its
+prefix cache (an H100 run that did measured a 2.7 ms TTFT at concurrency 1 and 131% of the
+offline throughput at 64); each level's hit rate is reported. Beside each level: the server's
+own TPOT (its stamps as the engine's tokens reach it, ``/metrics``), so that HTTP's share
+shows, its engine steps (graph, eager, prefill) and the longest gap between two tokens of a
+request (a stall shows there), with where it fell: the request and token, its time into the
+level, how many other requests were decoding across it and got no token in it (all of them:
+the engine, the server or this script paused), which requests got their first token at its
+end (a prefill ran in it) and which waited for one across it, with their prompt tokens, and
+how long this script's own event loop paused inside it (a task that wakes every ms records
+each wake-up more than 5 ms late). The JSON keeps every request's TTFT and longest gap.
 
 ``--max-prefill-tokens-with-decode 2048,1024,512`` (with ``--launch``) serves once per value
 (the server's flag of that name: the prompt tokens a step that also decodes prefills, at most;
@@ -43,6 +46,7 @@ import asyncio
 import bisect
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -154,6 +158,8 @@ def offline(args) -> float:
 SCRAPED = {
     "tpot_sum": "stepgraph_time_per_output_token_seconds_sum",
     "tpot_count": "stepgraph_time_per_output_token_seconds_count",
+    "prefix_queries": "stepgraph_prefix_cache_queries_total",
+    "prefix_hits": "stepgraph_prefix_cache_hits_total",
     "graph_steps": 'stepgraph_engine_steps{kind="graph"}',
     "eager_steps": 'stepgraph_engine_steps{kind="eager"}',
     "prefill_steps": 'stepgraph_engine_steps{kind="prefill"}',
@@ -400,27 +406,43 @@ def describe_gap(gap: dict | None) -> str:
     )
 
 
+def fresh_ids(prompts: list[list[int]], vocab: int, tag: str) -> list[list[int]]:
+    """``prompts``' lengths with new random ids (seeded by ``tag``): the same work, and nothing
+    a server's prefix cache holds from an earlier use of the workload (a rehearsal or another
+    level), which it would serve instead of prefilling."""
+    rng = random.Random(tag)
+    ids = range(vocab)
+    return [rng.choices(ids, k=len(p)) for p in prompts]
+
+
 async def run_levels(url, args, main_prompts, lat_prompts, outs) -> list[dict]:
     """The warm-up, then each level; the same connections throughout (warm connections, as a
-    client that keeps its connections alive sees the server); /metrics through httpx."""
+    client that keeps its connections alive sees the server); /metrics through httpx. Every
+    use of a workload (the rehearsal, each level) sends its prompts' lengths with fresh ids
+    (``fresh_ids``), so that the prefix cache of a caching server serves none of them: each
+    level's hit rate is reported."""
     most = max(map(int, args.concurrency.split(",")))
     limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
-    rows = []
+    vocab, rows = VOCAB[args.model], []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as scraper:
         client = RawClient(url) if args.client == "raw" else scraper
         t = time.perf_counter()  # a rehearsal of both workloads: first-use compiles happen here
-        await level(client, url, args.model, main_prompts, outs[0], most)
-        await level(client, url, args.model, lat_prompts, 8, 1)
+        warm = f"{args.seed}:warm-up"
+        await level(client, url, args.model, fresh_ids(main_prompts, vocab, warm), outs[0], most)
+        await level(client, url, args.model, fresh_ids(lat_prompts, vocab, warm), 8, 1)
         print(f"warm-up: {time.perf_counter() - t:.1f} s", file=sys.stderr)
-        for c in map(int, args.concurrency.split(",")):
+        for i, c in enumerate(map(int, args.concurrency.split(","))):
             name, prompts, out = (
                 ("latency", lat_prompts, outs[1]) if c == 1 else ("main", main_prompts, outs[0])
             )
+            prompts = fresh_ids(prompts, vocab, f"{args.seed}:level {i}")
             before = await scrape(scraper, url)
             m = await level(client, url, args.model, prompts, out, c)
             d = {k: v - before[k] for k, v in (await scrape(scraper, url)).items()}
             n = d.pop("tpot_count")
             m["server_tpot_ms"] = d.pop("tpot_sum") / n * 1e3 if n else None
+            queries, hits = d.pop("prefix_queries"), d.pop("prefix_hits")
+            m["prefix_hit_rate"] = hits / queries if queries else None
             m.update(level=name, concurrency=c, output_len=out, server_steps=d)
             rows.append(m)
         if isinstance(client, RawClient):
@@ -447,9 +469,11 @@ def report(rows: list[dict]) -> None:
     print("ms; srv TPOT: the server's engine's mean TPOT over the same requests")
     for m in rows:
         steps = ", ".join(f"{k} {v:.0f}" for k, v in m["server_steps"].items())
+        hits = m.get("prefix_hit_rate")
+        hits = "not reported" if hits is None else f"{hits:.1%}"
         print(
-            f"{m['level']} (concurrency {m['concurrency']}): engine {steps}; the load "
-            f"generator's longest pause {m['client_stall_ms']:.1f} ms"
+            f"{m['level']} (concurrency {m['concurrency']}): engine {steps}; prefix cache hit "
+            f"rate {hits}; the load generator's longest pause {m['client_stall_ms']:.1f} ms"
         )
         print(f"  {describe_gap(m['gap'])}")
         ttfts = " ".join(f"{x:.1f}" for x in m["ttft_ms_per_request"])

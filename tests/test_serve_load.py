@@ -102,6 +102,16 @@ def test_the_load_generators_own_pauses_are_recorded_and_shared_out(load):
     assert load.paused_within(pauses, 1.03, 2.0) == 0.0  # touching ends share nothing
 
 
+def test_each_use_of_a_workload_sends_fresh_ids_of_the_same_lengths(load):
+    prompts = [[1] * 5, [2] * 300, [3]]
+    a = load.fresh_ids(prompts, 1000, "0:level 0")
+    assert [len(p) for p in a] == [5, 300, 1]
+    assert all(0 <= t < 1000 for p in a for t in p)
+    assert a == load.fresh_ids(prompts, 1000, "0:level 0")  # seeded: the same each call
+    b = load.fresh_ids(prompts, 1000, "0:level 1")
+    assert a[1] != b[1] and a[1] != prompts[1]  # 300 ids: equal only by a 1e-900 chance
+
+
 def test_prefill_caps_parse_and_refuse(load):
     assert load.prefill_caps(None) == [None]
     assert load.prefill_caps("2048,1024,512") == [2048, 1024, 512]
@@ -160,3 +170,6 @@ def test_one_call_serves_each_cap_and_reports_it(tmp_path):
     assert level["max_gap_ms"] == pytest.approx(max(level["max_gap_ms_per_request"]), abs=1e-3)
     assert "prefill cap conc" in r.stdout and "longest token gap" in r.stdout
     assert level["client_stall_ms"] >= 0.0 and "client_stall_ms" in level["gap"]
+    # the rehearsal ran this workload's lengths first: fresh ids, so the cache served nothing
+    assert all(lv["prefix_hit_rate"] == 0.0 for run in runs for lv in run["levels"])
+    assert "prefix cache hit rate 0.0%" in r.stdout
