@@ -122,20 +122,7 @@ def _embed(model, input_ids: torch.Tensor, plan: StepPlan):
 
 
 def _qkv(
-    model,
-    layer,
-    i,
-    r,
-    hand,
-    positions,
-    meta,
-    kv,
-    n_heads,
-    use_pdl,
-    x0,
-    plan,
-    t: DecodeTuning,
-    rows: int,
+    model, layer, i, r, hand, positions, backend, use_pdl, x0, plan, t: DecodeTuning, rows: int
 ) -> torch.Tensor:
     """Layer ``i``'s q ``[bs, n_heads, head_dim]``, rotated; this token's K/V into the pages,
     as ``plan`` (a ``ProjPlan``) says: cuBLAS + RoPE/KV write (on what ``hand`` holds, the 1 /
@@ -145,6 +132,7 @@ def _qkv(
     bucket's, at which cuBLAS's GEMM runs (``at_rows``)."""
     attn, norm1 = layer.self_attn, layer.input_layernorm
     w_qkv = attn.qkv_proj.weight
+    meta, kv, n_heads = backend.meta, backend.kv_cache, model.config.num_heads
     if plan.how == CUBLAS_HANDOFF:  # GEMM, then RoPE with the rows' 1 / RMS and the bias
         return rope_kv(
             at_rows(lambda x: F.linear(x, w_qkv), hand[0], rows),
@@ -224,9 +212,6 @@ def fused_decode_step(
     backend's ``out_cache_loc``. ``bs <= FUSED_MAX_BS`` (the kernels' row limit). Every choice
     comes from ``tuning`` (``ModelRunner.tuning``; None: ``DecodeTuning.default()``)."""
     t = default_tuning(tuning)
-    meta = backend.meta
-    kv = backend.kv_cache
-    n_heads = model.config.num_heads
     bs = input_ids.shape[0]
     plan = step_plan(bs, model, backend, t)
     if not plan.fused:  # the reference kernels, greedy tokens taken here, GEMMs at the bucket
@@ -248,22 +233,8 @@ def fused_decode_step(
     hand = None  # (r * the next norm's weight, r's sums of squares) where its writer left them
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
-        q = _qkv(
-            model,
-            layer,
-            i,
-            r,
-            hand,
-            positions,
-            meta,
-            kv,
-            n_heads,
-            use_pdl,
-            x0 if i == 0 else None,
-            plan.qkv if i else plan.qkv0,
-            t,
-            plan.bucket,
-        )
+        x0_i, qkv_i = (x0, plan.qkv0) if i == 0 else (None, plan.qkv)
+        q = _qkv(model, layer, i, r, hand, positions, backend, use_pdl, x0_i, qkv_i, t, plan.bucket)
         o = step_attention.attention(backend, i, q, plan.bucket, use_pdl, t, plan=attn)
         r, hand = fused_mlp.mlp_half(
             model, i, o.reshape(bs, -1), r, plan, use_pdl, t, last=i == last
