@@ -2,19 +2,22 @@
 few percent above the GPU's specification (a true read of HBM, not of L2), and a bench run
 at the sizes of the README's table shows no row above 100% of its floor.
 
-Timings: run this file alone on the GPU. Beside other GPU work its read stream measured 1106
-against a copy of 2989 GB/s on an H100, and a graph step 112% of a floor measured under the
-same load (`scripts/gpu-check` runs the tier in one process, one test at a time)."""
+Timings (the ``timing`` marker): beside other GPU work its read stream measured 1106 against a
+copy of 2989 GB/s on an H100, and a graph step 112% of a floor measured under the same load, so
+``scripts/gpu-check`` runs these alone, after the tier's parallel shards."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from stepgraph.bench.floor import spec_gbps
 from stepgraph.bench.timing import copy_bandwidth_gbps, read_bandwidth
 from stepgraph.cli import main
+
+pytestmark = pytest.mark.timing
 
 SPEC_SLACK = 1.03  # HBM clocks and the vendor's rounding: a few percent over the datasheet
 
