@@ -189,11 +189,9 @@ def capture_step(
             backend.warmup(step, 1)
             first = time.perf_counter() - t0  # host time: its launches are queued
             runs = 1
-            while runs < warmup_iters:
-                if counter is not None:
-                    if counter.count == seen:
-                        break  # the last run used no new variant
-                    seen = counter.count
+            # another run while the last one used a new variant (always, with no count)
+            while runs < warmup_iters and (counter is None or counter.count > seen):
+                seen = counter.count if counter is not None else 0
                 backend.warmup(step, 1)
                 runs += 1
             before = backend.pool_mark()  # what the warm-up left live is outside the pool

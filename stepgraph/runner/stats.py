@@ -129,8 +129,9 @@ class CaptureStats:
 
     def ledger_table(self) -> str:
         """The ledger as text: one line per bucket, then the totals."""
-        head = ("bs", 6), ("seconds", 8), ("warm-up", 8), ("runs", 4), ("pool MiB", 9)
-        lines = [" ".join(f"{name:>{w}}" for name, w in head) + f" {'outside MiB':>11}"]
+        head = (("bs", 6), ("seconds", 8), ("warm-up", 8), ("runs", 4), ("pool MiB", 9))
+        head += (("outside MiB", 11),)
+        lines = [" ".join(f"{name:>{w}}" for name, w in head)]
         for r in self.ledger():
             lines.append(
                 f"{r['bs']:>6} {r['seconds']:>8.3f} {r['warmup_seconds']:>8.3f} {r['warmups']:>4} "
