@@ -15,6 +15,12 @@ Each bs is captured as a bucket of its own, so the kernel choices keyed by a def
 (the tables', ``reference_rows``) apply to it only where it is one (1, 2, 4, 8, 16, 32, 48,
 64): bs 3 here is bucket 3, where serving replays it in bucket 4.
 
+``--engine`` times the overlapped ``Engine`` (mode exact) instead: per round and variant one
+engine over the variant's runner, and per bs the median host ms of its decode-only steps
+(``stepgraph bench --modes engine``'s measure: requests whose prompts end 32 tokens short of
+``--context``), for a tuning that acts outside the graph (``token_mirror``). Its last two columns
+are then empty.
+
 Rounds interleave the variants, so a drift of the GPU over the run shows as a spread between
 rounds rather than as a difference between variants (bs 8 varies about 2% between calls).
 """
@@ -71,6 +77,28 @@ def variant_runner(mr: ModelRunner, tuning: DecodeTuning, max_bs: int) -> ModelR
     )
 
 
+def engine_ms(mr: ModelRunner, sizes: list[int], context: int) -> dict[int, float]:
+    """Per bs, the median host ms of an exact-mode ``Engine``'s decode-only steps over ``mr``
+    (``stepgraph.bench.e2e``), after one untimed pass of the same prompts."""
+    from stepgraph.bench.e2e import E2E_NEW_TOKENS, decode_step_ms
+    from stepgraph.engine import Engine
+
+    config = RunnerConfig(capture_bs=sizes, show_progress=False)
+    mode = "exact" if mr.device.type == "cuda" else "graph"  # the CPU stand-in edits no node
+    engine = Engine(mr, mode, config, max_running=max(sizes))
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    try:
+        for bs in sizes:
+            shape = (bs, context - E2E_NEW_TOKENS)
+            prompts = torch.randint(1, mr.config.vocab_size, shape, generator=g).tolist()
+            decode_step_ms(engine, prompts, E2E_NEW_TOKENS)  # untimed: compiles, caches
+            out[bs] = decode_step_ms(engine, prompts, E2E_NEW_TOKENS)
+    finally:
+        engine.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.2-1b")
@@ -79,6 +107,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", required=True, help="name:field=V;group.field=V2")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--engine", action="store_true", help="time the Engine end to end")
     ap.add_argument("--json")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -94,6 +123,11 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, _ in variants:
             vr = runners[name]
+            if args.engine:
+                for bs, t in engine_ms(vr, sizes, args.context).items():
+                    ms.setdefault((name, bs), []).append(t)
+                    kernels[(name, bs)], diff[(name, bs)] = float("nan"), float("nan")
+                continue
             for bs in sizes:
                 point = Point(bs, args.context)
                 cfg = RunnerConfig(capture_bs=(bs,), max_bs=bs, show_progress=False)
@@ -111,7 +145,8 @@ def main() -> None:
                     runner.shutdown()
                     for p in pages:
                         vr.kv_cache.release(p)
-    print(f"{args.model}, ctx {args.context}, graph, copy bandwidth {gbps:.0f} GB/s")
+    what = "Engine end to end" if args.engine else "graph"
+    print(f"{args.model}, ctx {args.context}, {what}, copy bandwidth {gbps:.0f} GB/s")
     print(
         f"{'variant':<16}{'bs':>4}{'ms (each round)':>28}{'median':>9}{'floor':>7}{'kern':>6}"
         f"{'logits vs first':>17}"
@@ -124,7 +159,7 @@ def main() -> None:
             med = statistics.median(t)
             each = " ".join(f"{x:.3f}" for x in t)
             d = diff[(name, bs)]
-            same = "same bits" if d == 0 else f"max diff {d:.2e}"
+            same = "-" if d != d else "same bits" if d == 0 else f"max diff {d:.2e}"
             print(
                 f"{name:<16}{bs:>4}{each:>28}{med:>9.3f}{floor / med:>7.0%}"
                 f"{kernels[(name, bs)]:>6.0f}{same:>17}"

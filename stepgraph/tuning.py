@@ -227,8 +227,10 @@ class DecodeTuning:
     classes for every shape (None: ``fold_merge_table``); ``l2_prefetch_bytes``: what a
     projection program asks L2 for before its PDL wait (0: none); ``tma``: the tiles' TMA
     stream; ``staging_copy``: a captured step reads its staged inputs from a device copy, not
-    pinned memory; ``attention_variant``: a ``KernelVariant`` name for every attention shape
-    (None: ``flash_decode.DEFAULT_VARIANTS``)."""
+    pinned memory; ``token_mirror``: a staged runner's graph stores the feed (the fused step's
+    greedy ids) to pinned host memory itself, and the engine reads its tokens there instead of
+    copying them after the replay (``runner/token_mirror.py``); ``attention_variant``: a
+    ``KernelVariant`` name for every attention shape (None: ``flash_decode.DEFAULT_VARIANTS``)."""
 
     tables: ProjTables = field(default_factory=ProjTables)
     pdl: PdlPlacement = PdlPlacement()
@@ -243,6 +245,7 @@ class DecodeTuning:
     l2_prefetch_bytes: int = 16384
     tma: bool = True
     staging_copy: bool = False
+    token_mirror: bool = False
     attention_variant: str | None = None
 
     def __post_init__(self) -> None:
@@ -259,7 +262,7 @@ class DecodeTuning:
         _check_range("fold_merge", self.fold_merge, True)
         if type(self.l2_prefetch_bytes) is not int or self.l2_prefetch_bytes < 0:
             raise ValueError(f"l2_prefetch_bytes={self.l2_prefetch_bytes!r} must be an int >= 0")
-        for name in ("tma", "staging_copy"):
+        for name in ("tma", "staging_copy", "token_mirror"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.attention_variant is not None:

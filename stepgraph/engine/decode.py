@@ -36,6 +36,9 @@ class DecodePath:
         # request ids of their last step: the same ids next step advance the rows in place
         self.rows: DecodeRows | None = None
         self._rows_key: tuple[int, ...] | None = None
+        # the last step's feed rows in pinned host memory, stored by its graph (the runner's
+        # token mirror), or None: the step's tokens are copied to the host after it
+        self.host_tokens: torch.Tensor | None = None
         if mode == "eager":
             return
         from ..runner import CudaGraphRunner
@@ -74,6 +77,7 @@ class DecodePath:
         """One decode step of ``reqs``, each feeding its last token; counts it in ``stats``.
         With ``prev`` (the step before, still in flight) the tokens are read from its device
         output, row by row; else from each request's output on the host."""
+        self.host_tokens = None
         fed = self._replay_fed(reqs, stats, prev)
         if fed is not None:
             return fed
@@ -139,6 +143,7 @@ class DecodePath:
             timer.mark("batch_rows")
         stats.graph_steps += 1
         logits = runner.replay(batch)  # a static buffer: sampled before the next replay
+        self.host_tokens = runner.host_feed(len(reqs))
         if timer is not None:
             timer.mark("replay")
         return logits

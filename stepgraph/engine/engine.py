@@ -332,7 +332,8 @@ class Engine:
         if not logits:
             return None
         rows += decoding
-        step = self._tokens.launch(logits, rows, len(decoding), sampling, generator)
+        host = self.decoder.host_tokens if decoding else None  # stored by the replay itself
+        step = self._tokens.launch(logits, rows, len(decoding), sampling, generator, host)
         for req in rows:
             req.scheduled += 1
         if timer is not None:

@@ -67,21 +67,30 @@ class InFlight:
 
     @classmethod
     def launch(
-        cls, rows: Sequence[Request], tokens: torch.Tensor, ring: HostRing | None = None
+        cls,
+        rows: Sequence[Request],
+        tokens: torch.Tensor,
+        ring: HostRing | None = None,
+        host: torch.Tensor | None = None,
     ) -> InFlight:
         """Start the copy of ``tokens`` to the host; return at once. ``ring``: pinned rows and
-        events to reuse (else allocated for this step)."""
+        events to reuse (else allocated for this step). ``host``: pinned rows the step itself
+        stores ``tokens`` into (a graph's token mirror): no copy, only the event."""
         event = None
         if tokens.is_cuda:
             slot = ring.take(tokens.shape[0]) if ring is not None else None
             if slot is None:
-                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                 event = torch.cuda.Event()
+                if host is None:
+                    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                    host.copy_(tokens, non_blocking=True)
             else:
-                host, event = slot
-            host.copy_(tokens, non_blocking=True)
+                if host is None:
+                    host = slot[0]
+                    host.copy_(tokens, non_blocking=True)
+                event = slot[1]
             event.record()
-        else:
+        elif host is None:
             host = tokens
         return cls(list(rows), tokens, host, event)
 

@@ -42,13 +42,18 @@ class StepTokens:
         decoding: int,
         sampling: Sampling,
         generator: torch.Generator | None,
+        host: torch.Tensor | None = None,
     ) -> InFlight:
         """Sample ``rows`` (``logits``: the prefill's rows, then the ``decoding`` decode rows)
-        and start the copy of their tokens to the host; nothing here waits for the device."""
+        and start the copy of their tokens to the host; nothing here waits for the device.
+        ``host``: where the replay itself stores the feed on the host (the runner's token
+        mirror), taken for the fused step's greedy tokens instead of a copy."""
         own = any(map(_OWN_SAMPLING, rows))  # one pass in C: no Python frame per row
         greedy = sampling.temperature <= 0 and not own
         fused = self.fused(decoding) if greedy and len(rows) == decoding else None
         if fused is not None:  # a static buffer: the next step reads it before its replay
+            if host is not None:  # the graph stored them to the host: no copy
+                return InFlight.launch(rows, fused, self.ring, host=host)
             tokens = fused
         else:
             both = logits[0] if len(logits) == 1 else torch.cat(logits)

@@ -38,6 +38,7 @@ from .input_checks import SEQ_COL, InputLimits, batch_problem, check_rows_fast, 
 from .shared_output import SharedOutput, takes_out
 from .staging import PinnedStaging
 from .stats import BucketStats, CaptureStats, RunnerStats
+from .token_mirror import TokenMirror
 
 __all__ = ["CudaGraphRunner", "RunnerConfig", "logger"]
 
@@ -92,6 +93,12 @@ class CudaGraphRunner(GraphRunnerBase):
             else None
         )
         self.feed = check_feed(feed, self.device)  # device ids that batch ids -1 - j read
+        mirror = getattr(getattr(model_runner, "tuning", None), "token_mirror", False)
+        self._mirror = (  # the feed after each replay, stored to pinned host memory in-graph
+            TokenMirror(self.max_bs, self.device)
+            if mirror and self._staging is not None and self.feed is not None
+            else None
+        )
         self.graphs: dict[int, CapturedGraph]
         self.output_buffers: dict[int, torch.Tensor] = {}
         self.stats = RunnerStats()
@@ -157,8 +164,11 @@ class CudaGraphRunner(GraphRunnerBase):
             dst = self._shared.rows(bs) if direct else None
             if dst is not None:
                 forward(static, out=dst)  # no [bs, vocab] temporary in the pool
-                return dst
-            return self._shared.copy_in(forward(static), bs)  # shared_output.py says why
+            else:
+                dst = self._shared.copy_in(forward(static), bs)  # shared_output.py says why
+            if self._mirror is not None:  # last: after the step wrote the feed
+                self._mirror.store(self.feed, self._staging.copies, bs)
+            return dst
 
         graph, stats = capture_step(
             self._backend,
@@ -275,6 +285,15 @@ class CudaGraphRunner(GraphRunnerBase):
             out = self._out_rows[bs] = self.output_buffers[bucket][:bs]
         return out
 
+    def host_feed(self, bs: int) -> torch.Tensor | None:
+        """The feed's rows ``[:bs]`` as the last replay left them, in pinned host memory,
+        stored by the graph itself (``DecodeTuning.token_mirror``, a staged runner with a
+        feed): read them once an event recorded after that replay has completed. None without
+        the mirror. Where the step writes its sampled ids into the feed (the engine's fused
+        step), these are the step's tokens with no D2H copy (``token_mirror.py``)."""
+        mirror = self._mirror
+        return None if mirror is None else mirror.rows(self._staging.count, bs)
+
     def _host_rows(self, batch: ForwardBatch) -> tuple | None:
         """``(packed_cpu, its version, its numpy rows, their uint64 view)`` when a staged
         replay can take the batch's host rows as they are (int64 on the host, 2-D, no wider
@@ -363,6 +382,7 @@ class CudaGraphRunner(GraphRunnerBase):
         lend_graph_buckets(self.model_runner.attn_backend, None, self.capture_bs)
         self.buffers = None  # type: ignore[assignment]
         self._staging = None  # its pinned slots and device rows
+        self._mirror = None  # its pinned rows
 
     def _forget_graphs(self) -> None:
         self.output_buffers.clear()

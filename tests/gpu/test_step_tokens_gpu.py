@@ -55,3 +55,41 @@ def test_overlapped_tokens_equal_the_synchronous_loop(mode):
         return out
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("mode", ["graph", "exact"])
+def test_tokens_through_the_token_mirror_equal_the_copied_ones(mode):
+    """``DecodeTuning(token_mirror=True)``: the graph stores its greedy ids to pinned host
+    memory and the engine reads them there (no D2H copy); the same tokens as the copy, and the
+    mirror is what the decode-only steps landed from."""
+    from stepgraph.tuning import DecodeTuning
+
+    def run(mirror):
+        mr = ModelRunner.from_preset(
+            "llama-3.2-1b", "cuda", torch.bfloat16, 0, num_layers=2, max_bs=8,
+            max_context_len=512, tuning=DecodeTuning(token_mirror=mirror),
+        )  # fmt: skip
+        engine = Engine(mr, mode, RunnerConfig(max_bs=8, show_progress=False))
+        g = torch.Generator().manual_seed(7)
+        rids, mirrored = [], 0
+        for i in range(12):  # joins mid-stream (steps with prefill rows copy), stops anywhere
+            prompt = torch.randint(1, 128256, (int(torch.randint(1, 70, (1,), generator=g)),),
+                                   generator=g).tolist()  # fmt: skip
+            stops = [int(t) for t in torch.randint(0, 128256, (3,), generator=g)]
+            rids.append(engine.add_request(prompt, 6 + 3 * i, stop_ids=stops))
+        host = engine.runner._mirror.host if mirror else None
+        while engine.has_unfinished:
+            engine.step()
+            step = engine._inflight
+            if host is not None and step is not None:
+                start = host.data_ptr()
+                mirrored += start <= step.host.data_ptr() < start + host.nbytes()
+        engine.drain()
+        out = [engine.finished[r].output for r in rids]
+        engine.shutdown()
+        return out, mirrored
+
+    copied, none = run(False)
+    got, mirrored = run(True)
+    assert got == copied
+    assert none == 0 and mirrored > 20
