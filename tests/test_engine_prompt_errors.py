@@ -4,6 +4,7 @@ library's sampling errors name the Python parameter, not a CLI flag. Nothing is 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,3 +100,21 @@ def test_ids_at_both_ends_of_the_vocabulary_and_one_past(engine):
 
         engine.add_request([1, np.int64(2)], 2)
     assert not engine.has_unfinished
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("seed", [1.5, "7", True, -(2**63) - 1, 2**64])
+def test_a_seed_no_generator_takes_is_named_and_nothing_queued(engine, seed, greedy):
+    sampling = None if greedy else Sampling(1.0, 5)
+    with pytest.raises(ConfigError, match=r"seed must be an integer in \[-9223372036854775808, "):
+        engine.add_request([1, 2], 2, sampling=sampling, seed=seed)
+    assert not engine.has_unfinished
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1, 0, np.int64(5)])
+def test_seeds_at_both_ends_of_the_range_sample(engine, seed):
+    rid = engine.add_request([1, 2], 2, sampling=Sampling(1.0, 5), seed=seed)
+    while engine.has_unfinished:
+        engine.step()
+    engine.drain()
+    assert len(engine.finished.pop(rid).output) == 2

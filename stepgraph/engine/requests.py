@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -171,18 +172,31 @@ class EngineStats:
                 f.write(f"{bs}\n" * steps)
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
 def own_sampling(
     sampling: Sampling | None, seed: int | None, device: torch.device
 ) -> tuple[Sampling | None, torch.Generator | None]:
     """A request's own sampling and its generator, seeded with ``seed`` (None: a random seed);
-    ``(None, None)`` for greedy, which the step's batched argmax serves."""
+    ``(None, None)`` for greedy, which the step's batched argmax serves. ``ConfigError`` for a
+    seed a generator cannot take (checked for greedy requests too)."""
+    if seed is not None and (
+        isinstance(seed, bool)
+        or not isinstance(seed, numbers.Integral)
+        or not SEED_MIN <= seed <= SEED_MAX
+    ):
+        raise ConfigError(
+            f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {seed!r}; "
+            "None draws a random one."
+        )
     if sampling is None or sampling.temperature <= 0:
         return None, None
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed)
+        generator.manual_seed(int(seed))
     return sampling, generator
 
 
