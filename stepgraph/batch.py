@@ -227,7 +227,8 @@ def check_model_runner(model_runner: object, who: str) -> None:
 
 
 def check_batch(batch: object, what: str) -> None:
-    """``ReplayError`` unless ``batch`` is a ``ForwardBatch`` (``what``: the call, named)."""
+    """``ReplayError`` unless ``batch`` is a ``ForwardBatch`` whose ``input_ids`` (which give
+    the batch size) is a 1-D tensor (``what``: the call, named)."""
     if not isinstance(batch, ForwardBatch):
         from .errors import ReplayError
 
@@ -235,3 +236,9 @@ def check_batch(batch: object, what: str) -> None:
             f"{what}() takes a ForwardBatch, got {type(batch).__name__}; build one with "
             "stepgraph.ForwardBatch(...), as ModelRunner.decode_batch does."
         )
+    ids = batch.input_ids
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        from .errors import ReplayError
+
+        got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ReplayError(f"{what}(): input_ids must be a 1-D tensor [bs], got {got}.")

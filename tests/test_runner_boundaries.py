@@ -189,6 +189,38 @@ def test_an_over_wide_block_table_is_refused_before_any_copy(packed_inputs):
     torch.testing.assert_close(runner.replay(ok), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("field", ["input_ids", "positions", "out_cache_loc", "seq_lens"])
+@pytest.mark.parametrize("shape", ["column", "scalar"])
+def test_a_field_of_the_wrong_shape_is_refused_before_any_copy(field, shape):
+    """A per-row field given as a column ``[bs, 1]`` or a 0-d tensor: ``ReplayError`` naming the
+    field and its shape (a torch error from inside the copy before), nothing written."""
+    mr = ToyModelRunner(num_pages=160, seed=41)
+    runner = CudaGraphRunner(mr, replace(CFG, packed_inputs=False))
+    batch = mr.random_batch(2, torch.Generator().manual_seed(42))
+    value = getattr(batch, field)
+    setattr(batch, field, value[:, None] if shape == "column" else value[0])
+    before = {k: v.clone() for k, v in vars(runner.buffers).items() if torch.is_tensor(v)}
+    got = "(2, 1)" if shape == "column" else "()"
+    with pytest.raises(ReplayError, match=rf"{field} has shape \{got[:-1]}\)"):
+        runner.replay(batch)
+    for k, v in vars(runner.buffers).items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, before[k]), f"{k} was written by a refused batch"
+
+
+@pytest.mark.parametrize("shape", ["column", "scalar"])
+def test_can_run_names_input_ids_of_the_wrong_shape(shape):
+    """``input_ids`` gives the batch size: ``can_run`` raises on a column or a 0-d tensor, as on
+    a batch that is not a ``ForwardBatch`` (a caller's bug, not a fallback)."""
+    mr = ToyModelRunner(num_pages=160, seed=43)
+    runner = CudaGraphRunner(mr, CFG)
+    batch = mr.random_batch(2, torch.Generator().manual_seed(44))
+    batch.input_ids = batch.input_ids[:, None] if shape == "column" else batch.input_ids[0]
+    with pytest.raises(ReplayError, match=r"can_run\(\): input_ids must be a 1-D tensor"):
+        runner.can_run(batch)
+    assert not runner.stats.fallbacks
+
+
 class BucketEcho(ToyModelRunner):
     """The toy's logits plus one column: the number of rows of the batch the forward ran on.
     A replay's output then says which bucket's graph produced it."""

@@ -249,7 +249,12 @@ class CudaGraphRunner(GraphRunnerBase):
                 f"replay serves decode batches, got {batch.mode.value}; run it "
                 "eagerly with model_runner.forward."
             )
-        bs = batch.input_ids.shape[0]
+        try:
+            bs = batch.input_ids.shape[0]
+        except IndexError:  # a 0-d tensor (free in the fast path: no test of its own)
+            raise ReplayError(
+                "cannot replay this batch: input_ids has shape (), expected [bs]."
+            ) from None
         bucket = self._bucket_of.get(bs)
         if bucket is None:
             bucket = self._bucket_of[bs] = pad_to_bucket(bs, self.capture_bs)

@@ -188,8 +188,10 @@ def batch_problem(
             return f"{name} has dtype {t.dtype}, expected {dtype}"
         if t.device != device:
             return f"{name} is on {t.device}, expected {device}"
-        if t.shape[0] != bs:
-            return f"{name} has {t.shape[0]} rows, expected {bs} (the batch size)"
+        if t.dim() == 0 or t.shape[0] != bs:
+            return f"{name} has shape {tuple(t.shape)}, expected {bs} rows (the batch size)"
+        if t.dim() != 1 and name != "block_table":
+            return f"{name} has shape {tuple(t.shape)}, expected [{bs}]"
     table, pages = batch.block_table, buffers.block_table.shape[1]
     if table.dim() != 2 or table.shape[1] > pages:
         return f"block_table has shape {tuple(table.shape)}, expected [{bs}, <= {pages}]"
