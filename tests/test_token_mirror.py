@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from stepgraph.runner import CudaGraphRunner, RunnerConfig
-from stepgraph.runner.token_mirror import BLOCK_MAX, SLOTS, TokenMirror, _mirror_kernel
+from stepgraph.runner.token_mirror import BLOCK, SLOTS, TokenMirror, _mirror_kernel
 from stepgraph.toy_model import ToyModelRunner
 from stepgraph.tuning import DecodeTuning
 
 POISON = -77
 
 
-@pytest.mark.parametrize("n", [1, 5, BLOCK_MAX, BLOCK_MAX + 1, 2 * BLOCK_MAX + 3])
+@pytest.mark.parametrize("n", [1, 5, BLOCK, BLOCK + 1, 2 * BLOCK + 3])
 def test_kernel_stores_the_feed_into_the_slot_of_the_count(n):
     g = torch.Generator().manual_seed(n)
     width = n + 4
@@ -25,8 +25,7 @@ def test_kernel_stores_the_feed_into_the_slot_of_the_count(n):
         feed = torch.randint(0, 2**40, (width,), generator=g)
         host = torch.full((SLOTS, width), POISON, dtype=torch.int64)
         copies = torch.tensor([count])
-        block = min(1 << (n - 1).bit_length(), BLOCK_MAX)  # as ``TokenMirror.store``
-        _mirror_kernel[(1,)](feed, copies, host, n, host.stride(0), SLOTS=SLOTS, BLOCK=block)
+        _mirror_kernel[(1,)](feed, copies, host, n, host.stride(0), SLOTS=SLOTS, BLOCK=BLOCK)
         want = torch.full_like(host, POISON)
         want[count % SLOTS, :n] = feed[:n]  # rows past n and the other slots untouched
         assert torch.equal(host, want), count

@@ -26,13 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.launch_math import next_pow2
-
 SLOTS = 3
-BLOCK_MAX = 1024  # ids a loop iteration stores
+BLOCK = 128  # ids a loop iteration stores: one kernel variant for every bucket
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _mirror_kernel(
     feed_ptr, copies_ptr, host_ptr, n, host_stride, SLOTS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -56,9 +54,8 @@ class TokenMirror:
         """Captured, after the step wrote ``feed``: its rows ``[:bucket]`` into slot
         ``copies % SLOTS`` (``copies``: this replay's staging count, already bumped)."""
         if self.cuda:
-            block = min(next_pow2(bucket), BLOCK_MAX)
             _mirror_kernel[(1,)](
-                feed, copies, self.host, bucket, self.host.stride(0), SLOTS=SLOTS, BLOCK=block
+                feed, copies, self.host, bucket, self.host.stride(0), SLOTS=SLOTS, BLOCK=BLOCK
             )
             return
         slot = torch.remainder(copies, SLOTS)  # [1], on the device: no host sync
