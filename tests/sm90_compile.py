@@ -93,6 +93,7 @@ from stepgraph.model.decode import fused_decode  # noqa: E402
 from stepgraph.runner.graph_inputs import fill_inputs  # noqa: E402
 from stepgraph.runner.input_buffers import GraphInputBuffers, pad_row  # noqa: E402
 from stepgraph.runner.staging import PinnedStaging  # noqa: E402
+from stepgraph.runner.token_mirror import BLOCK, SLOTS, _mirror_kernel  # noqa: E402
 
 PLAIN = 64  # a plain global: the compiler refuses it in a kernel, the interpreter takes it
 
@@ -238,6 +239,10 @@ def main() -> dict:
         bufs = GraphInputBuffers.allocate(16, 4, torch.device("cpu"), 1)
         staging = PinnedStaging(pad_row(4, 1, torch.device("cpu")), 16, torch.device("cpu"))
         fill_inputs(bufs, 16, staging, torch.zeros(4, dtype=torch.int64))
+        host = torch.zeros(SLOTS, 16, dtype=torch.int64)  # the token mirror: the graph's last
+        _mirror_kernel[(1,)](  # launch, as TokenMirror.store makes it on CUDA
+            bufs.input_ids, staging.copies, host, 16, host.stride(0), SLOTS=SLOTS, BLOCK=BLOCK
+        )
         result["steps"]["inputs"] = _variants(since)
     except Exception as e:  # noqa: BLE001
         result["errors"]["inputs"] = f"{type(e).__name__}: {e}"[:600]
