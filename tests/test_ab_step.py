@@ -144,3 +144,18 @@ def test_a_variant_runner_carries_its_tuning_to_the_ladder():
     assert vr.model is mr.model and vr.tuning is wide and vr.attn_backend.tuning is wide
     assert vr.attn_backend.split_keys is not mr.attn_backend.split_keys
     assert vr.attn_backend.split_keys(4096, 8, 1, 132) >= 256
+
+
+def test_engine_times_each_batch_size_on_the_variants_runner():
+    """``--engine``: per bs a positive median of the engine's decode-only steps, over the
+    variant's own runner, which carries the variant's tuning and the same weights."""
+    import torch
+
+    from stepgraph.bench.workload import build_model_runner
+
+    ab = load_ab()
+    mr = build_model_runner("tiny", "cpu", torch.float32, 4, 128)
+    vr = ab.variant_runner(mr, ab.variant_tuning({"token_mirror": "1"}), 4)
+    assert vr.tuning.token_mirror and vr.model is mr.model
+    ms = ab.engine_ms(vr, [1, 4], 96)
+    assert sorted(ms) == [1, 4] and all(0 < t < 1e4 for t in ms.values())
