@@ -190,7 +190,7 @@ def test_extend_batch_keeps_the_kernels_specialisation(lens):
 @pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5])
 def test_generate_refuses_a_seed_outside_64_bits(seed):
     engine = Engine(_runner(), "eager")
-    with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+    with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*64 - 1\]"):
         engine.generate([[1, 2]], 2, temperature=1.0, seed=seed)
     assert not engine.has_unfinished
     assert engine.generate([[1, 2]], 2, temperature=1.0, seed=2**64 - 1)  # the largest seed

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from .requests import check_prompt_ids, check_request
+from .requests import check_prompt_ids, check_request, check_seed
 
 PREFILL_PROGRESS_DELAY_S = 2.0  # generate() shows a prefill bar once prefill takes this long
 
@@ -30,11 +30,8 @@ def check_prompts(model_runner: Any, prompts: Any, max_new_tokens: int) -> None:
 
 def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
     """A generator on ``device`` seeded with ``seed`` (checked), or None for no seed."""
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}.")
-    return torch.Generator(device=device).manual_seed(seed)
+    seed = check_seed(seed)
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
 def prefill_bar(total: int) -> tqdm:

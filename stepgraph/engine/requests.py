@@ -172,7 +172,24 @@ class EngineStats:
                 f.write(f"{bs}\n" * steps)
 
 
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+SEED_MAX = 2**64 - 1  # a seed is a 64-bit unsigned integer, as the CLI and the server take
+
+
+def check_seed(seed: object) -> int | None:
+    """``seed`` as an int (None stays None), or ``ConfigError`` naming the range: an integer
+    (numpy's too), not a bool, in [0, 2**64 - 1]."""
+    if seed is None:
+        return None
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, numbers.Integral)
+        or not 0 <= seed <= SEED_MAX
+    ):
+        raise ConfigError(
+            f"seed must be an integer in [0, 2**64 - 1] or None, got {seed!r}; None draws a "
+            "random one."
+        )
+    return int(seed)
 
 
 def own_sampling(
@@ -181,22 +198,14 @@ def own_sampling(
     """A request's own sampling and its generator, seeded with ``seed`` (None: a random seed);
     ``(None, None)`` for greedy, which the step's batched argmax serves. ``ConfigError`` for a
     seed a generator cannot take (checked for greedy requests too)."""
-    if seed is not None and (
-        isinstance(seed, bool)
-        or not isinstance(seed, numbers.Integral)
-        or not SEED_MIN <= seed <= SEED_MAX
-    ):
-        raise ConfigError(
-            f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {seed!r}; "
-            "None draws a random one."
-        )
+    seed = check_seed(seed)
     if sampling is None or sampling.temperature <= 0:
         return None, None
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(int(seed))
+        generator.manual_seed(seed)
     return sampling, generator
 
 
