@@ -53,6 +53,24 @@ class CudaGraphConfig(ABC):
             raise ConfigError(
                 f"capture_graph_walk must be a non-empty walk name, got {capture_graph_walk!r}."
             )
+        walks = replay_graph_walks
+        if walks is not None and (
+            isinstance(walks, str)
+            or not isinstance(walks, (list, tuple))
+            or not all(isinstance(w, str) and w for w in walks)
+        ):
+            raise ConfigError(
+                f"replay_graph_walks must be a list of walk names or None, got {walks!r}; "
+                f"e.g. [{walks!r}] for one walk."
+            )
+        if not isinstance(capture_forward_method, str) or not capture_forward_method:
+            raise ConfigError(
+                "capture_forward_method must be the name of the model's method to capture, "
+                f"got {capture_forward_method!r}."
+            )
+        for name, flag in (("compile", compile), ("caps_eager_batch_size", caps_eager_batch_size)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}.")
         if capture_batch_sizes is not None:
             validate_buckets(capture_batch_sizes, "capture_batch_sizes")
         self.capture_graph_walk = capture_graph_walk
@@ -151,6 +169,10 @@ class CudaGraphConfig(ABC):
 
 
 def check_input_names(inputs: Mapping[str, torch.Tensor], what: str) -> None:
+    if not isinstance(inputs, Mapping):
+        raise ConfigError(
+            f"{what} must be a dict of input name -> tensor, got {type(inputs).__name__}."
+        )
     if not inputs:
         raise ConfigError(f"{what} is empty; give at least one named input tensor.")
     if CU_SEQLENS in inputs:
