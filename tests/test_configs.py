@@ -45,7 +45,8 @@ def region(ci):
 
 
 def pw_batched(**kw):
-    return PiecewiseBatchedConfig(capture_fn=region, make_static_inputs=dict, seq_len=4, **kw)
+    kw.setdefault("seq_len", 4)
+    return PiecewiseBatchedConfig(capture_fn=region, make_static_inputs=dict, **kw)
 
 
 def pw_packed(**kw):
@@ -236,6 +237,16 @@ def test_call_inputs_resources():
         (lambda: pw_batched(capture_batch_sizes=[1, 1]), "duplicates"),
         (
             lambda: PiecewiseBatchedConfig(capture_fn=region, make_static_inputs=dict, seq_len=0),
+            "seq_len",
+        ),
+        (lambda: pw_batched(declare_step=3), "declare_step must be a callable"),
+        (lambda: pw_batched(compile=1), "compile must be True or False"),
+        (lambda: pw_batched(lease_before_step="no"), "lease_before_step"),
+        (lambda: pw_batched(forward_kwargs=[("a", 1)]), "forward_kwargs must be a dict"),
+        (
+            lambda: PiecewiseBatchedConfig(
+                capture_fn=region, make_static_inputs=dict, seq_len=True
+            ),
             "seq_len",
         ),
         (lambda: pw_packed(total_tokens=[]), "total_tokens is empty"),

@@ -90,6 +90,19 @@ class PiecewiseCudaGraphConfig(ABC):
     def __post_init__(self) -> None:
         if not callable(self.capture_fn) or not callable(self.make_static_inputs):
             raise ConfigError("capture_fn and make_static_inputs must be callables.")
+        if self.declare_step is not None and not callable(self.declare_step):
+            raise ConfigError(
+                f"declare_step must be a callable (names, seq_lens) -> step or None, got "
+                f"{type(self.declare_step).__name__}."
+            )
+        for name in ("lease_before_step", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if not isinstance(self.forward_kwargs, Mapping):
+            raise ConfigError(
+                f"forward_kwargs must be a dict of keyword arguments, got "
+                f"{type(self.forward_kwargs).__name__}."
+            )
         if self.capture_batch_sizes is not None:
             validate_buckets(self.capture_batch_sizes, "capture_batch_sizes")
 
@@ -122,7 +135,7 @@ class PiecewiseBatchedConfig(PiecewiseCudaGraphConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
+        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ConfigError(f"seq_len must be an int >= 1, got {self.seq_len!r}.")
 
     def get_config_type(self) -> PiecewiseConfigType:
