@@ -115,6 +115,25 @@ def test_runner_config_smallest_ints_are_accepted_and_zero_is_not():
         RunnerConfig(warmup_iters=0)
 
 
+@pytest.mark.parametrize(
+    "field", ["enable_torch_compile", "warmup_until_settled", "show_progress", "freeze_gc"]
+)
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_runner_config_flags_refuse_what_is_not_a_bool(field, value):
+    from stepgraph import RunnerConfig
+
+    with pytest.raises(ConfigError, match=rf"{field} must be True or False, got {value!r}"):
+        RunnerConfig(**{field: value})
+
+
+def test_torch_compile_max_bs_zero_compiles_nothing_and_one_below_is_refused():
+    from stepgraph import RunnerConfig
+
+    assert RunnerConfig(enable_torch_compile=True, torch_compile_max_bs=0).compile_buckets() == []
+    with pytest.raises(ConfigError, match=r"torch_compile_max_bs must be >= 0"):
+        RunnerConfig(torch_compile_max_bs=-1)
+
+
 @pytest.mark.parametrize("sizes", [(True,), (1, True), (False, 2)])
 def test_capture_sizes_refuse_bools(sizes):
     from stepgraph import RunnerConfig

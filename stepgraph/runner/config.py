@@ -59,6 +59,20 @@ class RunnerConfig:
                     f"{name} must be an int, got {value!r} ({type(value).__name__}); pass a "
                     f"whole number, e.g. {name}={type(self).__dataclass_fields__[name].default}."
                 )
+        for name in (
+            "enable_torch_compile",
+            "warmup_until_settled",
+            "show_progress",
+            "freeze_gc",
+            "packed_inputs",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.torch_compile_max_bs < 0:
+            raise ConfigError(
+                f"torch_compile_max_bs must be >= 0 (0: no bucket compiled), got "
+                f"{self.torch_compile_max_bs}."
+            )
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}.")
         if self.check_inputs not in CHECK_LEVELS:
