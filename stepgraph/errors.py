@@ -24,4 +24,18 @@ class GraphUpdateError(StepGraphError, RuntimeError):
     """A driver call failed, or a kernel node is not where the update plan expects it."""
 
 
-__all__ = ["StepGraphError", "ConfigError", "CaptureError", "ReplayError", "GraphUpdateError"]
+def check_flags(**flags: object) -> None:
+    """``ConfigError`` naming the first of ``flags`` that is not ``True`` or ``False``."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}.")
+
+
+__all__ = [
+    "check_flags",
+    "StepGraphError",
+    "ConfigError",
+    "CaptureError",
+    "ReplayError",
+    "GraphUpdateError",
+]

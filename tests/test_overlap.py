@@ -101,8 +101,8 @@ class LaggingDevice:
         self.owner: dict[int, int] = {}  # page -> request id that last held it
         launch, sync = overlap_mod.InFlight.launch.__func__, overlap_mod.InFlight.synchronize
 
-        def lagging_launch(cls, rows, tokens, ring=None):
-            step = launch(cls, rows, tokens, ring)
+        def lagging_launch(cls, rows, tokens, ring=None, host=None):
+            step = launch(cls, rows, tokens, ring, host)
             self.running.append(step)
             return step
 

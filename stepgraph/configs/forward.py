@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..buckets import DEFAULT_MAX_BS, default_capture_sizes, distribute_tokens, validate_buckets
-from ..errors import ConfigError
+from ..errors import ConfigError, check_flags
 from .padding import CU_SEQLENS, SPARE_SLOTS, NodeInputs, cu_seqlens, pad_lengths, rows_of
 
 
@@ -68,9 +68,7 @@ class CudaGraphConfig(ABC):
                 "capture_forward_method must be the name of the model's method to capture, "
                 f"got {capture_forward_method!r}."
             )
-        for name, flag in (("compile", compile), ("caps_eager_batch_size", caps_eager_batch_size)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name} must be True or False, got {flag!r}.")
+        check_flags(compile=compile, caps_eager_batch_size=caps_eager_batch_size)
         if capture_batch_sizes is not None:
             validate_buckets(capture_batch_sizes, "capture_batch_sizes")
         self.capture_graph_walk = capture_graph_walk

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..buckets import distribute_tokens, validate_buckets
-from ..errors import ConfigError
+from ..errors import ConfigError, check_flags
 from .padding import PAD_SEQ_LEN, SPARE_SLOTS, pad_lengths
 
 
@@ -95,9 +95,7 @@ class PiecewiseCudaGraphConfig(ABC):
                 f"declare_step must be a callable (names, seq_lens) -> step or None, got "
                 f"{type(self.declare_step).__name__}."
             )
-        for name in ("lease_before_step", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        check_flags(lease_before_step=self.lease_before_step, compile=self.compile)
         if not isinstance(self.forward_kwargs, Mapping):
             raise ConfigError(
                 f"forward_kwargs must be a dict of keyword arguments, got "

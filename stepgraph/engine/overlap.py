@@ -79,16 +79,12 @@ class InFlight:
         event = None
         if tokens.is_cuda:
             slot = ring.take(tokens.shape[0]) if ring is not None else None
-            if slot is None:
-                event = torch.cuda.Event()
+            ring_rows, event = slot if slot is not None else (None, torch.cuda.Event())
+            if host is None:  # no mirror: copy into the ring's rows, or rows of this step's own
+                host = ring_rows
                 if host is None:
                     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                    host.copy_(tokens, non_blocking=True)
-            else:
-                if host is None:
-                    host = slot[0]
-                    host.copy_(tokens, non_blocking=True)
-                event = slot[1]
+                host.copy_(tokens, non_blocking=True)
             event.record()
         elif host is None:
             host = tokens

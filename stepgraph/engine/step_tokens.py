@@ -52,16 +52,15 @@ class StepTokens:
         greedy = sampling.temperature <= 0 and not own
         fused = self.fused(decoding) if greedy and len(rows) == decoding else None
         if fused is not None:  # a static buffer: the next step reads it before its replay
-            if host is not None:  # the graph stored them to the host: no copy
-                return InFlight.launch(rows, fused, self.ring, host=host)
-            tokens = fused
+            tokens = fused  # with ``host``, the graph stored them there already: no copy
         else:
+            host = None  # sampled here: copied
             both = logits[0] if len(logits) == 1 else torch.cat(logits)
             if own:
                 tokens = sample_rows(both, rows, sampling, generator)  # [n] int64, no sync
             else:
                 tokens = sampling.sample(both, generator)  # the step's sampling, every row
-        return InFlight.launch(rows, tokens, self.ring)
+        return InFlight.launch(rows, tokens, self.ring, host)
 
 
 __all__ = ["StepTokens"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..buckets import DEFAULT_MAX_BS, default_capture_sizes, validate_buckets
-from ..errors import ConfigError
+from ..errors import ConfigError, check_flags
 from .input_checks import CHECK_LEVELS
 
 MODES = ("graph", "exact")
@@ -59,15 +59,13 @@ class RunnerConfig:
                     f"{name} must be an int, got {value!r} ({type(value).__name__}); pass a "
                     f"whole number, e.g. {name}={type(self).__dataclass_fields__[name].default}."
                 )
-        for name in (
-            "enable_torch_compile",
-            "warmup_until_settled",
-            "show_progress",
-            "freeze_gc",
-            "packed_inputs",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        check_flags(
+            enable_torch_compile=self.enable_torch_compile,
+            warmup_until_settled=self.warmup_until_settled,
+            show_progress=self.show_progress,
+            freeze_gc=self.freeze_gc,
+            packed_inputs=self.packed_inputs,
+        )
         if self.torch_compile_max_bs < 0:
             raise ConfigError(
                 f"torch_compile_max_bs must be >= 0 (0: no bucket compiled), got "

@@ -82,21 +82,23 @@ class CudaGraphRunner(GraphRunnerBase):
             self.max_bs, model_runner.max_pages_per_request, self.device, self.seq_len_fill_value
         )
         self._init_graphs(self.device, config.backend, pool)
+        tuning = getattr(model_runner, "tuning", None)  # a DecodeTuning, or none (a toy)
         self._staging = (  # pinned host rows, copied to the device inside each graph
             PinnedStaging(
                 self.buffers.packed_pad,
                 self.max_bs,
                 self.device,
-                getattr(getattr(model_runner, "tuning", None), "staging_copy", False),
+                getattr(tuning, "staging_copy", False),
             )
             if config.stages(isinstance(self._backend, CudaGraphBackend))
             else None
         )
         self.feed = check_feed(feed, self.device)  # device ids that batch ids -1 - j read
-        mirror = getattr(getattr(model_runner, "tuning", None), "token_mirror", False)
         self._mirror = (  # the feed after each replay, stored to pinned host memory in-graph
             TokenMirror(self.max_bs, self.device)
-            if mirror and self._staging is not None and self.feed is not None
+            if getattr(tuning, "token_mirror", False)
+            and self._staging is not None
+            and self.feed is not None
             else None
         )
         self.graphs: dict[int, CapturedGraph]
