@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import StepGraphError
+from .errors import SEED_MAX, StepGraphError
 
 
 class UsageError(StepGraphError):
@@ -119,9 +119,6 @@ def cpu_threads(text: str) -> int:
             f"{value} threads is more than the {cores} cores of this machine; pass at most {cores}"
         )
     return value
-
-
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
 
 def seed_int(text: str) -> int:

@@ -24,6 +24,11 @@ class GraphUpdateError(StepGraphError, RuntimeError):
     """A driver call failed, or a kernel node is not where the update plan expects it."""
 
 
+SEED_MAX = 2**64 - 1
+"""The largest seed: ``torch.Generator.manual_seed`` takes 64 unsigned bits. The engine, the CLI
+and the server refuse a seed outside ``[0, SEED_MAX]`` with this one limit."""
+
+
 def check_flags(**flags: object) -> None:
     """``ConfigError`` naming the first of ``flags`` that is not ``True`` or ``False``."""
     for name, value in flags.items():

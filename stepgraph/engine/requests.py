@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import SEED_MAX, ConfigError
 
 MODES = ("eager", "graph", "exact")
 PREFILLS = ("graph", "eager", "unpadded", "piecewise")
@@ -170,9 +170,6 @@ class EngineStats:
         with open(path, "w") as f:
             for bs, steps in sorted(self.batch_sizes.items()):
                 f.write(f"{bs}\n" * steps)
-
-
-SEED_MAX = 2**64 - 1  # a seed is a 64-bit unsigned integer, as the CLI and the server take
 
 
 def check_seed(seed: object) -> int | None:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import SEED_MAX
 from .errors import ModelNotFound, RequestError
 
-SEED_MAX = 2**64 - 1
 DEFAULT_MAX_WAITING = 1024  # requests queued beyond those running before a 503
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the context left
 # field -> its neutral values: anything else asks for what this server does not do
