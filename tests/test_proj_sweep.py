@@ -147,3 +147,23 @@ def test_fp8_sweep_runs_the_fp8_steps_kernels_by_default():
     assert [c for c, m in jobs if m == 1] == ["o_proj", "down", "gate_up", "qkv"]
     assert [c for c, m in jobs if m == 8] == ["o_proj", "down", "gate_up_normed", "qkv_normed"]
     assert all(len(sweep.candidates(c, m, True)) <= 13 for c, m in jobs)
+
+
+def test_scaled_mm_bench_quantizes_each_row_to_the_e4m3_range():
+    """``benchmarks/fp8_scaled_mm.py``'s x for cuBLAS FP8: every row's largest value lands on
+    448 (e4m3's largest), and scale x e4m3 is x within e4m3's rounding (3 mantissa bits), over
+    rows whose magnitudes span 1e-3 to 1e4."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fp8_scaled_mm import E4M3_MAX, quantize_rows
+
+    g = torch.Generator().manual_seed(3)
+    mags = torch.tensor([1e-3, 1.0, 37.0, 1e4])[:, None]
+    x = (torch.randn(4, 1000, generator=g) * mags).to(torch.bfloat16)
+    q, s = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (4, 1) and s.dtype == torch.float32
+    assert torch.equal(q.float().abs().amax(1), torch.full((4,), E4M3_MAX))
+    back = q.float() * s
+    rel = (back - x.float()).norm(dim=1) / x.float().norm(dim=1)
+    assert (rel < 0.04).all() and (rel > 0.005).all()  # rounded, by e4m3's step (2^-4 / sqrt 3)
