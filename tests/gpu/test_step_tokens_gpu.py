@@ -83,7 +83,7 @@ def test_tokens_through_the_token_mirror_equal_the_copied_ones(mode):
             step = engine._inflight
             if host is not None and step is not None:
                 start = host.data_ptr()
-                mirrored += start <= step.host.data_ptr() < start + host.nbytes()
+                mirrored += start <= step.host.data_ptr() < start + host.nbytes
         engine.drain()
         out = [engine.finished[r].output for r in rids]
         engine.shutdown()
