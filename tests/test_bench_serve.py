@@ -132,8 +132,8 @@ def test_arrivals_seeded_and_at_the_asked_rate():
 # -- the whole run --------------------------------------------------------------------------
 
 
-def _fresh_engine_outputs(prompts, output_len):
-    mr = workload.build_model_runner("tiny", "cpu", torch.float32, 1, 64)
+def _fresh_engine_outputs(prompts, output_len, quantization=None):
+    mr = workload.build_model_runner("tiny", "cpu", torch.float32, 1, 64, quantization=quantization)
     engine = Engine(mr, mode="eager")
     try:
         return [engine.generate([p], output_len, ignore_eos=True)[0] for p in prompts]
@@ -183,6 +183,35 @@ def test_serve_end_to_end_json_tokens_and_plot(tmp_path, capsys):
     assert data["meta"]["warmup_seconds"] > 0 and "untimed warm-up" in text
     assert data["meta"]["max_prefill_tokens_with_decode"] == 2048  # the engine's default
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_fp8_weights_serve_the_same_requests_beside_the_model_dtype(tmp_path, capsys, monkeypatch):
+    """``--quantization fp8``: the workload on the model dtype, then on the same weights in FP8
+    (a second model, quantized on load), each run's tokens those of a fresh engine over that
+    model; one line compares them."""
+    built = []
+    build = workload.build_model_runner
+
+    def recorded(*a, **k):
+        built.append(k.get("quantization"))
+        return build(*a, **k)
+
+    monkeypatch.setattr(workload, "build_model_runner", recorded)
+    out = tmp_path / "serve.json"
+    assert main([*SERVE, *SMALL, "--quantization", "fp8", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert built == [None, "fp8"]
+    assert "(float32, FP8 weights, cpu)" in text and "FP8 weights: " in text.splitlines()[-2]
+    data = json.loads(out.read_text())
+    q = data["quantized"]
+    assert q["meta"]["weights"] == "fp8" and "weights" not in data["meta"]
+    assert q["metrics"]["completed"] == 8 and q["metrics"]["total_output_tokens"] == 8 * 6
+    prompts = sm.random_prompts(8, 24, 7 / 9, 512, seed=0)
+    monkeypatch.setattr(workload, "build_model_runner", build)
+    want8 = _fresh_engine_outputs(prompts, 6, "fp8")
+    assert [r["tokens"] for r in q["requests"]] == want8
+    assert [r["tokens"] for r in data["requests"]] == _fresh_engine_outputs(prompts, 6)
+    assert [r["tokens"] for r in data["requests"]] != want8  # FP8 rounding moved some tokens
 
 
 def test_poisson_arrivals_follow_the_schedule(tmp_path, capsys):
@@ -279,6 +308,8 @@ def test_a_failing_peer_is_reported_skipped_not_fatal(tmp_path, capsys, monkeypa
         (["--batch-sizes", "1,2"], "--batch-sizes"),
         (["--prefill"], "--prefill"),
         (["--engine-prefill", "cuda"], "--engine-prefill"),
+        (["--quantization", "fp8", "--workload", "multi-turn"], "--quantization"),
+        (["--quantization", "int4"], "--quantization"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag_before_any_work(flags, named, capsys, monkeypatch):

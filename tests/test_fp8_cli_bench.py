@@ -92,7 +92,12 @@ def test_check_runs_with_fp8_weights(capsys):
 
 @pytest.mark.parametrize(
     "extra",
-    [["--device", "cpu"], ["--device", "cuda", "--serve"], ["--device", "cuda", "--prefill"]],
+    [
+        ["--device", "cpu"],
+        ["--device", "cuda", "--prefill"],
+        ["--device", "cuda", "--tp", "2"],
+        ["--device", "cuda", "--serve", "--workload", "shared-prefix"],
+    ],
 )
 def test_bench_refuses_fp8_where_it_cannot_run_it(extra):
     args = build_parser().parse_args(["bench", "--quantization", "fp8", *extra])
@@ -101,6 +106,15 @@ def test_bench_refuses_fp8_where_it_cannot_run_it(extra):
     assert "\n" not in str(e.value)
     args = build_parser().parse_args(["bench", *extra])
     assert check_quantization_args(args) is None
+
+
+def test_bench_takes_fp8_with_serve_on_either_device():
+    for device in ("cpu", "cuda"):
+        for extra in ([], ["--workload", "random"]):
+            args = build_parser().parse_args(
+                ["bench", "--serve", "--device", device, "--quantization", "fp8", *extra]
+            )
+            assert check_quantization_args(args) == "fp8"
 
 
 def test_tensor_parallel_refuses_fp8_before_any_group():

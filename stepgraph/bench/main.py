@@ -80,15 +80,17 @@ def peer_allowed(peer: str, points: list[Point], which: str) -> set[Point]:
 
 def check_quantization_args(args: argparse.Namespace) -> str | None:
     """``--quantization``, refused where the bench cannot run it beside the model dtype: the
-    CPU stand-in, ``--tp``, ``--serve``, ``--prefill``."""
+    CPU stand-in (but for ``--serve``), ``--tp``, ``--prefill``, a ``--serve`` workload other
+    than random."""
     quant = getattr(args, "quantization", None)
+    serve, workload = getattr(args, "serve", False), getattr(args, "workload", None)
     where = [
         flag
         for flag, on in (
-            ("the CPU (--device cpu, or no GPU)", args.device == "cpu"),
+            ("the CPU (--device cpu, or no GPU)", args.device == "cpu" and not serve),
             ("--tp", getattr(args, "tp", 1) > 1),
-            ("--serve", getattr(args, "serve", False)),
             ("--prefill", getattr(args, "prefill", False)),
+            (f"--workload {workload}", serve and workload not in (None, "random")),
         )
         if on
     ]
@@ -96,8 +98,9 @@ def check_quantization_args(args: argparse.Namespace) -> str | None:
         from ..cli_args import UsageError
 
         raise UsageError(
-            f"--quantization {quant} benchmarks the decode step in FP8 beside the model dtype on "
-            f"CUDA, unsharded; it does not run with {', '.join(where)}"
+            f"--quantization {quant} runs the decode step (on CUDA) or the random --serve "
+            f"workload in FP8 beside the model dtype, unsharded; it does not run with "
+            f"{', '.join(where)}"
         )
     return quant
 

@@ -163,6 +163,69 @@ def step_times(engine, mr, sizes: list[int], context: int, iters: int) -> list[d
     return rows
 
 
+@dataclass
+class EngineRuns:
+    """One engine's pass over the workload and the latency case, with their GPU step times."""
+
+    main: ServeRun
+    gpu_main: list[dict]
+    latency: ServeRun | None
+    gpu_latency: list[dict]
+    warmup_s: float
+    hits: float  # the timed run's prefix-cache hit rate
+    caching: bool
+
+    @property
+    def latency_pair(self) -> tuple:
+        return self.latency, self.gpu_latency
+
+
+def engine_runs(args, plan, mr, prompts, arrivals, lat_prompt, out_len) -> EngineRuns:
+    """An engine over ``mr`` as the flags ask: an untimed warm-up, the workload, its decode
+    steps alone, then the latency case where planned; the engine is shut down after."""
+    from .serve_metrics import used_batch_sizes
+
+    caching = not args.no_prefix_caching
+    budgets = args.max_prefill_tokens, plan.prefill, caching, args.max_prefill_tokens_with_decode
+    engine = make_engine(mr, plan.mode, plan.max_running, *budgets)
+    latency, gpu_latency = None, []
+    try:
+        t = time.perf_counter()
+        engine.generate(prompts, WARMUP_TOKENS, ignore_eos=True)  # untimed: compiles
+        if plan.latency:
+            engine.generate(lat_prompt, WARMUP_TOKENS, ignore_eos=True)
+        warmup_s = time.perf_counter() - t
+        engine.prefix_cache.clear()  # the warm-up's prompts are the timed ones: start cold
+        engine.stats = type(engine.stats)()  # count the timed run only
+        _say(f"serving {len(prompts)} requests")
+        main = serve(engine, prompts, out_len, arrivals, plan.max_running)
+        context = round(sum(map(len, prompts)) / len(prompts) + out_len / 2)
+        hits = engine.stats.hit_rate
+        engine.prefix_cache.clear()  # step_times reserves pages of its own
+        gpu_main = step_times(engine, mr, used_batch_sizes(main.steps), context, args.iters)
+        if plan.latency:
+            engine.prefix_cache.clear()
+            engine.stats = type(engine.stats)()
+            latency = serve(engine, lat_prompt, LATENCY_OUTPUT, [0.0], plan.max_running)
+            context = LATENCY_INPUT + LATENCY_OUTPUT // 2
+            gpu_latency = step_times(engine, mr, [1], context, args.iters)
+    finally:
+        engine.shutdown()
+    return EngineRuns(main, gpu_main, latency, gpu_latency, warmup_s, hits, caching)
+
+
+def quantized_line(report: dict, quantized: dict, quant: str) -> str:
+    """One line: the quantized run's throughput and TTFT against the model dtype's."""
+    m, q = report["metrics"], quantized["metrics"]
+    ratio = q["output_throughput"] / m["output_throughput"] if m["output_throughput"] else 0.0
+    return (
+        f"{quant.upper()} weights: {q['output_throughput']:.0f} output tok/s, TTFT p50 "
+        f"{q['median_ttft_ms']:.1f} ms; {report['meta']['dtype']}: "
+        f"{m['output_throughput']:.0f} tok/s, {m['median_ttft_ms']:.1f} ms "
+        f"({ratio:.2f}x the throughput)"
+    )
+
+
 def _say(text: str) -> None:
     print(f"stepgraph bench --serve: {text}", file=sys.stderr, flush=True)
 
@@ -170,8 +233,14 @@ def _say(text: str) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from ..cli_args import model_config
     from .constants import DTYPES
-    from .serve_metrics import arrival_times, random_prompts, used_batch_sizes
-    from .serve_report import build_report, plot_requests, print_report, write_report
+    from .serve_metrics import arrival_times, random_prompts
+    from .serve_report import (
+        build_report,
+        plot_requests,
+        print_report,
+        request_records,
+        write_report,
+    )
     from .workload import build_model_runner
 
     cuda = args.device == "cuda"
@@ -206,37 +275,25 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     check_serve_memory(args, config, plan, dtype, max_context)
-    mr = build_model_runner(
-        model, args.device, dtype, plan.max_running, max_context, page_size=plan.page_size
-    )
-    if cuda:
-        mr.set_kernels(args.kernels or "fused")
-    caching = not args.no_prefix_caching
-    budgets = args.max_prefill_tokens, plan.prefill, caching, args.max_prefill_tokens_with_decode
-    engine = make_engine(mr, plan.mode, plan.max_running, *budgets)
-    latency, gpu_latency = None, []
-    try:
-        t = time.perf_counter()
-        engine.generate(prompts, WARMUP_TOKENS, ignore_eos=True)  # untimed: compiles
-        if plan.latency:
-            engine.generate(lat_prompt, WARMUP_TOKENS, ignore_eos=True)
-        warmup_s = time.perf_counter() - t
-        engine.prefix_cache.clear()  # the warm-up's prompts are the timed ones: start cold
-        engine.stats = type(engine.stats)()  # count the timed run only
-        _say(f"serving {len(prompts)} requests")
-        main = serve(engine, prompts, out_len, arrivals, plan.max_running)
-        context = round(sum(map(len, prompts)) / len(prompts) + out_len / 2)
-        hits = engine.stats.hit_rate
-        engine.prefix_cache.clear()  # step_times reserves pages of its own
-        gpu_main = step_times(engine, mr, used_batch_sizes(main.steps), context, args.iters)
-        if plan.latency:
-            engine.prefix_cache.clear()
-            engine.stats = type(engine.stats)()
-            latency = serve(engine, lat_prompt, LATENCY_OUTPUT, [0.0], plan.max_running)
-            context = LATENCY_INPUT + LATENCY_OUTPUT // 2
-            gpu_latency = step_times(engine, mr, [1], context, args.iters)
-    finally:
-        engine.shutdown()
+    quant = getattr(args, "quantization", None)
+    work = (prompts, arrivals, lat_prompt, out_len)
+
+    def build(quantization=None):
+        mr = build_model_runner(
+            model,
+            args.device,
+            dtype,
+            plan.max_running,
+            max_context,
+            page_size=plan.page_size,
+            quantization=quantization,
+        )
+        if cuda:
+            mr.set_kernels(args.kernels or "fused")
+        return mr
+
+    mr = build()
+    run = engine_runs(args, plan, mr, *work)
     peers = {}
     if "hf-cb" in plan.peers:
         from .serve_peers import hf_continuous_batching
@@ -248,16 +305,39 @@ def run_serve(args: argparse.Namespace) -> int:
 
         _say("hf-static-compile: the latency case (compiles first, about a minute)")
         peers["hf-static-compile"] = hf_static_latency(mr, lat_prompt[0], LATENCY_OUTPUT)
-    report = build_report(args, plan, mr, main, gpu_main, latency, gpu_latency, peers, warmup_s)
+    report = build_report(args, plan, mr, run.main, run.gpu_main, *run.latency_pair, peers,
+                          run.warmup_s)  # fmt: skip
     print_report(report)
-    print(f"prefix caching {'on' if caching else 'off'}: hit rate {hits:.1%}")
+    print(f"prefix caching {'on' if run.caching else 'off'}: hit rate {run.hits:.1%}")
+    if quant:  # the same weights in FP8 (the same seed, quantized on load), after the peers
+        del mr
+        if cuda:
+            torch.cuda.empty_cache()
+        _say(f"the same requests on the same weights in {quant.upper()}")
+        mr8 = build(quant)
+        run8 = engine_runs(args, plan, mr8, *work)
+        report8 = build_report(args, plan, mr8, run8.main, run8.gpu_main, *run8.latency_pair,
+                               {}, run8.warmup_s)  # fmt: skip
+        report8["meta"]["weights"] = quant
+        print_report(report8)
+        report["quantized"] = {**report8, "requests": request_records(run8.main)}
+        print(quantized_line(report, report8, quant))
     if args.json:
-        write_report(args.json, report, main)
+        write_report(args.json, report, run.main)
         print(f"wrote {args.json}")
     if args.plot:
-        plot_requests(args.plot, report, main, peers.get("hf-cb"))
+        plot_requests(args.plot, report, run.main, peers.get("hf-cb"))
         print(f"wrote {args.plot}")
     return 0
 
 
-__all__ = ["ServeRun", "make_engine", "run_serve", "serve", "step_times"]
+__all__ = [
+    "EngineRuns",
+    "ServeRun",
+    "engine_runs",
+    "make_engine",
+    "quantized_line",
+    "run_serve",
+    "serve",
+    "step_times",
+]

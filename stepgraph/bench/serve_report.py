@@ -148,8 +148,10 @@ def _ms(x: float | None, width: int = 9) -> str:
 
 def print_report(r: dict) -> None:
     meta, w, m = r["meta"], r["workload"], r["metrics"]
+    weights = f", {meta['weights'].upper()} weights" if meta.get("weights") else ""
     print(
-        f"\nstepgraph bench --serve: {meta['model']} ({meta['dtype']}, {meta['device']}), engine "
+        f"\nstepgraph bench --serve: {meta['model']} ({meta['dtype']}{weights}, {meta['device']}), "
+        "engine "
         f"{meta['engine_mode']}, {meta['engine_prefill']} prefill, "
         f"max running {meta['max_running']}"
     )
@@ -227,9 +229,9 @@ def _peer_line(name: str, p: dict) -> str:
     return line + (f"; {p['note']}" if p.get("note") else "")
 
 
-def write_report(path: str, report: dict, main) -> None:
-    """``report`` plus one record per request, its tokens included (to check the work)."""
-    requests = [
+def request_records(main) -> list[dict]:
+    """One record per request of a run, its tokens included (to check the work)."""
+    return [
         {
             "input_len": t.input_len,
             "output_len": len(t.token_times),
@@ -241,6 +243,11 @@ def write_report(path: str, report: dict, main) -> None:
         }
         for t, out in zip(main.timings, main.outputs)
     ]
+
+
+def write_report(path: str, report: dict, main) -> None:
+    """``report`` plus one record per request of ``main`` (``request_records``)."""
+    requests = request_records(main)
     with open(path, "w") as f:
         json.dump({**report, "requests": requests}, f, indent=1)
 
@@ -287,5 +294,6 @@ __all__ = [
     "plot_requests",
     "print_report",
     "rate_text",
+    "request_records",
     "write_report",
 ]
