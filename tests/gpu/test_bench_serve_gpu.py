@@ -53,3 +53,24 @@ def test_hf_continuous_batching_peer_runs_on_the_same_requests(tmp_path):
     assert "skipped" not in p, p
     assert p["seconds"] > 0 and p["speedup_wall"] > 0 and p["note"] == ""  # 8 tokens each
     assert p["metrics"]["completed"] == 4 and p["metrics"]["total_output_tokens"] == 4 * 8
+
+
+def test_fp8_weights_serve_beside_the_model_dtype_with_a_fresh_engines_tokens(tmp_path):
+    """``--quantization fp8`` on CUDA: the FP8 run's decode steps replay graphs (the FP8 fused
+    kernels), and its tokens equal a fresh engine's over the same weights quantized on load."""
+    out = tmp_path / "serve.json"
+    argv = [*TINY, "--input-len", "64", "--output-len", "16", "--peers", "none"]
+    assert main([*argv, "--quantization", "fp8", "--json", str(out)]) == 0
+    q = json.loads(out.read_text())["quantized"]
+    assert q["meta"]["weights"] == "fp8" and q["metrics"]["total_output_tokens"] == 8 * 16
+    assert all(d["how"] == "graph replay" and d["step_ms"] > 0 for d in q["decode"])
+    prompts = sm.random_prompts(8, 64, 7 / 9, 512, seed=0)
+    context = max(map(len, prompts)) + 16
+    mr = workload.build_model_runner("tiny", "cuda", torch.float32, 8, context, quantization="fp8")
+    mr.set_kernels("fused")
+    engine = Engine(mr, mode="graph", max_running=8)
+    try:
+        want = engine.generate(prompts, 16, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    assert [r["tokens"] for r in q["requests"]] == want
