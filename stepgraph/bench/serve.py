@@ -320,6 +320,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                {}, run8.warmup_s)  # fmt: skip
         report8["meta"]["weights"] = quant
         print_report(report8)
+        print(f"prefix caching {'on' if run8.caching else 'off'}: hit rate {run8.hits:.1%}")
         report["quantized"] = {**report8, "requests": request_records(run8.main)}
         print(quantized_line(report, report8, quant))
     if args.json:
