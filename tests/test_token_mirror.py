@@ -2,7 +2,8 @@
 pinned host memory itself, one slot per replay. The kernel under the Triton interpreter against
 the torch ops it stands for (poisoned slots, fresh random ids, a bucket exactly at the loop's
 block and one past it), and the runner on the CPU stand-in: each replay's host rows equal the
-step's own argmax and stay put until the slot comes round again."""
+step's own argmax and stay put until the slot comes round again; and an ``Engine`` on the stand-in
+landing its decode steps' tokens from the slots, equal to an eager engine's."""
 
 from __future__ import annotations
 
@@ -90,3 +91,62 @@ def test_no_mirror_without_the_tuning_staging_or_a_feed(mirror, staged, fed):
     runner = CudaGraphRunner(mr, config, feed=mr.greedy if fed else None)
     runner.replay(mr.random_batch(2, torch.Generator().manual_seed(0)))
     assert runner.host_feed(2) is None
+
+
+def _argmax_in_step(mr):
+    """A CPU model runner whose decode step writes its greedy ids into ``greedy_tokens`` (the
+    runner's feed) and reports them as the step's own, as the fused step does on CUDA."""
+    forward = mr.forward
+
+    def step(batch, *, out=None):
+        logits = forward(batch, out=out)
+        mr.greedy_tokens[: logits.shape[0]].copy_(logits.argmax(-1))
+        return logits
+
+    mr.forward = step
+    mr.fused_tokens = lambda bs: mr.greedy_tokens[:bs]
+    return mr
+
+
+def _engine_outputs(mode: str, mirror: bool | None):
+    """12 requests (joins mid-stream, stop ids, budgets of 6-39) through an ``Engine`` of the
+    tiny preset; ``mirror`` not None: the step writes the feed, with the mirror on or off."""
+    from stepgraph.engine import Engine
+    from stepgraph.model import ModelRunner
+
+    mr = ModelRunner.from_preset(
+        "tiny", "cpu", torch.float32, 0, max_bs=8, max_context_len=256,
+        tuning=DecodeTuning(token_mirror=bool(mirror)),
+    )  # fmt: skip
+    if mirror is not None:
+        _argmax_in_step(mr)
+    engine = Engine(mr, mode, RunnerConfig(max_bs=8, show_progress=False, pinned_staging=True))
+    g = torch.Generator().manual_seed(7)
+    rids, mirrored = [], 0
+    for i in range(12):
+        n = int(torch.randint(1, 70, (1,), generator=g))
+        stops = torch.randint(0, 512, (3,), generator=g).tolist()
+        prompt = torch.randint(1, 512, (n,), generator=g).tolist()
+        rids.append(engine.add_request(prompt, 6 + 3 * i, stop_ids=stops))
+    host = engine.runner._mirror.host if mirror else None
+    while engine.has_unfinished:
+        engine.step()
+        step = engine._inflight
+        if host is not None and step is not None:
+            mirrored += host.data_ptr() <= step.host.data_ptr() < host.data_ptr() + host.nbytes
+    engine.drain()
+    out = [engine.finished[r].output for r in rids]
+    engine.shutdown()
+    return out, mirrored
+
+
+def test_the_engine_lands_the_mirrored_tokens_as_eager_computes_them():
+    """The engine over a staged runner with the mirror, on a step that writes its argmax into
+    the feed: decode-only steps land their tokens from the pinned slots (no copy), and every
+    request's tokens equal an eager engine's from the logits. (Without the mirror the CPU
+    stand-in hands the step's tokens over as a view of the feed, which the next step
+    overwrites: there the fused step's tokens exist only on CUDA, behind a stream-ordered copy.)"""
+    want, _ = _engine_outputs("eager", None)
+    got, mirrored = _engine_outputs("graph", True)
+    assert got == want
+    assert mirrored > 20 and sum(map(len, want)) > 200
