@@ -108,9 +108,31 @@ def _argmax_in_step(mr):
     return mr
 
 
+def mirror_mix(engine, vocab: int, host: torch.Tensor | None) -> tuple[list[list[int]], int]:
+    """12 seeded requests (joins mid-stream, stop ids, budgets of 6-39) run to the end through
+    ``engine``, which it shuts down: (each request's tokens, how many steps landed their
+    tokens from ``host``, the mirror's pinned rows; 0 without)."""
+    g = torch.Generator().manual_seed(7)
+    rids, mirrored = [], 0
+    for i in range(12):
+        n = int(torch.randint(1, 70, (1,), generator=g))
+        stops = torch.randint(0, vocab, (3,), generator=g).tolist()
+        prompt = torch.randint(1, vocab, (n,), generator=g).tolist()
+        rids.append(engine.add_request(prompt, 6 + 3 * i, stop_ids=stops))
+    while engine.has_unfinished:
+        engine.step()
+        step = engine._inflight
+        if host is not None and step is not None:
+            mirrored += host.data_ptr() <= step.host.data_ptr() < host.data_ptr() + host.nbytes
+    engine.drain()
+    out = [engine.finished[r].output for r in rids]
+    engine.shutdown()
+    return out, mirrored
+
+
 def _engine_outputs(mode: str, mirror: bool | None):
-    """12 requests (joins mid-stream, stop ids, budgets of 6-39) through an ``Engine`` of the
-    tiny preset; ``mirror`` not None: the step writes the feed, with the mirror on or off."""
+    """``mirror_mix`` through an ``Engine`` of the tiny preset; ``mirror`` not None: the step
+    writes the feed, with the mirror on or off."""
     from stepgraph.engine import Engine
     from stepgraph.model import ModelRunner
 
@@ -121,23 +143,7 @@ def _engine_outputs(mode: str, mirror: bool | None):
     if mirror is not None:
         _argmax_in_step(mr)
     engine = Engine(mr, mode, RunnerConfig(max_bs=8, show_progress=False, pinned_staging=True))
-    g = torch.Generator().manual_seed(7)
-    rids, mirrored = [], 0
-    for i in range(12):
-        n = int(torch.randint(1, 70, (1,), generator=g))
-        stops = torch.randint(0, 512, (3,), generator=g).tolist()
-        prompt = torch.randint(1, 512, (n,), generator=g).tolist()
-        rids.append(engine.add_request(prompt, 6 + 3 * i, stop_ids=stops))
-    host = engine.runner._mirror.host if mirror else None
-    while engine.has_unfinished:
-        engine.step()
-        step = engine._inflight
-        if host is not None and step is not None:
-            mirrored += host.data_ptr() <= step.host.data_ptr() < host.data_ptr() + host.nbytes
-    engine.drain()
-    out = [engine.finished[r].output for r in rids]
-    engine.shutdown()
-    return out, mirrored
+    return mirror_mix(engine, 512, engine.runner._mirror.host if mirror else None)
 
 
 def test_the_engine_lands_the_mirrored_tokens_as_eager_computes_them():

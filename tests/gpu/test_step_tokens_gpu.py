@@ -13,6 +13,7 @@ from stepgraph.engine.overlap import HostRing, InFlight
 from stepgraph.engine.requests import Sampling
 from stepgraph.model import ModelRunner
 from stepgraph.runner import RunnerConfig
+from tests.test_token_mirror import mirror_mix
 
 pytestmark = pytest.mark.cuda
 
@@ -70,24 +71,8 @@ def test_tokens_through_the_token_mirror_equal_the_copied_ones(mode):
             max_context_len=512, tuning=DecodeTuning(token_mirror=mirror),
         )  # fmt: skip
         engine = Engine(mr, mode, RunnerConfig(max_bs=8, show_progress=False))
-        g = torch.Generator().manual_seed(7)
-        rids, mirrored = [], 0
-        for i in range(12):  # joins mid-stream (steps with prefill rows copy), stops anywhere
-            prompt = torch.randint(1, 128256, (int(torch.randint(1, 70, (1,), generator=g)),),
-                                   generator=g).tolist()  # fmt: skip
-            stops = [int(t) for t in torch.randint(0, 128256, (3,), generator=g)]
-            rids.append(engine.add_request(prompt, 6 + 3 * i, stop_ids=stops))
         host = engine.runner._mirror.host if mirror else None
-        while engine.has_unfinished:
-            engine.step()
-            step = engine._inflight
-            if host is not None and step is not None:
-                start = host.data_ptr()
-                mirrored += start <= step.host.data_ptr() < start + host.nbytes
-        engine.drain()
-        out = [engine.finished[r].output for r in rids]
-        engine.shutdown()
-        return out, mirrored
+        return mirror_mix(engine, 128256, host)  # steps with prefill rows copy
 
     copied, none = run(False)
     got, mirrored = run(True)
