@@ -173,11 +173,6 @@ class EngineRuns:
     gpu_latency: list[dict]
     warmup_s: float
     hits: float  # the timed run's prefix-cache hit rate
-    caching: bool
-
-    @property
-    def latency_pair(self) -> tuple:
-        return self.latency, self.gpu_latency
 
 
 def engine_runs(args, plan, mr, prompts, arrivals, lat_prompt, out_len) -> EngineRuns:
@@ -211,7 +206,7 @@ def engine_runs(args, plan, mr, prompts, arrivals, lat_prompt, out_len) -> Engin
             gpu_latency = step_times(engine, mr, [1], context, args.iters)
     finally:
         engine.shutdown()
-    return EngineRuns(main, gpu_main, latency, gpu_latency, warmup_s, hits, caching)
+    return EngineRuns(main, gpu_main, latency, gpu_latency, warmup_s, hits)
 
 
 def quantized_line(report: dict, quantized: dict, quant: str) -> str:
@@ -292,6 +287,20 @@ def run_serve(args: argparse.Namespace) -> int:
             mr.set_kernels(args.kernels or "fused")
         return mr
 
+    def report_of(mr, run: EngineRuns, peers: dict, weights: str | None = None) -> dict:
+        """The run's report (``weights``: a quantization, named in its meta), printed with its
+        hit rate."""
+        report = build_report(
+            args, plan, mr, run.main, run.gpu_main, run.latency, run.gpu_latency, peers,
+            run.warmup_s,
+        )  # fmt: skip
+        if weights:
+            report["meta"]["weights"] = weights
+        print_report(report)
+        caching = "off" if args.no_prefix_caching else "on"
+        print(f"prefix caching {caching}: hit rate {run.hits:.1%}")
+        return report
+
     mr = build()
     run = engine_runs(args, plan, mr, *work)
     peers = {}
@@ -305,10 +314,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         _say("hf-static-compile: the latency case (compiles first, about a minute)")
         peers["hf-static-compile"] = hf_static_latency(mr, lat_prompt[0], LATENCY_OUTPUT)
-    report = build_report(args, plan, mr, run.main, run.gpu_main, *run.latency_pair, peers,
-                          run.warmup_s)  # fmt: skip
-    print_report(report)
-    print(f"prefix caching {'on' if run.caching else 'off'}: hit rate {run.hits:.1%}")
+    report = report_of(mr, run, peers)
     if quant:  # the same weights in FP8 (the same seed, quantized on load), after the peers
         del mr
         if cuda:
@@ -316,11 +322,7 @@ def run_serve(args: argparse.Namespace) -> int:
         _say(f"the same requests on the same weights in {quant.upper()}")
         mr8 = build(quant)
         run8 = engine_runs(args, plan, mr8, *work)
-        report8 = build_report(args, plan, mr8, run8.main, run8.gpu_main, *run8.latency_pair,
-                               {}, run8.warmup_s)  # fmt: skip
-        report8["meta"]["weights"] = quant
-        print_report(report8)
-        print(f"prefix caching {'on' if run8.caching else 'off'}: hit rate {run8.hits:.1%}")
+        report8 = report_of(mr8, run8, {}, quant)
         report["quantized"] = {**report8, "requests": request_records(run8.main)}
         print(quantized_line(report, report8, quant))
     if args.json:

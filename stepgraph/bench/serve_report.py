@@ -151,8 +151,7 @@ def print_report(r: dict) -> None:
     weights = f", {meta['weights'].upper()} weights" if meta.get("weights") else ""
     print(
         f"\nstepgraph bench --serve: {meta['model']} ({meta['dtype']}{weights}, {meta['device']}), "
-        "engine "
-        f"{meta['engine_mode']}, {meta['engine_prefill']} prefill, "
+        f"engine {meta['engine_mode']}, {meta['engine_prefill']} prefill, "
         f"max running {meta['max_running']}"
     )
     print(
