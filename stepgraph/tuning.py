@@ -245,7 +245,7 @@ class DecodeTuning:
     l2_prefetch_bytes: int = 16384
     tma: bool = True
     staging_copy: bool = False
-    token_mirror: bool = False
+    token_mirror: bool = True
     attention_variant: str | None = None
 
     def __post_init__(self) -> None:

@@ -155,7 +155,7 @@ def test_engine_times_each_batch_size_on_the_variants_runner():
 
     ab = load_ab()
     mr = build_model_runner("tiny", "cpu", torch.float32, 4, 128)
-    vr = ab.variant_runner(mr, ab.variant_tuning({"token_mirror": "1"}), 4)
-    assert vr.tuning.token_mirror and vr.model is mr.model
+    vr = ab.variant_runner(mr, ab.variant_tuning({"token_mirror": "0"}), 4)
+    assert not vr.tuning.token_mirror and vr.model is mr.model
     ms = ab.engine_ms(vr, [1, 4], 96)
     assert sorted(ms) == [1, 4] and all(0 < t < 1e4 for t in ms.values())
