@@ -9,9 +9,10 @@ The module keeps the ``nn.Linear`` names the step reads: ``weight`` is the e4m3 
 ``block``), ``bias`` in the model's dtype. Its forward:
 - on CUDA, up to ``fp8_gemv.MAX_M`` rows: the FP8-weight GEMV (``kernels/proj/fp8_gemv``), the
   scales applied in registers: the decode step's path;
-- otherwise (the CPU reference, a prefill's many rows): ``x @ dequantize(weight).T`` with the
-  weight dequantized for this call only, in x's dtype (a temporary of one weight; nothing
-  dequantized stays in memory).
+- more rows on CUDA (a prefill): cuBLAS over the weight dequantized for this call only, in x's
+  dtype, in one pass (``kernels/proj/fp8_dequant``; a temporary of one weight, nothing
+  dequantized stays in memory);
+- on the CPU (the reference): the same with the dequantized weight built from torch ops.
 The LM head and the embeddings are never FP8: they stay in the model's dtype.
 """
 
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..kernels.proj.fp8_dequant import OUT_DTYPES as DEQUANT_DTYPES
+from ..kernels.proj.fp8_dequant import dequantize_fp8
 from ..kernels.proj.fp8_gemv import ROWS_MAX as FP8_ROWS_MAX
 from ..kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv_rows
 from .fp8_weight import FP8_DTYPE, Fp8Weight, quantize_per_channel, scale_shape
@@ -103,7 +106,10 @@ class Fp8Linear(nn.Module):
         return self.weight.numel() + 4 * self.weight_scale.numel() + bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """``weight * scale`` in ``dtype``: a temporary (the reference and the prefill path)."""
+        """``weight * scale`` in ``dtype``: a temporary (the reference and the prefill path),
+        the same bits on CUDA (one Triton pass) as on the CPU (torch ops through float32)."""
+        if self.weight.is_cuda and dtype in DEQUANT_DTYPES:
+            return dequantize_fp8(self.weight, self.weight_scale, self.block, dtype)
         if dtype == torch.float64:
             return dequantize_reference(self.weight, self.weight_scale, self.block)
         return dequantize_reference(self.weight, self.weight_scale, self.block, torch.float32).to(
@@ -112,7 +118,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         # decode's rows (up to the largest bucket): the FP8-weight GEMV, 64 rows a launch, no
-        # dequantized weight; more (a prefill): cuBLAS on the dequantized weight
+        # dequantized weight; more (a prefill): cuBLAS on a weight dequantized for this call
         if x.is_cuda and 0 < x.shape[0] <= FP8_ROWS_MAX and x.stride(-1) == 1:
             return fp8_gemv_rows(x, self.weight, self.weight_scale, self.block, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)

@@ -105,3 +105,26 @@ def test_fp8_gemv_replays_from_a_graph_with_pdl(m):
     for fw, block, out in zip(ws, blocks, outs):
         assert rel_err(out, fp8_gemv_reference(x, fw.data, fw.scale, block)) < 1e-2
         assert torch.equal(out, fp8_gemv(x, fw.data, fw.scale, block))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_prefills_rows_run_cublas_over_the_one_pass_dequantized_weight(nan_empty, dtype, fmt):
+    """Past ``ROWS_MAX`` rows ``Fp8Linear`` hands cuBLAS ``dequantize_fp8``'s weight: the same
+    bits as torch's float32 dequantization cast to the dtype, and so the same output as before
+    it existed; near float64 over the dequantized weight."""
+    from stepgraph.kernels.proj.fp8_dequant import dequantize_fp8
+    from stepgraph.kernels.proj.fp8_gemv import ROWS_MAX, dequantize_reference
+    from stepgraph.model.fp8_linear import Fp8Linear
+
+    n, k = SHAPES["1b-gate_up"]
+    block = FORMATS[fmt]
+    q = fp8_weight(n + 40, k + 72, block, seed=5)  # partial tiles and scale blocks
+    torch_dq = dequantize_reference(q.data, q.scale, block, torch.float32).to(dtype)
+    assert torch.equal(dequantize_fp8(q.data, q.scale, block, dtype), torch_dq)
+    lin = Fp8Linear.from_weight(q)
+    x = torch.randn(ROWS_MAX + 1, k + 72, device=DEV, dtype=dtype)
+    y = lin(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, torch_dq))
+    assert rel_err(y, fp8_gemv_reference(x, q.data, q.scale, block)) < TOL[dtype]

@@ -1,0 +1,71 @@
+"""``dequantize_fp8`` (``kernels/proj/fp8_dequant``), the one-pass dequantization a prefill's
+FP8 projections hand cuBLAS, under the Triton interpreter: the same bits as torch's
+float32 ``weight * scale`` cast to the dtype, for scales per channel and per block, with shapes
+that leave partial tiles and partial scale blocks in both dimensions and grids of several
+programs each way; scales of 0 and huge; refusals on the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgraph.errors import ConfigError
+from stepgraph.kernels.proj import fp8_dequant
+from stepgraph.kernels.proj.fp8_dequant import dequantize_fp8
+from stepgraph.kernels.proj.fp8_gemv import dequantize_reference
+from stepgraph.model.fp8_weight import quantize_per_block, quantize_per_channel
+
+
+def weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's float16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block", [None, (16, 32), (128, 128)])
+def test_one_pass_equals_the_float32_dequantization_bit_for_bit(nan_empty, dtype, block):
+    # N, K: more than one program each way (BLOCK_N 16, BLOCK_K 256), a partial tile and a
+    # partial scale block in both
+    n, k = 3 * fp8_dequant.BLOCK_N + 5, 2 * fp8_dequant.BLOCK_K + 40
+    w = weight(n, k, seed=n + k)
+    q = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
+    scale = q.scale.clone()
+    scale.view(-1)[0] = 0.0  # a scale of 0 and a huge one
+    scale.view(-1)[-1] = 1e30
+    y = dequantize_fp8(q.data, scale, block, dtype)
+    want = dequantize_reference(q.data, scale, block, torch.float32).to(dtype)
+    assert y.dtype == dtype and y.shape == (n, k)
+    assert torch.equal(y, want)
+    # the huge scale's rows are what a float32 product makes of them, and nonzero rows stay so
+    assert torch.isinf(want).any() == (dtype == torch.float16)
+    assert (y.float().abs().sum(1) > 0).sum() >= n - (16 if block else 1)
+
+
+def test_a_nan_weight_stays_nan_in_bfloat16():
+    """The rounding's integer carry never turns a NaN into a number (a NaN scale: loading
+    refuses one, this kernel takes what it is given)."""
+    q = quantize_per_channel(weight(4, 64, 1))
+    scale = q.scale.clone()
+    scale[1] = float("nan")
+    y = dequantize_fp8(q.data, scale, None, torch.bfloat16)
+    assert torch.isnan(y[1]).all() and torch.isnan(y).sum() == 64
+
+
+def test_an_empty_weight_gives_an_empty_result():
+    q = quantize_per_channel(torch.zeros(0, 64))
+    assert dequantize_fp8(q.data, q.scale).shape == (0, 64)
+
+
+def test_bad_inputs_are_refused_on_the_host_naming_the_fix():
+    q = quantize_per_channel(weight(32, 64, 0))
+    with pytest.raises(ConfigError, match="float8_e4m3fn"):
+        dequantize_fp8(q.data.float(), q.scale)
+    with pytest.raises(ConfigError, match=r"shape \(32,\)"):
+        dequantize_fp8(q.data, q.scale[:31])
+    with pytest.raises(ConfigError, match=r"shape \(2, 2\)"):
+        dequantize_fp8(q.data, q.scale, (16, 32))
+    with pytest.raises(ConfigError, match="float32"):
+        dequantize_fp8(q.data, q.scale.double())
+    with pytest.raises(ConfigError, match="dtype must be"):
+        dequantize_fp8(q.data, q.scale, dtype=torch.float64)
