@@ -2,12 +2,10 @@
 fastest, against bf16 weights, at the projection shapes of a preset.
 
     PYTHONPATH=. python3 benchmarks/fp8_prefill_rows.py [--preset llama-3.1-8b] [--json F]
-        [--tiles 128x128x8x3,64x128x4x3]
 
 Per (rows, projection), µs a call (4 weights in turn, one CUDA graph, ``graph_call_us``):
-  gemv       ``fp8_gemv``: the FP8-weight GEMV, row tiles of 64 in one launch, its default tile
-             (``Fp8Linear`` up to ``ROWS_MAX`` rows); ``gemv NxKxWxS``: with each ``--tiles``
-             tile (BLOCK_N, BLOCK_K, warps, stages) past 64 rows
+  gemv       ``fp8_gemv_rows``: the FP8-weight GEMV, 64 rows a launch, the weight read each time
+             (``Fp8Linear`` up to ``ROWS_MAX`` rows)
   dq+mm      ``dequantize_fp8`` (one pass, e4m3 -> bf16) then cuBLAS bf16 (past ``ROWS_MAX``)
   torch dq   the same dequantization in torch ops through float32 (three passes), then cuBLAS
   w8a8       cuBLAS FP8 (``torch._scaled_mm``, row-wise scales) with x quantized per row in
@@ -28,8 +26,7 @@ import torch.nn.functional as F
 from benchmarks import proj_sweep as ps
 from stepgraph.bench.timing import graph_call_us
 from stepgraph.kernels.proj.fp8_dequant import dequantize_fp8
-from stepgraph.kernels.proj.fp8_gemv import MAX_M, dequantize_reference, fp8_gemv
-from stepgraph.kernels.proj.tile_table import Tile
+from stepgraph.kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv_rows
 from stepgraph.model.fp8_weight import quantize_per_channel
 
 E4M3_MAX = 448.0
@@ -57,7 +54,7 @@ def ways(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bw: torch.Tensor) ->
         return dequantize_reference(w, s, None, torch.float32).to(x.dtype)
 
     return {
-        "gemv": lambda: fp8_gemv(x, w, s),
+        "gemv": lambda: fp8_gemv_rows(x, w, s),
         "dq+mm": lambda: F.linear(x, dequantize_fp8(w, s)),
         "torch dq": lambda: F.linear(
             x, dequantize_reference(w, s, None, torch.float32).to(x.dtype)
@@ -67,16 +64,7 @@ def ways(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bw: torch.Tensor) ->
     }
 
 
-def parse_tiles(text: str) -> dict[str, Tile]:
-    """``"128x128x8x3,..."`` -> ``{"gemv 128x128x8x3": Tile(128, 128, 8, 3)}``."""
-    out = {}
-    for spec in filter(None, text.split(",")):
-        bn, bk, warps, stages = (int(v) for v in spec.split("x"))
-        out[f"gemv {spec}"] = Tile(bn, bk, warps, stages)
-    return out
-
-
-def one(name: str, m: int, g: torch.Generator, tiles: dict[str, Tile]) -> dict:
+def one(name: str, m: int, g: torch.Generator) -> dict:
     _, n, k = ps.SHAPES[name]
     weights = []
     for _ in range(COPIES):
@@ -84,16 +72,12 @@ def one(name: str, m: int, g: torch.Generator, tiles: dict[str, Tile]) -> dict:
         q = quantize_per_channel(bw)
         weights.append((q.data, q.scale, bw))
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    row = dict(case=name, m=m, n=n, k=k, us={})
-    calls = {way: [ways(x, *wt)[way] for wt in weights] for way in WAYS}
-    if m > MAX_M:
-        for label, t in tiles.items():
-            calls[label] = [lambda wt=wt, t=t: fp8_gemv(x, *wt[:2], tile=t) for wt in weights]
-    for way, fns in calls.items():
+    row = dict(case=name, m=m, n=n, k=k)
+    for way in WAYS:
         try:
-            row["us"][way] = graph_call_us(fns)
+            row[way] = graph_call_us([ways(x, *wt)[way] for wt in weights])
         except RuntimeError as e:  # a shape or layout cuBLAS refuses
-            row["us"][way] = None
+            row[way] = None
             row["error"] = f"{way}: {type(e).__name__}: {e}"[:160]
     w, s, _ = weights[0]
     want = F.linear(x.double(), dequantize_reference(w, s))
@@ -105,14 +89,12 @@ def one(name: str, m: int, g: torch.Generator, tiles: dict[str, Tile]) -> dict:
 
 
 def layer_sums(rows: list[dict]) -> dict[int, dict[str, float | None]]:
-    """Rows -> per row count, each way's µs summed over the projections (None where one failed
-    or did not run)."""
+    """Rows -> per row count, each way's µs summed over the projections (None where one failed)."""
     out: dict[int, dict[str, float | None]] = {}
     for r in rows:
-        acc = out.setdefault(r["m"], dict.fromkeys(r["us"], 0.0))
-        for way in acc:
-            v = r["us"].get(way)
-            acc[way] = None if acc[way] is None or v is None else acc[way] + v
+        acc = out.setdefault(r["m"], dict.fromkeys(WAYS, 0.0))
+        for way in WAYS:
+            acc[way] = None if acc[way] is None or r[way] is None else acc[way] + r[way]
     return out
 
 
@@ -120,18 +102,16 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--rows", default="64,128,256,512,1024,2048,4096")
-    ap.add_argument("--tiles", default="128x128x8x3,64x128x4x3,128x64x4x4,256x64x8x3")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     ps.use_preset(args.preset)
-    tiles = parse_tiles(args.tiles)
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = [one(c, int(m), g, tiles) for m in args.rows.split(",") for c in CASES]
+    rows = [one(c, int(m), g) for m in args.rows.split(",") for c in CASES]
     fmt = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"  # noqa: E731
     print(f"{args.preset}: µs a call")
     print(f"{'case':>8} {'m':>5} " + " ".join(f"{w:>9}" for w in WAYS) + "  w8a8 err")
     for r in rows:
-        print(f"{r['case']:>8} {r['m']:>5} " + " ".join(fmt(r["us"][w]) for w in WAYS), end="")
+        print(f"{r['case']:>8} {r['m']:>5} " + " ".join(fmt(r[w]) for w in WAYS), end="")
         print(f"  {r['w8a8_err']:8.1e}" + (f"  {r['error']}" if "error" in r else ""))
     print("a layer (the four projections), µs, and over bf16's:")
     for m, acc in layer_sums(rows).items():

@@ -8,8 +8,8 @@ its Python over CPU tensors at Llama-3.2-1B's shapes (two layers) at bs 1, 8, 32
 each kernel variant the GPU would compile is compiled here, to PTX and a cubin (Triton ships
 ptxas); the attention's split + combine and its folded merge, the greedy tokens after a
 cuBLAS head, the prefill's extend attention, the graph-input kernel, the reference path's GEMV
-and SiLU·mul, the FP8-weight GEMV (both scale layouts, one row, tensor-core rows and row tiles)
-and the one-pass FP8 dequantization are launched directly (the test checks that every kernel
+and SiLU·mul, the FP8-weight GEMV (both scale layouts, one row and tensor-core rows) and
+the one-pass FP8 dequantization are launched directly (the test checks that every kernel
 of the package is among them). The interpreter takes what the GPU compiler refuses (a
 plain-int global, a type mismatch), so this is the CPU tier's only check of that. Prints
 one JSON line.
@@ -261,10 +261,10 @@ def main() -> dict:
     except Exception as e:  # noqa: BLE001
         result["errors"]["reference kernels"] = f"{type(e).__name__}: {e}"[:600]
     since = len(COMPILED)
-    try:  # the FP8-weight GEMV: scales per channel and per block, one row, eight and a
-        # prefill's 200 (row tiles); a prefill's one-pass dequantization
+    try:  # the FP8-weight GEMV: scales per channel and per block, one row and eight; a
+        # prefill's one-pass dequantization
         w8 = torch.randn(3072, 2048, generator=g).to(torch.float8_e4m3fn)
-        for rows in (1, 8, 200):
+        for rows in (1, 8):
             x = torch.randn(rows, 2048, generator=g).bfloat16()
             fp8_gemv(x, w8, torch.rand(3072, generator=g))
             fp8_gemv(x, w8, torch.rand(24, 16, generator=g), block=(128, 128))

@@ -7,8 +7,9 @@ The module keeps the ``nn.Linear`` names the step reads: ``weight`` is the e4m3 
 (so ``weight.shape`` and ``weight.element_size()`` describe what a step reads),
 ``weight_scale`` the float32 scales (``[N]``, or ``[ceil(N / bn), ceil(K / bk)]`` with
 ``block``), ``bias`` in the model's dtype. Its forward:
-- on CUDA, up to ``fp8_gemv.ROWS_MAX`` rows: the FP8-weight GEMV (``kernels/proj/fp8_gemv``),
-  the scales applied in registers, one launch: the decode step's path;
+- on CUDA, up to ``fp8_gemv.ROWS_MAX`` rows (the largest decode bucket): the FP8-weight GEMV
+  (``kernels/proj/fp8_gemv``), 64 rows a launch, the scales applied in registers, no
+  dequantized weight in a decode graph's pool;
 - more rows on CUDA (a prefill): cuBLAS over the weight dequantized for this call only, in x's
   dtype, in one pass (``kernels/proj/fp8_dequant``; a temporary of one weight, nothing
   dequantized stays in memory);
@@ -28,7 +29,7 @@ from ..errors import ConfigError
 from ..kernels.proj.fp8_dequant import OUT_DTYPES as DEQUANT_DTYPES
 from ..kernels.proj.fp8_dequant import dequantize_fp8
 from ..kernels.proj.fp8_gemv import ROWS_MAX as FP8_ROWS_MAX
-from ..kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv
+from ..kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv_rows
 from .fp8_weight import FP8_DTYPE, Fp8Weight, quantize_per_channel, scale_shape
 from .llama import Linear
 
@@ -117,10 +118,10 @@ class Fp8Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        # decode's rows (up to the largest bucket): the FP8-weight GEMV in one launch, no
+        # decode's rows (up to the largest bucket): the FP8-weight GEMV, 64 rows a launch, no
         # dequantized weight; more (a prefill): cuBLAS on a weight dequantized for this call
         if x.is_cuda and 0 < x.shape[0] <= FP8_ROWS_MAX and x.stride(-1) == 1:
-            return fp8_gemv(x, self.weight, self.weight_scale, self.block, self.bias)
+            return fp8_gemv_rows(x, self.weight, self.weight_scale, self.block, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -128,18 +128,3 @@ def test_a_prefills_rows_run_cublas_over_the_one_pass_dequantized_weight(nan_emp
     y = lin(x)
     assert torch.equal(y, torch.nn.functional.linear(x, torch_dq))
     assert rel_err(y, fp8_gemv_reference(x, q.data, q.scale, block)) < TOL[dtype]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("m", [65, 200, 512])
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_row_tiles_in_bf16_at_model_shapes(nan_empty, fmt, m):
-    """Past 64 rows (a large decode bucket, a short prefill): row tiles of 64 in one launch, in
-    bf16 (the interpreter's bf16 dot is wrong, so only here), near float64."""
-    block = FORMATS[fmt]
-    for shape in ("1b-gate_up", "1b-down"):
-        n, k = SHAPES[shape]
-        q = fp8_weight(n, k, block, seed=m)
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        y = fp8_gemv(x, q.data, q.scale, block)
-        assert rel_err(y, fp8_gemv_reference(x, q.data, q.scale, block)) < TOL[torch.bfloat16]

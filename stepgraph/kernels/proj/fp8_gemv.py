@@ -1,4 +1,4 @@
-"""FP8-weight projections for any rows: ``y = x @ (data * scale).T (+ bias)`` with ``data
+"""FP8-weight projections for 1-64 rows: ``y = x @ (data * scale).T (+ bias)`` with ``data
 [N, K]`` in e4m3 (``torch.float8_e4m3fn``) and float32 scales per output channel (``[N]``) or per
 ``(bn, bk)`` block (``[ceil(N / bn), ceil(K / bk)]``), ``x [M, K]`` in bf16, float16 or float32.
 
@@ -11,11 +11,7 @@ scales multiply each chunk's products, a chunk lying inside one block (``BLOCK_K
   ``[BLOCK_N, BLOCK_K / 8]`` float32 tile (``gemv_tiles.row_products``), reduced once after the
   loop; split-K where column tiles alone leave SMs idle;
 - 2-64 rows (``BLOCK_M`` 16, 32 or 64): ``tl.dot`` on tensor cores, the weight converted to x's
-  dtype (float32 x: "ieee" precision, no TF32);
-- more (a large decode bucket, a short prefill): the same in row tiles of 64, one launch, the
-  row tiles of a column tile adjacent on the grid so that they share its weights through L2
-  (not evicted first). Past ``ROWS_MAX`` rows ``Fp8Linear`` hands cuBLAS a weight dequantized
-  in one pass instead (``fp8_dequant``).
+  dtype (float32 x: "ieee" precision, no TF32).
 Split-K shares ``gemv_tiles.splitk_reduce``: the last program of a column tile sums the float32
 partials in split order (deterministic) and runs the epilogue.
 
@@ -27,8 +23,6 @@ epilogue).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
@@ -42,22 +36,22 @@ from .proj_tiles import FP8_ROW_ELEMS, FP8_ROW_K, block_m, splitk_workspace
 from .tile_table import Tile
 
 W_CHANNEL, W_BLOCK = 1, 2  # W_FORMAT: scales per output channel, or per (bn, bk) block
-MAX_M = 64  # rows of one row tile (BLOCK_M); a launch takes any number of row tiles
+MAX_M = 64  # rows one launch takes
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TARGET_PROGRAMS = 256  # split K until about two programs per SM of an H200 (132 SMs)
-MANY_ROWS_TILE = Tile(128, 128, 8, 3)  # past MAX_M rows: row tiles of 64 on tensor cores
 
 
 @triton.jit
-def load_w_chunk(w_ptrs, k0, k_hi, mask_n, BLOCK_K: tl.constexpr, SHARED: tl.constexpr = False):
+def load_w_chunk(w_ptrs, k0, k_hi, mask_n, BLOCK_K: tl.constexpr):
     # w_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0 -> the e4m3 chunk at columns k0.. (columns
-    # from k_hi on, and masked rows, read as 0); evict_first: never re-read this step, unless
-    # SHARED (row tiles of one launch read it in turn: left to L2's own policy)
+    # from k_hi on, and masked rows, read as 0); evict_first: never re-read this step
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = mask_n[:, None] & (offs_k < k_hi)[None, :]
-    if SHARED:
-        return tl.load(w_ptrs + k0, mask=mask, other=0.0)
-    return tl.load(w_ptrs + k0, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(
+        w_ptrs + k0,
+        mask=mask_n[:, None] & (offs_k < k_hi)[None, :],
+        other=0.0,
+        eviction_policy="evict_first",
+    )
 
 
 @triton.jit
@@ -141,7 +135,6 @@ def _fp8_gemv_kernel(
     M,
     N,
     K,
-    M_TILES,
     stride_xm,
     stride_wn,
     stride_sn,
@@ -155,15 +148,8 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    SHARED: tl.constexpr,  # M_TILES > 1: the row tiles of a column tile run next to each other
 ):
-    # axis 0: the column tile and, where rows exceed BLOCK_M, the row tile, the row tiles of one
-    # column tile adjacent (so they read its weights while L2 holds them); axis 1: the split
-    pid_n = tl.program_id(0) // M_TILES
-    row0 = (tl.program_id(0) % M_TILES) * BLOCK_M
-    x_ptr += row0.to(tl.int64) * stride_xm
-    y_ptr += row0.to(tl.int64) * stride_ym
-    M -= row0
+    pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,7 +158,7 @@ def _fp8_gemv_kernel(
     offs_k = w_cols(BLOCK_K, True, BLOCK_M)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # -- weights and scales only before the wait: they are never written during a step --
-    w = load_w_chunk(w_ptrs, k_lo, k_hi, mask_n, BLOCK_K, SHARED)
+    w = load_w_chunk(w_ptrs, k_lo, k_hi, mask_n, BLOCK_K)
     s = chunk_scales(s_ptr, stride_sn, offs_n, mask_n, k_lo, W_FORMAT, SCALE_BN, SCALE_BK)
     pdl_wait_then_trigger(USE_PDL)
     if BLOCK_M == 1:
@@ -182,7 +168,7 @@ def _fp8_gemv_kernel(
     x = x_chunk(x_ptr, stride_xm, M, k_lo, k_hi, BLOCK_M, BLOCK_K)
     acc = fp8_mul_acc(acc, w, x, s, W_FORMAT, BLOCK_M)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = load_w_chunk(w_ptrs, k0, k_hi, mask_n, BLOCK_K, SHARED)
+        w = load_w_chunk(w_ptrs, k0, k_hi, mask_n, BLOCK_K)
         if W_FORMAT == 2:
             s = chunk_scales(s_ptr, stride_sn, offs_n, mask_n, k0, W_FORMAT, SCALE_BN, SCALE_BK)
         x = x_chunk(x_ptr, stride_xm, M, k0, k_hi, BLOCK_M, BLOCK_K)
@@ -208,12 +194,8 @@ def fp8_tile(m: int, n: int, k: int, block: tuple[int, int] | None = None) -> Ti
     (``proj_tiles.FP8_ROW_K`` of K, ``FP8_ROW_ELEMS`` weights a chunk; on the H200 a plain
     one-row GEMV at 4 x 2048 ran within 5% of the best tile at the 8B's gate-up and down and
     the 1B's gate-up); several: 32 columns and 128 of K on tensor cores. Then split K
-    (powers of two, each split two chunks or more) until about ``TARGET_PROGRAMS`` programs.
-    Past ``MAX_M`` rows: ``MANY_ROWS_TILE`` in row tiles, no split."""
+    (powers of two, each split two chunks or more) until about ``TARGET_PROGRAMS`` programs."""
     kcap = next_pow2(max(k, 16))
-    if m > MAX_M:  # row tiles: programs enough without a split; BLOCK_K within a scale block
-        bk = min(MANY_ROWS_TILE.block_k, kcap, block[1] if block else 1 << 30)
-        return dataclasses.replace(MANY_ROWS_TILE, block_k=bk)
     if m <= 1:
         bk = min(kcap, FP8_ROW_K, block[1] if block else 1 << 30)
         bn, warps, stages = max(1, min(FP8_ROW_ELEMS // bk, next_pow2(n))), 4, None
@@ -233,6 +215,8 @@ def _check(x, weight, scale, block, bias, out) -> tuple[int, int, int]:
             f"{x.dtype} of shape {tuple(x.shape)}, strides {x.stride()}"
         )
     m, k = x.shape
+    if m > MAX_M:
+        raise ConfigError(f"fp8_gemv takes at most {MAX_M} rows; got {m}: split the batch")
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
         raise ConfigError(
             f"fp8_gemv: weight must be a contiguous [N, K] torch.float8_e4m3fn tensor; got "
@@ -268,13 +252,11 @@ def _check_tile(tile: Tile, m: int, block: tuple[int, int] | None) -> Tile:
         raise ConfigError(f"fp8_gemv: {tile}'s block_k must divide the scale blocks' {block[1]}")
     if tile.split_k < 1:
         raise ConfigError(f"fp8_gemv: {tile}: split_k must be >= 1")
-    if m > MAX_M and tile.split_k != 1:
-        raise ConfigError(f"fp8_gemv: {m} rows run in row tiles, which take no split; got {tile}")
     return tile
 
 
 def fp8_gemv(
-    x: torch.Tensor,  # [M, K], bf16 / float16 / float32, rows contiguous
+    x: torch.Tensor,  # [M, K], M <= 64, bf16 / float16 / float32, rows contiguous
     weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
     scale: torch.Tensor,  # float32 [N], or [ceil(N / bn), ceil(K / bk)] with block
     block: tuple[int, int] | None = None,  # (bn, bk): block scales; None: per channel
@@ -301,12 +283,12 @@ def fp8_gemv(
     y = out if out is not None else x.new_empty(m, n, dtype=out_dtype or x.dtype)
     if m == 0 or n == 0:
         return y
-    bm, tiles, m_tiles = min(block_m(m), MAX_M), cdiv(n, t.block_n), cdiv(m, MAX_M)
+    bm, tiles = block_m(m), cdiv(n, t.block_n)
     ws, tickets = y, y
     if t.split_k > 1:
         ws, tickets = splitk_workspace(x.device, tiles * t.split_k * t.block_n * bm, tiles)
     pdl = resolve_pdl(use_pdl, x.device)
-    _fp8_gemv_kernel[(tiles * m_tiles, t.split_k)](
+    _fp8_gemv_kernel[(tiles, t.split_k)](
         x,
         weight,
         scale,
@@ -317,7 +299,6 @@ def fp8_gemv(
         m,
         n,
         k,
-        m_tiles,
         x.stride(0),
         weight.stride(0),
         scale.stride(0),
@@ -331,7 +312,6 @@ def fp8_gemv(
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,
         SPLIT_K=t.split_k,
-        SHARED=m_tiles > 1,
         **t.launch(),
         **launch_options(pdl),
     )
@@ -373,7 +353,26 @@ def dequantize_reference(weight, scale, block=None, dtype=torch.float64) -> torc
     return w * s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
 
 
-ROWS_MAX = 512  # rows Fp8Linear runs through fp8_gemv on CUDA; more: cuBLAS on fp8_dequant's weight
+ROWS_MAX = 512  # rows fp8_gemv_rows takes on CUDA in place of a dequantized weight (Fp8Linear)
+
+
+def fp8_gemv_rows(
+    x: torch.Tensor,  # [M, K], any M, rows contiguous
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [M, N], x.dtype
+    """``fp8_gemv`` over any number of rows: ``MAX_M`` rows a launch into one output, the
+    weight read once a launch and never dequantized (a dequantized ``[N, K]`` temporary, float32
+    then the dtype, held a graph's pool at 334 MiB for the 36 buckets where bf16 took 192)."""
+    m = x.shape[0]
+    if m <= MAX_M:
+        return fp8_gemv(x, weight, scale, block, bias)
+    y = x.new_empty(m, weight.shape[0])
+    for r0 in range(0, m, MAX_M):
+        fp8_gemv(x[r0 : r0 + MAX_M], weight, scale, block, bias, out=y[r0 : r0 + MAX_M])
+    return y
 
 
 def fp8_gemv_reference(x, weight, scale, block=None, bias=None) -> torch.Tensor:
@@ -392,6 +391,7 @@ __all__ = [
     "dequantize_reference",
     "fp8_gemv",
     "fp8_gemv_reference",
+    "fp8_gemv_rows",
     "fp8_mul_acc",
     "fp8_scales",
     "fp8_tile",
