@@ -199,9 +199,12 @@ def test_fp8_weights_serve_the_same_requests_beside_the_model_dtype(tmp_path, ca
     monkeypatch.setattr(workload, "build_model_runner", recorded)
     out = tmp_path / "serve.json"
     assert main([*SERVE, *SMALL, "--quantization", "fp8", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert built == [None, "fp8"]
     assert "(float32, FP8 weights, cpu)" in text and "FP8 weights: " in text.splitlines()[-2]
+    # progress on stderr while each engine builds: the FP8 pass's cold compiles can take a minute
+    assert captured.err.count("engine ready in ") == 2
     data = json.loads(out.read_text())
     q = data["quantized"]
     assert q["meta"]["weights"] == "fp8" and "weights" not in data["meta"]

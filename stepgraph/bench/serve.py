@@ -182,7 +182,10 @@ def engine_runs(args, plan, mr, prompts, arrivals, lat_prompt, out_len) -> Engin
 
     caching = not args.no_prefix_caching
     budgets = args.max_prefill_tokens, plan.prefill, caching, args.max_prefill_tokens_with_decode
+    t = time.perf_counter()
+    _say("capturing the engine's graphs (a first run also compiles its kernels)")
     engine = make_engine(mr, plan.mode, plan.max_running, *budgets)
+    _say(f"engine ready in {time.perf_counter() - t:.1f} s; warming up on every prompt once")
     latency, gpu_latency = None, []
     try:
         t = time.perf_counter()
