@@ -84,6 +84,28 @@ def test_every_gemm_of_an_eager_reference_step_runs_at_its_bucket(mr, bs):
     assert len(rows) == 4 * mr.config.num_layers + 1 and set(rows) == {bucket}, (bs, rows)
 
 
+@pytest.mark.parametrize("bs", [3, 9])
+def test_an_eager_step_between_buckets_pads_its_rows_once(mr, monkeypatch, bs):
+    """The model pads the ids and positions to the bucket and keeps the padding rows to the
+    head, so nothing past the attention pads again: ``pad_rows`` sees the ids, the positions
+    and each layer's attention output (the attention runs on the live rows), never the final
+    hidden state; the logits are those of a full bucket's live rows."""
+    from stepgraph.model import llama
+
+    padded = []
+    real = llama.pad_rows
+    monkeypatch.setattr(llama, "pad_rows", lambda x, r: padded.append(x.dim()) or real(x, r))
+    logits, rows = eager(mr, bs, seed=bs)
+    assert padded == [1, 1] + [2] * mr.config.num_layers  # ids, positions; each attention
+    assert logits.shape == (bs, mr.config.vocab_size) and set(rows) == {
+        fused_decode.kernel_class(bs, mr.attn_backend)
+    }
+    monkeypatch.setattr(llama, "pad_rows", real)
+    bucket = fused_decode.kernel_class(bs, mr.attn_backend)
+    full, _ = eager(mr, bucket, seed=bs)  # the same seed: its first bs rows are this batch's
+    assert torch.equal(full[:bs], logits)
+
+
 def test_padding_rows_write_no_kv(mr):
     """A batch of 5 padded to 8: the K/V cache changes at the 5 live rows' slots and nowhere
     else (the padding rows never reach the attention, scratch page 0 included)."""

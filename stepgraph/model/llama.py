@@ -211,11 +211,14 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T] int64
         backend: AttentionFn,
         rows: int = 0,
-    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        keep_rows: bool = False,
+    ) -> torch.Tensor:  # [T, hidden] (keep_rows: [max(T, rows), hidden]), after the final norm
         """``rows``: run the row-wise parts (embedding, norms, projections) on the batch padded
         to this many rows, as a decode graph of that bucket runs them, and the attention on
-        the ``T`` live rows; the padding rows are dropped at the end. An eager decode step
-        passes its graph bucket's rows, so its GEMMs are the graph's (``at_rows``)."""
+        the ``T`` live rows; the padding rows are dropped at the end, or kept with
+        ``keep_rows`` for a row-wise head that runs at the same rows (cut after it: no second
+        padding). An eager decode step passes its graph bucket's rows, so its GEMMs are the
+        graph's (``at_rows``)."""
         rope = (self.rope_cos, self.rope_sin)
         n, live = input_ids.shape[0], None
         if rows > n:  # token 0 at position 0: any valid row; the attention never sees it
@@ -224,7 +227,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, rope, backend, live)
         h = self.norm(x, residual)[0]
-        return h if live is None else h[:n]
+        return h if live is None or keep_rows else h[:n]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # h: [n, hidden] -> [n, vocab] float32
         # float32 logits: sampling and parity checks read them without another cast. The GEMV

@@ -310,13 +310,14 @@ class ModelRunner:
                 tokens_out=self.greedy_tokens[:bs],
                 tuning=self.tuning,
             )
-        # the row-wise parts at the rows of the graph bucket bs replays in (``at_rows``)
+        # the row-wise parts, the head included, at the rows of the graph bucket bs replays in
+        # (``at_rows``): the model keeps its padding rows for the head, cut after it
         rows = kernel_class(bs, self.attn_backend)
-        h = self.model(batch.input_ids, batch.positions, self.attn_backend, rows)  # [bs, hidden]
+        h = self.model(batch.input_ids, batch.positions, self.attn_backend, rows, keep_rows=True)
         if out is None:
-            return at_rows(self.model.logits, h, rows)
+            return at_rows(self.model.logits, h, rows)[:bs]
         # lm_head: float32 from the GEMV, the model dtype from cuBLAS; the copy casts.
-        return out.copy_(at_rows(self.model.lm_head, h, rows))
+        return out.copy_(at_rows(self.model.lm_head, h, rows)[:bs])
 
     @torch.no_grad()
     def extend(

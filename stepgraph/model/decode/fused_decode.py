@@ -215,8 +215,8 @@ def fused_decode_step(
     bs = input_ids.shape[0]
     plan = step_plan(bs, model, backend, t)
     if not plan.fused:  # the reference kernels, greedy tokens taken here, GEMMs at the bucket
-        h = model(input_ids, positions, backend, plan.bucket)
-        return _cublas_head(model, h, logits_out, tokens_out, t, plan.bucket)
+        h = model(input_ids, positions, backend, plan.bucket, keep_rows=True)
+        return _cublas_head(model, h, logits_out, tokens_out, t, plan.bucket, live=bs)
     attn = plan.attention
     if use_pdl is None:
         use_pdl = plan.use_pdl

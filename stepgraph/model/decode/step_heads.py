@@ -17,14 +17,17 @@ def cublas_head(
     tokens_out,
     tuning: DecodeTuning | None = None,
     rows: int = 0,
+    live: int | None = None,
 ) -> torch.Tensor:
     """The LM head of the normed ``h`` as ``F.linear`` (into ``logits_out`` when given), then the
     greedy tokens into ``tokens_out`` when given: the reference rows' head, and the fused step's
-    where cuBLAS measured faster. ``rows``: the GEMM's rows, the graph bucket's (``at_rows``)."""
+    where cuBLAS measured faster. ``rows``: the GEMM's rows, the graph bucket's (``at_rows``);
+    ``live``: the batch's rows where ``h`` carries padding past them (cut after the head)."""
+    n = h.shape[0] if live is None else live
     if logits_out is None:
-        logits = at_rows(model.logits, h, rows)
+        logits = at_rows(model.logits, h, rows)[:n]
     else:
-        logits = logits_out.copy_(at_rows(model.lm_head, h, rows))
+        logits = logits_out.copy_(at_rows(model.lm_head, h, rows)[:n])
     if tokens_out is not None:
         greedy_tokens(logits, tokens_out, tuning)
     return logits
