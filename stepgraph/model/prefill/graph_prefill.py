@@ -49,6 +49,7 @@ from ...graph_pool import GraphPool
 from ...runner.base import GraphRunnerBase
 from ...runner.capture import capture_loop, capture_step
 from ...runner.stats import BucketStats, CaptureStats
+from ..fp8_linear import prefill_rows
 from ..model_runner import ModelRunner
 from .extend_batch import (
     ExtendBatch,
@@ -102,6 +103,11 @@ def padded_forward(
     product is the largest activation), and after the last layer's attention (which writes
     every token's K/V) only the chunks' last rows go on through its projections, its MLP and
     the final norm: one layer's o_proj and MLP of ``T`` rows less."""
+    with prefill_rows():  # FP8 projections: a prefill's rows (fp8_linear)
+        return _padded_layers(model, batch, backend, mlp_rows)
+
+
+def _padded_layers(model, batch: ExtendBatch, backend, mlp_rows: int) -> torch.Tensor:
     rope = (model.rope_cos, model.rope_sin)
     positions, last = batch.positions, batch.last_idx
     x, residual = model.embed_tokens(batch.input_ids), None

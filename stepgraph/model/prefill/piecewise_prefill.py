@@ -44,6 +44,7 @@ from ...graph_pool import GraphPool
 from ...kernels.elementwise.kv_write import write_kv
 from ...kernels.elementwise.rope_kv import apply_rope
 from ...runner.stats import CaptureStats
+from ..fp8_linear import prefill_rows
 from ..model_runner import ModelRunner
 from .extend_batch import ExtendBatch, PrefillChunk, build_extend_batch, prompt_chunks
 from .prefill_attention import extend_attention
@@ -158,6 +159,10 @@ class PiecewisePrefill:
         """Region ``r``: layer ``r - 1`` after its attention, then layer ``r`` up to its
         attention (``DecoderLayer.after_attention`` / ``before_attention``), as the eager
         forward runs them; the first region starts at the embeddings, the last ends in logits."""
+        with prefill_rows():  # FP8 projections: a prefill's rows (fp8_linear)
+            return self._region_ops(region, call)
+
+    def _region_ops(self, region: int, call: PiecewiseCallInputs) -> dict[str, torch.Tensor]:
         s, layers = call.static_inputs, self.model.layers
         if region == 0:
             x, residual = self.model.embed_tokens(s["input_ids"]), None  # [T, hidden]
