@@ -128,3 +128,25 @@ def test_a_prefills_rows_run_cublas_over_the_one_pass_dequantized_weight(nan_emp
     y = lin(x)
     assert torch.equal(y, torch.nn.functional.linear(x, torch_dq))
     assert rel_err(y, fp8_gemv_reference(x, q.data, q.scale, block)) < TOL[dtype]
+
+
+@pytest.mark.cuda
+def test_a_prefill_takes_cublas_past_64_rows_where_decode_keeps_the_gemv(nan_empty):
+    """Inside ``prefill_rows()`` (a prefill's forward) 200 rows run cuBLAS over the one-pass
+    dequantized weight, bit for bit; outside (a decode bucket) the GEMV, 64 rows a launch.
+    Both near float64."""
+    from stepgraph.kernels.proj.fp8_dequant import dequantize_fp8
+    from stepgraph.kernels.proj.fp8_gemv import fp8_gemv_rows
+    from stepgraph.model.fp8_linear import Fp8Linear, prefill_rows
+
+    n, k = SHAPES["1b-down"]
+    q = fp8_weight(n, k, None, seed=9)
+    lin = Fp8Linear.from_weight(q)
+    x = torch.randn(200, k, device=DEV, dtype=torch.bfloat16)
+    with prefill_rows():
+        y_prefill = lin(x)
+    y_decode = lin(x)
+    assert torch.equal(y_prefill, torch.nn.functional.linear(x, dequantize_fp8(q.data, q.scale)))
+    assert torch.equal(y_decode, fp8_gemv_rows(x, q.data, q.scale))
+    for y in (y_prefill, y_decode):
+        assert rel_err(y, fp8_gemv_reference(x, q.data, q.scale)) < TOL[torch.bfloat16]
