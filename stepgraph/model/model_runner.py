@@ -27,7 +27,7 @@ from .decode.fused_decode import (
 )
 from .fp8_linear import check_quantization, prefill_rows, quantize_model
 from .kv_cache import KVCache
-from .llama import LlamaModel, at_rows, build_model, init_random
+from .llama import LlamaModel, build_model, init_random
 from .prefill.extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
 
 DEFAULT_PAGE_SIZE = 16
@@ -315,9 +315,9 @@ class ModelRunner:
         rows = kernel_class(bs, self.attn_backend)
         h = self.model(batch.input_ids, batch.positions, self.attn_backend, rows, keep_rows=True)
         if out is None:
-            return at_rows(self.model.logits, h, rows)[:bs]
+            return self.model.logits(h)[:bs]
         # lm_head: float32 from the GEMV, the model dtype from cuBLAS; the copy casts.
-        return out.copy_(at_rows(self.model.lm_head, h, rows)[:bs])
+        return out.copy_(self.model.lm_head(h)[:bs])
 
     @torch.no_grad()
     def extend(

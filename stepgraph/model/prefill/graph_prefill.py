@@ -94,6 +94,7 @@ def activation_bytes(config, tokens: int, itemsize: int, mlp_rows: int = MLP_ROW
     return itemsize * max(attention, mlp)
 
 
+@prefill_rows()  # FP8 projections: a prefill's rows (fp8_linear)
 def padded_forward(
     model, batch: ExtendBatch, backend, mlp_rows: int = MLP_ROWS
 ) -> torch.Tensor:  # [B, hidden], the final norm of each chunk's last token
@@ -103,11 +104,6 @@ def padded_forward(
     product is the largest activation), and after the last layer's attention (which writes
     every token's K/V) only the chunks' last rows go on through its projections, its MLP and
     the final norm: one layer's o_proj and MLP of ``T`` rows less."""
-    with prefill_rows():  # FP8 projections: a prefill's rows (fp8_linear)
-        return _padded_layers(model, batch, backend, mlp_rows)
-
-
-def _padded_layers(model, batch: ExtendBatch, backend, mlp_rows: int) -> torch.Tensor:
     rope = (model.rope_cos, model.rope_sin)
     positions, last = batch.positions, batch.last_idx
     x, residual = model.embed_tokens(batch.input_ids), None

@@ -155,14 +155,11 @@ class PiecewisePrefill:
         buf.copy_(ends)
         return {"last_idx": buf}
 
+    @prefill_rows()  # FP8 projections: a prefill's rows (fp8_linear)
     def _region(self, region: int, call: PiecewiseCallInputs) -> dict[str, torch.Tensor]:
         """Region ``r``: layer ``r - 1`` after its attention, then layer ``r`` up to its
         attention (``DecoderLayer.after_attention`` / ``before_attention``), as the eager
         forward runs them; the first region starts at the embeddings, the last ends in logits."""
-        with prefill_rows():  # FP8 projections: a prefill's rows (fp8_linear)
-            return self._region_ops(region, call)
-
-    def _region_ops(self, region: int, call: PiecewiseCallInputs) -> dict[str, torch.Tensor]:
         s, layers = call.static_inputs, self.model.layers
         if region == 0:
             x, residual = self.model.embed_tokens(s["input_ids"]), None  # [T, hidden]
