@@ -248,52 +248,15 @@ def test_the_plan_routes_fp8_weights_in_one_place(tmp_path):
         assert plan_step(block, rows, rows, t).reference == FP8_REFERENCE
 
 
-def test_a_prefills_fp8_projections_take_cublas_past_64_rows_where_decode_keeps_the_gemv(
-    monkeypatch,
-):
-    """``prefill_rows()`` is entered by every prefill path (``ModelRunner.extend``, the padded
-    forward of ``GraphPrefill``, eager and captured, each piecewise region) and by no decode
-    step: inside it an FP8 projection runs the GEMV up to 64 rows, cuBLAS over the one-pass
-    dequantized weight past them; a decode step keeps the GEMV up to ``ROWS_MAX`` (its
-    graphs' pool holds no dequantized weight). Each FP8 projection call records the limit it
-    ran under (on the CPU both branches are the reference; the limit is what CUDA reads)."""
-    from stepgraph.bench.workload import Point, decode_batch
-    from stepgraph.kernels.proj.fp8_gemv import MAX_M, ROWS_MAX
-    from stepgraph.model import fp8_linear
-    from stepgraph.model.prefill.piecewise_prefill import PiecewisePrefill, PrefillShapes
+def test_an_fp8_projection_takes_the_gemv_up_to_64_rows_and_dequantized_chunks_past_them():
+    """On CUDA the way through an FP8 projection is a function of its rows alone (a decode
+    bucket, a prefill, eager or captured alike): the GEMV exactly at 64 rows, cuBLAS over
+    dequantized chunks one past; the CPU runs the reference."""
+    from stepgraph.kernels.proj.fp8_gemv import MAX_M
 
-    def runner():
-        return ModelRunner.from_preset(
-            "tiny", "cpu", torch.float32, seed=2, quantization="fp8", max_bs=4,
-            max_context_len=96,
-        )  # fmt: skip
-
-    seen: list[int] = []
-    real = fp8_linear.Fp8Linear.forward
-    monkeypatch.setattr(
-        fp8_linear.Fp8Linear,
-        "forward",
-        lambda self, x: seen.append(fp8_linear.gemv_rows_max()) or real(self, x),
-    )
-    assert (fp8_linear.gemv_rows_max(), MAX_M, ROWS_MAX) == (512, 64, 512)
-    with fp8_linear.prefill_rows(), fp8_linear.prefill_rows():  # nested, then left
-        assert fp8_linear.gemv_rows_max() == 64
-    assert fp8_linear.gemv_rows_max() == 512
-
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    mr = runner()
-    for prefill in ("unpadded", "eager", "graph"):
-        seen.clear()
-        engine = Engine(mr, "eager", max_running=2, prefill=prefill)
-        engine.generate(prompts, 1)  # a prefill and nothing after it
-        engine.shutdown()
-        assert seen and set(seen) == {64}, prefill
-    pp = PiecewisePrefill(runner(), PrefillShapes(token_buckets=(8, 16), batch_sizes=(1, 2)))
-    seen.clear()
-    pages = [pp.mr.kv_cache.reserve(len(p)) for p in prompts]
-    pp.prefill(prompts, pages)
-    assert seen and set(seen) == {64} and pp.stats.eager_batches == 0
-    seen.clear()
-    batch, pages = decode_batch(mr, Point(3, 20), seed=1)
-    mr.forward(batch)
-    assert seen and set(seen) == {512}
+    way = Fp8Linear.way
+    assert MAX_M == 64
+    assert [way(r, True) for r in (1, 63, 64)] == ["gemv"] * 3
+    assert [way(r, True) for r in (65, 512, 4096)] == ["dequant"] * 3
+    assert way(0, True) == "dequant" and way(8, True, rows_contiguous=False) == "dequant"
+    assert {way(r, False) for r in (1, 64, 65)} == {"reference"}

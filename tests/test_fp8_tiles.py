@@ -445,27 +445,3 @@ def test_bench_memory_counts_the_fp8_model(monkeypatch):
         check_bench_args(args)
     args.quantization = None  # without the second model it fits
     check_bench_args(args)
-
-
-@pytest.mark.parametrize("m", [1, 64, 65, 130])
-@pytest.mark.parametrize("block", [None, (16, 32)])
-def test_fp8_gemv_rows_takes_any_rows_without_a_dequantized_weight(nan_empty, m, block):
-    """``Fp8Linear`` on CUDA up to ``ROWS_MAX`` rows: 64 rows a launch into one output (a
-    dequantized weight in the graph's pool made FP8's capture pool 334 MiB against 192)."""
-    from stepgraph.kernels.proj import fp8_gemv as fg
-    from stepgraph.model.fp8_weight import quantize_per_block
-
-    k, n = 96, 40
-    x, _, w = inputs(m, k, n, torch.float32, m)
-    q = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
-    launches = []
-    real = fg.fp8_gemv
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            fg, "fp8_gemv", lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw)
-        )
-        y = fg.fp8_gemv_rows(x, q.data, q.scale, block, bias)
-    assert launches == [min(64, m - r) for r in range(0, m, 64)]
-    assert rel_err(y, fg.fp8_gemv_reference(x, q.data, q.scale, block, bias)) < 1e-5
-    assert fg.ROWS_MAX == 512  # the largest default decode bucket

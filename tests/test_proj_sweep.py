@@ -150,13 +150,13 @@ def test_fp8_sweep_runs_the_fp8_steps_kernels_by_default():
 
 
 def test_scaled_mm_bench_quantizes_each_row_to_the_e4m3_range():
-    """``benchmarks/fp8_prefill_rows.py``'s x for cuBLAS FP8: every row's largest value lands on
+    """``benchmarks/fp8_rows.py``'s x for cuBLAS FP8: every row's largest value lands on
     448 (e4m3's largest), and scale x e4m3 is x within e4m3's rounding (3 mantissa bits), over
     rows whose magnitudes span 1e-3 to 1e4."""
     import sys
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.fp8_prefill_rows import E4M3_MAX, quantize_rows
+    from benchmarks.fp8_rows import E4M3_MAX, quantize_rows
 
     g = torch.Generator().manual_seed(3)
     mags = torch.tensor([1e-3, 1.0, 37.0, 1e4])[:, None]
@@ -169,13 +169,13 @@ def test_scaled_mm_bench_quantizes_each_row_to_the_e4m3_range():
     assert (rel < 0.04).all() and (rel > 0.005).all()  # rounded, by e4m3's step (2^-4 / sqrt 3)
 
 
-def test_prefill_rows_bench_sums_a_layer_per_row_count_and_drops_a_way_that_failed():
-    """``fp8_prefill_rows.layer_sums``: each way's µs over the four projections, per row
+def test_fp8_rows_bench_sums_a_layer_per_row_count_and_drops_a_way_that_failed():
+    """``fp8_rows.layer_sums``: each way's µs over the four projections, per row
     count; a way cuBLAS refused for one projection has no sum at that row count."""
     import sys
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.fp8_prefill_rows import WAYS, layer_sums
+    from benchmarks.fp8_rows import WAYS, layer_sums
 
     def row(case, m, us, failed=()):
         return dict(case=case, m=m, **{w: None if w in failed else us for w in WAYS})

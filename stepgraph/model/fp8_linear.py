@@ -7,23 +7,20 @@ The module keeps the ``nn.Linear`` names the step reads: ``weight`` is the e4m3 
 (so ``weight.shape`` and ``weight.element_size()`` describe what a step reads),
 ``weight_scale`` the float32 scales (``[N]``, or ``[ceil(N / bn), ceil(K / bk)]`` with
 ``block``), ``bias`` in the model's dtype. Its forward:
-- on CUDA, up to ``gemv_rows_max()`` rows: the FP8-weight GEMV (``kernels/proj/fp8_gemv``), 64
-  rows a launch, the scales applied in registers; in a decode step that is up to
-  ``fp8_gemv.ROWS_MAX`` rows (the largest decode bucket), so no dequantized weight lands in a
-  decode graph's pool; inside ``prefill_rows()`` (a prefill's forward) up to 64;
-- more rows on CUDA: cuBLAS over the weight dequantized for this call only, in x's dtype, in
-  one pass (``kernels/proj/fp8_dequant``; a temporary of one weight, nothing dequantized stays
-  in memory). From 128 rows this is the faster way
-  (docs/experiments.md#fp8-weights-at-a-prefills-rows); a prefill's graphs of more than 512
-  tokens hold the temporary already;
-- on the CPU (the reference): the same with the dequantized weight built from torch ops.
+- on CUDA, up to 64 rows: the FP8-weight GEMV (``kernels/proj/fp8_gemv``), the scales applied
+  in registers, no dequantized weight;
+- more rows on CUDA (a large decode bucket, a prefill): cuBLAS over the weight dequantized in
+  one pass a chunk of output rows at a time (``fp8_dequant.dequant_linear``): a chunk of
+  ``CHUNK_BYTES`` is the most dequantized weight alive, so a graph's pool holds a chunk, not a
+  weight; from 128 rows the faster way (docs/experiments.md#fp8-weights-past-64-rows);
+- on the CPU (the reference): one GEMM over the whole weight dequantized in torch ops.
+The choice is a function of the rows alone, so eager, graph and exact run the same kernels.
 The LM head and the embeddings are never FP8: they stay in the model's dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +28,9 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..kernels.proj.fp8_dequant import OUT_DTYPES as DEQUANT_DTYPES
-from ..kernels.proj.fp8_dequant import dequantize_fp8
+from ..kernels.proj.fp8_dequant import dequant_linear, dequantize_fp8
 from ..kernels.proj.fp8_gemv import MAX_M as FP8_MAX_M
-from ..kernels.proj.fp8_gemv import ROWS_MAX as FP8_ROWS_MAX
-from ..kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv_rows
+from ..kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv
 from .fp8_weight import FP8_DTYPE, Fp8Weight, quantize_per_channel, scale_shape
 from .llama import Linear
 
@@ -45,29 +41,6 @@ FP8_PROJECTIONS = (
     "mlp.gate_up_proj",
     "mlp.down_proj",
 )  # a layer's projections, by their names in ``llama.DecoderLayer``
-
-
-_prefill_depth = 0  # > 0 inside prefill_rows()
-
-
-@contextmanager
-def prefill_rows() -> Iterator[None]:
-    """Inside: a prefill's forward (``padded_forward``, ``ModelRunner.extend``, a piecewise
-    region), whose FP8 projections past 64 rows take cuBLAS over the one-pass dequantized
-    weight. Entered the same way eager, captured and replayed, so every mode of a prefill
-    runs the same kernels."""
-    global _prefill_depth
-    _prefill_depth += 1
-    try:
-        yield
-    finally:
-        _prefill_depth -= 1
-
-
-def gemv_rows_max() -> int:
-    """The most rows an FP8 projection runs on the FP8-weight GEMV here: 64 inside
-    ``prefill_rows()``, else ``fp8_gemv.ROWS_MAX`` (a decode step's buckets)."""
-    return FP8_MAX_M if _prefill_depth else FP8_ROWS_MAX
 
 
 def check_quantization(quantization: str | None) -> str | None:
@@ -135,8 +108,8 @@ class Fp8Linear(nn.Module):
         return self.weight.numel() + 4 * self.weight_scale.numel() + bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """``weight * scale`` in ``dtype``: a temporary (the reference and the prefill path),
-        the same bits on CUDA (one Triton pass) as on the CPU (torch ops through float32)."""
+        """``weight * scale`` in ``dtype``: a temporary, the same bits on CUDA (one Triton pass)
+        as on the CPU (torch ops through float32)."""
         if self.weight.is_cuda and dtype in DEQUANT_DTYPES:
             return dequantize_fp8(self.weight, self.weight_scale, self.block, dtype)
         if dtype == torch.float64:
@@ -146,12 +119,21 @@ class Fp8Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        # decode's rows (up to the largest bucket) and a prefill's up to 64: the FP8-weight
-        # GEMV, 64 rows a launch, no dequantized weight; more: cuBLAS on a weight dequantized
-        # for this call
-        if x.is_cuda and 0 < x.shape[0] <= gemv_rows_max() and x.stride(-1) == 1:
-            return fp8_gemv_rows(x, self.weight, self.weight_scale, self.block, self.bias)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        way = self.way(x.shape[0], x.is_cuda, x.stride(-1) == 1)
+        if way == "reference":
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        if way == "gemv":
+            return fp8_gemv(x, self.weight, self.weight_scale, self.block, self.bias)
+        return dequant_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+
+    @staticmethod
+    def way(rows: int, cuda: bool, rows_contiguous: bool = True) -> str:
+        """The forward's way for ``rows`` rows, a function of the rows alone on CUDA (so every
+        mode runs the same kernels): ``"gemv"`` up to 64 rows, ``"dequant"`` (cuBLAS over
+        chunks of dequantized weight) past them, ``"reference"`` on the CPU."""
+        if not cuda:
+            return "reference"
+        return "gemv" if 0 < rows <= FP8_MAX_M and rows_contiguous else "dequant"
 
     def extra_repr(self) -> str:
         kind = "per channel" if self.block is None else f"per {self.block[0]}x{self.block[1]} block"
@@ -225,8 +207,6 @@ __all__ = [
     "QUANTIZATIONS",
     "check_quantization",
     "fp8_modules",
-    "gemv_rows_max",
-    "prefill_rows",
     "quantize_model",
     "swap_in_fp8",
     "weight_format",

@@ -25,7 +25,7 @@ from .decode.fused_decode import (
     kernel_class,
     unfusable_reason,
 )
-from .fp8_linear import check_quantization, prefill_rows, quantize_model
+from .fp8_linear import check_quantization, quantize_model
 from .kv_cache import KVCache
 from .llama import LlamaModel, build_model, init_random
 from .prefill.extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
@@ -328,8 +328,7 @@ class ModelRunner:
         projections run as GEMMs over every token of every chunk at once."""
         batch = build_extend_batch(chunks, self.page_size, self.device)
         self.attn_backend.init_extend_metadata(batch)
-        with prefill_rows():  # FP8 projections: a prefill's rows (fp8_linear)
-            h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [T, hidden]
+        h = self.model(batch.input_ids, batch.positions, self.attn_backend)  # [T, hidden]
         return self.model.logits(h[batch.last_idx])
 
     def prefill(

@@ -110,43 +110,54 @@ def test_fp8_gemv_replays_from_a_graph_with_pdl(m):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_a_prefills_rows_run_cublas_over_the_one_pass_dequantized_weight(nan_empty, dtype, fmt):
-    """Past ``ROWS_MAX`` rows ``Fp8Linear`` hands cuBLAS ``dequantize_fp8``'s weight: the same
-    bits as torch's float32 dequantization cast to the dtype, and so the same output as before
-    it existed; near float64 over the dequantized weight."""
-    from stepgraph.kernels.proj.fp8_dequant import dequantize_fp8
-    from stepgraph.kernels.proj.fp8_gemv import ROWS_MAX, dequantize_reference
+def test_past_64_rows_cublas_runs_over_the_one_pass_dequantized_weight_by_chunks(
+    nan_empty, dtype, fmt
+):
+    """``dequantize_fp8`` gives the bits of torch's float32 dequantization cast to the dtype;
+    past 64 rows ``Fp8Linear`` is ``dequant_linear`` (chunks of it, each GEMM into its columns
+    of one output), near the one-GEMM result and float64 over the dequantized weight."""
+    from stepgraph.kernels.proj.fp8_dequant import dequant_linear, dequantize_fp8
+    from stepgraph.kernels.proj.fp8_gemv import dequantize_reference
     from stepgraph.model.fp8_linear import Fp8Linear
 
     n, k = SHAPES["1b-gate_up"]
     block = FORMATS[fmt]
-    q = fp8_weight(n + 40, k + 72, block, seed=5)  # partial tiles and scale blocks
+    q = fp8_weight(n + 40, k + 72, block, seed=5)  # partial tiles, scale blocks and chunks
     torch_dq = dequantize_reference(q.data, q.scale, block, torch.float32).to(dtype)
     assert torch.equal(dequantize_fp8(q.data, q.scale, block, dtype), torch_dq)
     lin = Fp8Linear.from_weight(q)
-    x = torch.randn(ROWS_MAX + 1, k + 72, device=DEV, dtype=dtype)
+    x = torch.randn(65, k + 72, device=DEV, dtype=dtype)
     y = lin(x)
-    assert torch.equal(y, torch.nn.functional.linear(x, torch_dq))
+    assert torch.equal(y, dequant_linear(x, q.data, q.scale, block))
+    whole = torch.nn.functional.linear(x, torch_dq)
+    assert rel_err(y, whole.double()) < TOL[dtype] / 4
     assert rel_err(y, fp8_gemv_reference(x, q.data, q.scale, block)) < TOL[dtype]
 
 
 @pytest.mark.cuda
-def test_a_prefill_takes_cublas_past_64_rows_where_decode_keeps_the_gemv(nan_empty):
-    """Inside ``prefill_rows()`` (a prefill's forward) 200 rows run cuBLAS over the one-pass
-    dequantized weight, bit for bit; outside (a decode bucket) the GEMV, 64 rows a launch.
-    Both near float64."""
-    from stepgraph.kernels.proj.fp8_dequant import dequantize_fp8
-    from stepgraph.kernels.proj.fp8_gemv import fp8_gemv_rows
-    from stepgraph.model.fp8_linear import Fp8Linear, prefill_rows
+def test_the_gemv_runs_exactly_at_64_rows_and_past_them_one_chunk_of_weight_is_held(nan_empty):
+    """64 rows: the FP8-weight GEMV, bit for bit; 65 and 512: ``dequant_linear``, whose
+    allocations past the output stay within one chunk (``CHUNK_BYTES``) of dequantized weight,
+    where the whole gate-up weight in bf16 is 64 MiB. All near float64."""
+    from stepgraph.kernels.proj import fp8_dequant
+    from stepgraph.kernels.proj.fp8_gemv import fp8_gemv
+    from stepgraph.model.fp8_linear import Fp8Linear
 
-    n, k = SHAPES["1b-down"]
+    n, k = SHAPES["1b-gate_up"]
     q = fp8_weight(n, k, None, seed=9)
     lin = Fp8Linear.from_weight(q)
-    x = torch.randn(200, k, device=DEV, dtype=torch.bfloat16)
-    with prefill_rows():
-        y_prefill = lin(x)
-    y_decode = lin(x)
-    assert torch.equal(y_prefill, torch.nn.functional.linear(x, dequantize_fp8(q.data, q.scale)))
-    assert torch.equal(y_decode, fp8_gemv_rows(x, q.data, q.scale))
-    for y in (y_prefill, y_decode):
+    x = torch.randn(64, k, device=DEV, dtype=torch.bfloat16)
+    assert torch.equal(lin(x), fp8_gemv(x, q.data, q.scale))
+    assert n * k * 2 >= 4 * fp8_dequant.CHUNK_BYTES  # several chunks
+    for m in (65, 512):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        lin(x)  # warm: cuBLAS's workspace
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        y = lin(x)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base - y.numel() * y.element_size()
+        assert extra <= fp8_dequant.CHUNK_BYTES + (1 << 20), (m, extra)
+        assert torch.equal(y, fp8_dequant.dequant_linear(x, q.data, q.scale))
         assert rel_err(y, fp8_gemv_reference(x, q.data, q.scale)) < TOL[torch.bfloat16]

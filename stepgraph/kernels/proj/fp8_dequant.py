@@ -1,12 +1,12 @@
-"""An FP8 weight dequantized in one pass, for the projections of a prefill's many rows.
+"""An FP8 weight dequantized in one pass, for projections of more than 64 rows.
 
-Past ``fp8_gemv.ROWS_MAX`` rows a projection is compute-bound and cuBLAS's bf16 GEMM is the
-fastest way through it, so ``Fp8Linear`` hands cuBLAS a temporary ``weight * scale`` in x's
-dtype, freed after the call. Built with torch ops that temporary cost three passes over a
-float32 copy (convert, scale, cast: about 6 bytes written and 10 read per weight, most of the
-FP8 model's extra prefill time); here each program loads a ``[BLOCK_N, BLOCK_K]`` tile of e4m3
-values, multiplies by its scales in float32 and stores the tile in the output dtype: one byte
-read and two written per weight (bf16).
+Past 64 rows (a large decode bucket, a prefill) a projection is compute-bound and cuBLAS's bf16
+GEMM is the fastest way through it, so ``Fp8Linear`` hands cuBLAS a temporary ``weight * scale``
+in x's dtype, a chunk of output rows at a time (``dequant_linear``), each freed after its GEMM.
+Built with torch ops that temporary cost three passes over a float32 copy (convert, scale,
+cast: about 6 bytes written and 10 read per weight); here each program loads a
+``[BLOCK_N, BLOCK_K]`` tile of e4m3 values, multiplies by its scales in float32 and stores the
+tile in the output dtype: one byte read and two written per weight (bf16).
 
 The result equals ``dequantize_reference(weight, scale, block, torch.float32).to(dtype)`` bit
 for bit: every e4m3 value is exact in float32, the product is one correctly rounded float32
@@ -18,9 +18,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.nn import functional as F
 
 from ...errors import ConfigError
 from ..launch_math import cdiv
+from .fp8_gemv import dequantize_reference
 
 BLOCK_N, BLOCK_K = 16, 256  # 4,096 weights a program: 32 a thread at 4 warps
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -118,4 +120,54 @@ def dequantize_fp8(
     return y
 
 
-__all__ = ["dequantize_fp8"]
+CHUNK_BYTES = 16 << 20  # dequant_linear's default: dequantized weight bytes alive at once
+
+
+def _dequantize(weight, scale, block, dtype) -> torch.Tensor:
+    if weight.is_cuda and dtype in OUT_DTYPES:
+        return dequantize_fp8(weight, scale, block, dtype)
+    return dequantize_reference(weight, scale, block, torch.float32).to(dtype)
+
+
+def chunk_rows(n: int, k: int, itemsize: int, block: tuple[int, int] | None, chunk_bytes: int):
+    """Weight rows dequantized at once: ``chunk_bytes`` of the dequantized weight, whole scale
+    blocks (a multiple of ``block[0]``, or of 128 per channel), at least one block; ``n`` (one
+    chunk) when ``chunk_bytes`` is 0 or covers the weight."""
+    if chunk_bytes <= 0 or chunk_bytes >= n * k * itemsize:
+        return n
+    unit = block[0] if block is not None else 128
+    return min(n, max(unit, chunk_bytes // max(1, k * itemsize) // unit * unit))
+
+
+def dequant_linear(
+    x: torch.Tensor,  # [M, K], rows contiguous
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,
+    block: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
+    chunk_bytes: int | None = None,  # None: CHUNK_BYTES; 0: the whole weight at once
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """``x @ (weight * scale).T + bias`` through cuBLAS (torch's GEMM on the CPU) over the
+    weight dequantized ``chunk_rows`` output rows at a time: each chunk's GEMM writes its
+    columns of one output in place, and at most one chunk of dequantized weight (about
+    ``chunk_bytes``) is alive, so a graph's pool holds a chunk, not a weight. Chunks fresh from
+    the dequantization are still in L2 when the GEMM reads them."""
+    n, k = weight.shape
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    step = chunk_rows(n, k, x.element_size(), block, chunk_bytes)
+    if step >= n:
+        return F.linear(x, _dequantize(weight, scale, block, x.dtype), bias)
+    y = x.new_empty(x.shape[0], n)
+    bn = block[0] if block is not None else 1
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        w = _dequantize(weight[n0:n1], scale[n0 // bn : cdiv(n1, bn)], block, x.dtype)
+        if bias is None:
+            torch.mm(x, w.t(), out=y[:, n0:n1])
+        else:
+            torch.addmm(bias[n0:n1], x, w.t(), out=y[:, n0:n1])
+        del w  # freed before the next chunk's: one chunk alive in a graph's pool
+    return y
+
+
+__all__ = ["CHUNK_BYTES", "chunk_rows", "dequant_linear", "dequantize_fp8"]

@@ -353,28 +353,6 @@ def dequantize_reference(weight, scale, block=None, dtype=torch.float64) -> torc
     return w * s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
 
 
-ROWS_MAX = 512  # rows fp8_gemv_rows takes on CUDA in place of a dequantized weight (Fp8Linear)
-
-
-def fp8_gemv_rows(
-    x: torch.Tensor,  # [M, K], any M, rows contiguous
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    block: tuple[int, int] | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # [M, N], x.dtype
-    """``fp8_gemv`` over any number of rows: ``MAX_M`` rows a launch into one output, the
-    weight read once a launch and never dequantized (a dequantized ``[N, K]`` temporary, float32
-    then the dtype, held a graph's pool at 334 MiB for the 36 buckets where bf16 took 192)."""
-    m = x.shape[0]
-    if m <= MAX_M:
-        return fp8_gemv(x, weight, scale, block, bias)
-    y = x.new_empty(m, weight.shape[0])
-    for r0 in range(0, m, MAX_M):
-        fp8_gemv(x[r0 : r0 + MAX_M], weight, scale, block, bias, out=y[r0 : r0 + MAX_M])
-    return y
-
-
 def fp8_gemv_reference(x, weight, scale, block=None, bias=None) -> torch.Tensor:
     """``fp8_gemv``'s float64 reference over the dequantized weights."""
     y = x.double() @ dequantize_reference(weight, scale, block).T
@@ -383,7 +361,6 @@ def fp8_gemv_reference(x, weight, scale, block=None, bias=None) -> torch.Tensor:
 
 __all__ = [
     "MAX_M",
-    "ROWS_MAX",
     "W_BLOCK",
     "W_CHANNEL",
     "channel_scaled",
@@ -391,7 +368,6 @@ __all__ = [
     "dequantize_reference",
     "fp8_gemv",
     "fp8_gemv_reference",
-    "fp8_gemv_rows",
     "fp8_mul_acc",
     "fp8_scales",
     "fp8_tile",

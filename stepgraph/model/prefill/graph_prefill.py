@@ -49,7 +49,6 @@ from ...graph_pool import GraphPool
 from ...runner.base import GraphRunnerBase
 from ...runner.capture import capture_loop, capture_step
 from ...runner.stats import BucketStats, CaptureStats
-from ..fp8_linear import prefill_rows
 from ..model_runner import ModelRunner
 from .extend_batch import (
     ExtendBatch,
@@ -94,7 +93,6 @@ def activation_bytes(config, tokens: int, itemsize: int, mlp_rows: int = MLP_ROW
     return itemsize * max(attention, mlp)
 
 
-@prefill_rows()  # FP8 projections: a prefill's rows (fp8_linear)
 def padded_forward(
     model, batch: ExtendBatch, backend, mlp_rows: int = MLP_ROWS
 ) -> torch.Tensor:  # [B, hidden], the final norm of each chunk's last token

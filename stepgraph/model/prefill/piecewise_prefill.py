@@ -44,7 +44,6 @@ from ...graph_pool import GraphPool
 from ...kernels.elementwise.kv_write import write_kv
 from ...kernels.elementwise.rope_kv import apply_rope
 from ...runner.stats import CaptureStats
-from ..fp8_linear import prefill_rows
 from ..model_runner import ModelRunner
 from .extend_batch import ExtendBatch, PrefillChunk, build_extend_batch, prompt_chunks
 from .prefill_attention import extend_attention
@@ -155,7 +154,6 @@ class PiecewisePrefill:
         buf.copy_(ends)
         return {"last_idx": buf}
 
-    @prefill_rows()  # FP8 projections: a prefill's rows (fp8_linear)
     def _region(self, region: int, call: PiecewiseCallInputs) -> dict[str, torch.Tensor]:
         """Region ``r``: layer ``r - 1`` after its attention, then layer ``r`` up to its
         attention (``DecoderLayer.after_attention`` / ``before_attention``), as the eager

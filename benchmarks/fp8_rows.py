@@ -1,12 +1,14 @@
-"""FP8 weights at a prefill's row counts: which way through a projection of 64 to 4096 rows is
-fastest, against bf16 weights, at the projection shapes of a preset.
+"""FP8 weights past 64 rows (a large decode bucket, a prefill): which way through a projection of
+64 to 4096 rows is fastest, against bf16 weights, at the projection shapes of a preset.
 
-    PYTHONPATH=. python3 benchmarks/fp8_prefill_rows.py [--preset llama-3.1-8b] [--json F]
+    PYTHONPATH=. python3 benchmarks/fp8_rows.py [--preset llama-3.1-8b] [--chunks 0,8,16] [--json F]
 
 Per (rows, projection), µs a call (4 weights in turn, one CUDA graph, ``graph_call_us``):
-  gemv       ``fp8_gemv_rows``: the FP8-weight GEMV, 64 rows a launch, the weight read each time
-             (``Fp8Linear`` up to ``ROWS_MAX`` rows)
-  dq+mm      ``dequantize_fp8`` (one pass, e4m3 -> bf16) then cuBLAS bf16 (past ``ROWS_MAX``)
+  gemv       ``fp8_gemv``, 64 rows a launch, the weight read each time (``Fp8Linear`` up to 64
+             rows)
+  dq+mm      ``dequantize_fp8`` (one pass, e4m3 -> bf16) of the whole weight, then cuBLAS bf16
+  dq C MiB   ``dequant_linear``: the same C MiB of dequantized weight at a time, each chunk's GEMM
+             into its columns of one output (``Fp8Linear`` past 64 rows; one per ``--chunks``)
   torch dq   the same dequantization in torch ops through float32 (three passes), then cuBLAS
   w8a8       cuBLAS FP8 (``torch._scaled_mm``, row-wise scales) with x quantized per row in
              torch first: FP8 tensor cores, x rounded to 4 significant bits
@@ -25,8 +27,8 @@ import torch.nn.functional as F
 
 from benchmarks import proj_sweep as ps
 from stepgraph.bench.timing import graph_call_us
-from stepgraph.kernels.proj.fp8_dequant import dequantize_fp8
-from stepgraph.kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv_rows
+from stepgraph.kernels.proj.fp8_dequant import dequant_linear, dequantize_fp8
+from stepgraph.kernels.proj.fp8_gemv import MAX_M, dequantize_reference, fp8_gemv
 from stepgraph.model.fp8_weight import quantize_per_channel
 
 E4M3_MAX = 448.0
@@ -47,14 +49,25 @@ def scaled_mm(xq, xs, w, ws):
     return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws[None, :], out_dtype=torch.bfloat16)
 
 
-def ways(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bw: torch.Tensor) -> dict:
+def gemv_rows(x, w, s) -> torch.Tensor:
+    """``fp8_gemv`` over any rows, 64 (``MAX_M``) a launch into one output."""
+    y = x.new_empty(x.shape[0], w.shape[0])
+    for r0 in range(0, x.shape[0], MAX_M):
+        fp8_gemv(x[r0 : r0 + MAX_M], w, s, out=y[r0 : r0 + MAX_M])
+    return y
+
+
+def chunk_way(mib: int) -> str:
+    return f"dq {mib} MiB"
+
+
+def ways(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bw: torch.Tensor, chunks=()) -> dict:
     """Each way's call for one weight (e4m3 ``w`` with scales ``s``; ``bw`` the bf16 one)."""
-
-    def torch_dq():
-        return dequantize_reference(w, s, None, torch.float32).to(x.dtype)
-
-    return {
-        "gemv": lambda: fp8_gemv_rows(x, w, s),
+    chunked = {
+        chunk_way(c): (lambda c=c: dequant_linear(x, w, s, chunk_bytes=c << 20)) for c in chunks
+    }
+    return chunked | {
+        "gemv": lambda: gemv_rows(x, w, s),
         "dq+mm": lambda: F.linear(x, dequantize_fp8(w, s)),
         "torch dq": lambda: F.linear(
             x, dequantize_reference(w, s, None, torch.float32).to(x.dtype)
@@ -64,7 +77,7 @@ def ways(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bw: torch.Tensor) ->
     }
 
 
-def one(name: str, m: int, g: torch.Generator) -> dict:
+def one(name: str, m: int, g: torch.Generator, chunks=()) -> dict:
     _, n, k = ps.SHAPES[name]
     weights = []
     for _ in range(COPIES):
@@ -73,9 +86,9 @@ def one(name: str, m: int, g: torch.Generator) -> dict:
         weights.append((q.data, q.scale, bw))
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     row = dict(case=name, m=m, n=n, k=k)
-    for way in WAYS:
+    for way in (*map(chunk_way, chunks), *WAYS):
         try:
-            row[way] = graph_call_us([ways(x, *wt)[way] for wt in weights])
+            row[way] = graph_call_us([ways(x, *wt, chunks)[way] for wt in weights])
         except RuntimeError as e:  # a shape or layout cuBLAS refuses
             row[way] = None
             row["error"] = f"{way}: {type(e).__name__}: {e}"[:160]
@@ -88,12 +101,12 @@ def one(name: str, m: int, g: torch.Generator) -> dict:
     return row
 
 
-def layer_sums(rows: list[dict]) -> dict[int, dict[str, float | None]]:
+def layer_sums(rows: list[dict], all_ways=WAYS) -> dict[int, dict[str, float | None]]:
     """Rows -> per row count, each way's µs summed over the projections (None where one failed)."""
     out: dict[int, dict[str, float | None]] = {}
     for r in rows:
-        acc = out.setdefault(r["m"], dict.fromkeys(WAYS, 0.0))
-        for way in WAYS:
+        acc = out.setdefault(r["m"], dict.fromkeys(all_ways, 0.0))
+        for way in all_ways:
             acc[way] = None if acc[way] is None or r[way] is None else acc[way] + r[way]
     return out
 
@@ -102,19 +115,22 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--rows", default="64,128,256,512,1024,2048,4096")
+    ap.add_argument("--chunks", default="8,16,32", help="dequant_linear's MiB, comma list")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     ps.use_preset(args.preset)
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = [one(c, int(m), g) for m in args.rows.split(",") for c in CASES]
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    all_ways = (*map(chunk_way, chunks), *WAYS)
+    rows = [one(c, int(m), g, chunks) for m in args.rows.split(",") for c in CASES]
     fmt = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"  # noqa: E731
     print(f"{args.preset}: µs a call")
-    print(f"{'case':>8} {'m':>5} " + " ".join(f"{w:>9}" for w in WAYS) + "  w8a8 err")
+    print(f"{'case':>8} {'m':>5} " + " ".join(f"{w:>9}" for w in all_ways) + "  w8a8 err")
     for r in rows:
-        print(f"{r['case']:>8} {r['m']:>5} " + " ".join(fmt(r[w]) for w in WAYS), end="")
+        print(f"{r['case']:>8} {r['m']:>5} " + " ".join(fmt(r[w]) for w in all_ways), end="")
         print(f"  {r['w8a8_err']:8.1e}" + (f"  {r['error']}" if "error" in r else ""))
     print("a layer (the four projections), µs, and over bf16's:")
-    for m, acc in layer_sums(rows).items():
+    for m, acc in layer_sums(rows, all_ways).items():
         base = acc["bf16"]
         cells = [
             f"{w} {v:.1f} ({v / base:.2f}x)" if v is not None and base else f"{w} -"
