@@ -145,3 +145,10 @@ def test_dequant_linear_keeps_the_dtype_in_bfloat16():
     want = x.double() @ wq.double().T  # the weight as dequantized, in float64
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item())
+
+
+def test_dequant_linear_of_no_rows_dequantizes_nothing(monkeypatch):
+    q = quantize_per_channel(weight(300, 64, 8))
+    monkeypatch.setattr(fp8_dequant, "_dequantize", lambda *a: pytest.fail("dequantized"))
+    y = fp8_dequant.dequant_linear(torch.zeros(0, 64), q.data, q.scale, bias=torch.ones(300))
+    assert y.shape == (0, 300)

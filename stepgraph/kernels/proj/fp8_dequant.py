@@ -153,6 +153,9 @@ def dequant_linear(
     ``chunk_bytes``) is alive, so a graph's pool holds a chunk, not a weight. Chunks fresh from
     the dequantization are still in L2 when the GEMM reads them."""
     n, k = weight.shape
+    if x.shape[0] == 0:  # nothing to multiply: no weight dequantized
+        y = x.new_empty(0, n)
+        return y if bias is None else y + bias
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     step = chunk_rows(n, k, x.element_size(), block, chunk_bytes)
     if step >= n:
