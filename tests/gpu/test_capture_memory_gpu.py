@@ -51,3 +51,27 @@ def test_replay_equals_eager_at_every_bucket(mr, staged):
                 mr.kv_cache.release(p)
     print(f"staged={staged}\n{cap.ledger_table()}\npool held {cap.pool_held_bytes / 2**20:.1f}")
     runner.shutdown()
+
+
+@pytest.mark.cuda
+def test_fp8_weights_hold_a_capture_pool_no_larger_than_bf16s_over_the_default_buckets():
+    """The 36 default buckets to bs 512 of the 1B in graph mode: FP8 projections past 64 rows
+    dequantize a chunk of weight at a time (``fp8_dequant.dequant_linear``), so FP8's pool is
+    no larger than bf16's (a whole dequantized gate-up weight would add 64 MiB)."""
+    from stepgraph.bench.workload import build_model_runner
+
+    pools = {}
+    for quant in (None, "fp8"):
+        model = build_model_runner(
+            "llama-3.2-1b", "cuda", torch.bfloat16, 512, 2048, quantization=quant
+        )
+        runner = CudaGraphRunner(
+            model, RunnerConfig(max_bs=512, mode="graph", show_progress=False), pool=GraphPool()
+        )
+        assert len(runner.capture_bs) == 36
+        pools[quant] = runner.stats.capture.pool_bytes
+        runner.shutdown()
+        del model, runner
+        torch.cuda.empty_cache()
+    print({q: f"{b / 2**20:.1f} MiB" for q, b in pools.items()})
+    assert pools["fp8"] <= pools[None], pools
