@@ -54,11 +54,13 @@ def test_replay_equals_eager_at_every_bucket(mr, staged):
 
 
 @pytest.mark.cuda
-def test_fp8_weights_hold_a_capture_pool_no_larger_than_bf16s_over_the_default_buckets():
+def test_fp8_weights_hold_at_most_one_chunk_of_pool_over_bf16s_over_the_default_buckets():
     """The 36 default buckets to bs 512 of the 1B in graph mode: FP8 projections past 64 rows
     dequantize a chunk of weight at a time (``fp8_dequant.dequant_linear``), so FP8's pool is
-    no larger than bf16's (a whole dequantized gate-up weight would add 64 MiB)."""
+    at most one chunk over bf16's (H100: 202 MiB against 192 at 16 MiB chunks; a whole
+    dequantized gate-up weight, 64 MiB, made it 250)."""
     from stepgraph.bench.workload import build_model_runner
+    from stepgraph.kernels.proj.fp8_dequant import CHUNK_BYTES
 
     pools = {}
     for quant in (None, "fp8"):
@@ -74,4 +76,4 @@ def test_fp8_weights_hold_a_capture_pool_no_larger_than_bf16s_over_the_default_b
         del model, runner
         torch.cuda.empty_cache()
     print({q: f"{b / 2**20:.1f} MiB" for q, b in pools.items()})
-    assert pools["fp8"] <= pools[None], pools
+    assert pools["fp8"] <= pools[None] + CHUNK_BYTES, pools
