@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stepgraph.bench.workload import Point, decode_batch, fill_kv_random
-from stepgraph.check import compare, random_mix, run_check
+from stepgraph.check import Mix, compare, random_mix, run_check
 from stepgraph.engine import Engine
 from stepgraph.model import ModelRunner
 from stepgraph.model.decode.fused_decode import step_plan
@@ -171,6 +171,29 @@ def test_exact_equals_eager_bit_for_bit_with_fp8_weights():
     rng = random.Random(1)
     mixes = [random_mix(rng, mr.config.vocab_size, rows, 200) for _ in range(6)]
     results = run_check(mr, mixes, ["eager", "graph", "exact"], rows, log=lambda line: None)
+    for mode in results:
+        assert results[mode].errors == [], (mode, results[mode].errors[:3])
+    differ, _ = compare(results["eager"], results["exact"])
+    assert differ == 0, f"exact differs from eager in {differ} of {len(mixes)} mixes"
+
+
+def test_exact_equals_eager_with_fp8_weights_in_decode_buckets_past_64_rows():
+    """80 and 100 requests decoding at once on a runner of 128 rows: buckets of 80, 96 and
+    128 rows run the FP8 projections as cuBLAS over dequantized chunks (``dequant_linear``),
+    as do the prefills of more than 64 tokens; exact equals eager token for token."""
+    rows = 128
+    mr = _runner(torch.bfloat16, max_bs=rows, seed=7)
+    rng = random.Random(2)
+    vocab = mr.config.vocab_size
+    mixes = [
+        Mix(
+            [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 150))] for _ in range(n)],
+            6,
+            None,
+        )
+        for n in (80, 100)
+    ]
+    results = run_check(mr, mixes, ["eager", "exact"], rows, log=lambda line: None)
     for mode in results:
         assert results[mode].errors == [], (mode, results[mode].errors[:3])
     differ, _ = compare(results["eager"], results["exact"])
