@@ -178,9 +178,9 @@ def test_exact_equals_eager_bit_for_bit_with_fp8_weights():
 
 
 def test_exact_equals_eager_with_fp8_weights_in_decode_buckets_past_64_rows():
-    """80 and 100 requests decoding at once on a runner of 128 rows: buckets of 80, 96 and
-    128 rows run the FP8 projections as cuBLAS over dequantized chunks (``dequant_linear``),
-    as do the prefills of more than 64 tokens; exact equals eager token for token."""
+    """80 and 100 requests decoding at once on a runner of 128 rows: the buckets of 80 and 112
+    rows run the FP8 projections as cuBLAS over dequantized chunks (``dequant_linear``), as do
+    the prefills of more than 64 tokens; exact equals eager token for token."""
     rows = 128
     mr = _runner(torch.bfloat16, max_bs=rows, seed=7)
     rng = random.Random(2)
