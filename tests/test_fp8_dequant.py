@@ -110,7 +110,7 @@ def test_dequant_linear_by_chunks_matches_float64_and_holds_one_chunk_at_a_time(
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     alive, most, shapes = set(), [0], []
-    real = fp8_dequant._dequantize
+    real = fp8_dequant.dequantize
 
     def tracked(*args):
         t = real(*args)
@@ -120,7 +120,7 @@ def test_dequant_linear_by_chunks_matches_float64_and_holds_one_chunk_at_a_time(
         most[0] = max(most[0], len(alive))
         return t
 
-    monkeypatch.setattr(fp8_dequant, "_dequantize", tracked)
+    monkeypatch.setattr(fp8_dequant, "dequantize", tracked)
     chunk_bytes = 128 * k * 4  # 128 float32 rows: 4 chunks, the last of 40 rows
     gc.disable()  # chunks are freed by their last reference, not by a collection
     try:
@@ -149,6 +149,6 @@ def test_dequant_linear_keeps_the_dtype_in_bfloat16():
 
 def test_dequant_linear_of_no_rows_dequantizes_nothing(monkeypatch):
     q = quantize_per_channel(weight(300, 64, 8))
-    monkeypatch.setattr(fp8_dequant, "_dequantize", lambda *a: pytest.fail("dequantized"))
+    monkeypatch.setattr(fp8_dequant, "dequantize", lambda *a: pytest.fail("dequantized"))
     y = fp8_dequant.dequant_linear(torch.zeros(0, 64), q.data, q.scale, bias=torch.ones(300))
     assert y.shape == (0, 300)

@@ -27,10 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from ..kernels.proj.fp8_dequant import OUT_DTYPES as DEQUANT_DTYPES
-from ..kernels.proj.fp8_dequant import dequant_linear, dequantize_fp8
+from ..kernels.proj.fp8_dequant import dequant_linear, dequantize
 from ..kernels.proj.fp8_gemv import MAX_M as FP8_MAX_M
-from ..kernels.proj.fp8_gemv import dequantize_reference, fp8_gemv
+from ..kernels.proj.fp8_gemv import fp8_gemv
 from .fp8_weight import FP8_DTYPE, Fp8Weight, quantize_per_channel, scale_shape
 from .llama import Linear
 
@@ -110,13 +109,7 @@ class Fp8Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """``weight * scale`` in ``dtype``: a temporary, the same bits on CUDA (one Triton pass)
         as on the CPU (torch ops through float32)."""
-        if self.weight.is_cuda and dtype in DEQUANT_DTYPES:
-            return dequantize_fp8(self.weight, self.weight_scale, self.block, dtype)
-        if dtype == torch.float64:
-            return dequantize_reference(self.weight, self.weight_scale, self.block)
-        return dequantize_reference(self.weight, self.weight_scale, self.block, torch.float32).to(
-            dtype
-        )
+        return dequantize(self.weight, self.weight_scale, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         way = self.way(x.shape[0], x.is_cuda, x.stride(-1) == 1)

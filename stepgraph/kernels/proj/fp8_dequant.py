@@ -123,9 +123,13 @@ def dequantize_fp8(
 CHUNK_BYTES = 16 << 20  # dequant_linear's default: dequantized weight bytes alive at once
 
 
-def _dequantize(weight, scale, block, dtype) -> torch.Tensor:
+def dequantize(weight, scale, block=None, dtype=torch.bfloat16) -> torch.Tensor:
+    """``weight * scale`` in ``dtype``, the same bits on CUDA (``dequantize_fp8``, one pass) as
+    on the CPU (torch ops through float32); float64 straight from the e4m3 values."""
     if weight.is_cuda and dtype in OUT_DTYPES:
         return dequantize_fp8(weight, scale, block, dtype)
+    if dtype == torch.float64:
+        return dequantize_reference(weight, scale, block)
     return dequantize_reference(weight, scale, block, torch.float32).to(dtype)
 
 
@@ -159,12 +163,12 @@ def dequant_linear(
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     step = chunk_rows(n, k, x.element_size(), block, chunk_bytes)
     if step >= n:
-        return F.linear(x, _dequantize(weight, scale, block, x.dtype), bias)
+        return F.linear(x, dequantize(weight, scale, block, x.dtype), bias)
     y = x.new_empty(x.shape[0], n)
     bn = block[0] if block is not None else 1
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
-        w = _dequantize(weight[n0:n1], scale[n0 // bn : cdiv(n1, bn)], block, x.dtype)
+        w = dequantize(weight[n0:n1], scale[n0 // bn : cdiv(n1, bn)], block, x.dtype)
         if bias is None:
             torch.mm(x, w.t(), out=y[:, n0:n1])
         else:
@@ -173,4 +177,4 @@ def dequant_linear(
     return y
 
 
-__all__ = ["CHUNK_BYTES", "chunk_rows", "dequant_linear", "dequantize_fp8"]
+__all__ = ["CHUNK_BYTES", "chunk_rows", "dequant_linear", "dequantize", "dequantize_fp8"]
