@@ -6,7 +6,8 @@
 Per (rows, projection), µs a call (4 weights in turn, one CUDA graph, ``graph_call_us``):
   gemv       ``fp8_gemv``, 64 rows a launch, the weight read each time (``Fp8Linear`` up to 64
              rows)
-  dq+mm      ``dequantize_fp8`` (one pass, e4m3 -> bf16) of the whole weight, then cuBLAS bf16
+  dq+mm      ``dequant_linear(..., chunk_bytes=0)``: the whole weight dequantized in one pass,
+             then cuBLAS bf16
   dq C MiB   ``dequant_linear``: the same C MiB of dequantized weight at a time, each chunk's GEMM
              into its columns of one output (``Fp8Linear`` past 64 rows; one per ``--chunks``)
   torch dq   the same dequantization in torch ops through float32 (three passes), then cuBLAS
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks import proj_sweep as ps
 from stepgraph.bench.timing import graph_call_us
-from stepgraph.kernels.proj.fp8_dequant import dequant_linear, dequantize_fp8
+from stepgraph.kernels.proj.fp8_dequant import dequant_linear
 from stepgraph.kernels.proj.fp8_gemv import MAX_M, dequantize_reference, fp8_gemv
 from stepgraph.model.fp8_weight import quantize_per_channel
 
@@ -68,7 +69,7 @@ def ways(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bw: torch.Tensor, ch
     }
     return chunked | {
         "gemv": lambda: gemv_rows(x, w, s),
-        "dq+mm": lambda: F.linear(x, dequantize_fp8(w, s)),
+        "dq+mm": lambda: dequant_linear(x, w, s, chunk_bytes=0),
         "torch dq": lambda: F.linear(
             x, dequantize_reference(w, s, None, torch.float32).to(x.dtype)
         ),

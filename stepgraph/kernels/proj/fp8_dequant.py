@@ -140,7 +140,7 @@ def chunk_rows(n: int, k: int, itemsize: int, block: tuple[int, int] | None, chu
     if chunk_bytes <= 0 or chunk_bytes >= n * k * itemsize:
         return n
     unit = block[0] if block is not None else 128
-    return min(n, max(unit, chunk_bytes // max(1, k * itemsize) // unit * unit))
+    return min(n, max(unit, chunk_bytes // (k * itemsize) // unit * unit))  # k > 0 here
 
 
 def dequant_linear(
@@ -158,8 +158,7 @@ def dequant_linear(
     the dequantization are still in L2 when the GEMM reads them."""
     n, k = weight.shape
     if x.shape[0] == 0:  # nothing to multiply: no weight dequantized
-        y = x.new_empty(0, n)
-        return y if bias is None else y + bias
+        return x.new_empty(0, n)
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     step = chunk_rows(n, k, x.element_size(), block, chunk_bytes)
     if step >= n:
