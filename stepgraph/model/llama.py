@@ -61,18 +61,43 @@ class AttentionFn(Protocol):
     ) -> torch.Tensor: ...  # [T, n_heads, head_dim]
 
 
+# torch.mm(a, b, out_dtype=torch.float32): cuBLAS writes float32 from bf16 / fp16 operands
+# (CUDA only; no CPU kernel)
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that serves batches of at most ``gemv_max_bs`` rows on CUDA with the
-    Triton GEMV (0: always cuBLAS), writing ``out_dtype`` (None: the input's) when it does.
-    ``LlamaModel.use_gemv`` sets both per projection shape."""
+    Triton GEMV (0: always cuBLAS), writing ``out_dtype`` (None: the input's): the GEMV itself,
+    and cuBLAS too on CUDA where the layer has no bias (``torch.mm``'s ``out_dtype``), so no
+    temporary in the input's dtype is made. ``out``: write the result there (rows of the
+    graph runner's shared output) instead of a new tensor. ``LlamaModel.use_gemv`` sets the
+    GEMV's rows per projection shape."""
 
     gemv_max_bs: int = 0
     out_dtype: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    def forward(
+        self, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.gemv_max_bs and x.is_cuda and x.shape[0] <= self.gemv_max_bs:
-            return gemv(x, self.weight, self.bias, self.out_dtype)
-        return F.linear(x, self.weight, self.bias)
+            y = gemv(x, self.weight, self.bias, self.out_dtype)
+        elif self.widens(x):
+            return torch.mm(x, self.weight.t(), out_dtype=self.out_dtype, out=out)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if out is None else out.copy_(y)
+
+    def widens(self, x: torch.Tensor) -> bool:
+        """Whether cuBLAS writes ``out_dtype`` itself for ``x``: bf16 / fp16 into float32."""
+        return (
+            _MM_OUT_DTYPE
+            and x.is_cuda
+            and self.bias is None
+            and self.out_dtype is torch.float32
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.dim() == 2
+        )
 
 
 class RMSNorm(nn.Module):
@@ -229,10 +254,20 @@ class LlamaModel(nn.Module):
         h = self.norm(x, residual)[0]
         return h if live is None or keep_rows else h[:n]
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:  # h: [n, hidden] -> [n, vocab] float32
-        # float32 logits: sampling and parity checks read them without another cast. The GEMV
-        # writes float32 itself (``.float()`` is then a no-op); cuBLAS returns the model dtype.
-        return self.lm_head(h).float()
+    def logits(
+        self, h: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # h: [n, hidden] -> [n, vocab] float32
+        """Float32 logits of ``h``: sampling and parity checks read them without another cast.
+        The GEMV and cuBLAS write float32 themselves (``Linear.widens``), elsewhere the head's
+        output is cast. ``out`` ``[m, vocab]`` float32, ``m <= n``: the first ``m`` rows'
+        logits land there (``h`` may carry padding rows past them, the head's GEMM running at
+        all ``n``: ``at_rows``); with ``m == n`` the head writes into it, no temporary."""
+        head = self.lm_head
+        if out is None:
+            return head(h).float()
+        if out.shape[0] == h.shape[0] and isinstance(head, Linear):
+            return head(h, out=out)
+        return out.copy_(head(h)[: out.shape[0]])
 
     def use_gemv(
         self,

@@ -316,8 +316,7 @@ class ModelRunner:
         h = self.model(batch.input_ids, batch.positions, self.attn_backend, rows, keep_rows=True)
         if out is None:
             return self.model.logits(h)[:bs]
-        # lm_head: float32 from the GEMV, the model dtype from cuBLAS; the copy casts.
-        return out.copy_(self.model.lm_head(h)[:bs])
+        return self.model.logits(h, out)  # the head at the bucket's rows, its live rows in out
 
     @torch.no_grad()
     def extend(

@@ -7,7 +7,7 @@ import torch
 
 from ...kernels.sampling.argmax_rows import argmax_rows
 from ...tuning import DecodeTuning
-from ..llama import LlamaModel, at_rows
+from ..llama import LlamaModel, at_rows, pad_rows
 
 
 def cublas_head(
@@ -26,8 +26,8 @@ def cublas_head(
     n = h.shape[0] if live is None else live
     if logits_out is None:
         logits = at_rows(model.logits, h, rows)[:n]
-    else:
-        logits = logits_out.copy_(at_rows(model.lm_head, h, rows)[:n])
+    else:  # the GEMM at max(rows, h's rows); float32 straight into logits_out where it has them
+        logits = model.logits(pad_rows(h, rows), logits_out[:n])
     if tokens_out is not None:
         greedy_tokens(logits, tokens_out, tuning)
     return logits

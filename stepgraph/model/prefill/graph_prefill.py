@@ -263,8 +263,7 @@ class GraphPrefill(GraphRunnerBase):
         backend, model = self.mr.attn_backend, self.mr.model
         backend.init_extend_metadata(batch)
         h = padded_forward(model, batch, backend)
-        # lm_head: cuBLAS returns the model dtype (the GEMV float32): the copy casts, as .float()
-        return self._out[:b].copy_(model.lm_head(h))
+        return model.logits(h, self._out[:b])  # float32 straight into the shared output
 
     # -- capture -----------------------------------------------------------------------------
 
