@@ -7,11 +7,13 @@ left held; the refusals."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from stepgraph.engine import Engine
-from stepgraph.engine.prefill import default_prefill, padded_prefill_config
+from stepgraph.engine.prefill import default_prefill, padded_prefill_config, pads_to
 from stepgraph.errors import ConfigError
 from stepgraph.model import ModelRunner
 from stepgraph.model.prefill.extend_batch import ExtendLayout, PrefillChunk, pack_extend
@@ -195,6 +197,28 @@ def test_engine_defaults_to_the_padded_prefill():
     assert unpadded.prefiller is unpadded.model_runner
     for e in (eager, graph):
         e.shutdown()
+
+
+def test_pads_to_names_the_bucket_a_budget_between_buckets_runs_at():
+    buckets = [64, 128, 256]
+    assert pads_to(128, buckets) is None  # exactly a bucket
+    assert pads_to(129, buckets) == 256 and pads_to(127, buckets) == 128  # one past, one short
+    assert pads_to(1, buckets) == 64  # below the smallest
+    assert pads_to(256, buckets) is None and pads_to(257, buckets) is None  # past the largest
+
+
+def test_an_engine_warns_of_a_prefill_budget_between_token_buckets():
+    mr = _runner()  # token buckets 64 .. 1024 (576 tokens of KV)
+    with pytest.warns(UserWarning, match="max_prefill_tokens_with_decode=96 .* padded to 128"):
+        Engine(mr, max_prefill_tokens_with_decode=96).shutdown()
+    with pytest.warns(UserWarning, match="max_prefill_tokens=300 .* padded to 512"):
+        Engine(mr, max_prefill_tokens=300, max_prefill_tokens_with_decode=None).shutdown()
+    with warnings.catch_warnings():  # buckets, the defaults, no cap: no warning
+        warnings.simplefilter("error")
+        Engine(mr, max_prefill_tokens=512, max_prefill_tokens_with_decode=128).shutdown()
+        Engine(mr).shutdown()
+        Engine(mr, max_prefill_tokens_with_decode=None).shutdown()
+        Engine(mr, max_prefill_tokens_with_decode=16).shutdown()  # below 64: every budget pads
 
 
 def _assert_no_leak(engine: Engine) -> None:

@@ -4,6 +4,8 @@ forward of the prefiller (the padded ``GraphPrefill``, from graphs or eagerly;
 
 from __future__ import annotations
 
+import bisect
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +50,8 @@ def build_prefiller(engine: Any, config: Any | None) -> Any:
     keyword arguments over ``padded_prefill_config``'s), the model runner itself ("unpadded":
     ``ModelRunner.extend`` on the live tokens only, whose bf16 bits may differ from the
     padded forward's), or a ``PiecewisePrefill`` ("piecewise", ``config``: its
-    ``PrefillShapes``). Each has ``extend(chunks) -> logits``."""
+    ``PrefillShapes``). Each has ``extend(chunks) -> logits``. A padded prefiller warns of a
+    prefill budget between its token buckets: such steps pay for the next bucket."""
     model_runner, prefill = engine.model_runner, engine.prefill
     if prefill == "piecewise":
         from ..model.prefill.piecewise_prefill import PiecewisePrefill
@@ -60,8 +63,31 @@ def build_prefiller(engine: Any, config: Any | None) -> Any:
         kw = padded_prefill_config(model_runner, engine.max_prefill_tokens) | dict(config or {})
         runner = engine.runner  # the decode runner: its progress setting
         kw.setdefault("show_progress", runner is not None and runner.config.show_progress)
-        return GraphPrefill(model_runner, eager=prefill == "eager", **kw)
+        prefiller = GraphPrefill(model_runner, eager=prefill == "eager", **kw)
+        budgets = (
+            ("max_prefill_tokens", engine.max_prefill_tokens),
+            ("max_prefill_tokens_with_decode", engine.max_prefill_tokens_with_decode),
+        )
+        buckets = prefiller.token_buckets
+        for name, budget in budgets:  # below the smallest bucket every budget pads alike
+            if budget is not None and budget > buckets[0] and (padded := pads_to(budget, buckets)):
+                warnings.warn(
+                    f"{name}={budget} is not a prefill token bucket: a step of {budget} "
+                    f"tokens runs padded to {padded}, doing less work than a step of {padded} "
+                    f"at its cost; pass a bucket ({', '.join(map(str, buckets))})"
+                    " (docs/experiments.md#a-prefill-cap-on-steps-that-decode)",
+                    stacklevel=3,
+                )
+        return prefiller
     return model_runner
+
+
+def pads_to(budget: int, buckets: Sequence[int]) -> int | None:
+    """The token bucket a full prefill step of ``budget`` tokens is padded to, where that is
+    more than ``budget`` (None where ``budget`` is a bucket, or past the largest, where a step
+    runs unpadded)."""
+    i = bisect.bisect_left(buckets, budget)
+    return buckets[i] if i < len(buckets) and buckets[i] != budget else None
 
 
 def prefill_step(

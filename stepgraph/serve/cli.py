@@ -104,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=nonneg_int,
         default=None,
         help="prompt tokens a step that also decodes prefills, at most, so running requests "
-        "keep their pace (default: the engine's, 2048; 0: no cap)",
+        "keep their pace (default: the engine's, 2048; 1024: a lower ITL p99 for 4-9%% of the "
+        "throughput; a token bucket, a power of two, else its steps run padded; 0: no cap)",
     )
     p.add_argument(
         "--no-prefix-caching",
