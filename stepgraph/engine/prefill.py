@@ -64,22 +64,27 @@ def build_prefiller(engine: Any, config: Any | None) -> Any:
         runner = engine.runner  # the decode runner: its progress setting
         kw.setdefault("show_progress", runner is not None and runner.config.show_progress)
         prefiller = GraphPrefill(model_runner, eager=prefill == "eager", **kw)
-        budgets = (
-            ("max_prefill_tokens", engine.max_prefill_tokens),
-            ("max_prefill_tokens_with_decode", engine.max_prefill_tokens_with_decode),
-        )
-        buckets = prefiller.token_buckets
-        for name, budget in budgets:  # below the smallest bucket every budget pads alike
-            if budget is not None and budget > buckets[0] and (padded := pads_to(budget, buckets)):
-                warnings.warn(
-                    f"{name}={budget} is not a prefill token bucket: a step of {budget} "
-                    f"tokens runs padded to {padded}, doing less work than a step of {padded} "
-                    f"at its cost; pass a bucket ({', '.join(map(str, buckets))})"
-                    " (docs/experiments.md#a-prefill-cap-on-steps-that-decode)",
-                    stacklevel=3,
-                )
+        _warn_between_buckets(engine, prefiller.token_buckets)
         return prefiller
     return model_runner
+
+
+def _warn_between_buckets(engine: Any, buckets: Sequence[int]) -> None:
+    """Warn of each prefill budget of ``engine`` that pads to a larger token bucket (below the
+    smallest bucket every budget pads alike: no warning)."""
+    budgets = (
+        ("max_prefill_tokens", engine.max_prefill_tokens),
+        ("max_prefill_tokens_with_decode", engine.max_prefill_tokens_with_decode),
+    )
+    for name, budget in budgets:
+        if budget is not None and budget > buckets[0] and (padded := pads_to(budget, buckets)):
+            warnings.warn(
+                f"{name}={budget} is not a prefill token bucket: a step of {budget} tokens "
+                f"runs padded to {padded}, doing less work than a step of {padded} at its "
+                f"cost; pass a bucket ({', '.join(map(str, buckets))})"
+                " (docs/experiments.md#a-prefill-cap-on-steps-that-decode)",
+                stacklevel=4,  # build_prefiller, Engine.__init__, the caller's line
+            )
 
 
 def pads_to(budget: int, buckets: Sequence[int]) -> int | None:

@@ -91,10 +91,10 @@ class Linear(nn.Linear):
     def widens(self, x: torch.Tensor) -> bool:
         """Whether cuBLAS writes ``out_dtype`` itself for ``x``: bf16 / fp16 into float32."""
         return (
-            _MM_OUT_DTYPE
+            self.out_dtype is torch.float32  # the head alone sets it
+            and _MM_OUT_DTYPE
             and x.is_cuda
             and self.bias is None
-            and self.out_dtype is torch.float32
             and x.dtype in (torch.bfloat16, torch.float16)
             and x.dim() == 2
         )

@@ -7,7 +7,7 @@ import torch
 
 from ...kernels.sampling.argmax_rows import argmax_rows
 from ...tuning import DecodeTuning
-from ..llama import LlamaModel, at_rows, pad_rows
+from ..llama import LlamaModel, pad_rows
 
 
 def cublas_head(
@@ -24,10 +24,8 @@ def cublas_head(
     where cuBLAS measured faster. ``rows``: the GEMM's rows, the graph bucket's (``at_rows``);
     ``live``: the batch's rows where ``h`` carries padding past them (cut after the head)."""
     n = h.shape[0] if live is None else live
-    if logits_out is None:
-        logits = at_rows(model.logits, h, rows)[:n]
-    else:  # the GEMM at max(rows, h's rows); float32 straight into logits_out where it has them
-        logits = model.logits(pad_rows(h, rows), logits_out[:n])
+    h = pad_rows(h, rows)  # the GEMM at the bucket's rows (``at_rows``)
+    logits = model.logits(h)[:n] if logits_out is None else model.logits(h, logits_out)
     if tokens_out is not None:
         greedy_tokens(logits, tokens_out, tuning)
     return logits
