@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(
         info,
         quantization_help="for --model: the plan with the projections' weights in FP8 (e4m3) "
-        "per channel, as --quantization fp8 loads them",
+        "per channel (fp8) or per 128x128 block (fp8-block), as --quantization loads them",
         model_help="also print which decode kernels run at each batch bucket for this preset "
         "or local HF directory (no weights are read)",
     )

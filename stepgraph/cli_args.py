@@ -291,10 +291,11 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DECODE_MODES = ("eager", "graph", "exact")
 KERNELS = ("fused", "reference")
 MODEL_HELP = "preset name or local HF directory"
-QUANTIZATIONS = ("fp8",)  # model/fp8_linear.QUANTIZATIONS (that module imports torch)
+QUANTIZATIONS = ("fp8", "fp8-block")  # model/fp8_linear.QUANTIZATIONS (it imports torch)
 QUANTIZATION_HELP = (
-    "fp8: the projections' weights in FP8 (e4m3), quantized per channel on load (an FP8 "
-    "checkpoint loads in FP8 without it); default: the checkpoint's own weights"
+    "fp8: the projections' weights in FP8 (e4m3), quantized per channel on load; fp8-block: "
+    "a scale per 128x128 block (an FP8 checkpoint loads in FP8 without it); default: the "
+    "checkpoint's own weights"
 )
 DEVICE_HELP = "default: cuda when a GPU is seen"
 DTYPE_HELP = "default: bfloat16 on CUDA, float32 on the CPU"

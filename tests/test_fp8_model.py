@@ -25,13 +25,15 @@ from stepgraph.model.decode.step_plan import (
     step_shapes,
 )
 from stepgraph.model.fp8_linear import (
+    LOAD_BLOCKS,
     Fp8Linear,
     check_quantization,
     fp8_modules,
+    load_format,
     quantize_model,
     weight_format,
 )
-from stepgraph.model.fp8_weight import Fp8Weight, quantize_per_channel
+from stepgraph.model.fp8_weight import Fp8Weight, quantize_per_block, quantize_per_channel
 from stepgraph.model.hf_loader import _cat
 from stepgraph.model.llama import Linear, build_model
 from stepgraph.tuning import DecodeTuning
@@ -69,17 +71,19 @@ def _generate(mr: ModelRunner, prompts) -> list[list[int]]:
     return Engine(mr, mode="eager").generate(prompts, max_new_tokens=NEW, ignore_eos=True)
 
 
-def test_preset_quantized_on_load_equals_its_dequantized_float32_run():
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_preset_quantized_on_load_equals_its_dequantized_float32_run(quant):
     mr = ModelRunner.from_preset(
-        "tiny", "cpu", torch.float32, quantization="fp8", max_bs=4, max_context_len=128
+        "tiny", "cpu", torch.float32, quantization=quant, max_bs=4, max_context_len=128
     )
     model = mr.model
     fp8 = fp8_modules(model)
+    block = LOAD_BLOCKS[quant]
     assert len(fp8) == 4 * model.config.num_layers
-    assert all(m.block is None and m.weight.dtype == torch.float8_e4m3fn for m in fp8.values())
+    assert all(m.block == block and m.weight.dtype == torch.float8_e4m3fn for m in fp8.values())
     assert type(model.lm_head) is Linear and model.lm_head.weight.dtype == torch.float32
     assert model.embed_tokens.weight.dtype == torch.float32
-    assert weight_format(model) == "fp8-channel"
+    assert weight_format(model) == load_format(quant)[0]
     prompts = _prompts(model.config.vocab_size)
     ours = _generate(mr, prompts)
     assert ours == _generate(dequantized_runner(mr), prompts)
@@ -88,7 +92,7 @@ def test_preset_quantized_on_load_equals_its_dequantized_float32_run():
     plain = ModelRunner.from_preset("tiny", "cpu", torch.float32, max_bs=4, max_context_len=128)
     w = plain.model.layers[1].mlp.down_proj.weight
     q = model.layers[1].mlp.down_proj
-    want = quantize_per_channel(w)
+    want = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
     assert torch.equal(q.weight.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(q.weight_scale, want.scale)
 
@@ -155,18 +159,20 @@ def test_fp8_checkpoints_equal_their_dequantized_float32_runs(tmp_path, arch, ki
             assert got == out[0, len(p) :].tolist()
 
 
-def test_unquantized_checkpoint_quantized_on_load_per_channel(tmp_path):
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_unquantized_checkpoint_quantized_on_load(tmp_path, quant):
     tensors = hf_tensors("llama")
     cfg = {**SHAPES, **ARCH["llama"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(tmp_path / "model.safetensors"))
     mr = ModelRunner.from_hf_dir(
-        tmp_path, "cpu", torch.float32, quantization="fp8", max_bs=4, max_context_len=128
+        tmp_path, "cpu", torch.float32, quantization=quant, max_bs=4, max_context_len=128
     )
+    block = LOAD_BLOCKS[quant]
     qkv = mr.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, Fp8Linear) and qkv.block is None
+    assert isinstance(qkv, Fp8Linear) and qkv.block == block
     stacked = torch.cat([tensors[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-    want = quantize_per_channel(stacked)
+    want = quantize_per_channel(stacked) if block is None else quantize_per_block(stacked, block)
     assert torch.equal(qkv.weight_scale, want.scale)
     assert torch.equal(qkv.weight.view(torch.uint8), want.data.view(torch.uint8))
     plain = ModelRunner.from_hf_dir(tmp_path, "cpu", torch.float32, max_bs=4, max_context_len=128)
@@ -239,13 +245,29 @@ def test_the_plan_routes_fp8_weights_in_one_place(tmp_path):
             assert proj.how not in (CUBLAS, CUBLAS_HANDOFF), (rows, proj)
     plain_plan = plan_step(replace(bf16, weight_format="plain"), 64, 64, t)
     assert CUBLAS in (plain_plan.qkv.how, plain_plan.qkv0.how) or "cublas" in str(plain_plan)
-    # block scales: the reference kernels (the FP8-weight GEMV), at every bucket
+    # block scales: the fused kernels too, where every program's rows lie inside a row
+    # block; from two rows of bf16 every tile runs W8A8 (x scaled by the block's scales, then
+    # rounded to e4m3); else the reference kernels (the FP8-weight GEMV)
+    mr = ModelRunner.from_preset(
+        "llama-3.2-1b", quantization="fp8-block", num_layers=1, max_context_len=64
+    )
+    blocks = replace(step_shapes(mr.model), elem_bytes=2)
+    assert blocks.weight_format == "fp8-block" and blocks.scale_block == (128, 128)
+    for rows in (1, 8, 32, 64):
+        plan = plan_step(blocks, rows, rows, t)
+        assert plan.fused, (rows, plan.reference)
+        tiles = [p.tile for p in (plan.qkv0, plan.qkv, plan.o_proj, plan.gate_up, plan.down)]
+        assert all(tile.a8 for tile in tiles) == (rows > 1), (rows, tiles)
+    narrow = replace(blocks, scale_block=(16, 128))  # 16-row blocks: the one-row tiles fit
+    assert plan_step(narrow, 1, 1, t).fused
+    assert "FP8 block scales of 16 rows" in plan_step(narrow, 8, 8, t).reference
+    for mixed in (replace(blocks, scale_block=None), replace(blocks, weight_format="mixed")):
+        assert reference_reason(mixed, 8, t) == FP8_REFERENCE  # blocks or formats that differ
+    # a checkpoint's blocks that differ between projections: the reference kernels
     write_checkpoint(tmp_path, "llama", "fp8")
-    block = step_shapes(ModelRunner.from_hf_dir(tmp_path, max_context_len=64).model)
-    assert block.weight_format == "fp8-block"
-    for rows in (1, 8, 64):
-        assert reference_reason(block, rows, t) == FP8_REFERENCE
-        assert plan_step(block, rows, rows, t).reference == FP8_REFERENCE
+    ckpt = step_shapes(ModelRunner.from_hf_dir(tmp_path, max_context_len=64).model)
+    if ckpt.scale_block is None:
+        assert plan_step(ckpt, 8, 8, t).reference == FP8_REFERENCE
 
 
 def test_an_fp8_projection_takes_the_gemv_up_to_64_rows_and_dequantized_chunks_past_them():

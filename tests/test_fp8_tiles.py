@@ -82,12 +82,14 @@ def check_qkv_rope_fp8(
     positions=None,
     slots=None,
     tol=None,
+    w_block=None,
 ):
     """``qkv_rope`` of ``x`` (normed in the prologue with ``nw``, or taken as normed with None)
     on the e4m3 ``data``/``scale`` (and ``bias``) at ``tile``, with ``heads`` (q heads, KV
     heads, head_dim) over a cache of ``cache`` (pages, page size), at ``positions`` and cache
     ``slots`` (default: random), checked against ``qkv64``, the float64 projection it should
-    match, within ``tol`` (default twice this file's tolerance for x's dtype)."""
+    match, within ``tol`` (default twice this file's tolerance for x's dtype); ``w_block``:
+    ``scale`` is per block of that size."""
     from .test_fused_step_kernels import rope_tables
 
     (n_heads, n_kv, hd), (pages, ps) = heads, cache
@@ -115,6 +117,7 @@ def check_qkv_rope_fp8(
         n_heads,
         blocks=tile,
         w_scale=scale,
+        w_block=w_block,
     )
     caches = (k_cache, v_cache), (k0, v0)
     tol = 2 * TOL[dtype] if tol is None else tol

@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(unfused)",
         tp_help="tensor-parallel ranks (torchrun --nproc-per-node N -m stepgraph bench)",
         threads=True,
-        quantization_help="fp8: the same weights again in FP8 (e4m3, per channel), beside the "
-        "model dtype in the same run: the decode step on CUDA, or with --serve the random "
-        "workload (either device)",
+        quantization_help="fp8: the same weights again in FP8 (e4m3, per channel; fp8-block: "
+        "per 128x128 block), beside the model dtype in the same run: the decode step on CUDA, "
+        "or with --serve the random workload (either device)",
     )
     add_device_args(
         p,

@@ -30,10 +30,20 @@ from ..errors import ConfigError
 from ..kernels.proj.fp8_dequant import dequant_linear, dequantize
 from ..kernels.proj.fp8_gemv import MAX_M as FP8_MAX_M
 from ..kernels.proj.fp8_gemv import fp8_gemv
-from .fp8_weight import FP8_DTYPE, Fp8Weight, quantize_per_channel, scale_shape
+from .fp8_weight import (
+    FP8_DTYPE,
+    Fp8Weight,
+    quantize_per_block,
+    quantize_per_channel,
+    scale_shape,
+)
 from .llama import Linear
 
-QUANTIZATIONS = ("fp8",)  # what ``quantization=`` takes (None: the checkpoint's own format)
+# what ``quantization=`` takes (None: the checkpoint's own format), and the scale blocks each
+# quantizes to on load: "fp8" per output channel, "fp8-block" per 128 x 128 block (Hugging
+# Face's fine-grained FP8 layout, as Qwen3-FP8 and DeepSeek-V3 ship)
+LOAD_BLOCKS: dict[str, tuple[int, int] | None] = {"fp8": None, "fp8-block": (128, 128)}
+QUANTIZATIONS = tuple(LOAD_BLOCKS)
 FP8_PROJECTIONS = (
     "self_attn.qkv_proj",
     "self_attn.o_proj",
@@ -49,8 +59,16 @@ def check_quantization(quantization: str | None) -> str | None:
         return quantization
     raise ConfigError(
         f"quantization={quantization!r} is not supported; supported: None (the checkpoint's "
-        "own weights) or 'fp8' (e4m3 weights, per-channel scales computed on load)"
+        "own weights), 'fp8' (e4m3 weights, per-channel scales computed on load) or "
+        "'fp8-block' (e4m3 weights, a scale per 128 x 128 block)"
     )
+
+
+def load_format(quantization: str) -> tuple[str, tuple[int, int] | None]:
+    """``(weight_format, scale block)`` that ``quantization`` loads to: ``("fp8-channel",
+    None)`` or ``("fp8-block", (128, 128))``."""
+    block = LOAD_BLOCKS[check_quantization(quantization)]
+    return ("fp8-channel" if block is None else "fp8-block"), block
 
 
 class Fp8Linear(nn.Module):
@@ -171,10 +189,11 @@ def swap_in_fp8(model: nn.Module, blocks: Mapping[str, tuple[int, int] | None]) 
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module) -> nn.Module:
+def quantize_model(model: nn.Module, block: tuple[int, int] | None = None) -> nn.Module:
     """Every decoder projection of ``model`` quantized in place, per output channel
-    (``fp8_weight.quantize_per_channel``); the embeddings, norms and LM head untouched. A model
-    already in FP8 is refused (it quantizes once, on load)."""
+    (``fp8_weight.quantize_per_channel``) or per ``block`` (``quantize_per_block``); the
+    embeddings, norms and LM head untouched. A model already in FP8 is refused (it quantizes
+    once, on load)."""
     if fp8_modules(model):
         raise ConfigError(
             "the model's projections are already FP8: quantization='fp8' takes an unquantized "
@@ -188,7 +207,12 @@ def quantize_model(model: nn.Module) -> nn.Module:
                     f"layers.{i}.{p} is a {type(old).__name__}: quantization='fp8' takes an "
                     "unsharded model (tensor-parallel shards are not quantized)"
                 )
-            fw = quantize_per_channel(old.weight, f"layers.{i}.{p}.weight")
+            what = f"layers.{i}.{p}.weight"
+            fw = (
+                quantize_per_channel(old.weight, what)
+                if block is None
+                else quantize_per_block(old.weight, block, what)
+            )
             _set(layer, p, Fp8Linear.from_weight(fw, old.bias))
             del old
     return model
@@ -197,8 +221,10 @@ def quantize_model(model: nn.Module) -> nn.Module:
 __all__ = [
     "FP8_PROJECTIONS",
     "Fp8Linear",
+    "LOAD_BLOCKS",
     "QUANTIZATIONS",
     "check_quantization",
+    "load_format",
     "fp8_modules",
     "quantize_model",
     "swap_in_fp8",

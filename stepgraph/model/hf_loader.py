@@ -18,8 +18,8 @@ import torch
 
 from ..errors import ConfigError
 from .config import ModelConfig, eos_token_ids
-from .fp8_linear import check_quantization, swap_in_fp8
-from .fp8_weight import Fp8Weight, concat_rows, quantize_per_channel
+from .fp8_linear import LOAD_BLOCKS, check_quantization, swap_in_fp8
+from .fp8_weight import Fp8Weight, concat_rows, quantize_per_block, quantize_per_channel
 from .llama import LlamaModel
 from .quant import detect_format, fp8_weights, is_projection, read_safetensors
 
@@ -212,13 +212,19 @@ def load_hf_model(
 ) -> LlamaModel:
     """Build the model of ``path`` on ``device`` in ``dtype`` with the checkpoint's weights: an
     FP8 checkpoint's projections in FP8; ``quantization="fp8"``: an unquantized checkpoint's
-    projections quantized per channel on the device (an FP8 checkpoint loads as it is)."""
+    projections quantized per channel on the device (``"fp8-block"``: per 128 x 128 block;
+    an FP8 checkpoint loads as it is)."""
     config = load_hf_config(path)
     state = fp8_state(path, config, quantization)
-    if quantization == "fp8":
+    if quantization is not None:
+        block = LOAD_BLOCKS[quantization]
         for name, t in list(state.items()):
             if is_projection(name) and not isinstance(t, Fp8Weight):
-                state[name] = quantize_per_channel(t.to(device), name)
+                state[name] = (
+                    quantize_per_channel(t.to(device), name)
+                    if block is None
+                    else quantize_per_block(t.to(device), block, name)
+                )
     blocks = {
         name.removesuffix(".weight"): t.block
         for name, t in state.items()

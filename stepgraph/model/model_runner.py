@@ -25,7 +25,7 @@ from .decode.fused_decode import (
     kernel_class,
     unfusable_reason,
 )
-from .fp8_linear import check_quantization, quantize_model
+from .fp8_linear import LOAD_BLOCKS, check_quantization, quantize_model
 from .kv_cache import KVCache
 from .llama import LlamaModel, build_model, init_random
 from .prefill.extend_batch import PrefillChunk, build_extend_batch, prompt_chunks
@@ -169,13 +169,14 @@ class ModelRunner:
         quantization: str | None = None,
     ) -> ModelRunner:
         """A model of ``config`` with random weights from ``seed`` (see ``init_random``);
-        ``quantization="fp8"``: its projections then quantized per channel (``Fp8Linear``)."""
+        ``quantization="fp8"``: its projections then quantized per channel (``Fp8Linear``),
+        ``"fp8-block"``: per 128 x 128 block."""
         check_quantization(quantization)
         _warm_triton(device)
         max_context_len = default_context_len(config, max_context_len)
         model = init_random(build_model(config, device, dtype, max_positions=max_context_len), seed)
-        if quantization == "fp8":
-            quantize_model(model)
+        if quantization is not None:
+            quantize_model(model, LOAD_BLOCKS[quantization])
         return cls.from_model(
             model,
             device=device,
@@ -223,7 +224,8 @@ class ModelRunner:
     ) -> ModelRunner:
         """A local Hugging Face checkpoint directory (nothing is downloaded). An FP8 checkpoint
         (``model/quant.py``'s formats) loads with its projections in FP8;
-        ``quantization="fp8"`` quantizes an unquantized one's per channel on load."""
+        ``quantization="fp8"`` quantizes an unquantized one's per channel on load
+        (``"fp8-block"``: per 128 x 128 block)."""
         from .hf_loader import load_hf_config, load_hf_model
 
         check_quantization(quantization)

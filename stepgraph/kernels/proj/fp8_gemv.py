@@ -318,29 +318,52 @@ def fp8_gemv(
     return y
 
 
-def fp8_scales(weight: torch.Tensor, w_scale: torch.Tensor | None, what: str) -> bool:
-    """Whether a fused projection streams ``weight`` as FP8 (``W_FP8``): an e4m3 weight comes
-    with float32 per-channel scales ``w_scale [N]`` (contiguous, on its device), any other
-    weight without; a ConfigError naming ``what`` otherwise. Block scales take ``fp8_gemv``."""
+def fp8_scales(
+    weight: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    what: str,
+    block: tuple[int, int] | None = None,
+) -> int:
+    """How a fused projection streams ``weight`` (its ``W_FP8``): 0 in its own dtype, else an
+    e4m3 weight with float32 scales ``w_scale``, ``W_CHANNEL`` per output channel (``[N]``) or
+    ``W_BLOCK`` per ``block = (bn, bk)`` (``[ceil(N / bn), ceil(K / bk)]``), contiguous and on
+    its device; a ConfigError naming ``what`` otherwise."""
     fp8 = weight.dtype == torch.float8_e4m3fn
     if fp8 != (w_scale is not None):
         raise ConfigError(
-            f"{what}: an e4m3 weight needs its per-channel scales (w_scale) and only an e4m3 "
-            f"weight takes them; got a {weight.dtype} weight and w_scale "
+            f"{what}: an e4m3 weight needs its scales (w_scale) and only an e4m3 weight takes "
+            f"them; got a {weight.dtype} weight and w_scale "
             f"{'None' if w_scale is None else tuple(w_scale.shape)}"
         )
-    if fp8 and (
+    if not fp8:
+        if block is not None:
+            raise ConfigError(f"{what}: w_block {block} without an e4m3 weight and its scales")
+        return 0
+    n, k = weight.shape
+    if block is not None and (
+        len(block) != 2 or min(block) < 1 or block[1] < 16 or block[1] & (block[1] - 1)
+    ):
+        raise ConfigError(f"{what}: w_block {block}: (bn, bk) with bk a power of two >= 16")
+    want = (n,) if block is None else (cdiv(n, block[0]), cdiv(k, block[1]))
+    if (
         w_scale.dtype != torch.float32
-        or tuple(w_scale.shape) != (weight.shape[0],)
+        or tuple(w_scale.shape) != want
         or not w_scale.is_contiguous()
         or w_scale.device != weight.device
     ):
+        kind = "per output channel" if block is None else f"per {block[0]}x{block[1]} block"
         raise ConfigError(
-            f"{what}: w_scale must be contiguous float32 [{weight.shape[0]}] on "
-            f"{weight.device} (per output channel); got {w_scale.dtype} "
-            f"{tuple(w_scale.shape)} on {w_scale.device}"
+            f"{what}: w_scale must be contiguous float32 {list(want)} on {weight.device} "
+            f"({kind}); got {w_scale.dtype} {tuple(w_scale.shape)} on {w_scale.device}"
         )
-    return fp8
+    return W_CHANNEL if block is None else W_BLOCK
+
+
+def scale_args(w_scale, fmt: int, block, dummy: torch.Tensor) -> tuple[torch.Tensor, int, dict]:
+    """A fused kernel's scale arguments: ``(s_ptr, stride_sn, {SCALE_BN, SCALE_BK})``."""
+    if fmt == W_BLOCK:
+        return w_scale, w_scale.stride(0), dict(SCALE_BN=block[0], SCALE_BK=block[1])
+    return (w_scale if fmt else dummy), 0, dict(SCALE_BN=1, SCALE_BK=1)
 
 
 def dequantize_reference(weight, scale, block=None, dtype=torch.float64) -> torch.Tensor:
@@ -370,6 +393,7 @@ __all__ = [
     "fp8_gemv_reference",
     "fp8_mul_acc",
     "fp8_scales",
+    "scale_args",
     "fp8_tile",
     "load_w_chunk",
     "x_chunk",

@@ -22,7 +22,8 @@ import triton.language as tl
 from ...tuning import DecodeTuning, default_tuning
 from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
-from .fp8_gemv import fp8_scales
+from .block_scales import fit_tile
+from .fp8_gemv import W_BLOCK, fp8_scales, scale_args
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -55,7 +56,8 @@ def _gate_up_silu_kernel(
     w_desc,
     x_desc,
     ssq_ptr,
-    s_ptr,  # W_FP8: the weight's float32 scales per output channel
+    s_ptr,  # W_FP8: the weight's float32 scales (per output channel, or block)
+    stride_sn,  # W_FP8 == 2: between rows of block scales
     M,
     INTER,
     K,
@@ -75,8 +77,10 @@ def _gate_up_silu_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr (tma_tiles.proj_loop)
+    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr: 1 per channel, 2 per block (proj_loop)
     A8: tl.constexpr,  # W_FP8 and x quantized to e4m3 per row per chunk (gemv_tiles.dot_a8)
+    SCALE_BN: tl.constexpr,  # W_FP8 == 2: the scale blocks' rows and columns
+    SCALE_BK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
@@ -130,6 +134,7 @@ def _gate_up_silu_kernel(
         stride_sm,
         n_parts,
         s_ptr,
+        stride_sn,
         TMA,
         NORM,
         True,
@@ -140,6 +145,8 @@ def _gate_up_silu_kernel(
         SSQ_PAD,
         W_FP8,
         A8,
+        SCALE_BN,
+        SCALE_BK,
     )
     pdl_trigger_late(USE_PDL)
     rows = BLOCK_M
@@ -186,13 +193,14 @@ def gate_up_silu(
     blocks=None,  # a proj_tiles.Tile or (BLOCK_N pairs, BLOCK_K, num_warps[, num_stages])
     ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
     tuning: DecodeTuning | None = None,  # its tiles, PDL, TMA, prefetch; None: the default
-    w_scale: torch.Tensor | None = None,  # [2 * I] float32: weight is e4m3, per channel
+    w_scale: torch.Tensor | None = None,  # float32: weight is e4m3, [2 * I] per channel
+    w_block: tuple[int, int] | None = None,  # (bn, bk): w_scale per block, [2I / bn, K / bk]
 ) -> torch.Tensor:  # [M, I], x.dtype
     """``silu(gate) * up`` of ``rmsnorm(x) @ weight.T`` in one launch (with ``ssq``, of the
     ``rmsnorm(r)`` that ``x = r * norm_w`` came from; with ``w_scale``, of an e4m3 weight
     times its scales, applied in registers)."""
     check_handoff(norm_w, ssq, "gate_up_silu")
-    fp8 = fp8_scales(weight, w_scale, "gate_up_silu")
+    fp8 = fp8_scales(weight, w_scale, "gate_up_silu", w_block)
     m, k = x.shape
     inter = weight.shape[0] // 2
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
@@ -212,7 +220,10 @@ def gate_up_silu(
             )
         )
         check_tile("gate_up_silu", tile, m)
+        if fp8 == W_BLOCK:
+            tile = fit_tile("gate_up_silu", tile, m, x.element_size(), w_block, offset=inter)
         bm = launch_block_m(tile, m, fp8, x)
+        s_arg, stride_sn, scale_block = scale_args(w_scale, fp8, w_block, out)
         pdl = resolve_pdl(use_pdl, x.device, t)
         tiles = cdiv(inter, tile.block_n)
         ws, tickets = out, out
@@ -230,7 +241,8 @@ def gate_up_silu(
             tickets,
             *(descs or (x, x)),
             sums,
-            w_scale if fp8 else out,
+            s_arg,
+            stride_sn,
             m,
             inter,
             k,
@@ -262,6 +274,7 @@ def gate_up_silu(
             SPLIT_K=tile.split_k,
             W_FP8=fp8,
             A8=act_e4m3(tile, m, fp8, x),
+            **scale_block,
             **tile.launch(),
             **launch_options(pdl),
         )

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ..launch_math import next_pow2
+from .block_scales import k_scales, scaled_x
 
 # fences are inline PTX: compiled kernels only (the interpreter has no inline asm)
 FENCE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
@@ -340,27 +341,38 @@ def chunk_acc(
     w1,
     w2,
     x,
+    s1,
+    s2,
     A8: tl.constexpr,
     SWAP: tl.constexpr,
     PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    KS: tl.constexpr,
 ):
     # one K chunk's multiply-accumulate, as both K loops (gemv_loop, tma_tiles.tma_loop) run it:
     # A8 (W8A8) x quantized per row for this chunk, FP8 tensor cores (dot_a8); SWAP w @ x^T
     # (dot_t); else x @ w^T or one row's products (mul_acc). w2 and a2 only when PAIRED.
-    # -> (a1, a2)
+    # KS (e4m3 weights with block scales): x times w1's column scales s1 (w2's: s2) first
+    # (block_scales.scaled_x). -> (a1, a2)
+    x1 = x
+    x2 = x
+    if KS:
+        x1 = scaled_x(x, s1, A8, BLOCK_M)
+        x2 = x1
+        if PAIRED:
+            x2 = scaled_x(x, s2, A8, BLOCK_M)
     if A8:
-        a1 = dot_a8(a1, w1, x, SWAP)
+        a1 = dot_a8(a1, w1, x1, SWAP)
         if PAIRED:
-            a2 = dot_a8(a2, w2, x, SWAP)
+            a2 = dot_a8(a2, w2, x2, SWAP)
     elif SWAP:
-        a1 = dot_t(a1, w1, x)
+        a1 = dot_t(a1, w1, x1)
         if PAIRED:
-            a2 = dot_t(a2, w2, x)
+            a2 = dot_t(a2, w2, x2)
     else:
-        a1 = mul_acc(a1, w1, x, BLOCK_M)
+        a1 = mul_acc(a1, w1, x1, BLOCK_M)
         if PAIRED:
-            a2 = mul_acc(a2, w2, x, BLOCK_M)
+            a2 = mul_acc(a2, w2, x2, BLOCK_M)
     return a1, a2
 
 
@@ -383,11 +395,17 @@ def gemv_loop(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SWAP: tl.constexpr = False,
-    A8: tl.constexpr = False,
+    sp1,
+    sp2,
+    SWAP: tl.constexpr,
+    A8: tl.constexpr,
+    KS: tl.constexpr,
+    SCALE_BK: tl.constexpr,
 ):
     # w1_ptrs, w2_ptrs: [BLOCK_N, BLOCK_K] pointers at k = 0; w1, w2: their tiles at k_lo,
     # loaded before the PDL wait. Sums over k in [k_lo, k_hi) (the whole row: 0, K).
+    # KS: block scales, each chunk's column scales from the scale rows at sp1 (and sp2) of
+    # SCALE_BK columns a block (block_scales.k_scales).
     # SWAP (BLOCK_M >= 16, Tile.tma == 3): acc [BLOCK_N, BLOCK_M] = w @ x^T (dot_t), the weight
     # tile the MMA's register operand, transposed after the loop. A8 (e4m3 w, BLOCK_M >= 16,
     # x bf16/fp16): x quantized per row per chunk, FP8 tensor cores (dot_a8).
@@ -402,7 +420,9 @@ def gemv_loop(
     a2 = a1
     # -- the first chunk: its weight tile is already here --
     x = x_tile(x_ptr, nw_ptr, stride_xm, k_lo, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-    a1, a2 = chunk_acc(a1, a2, w1, w2, x, A8, SWAP, PAIRED, BLOCK_M)
+    s1 = k_scales(sp1, k_lo, k_hi, KS, SCALE_BK, BLOCK_K)
+    s2 = k_scales(sp2, k_lo, k_hi, KS, SCALE_BK, BLOCK_K)
+    a1, a2 = chunk_acc(a1, a2, w1, w2, x, s1, s2, A8, SWAP, PAIRED, BLOCK_M, KS)
     # -- the rest: a plain stream of weight tiles (evict_first: never re-read this step) --
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         mask_w = mask_n[:, None] & ((k0 + offs_k) < k_hi)[None, :]
@@ -410,7 +430,9 @@ def gemv_loop(
         if PAIRED:
             w2 = tl.load(w2_ptrs + k0, mask=mask_w, other=0.0, eviction_policy="evict_first")
         x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-        a1, a2 = chunk_acc(a1, a2, w1, w2, x, A8, SWAP, PAIRED, BLOCK_M)
+        s1 = k_scales(sp1, k0, k_hi, KS, SCALE_BK, BLOCK_K)
+        s2 = k_scales(sp2, k0, k_hi, KS, SCALE_BK, BLOCK_K)
+        a1, a2 = chunk_acc(a1, a2, w1, w2, x, s1, s2, A8, SWAP, PAIRED, BLOCK_M, KS)
     if SWAP:
         a1 = tl.trans(a1)
         if PAIRED:

@@ -24,7 +24,8 @@ from ...tuning import DecodeTuning, default_tuning
 from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from ..sampling.argmax_parts import fold_argmax, fold_block
-from .fp8_gemv import fp8_scales
+from .block_scales import fit_tile
+from .fp8_gemv import W_BLOCK, fp8_scales, scale_args
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -62,7 +63,8 @@ def _norm_gemv_kernel(
     ssq_ptr,
     xw_ptr,
     tok_ptr,
-    s_ptr,  # W_FP8: the weight's float32 scales per output channel
+    s_ptr,  # W_FP8: the weight's float32 scales (per output channel, or block)
+    stride_sn,  # W_FP8 == 2: between rows of block scales
     M,
     N,
     K,
@@ -91,8 +93,10 @@ def _norm_gemv_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr (tma_tiles.proj_loop)
+    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr: 1 per channel, 2 per block (proj_loop)
     A8: tl.constexpr,  # W_FP8 and x quantized to e4m3 per row per chunk (gemv_tiles.dot_a8)
+    SCALE_BN: tl.constexpr,  # W_FP8 == 2: the scale blocks' rows and columns
+    SCALE_BK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
@@ -145,6 +149,7 @@ def _norm_gemv_kernel(
         stride_sm,
         n_parts,
         s_ptr,
+        stride_sn,
         TMA,
         NORM,
         False,
@@ -155,6 +160,8 @@ def _norm_gemv_kernel(
         SSQ_PAD,
         W_FP8,
         A8,
+        SCALE_BN,
+        SCALE_BK,
     )
     pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sum; the others store nothing
@@ -241,12 +248,13 @@ def _launch(
     tokens=None,
     tuning=None,
     w_scale=None,
+    w_block=None,
 ):
     # -> (xw [M, N], the sums of squares [M, column tiles] float32) given next_norm, else None
     m, k = x.shape
     n = weight.shape[0]
     t = default_tuning(tuning)
-    fp8 = fp8_scales(weight, w_scale, kernel)
+    fp8 = fp8_scales(weight, w_scale, kernel, w_block)
     tile = (
         as_tile(blocks)
         if blocks is not None
@@ -255,7 +263,10 @@ def _launch(
         )
     )
     check_tile(kernel, tile, m)
+    if fp8 == W_BLOCK:
+        tile = fit_tile(kernel, tile, m, x.element_size(), w_block)
     bm = launch_block_m(tile, m, fp8, x)
+    s_arg, stride_sn, scale_block = scale_args(w_scale, fp8, w_block, y)
     part_val, part_idx = parts if parts is not None else (y, y)
     tiles = cdiv(n, tile.block_n)
     ws, tickets = y, y
@@ -286,7 +297,8 @@ def _launch(
         ssq,
         xw,
         tokens if tokens is not None else y,
-        w_scale if fp8 else y,
+        s_arg,
+        stride_sn,
         m,
         n,
         k,
@@ -329,6 +341,7 @@ def _launch(
         SPLIT_K=tile.split_k,
         W_FP8=fp8,
         A8=act_e4m3(tile, m, fp8, x),
+        **scale_block,
         **tile.launch(),
         **launch_options(pdl),
     )
@@ -389,7 +402,8 @@ def gemv_residual(
     blocks=None,  # as norm_gemv's
     next_norm: torch.Tensor | None = None,  # [N], the next RMSNorm's weight (norm_handoff)
     tuning: DecodeTuning | None = None,  # as norm_gemv's
-    w_scale: torch.Tensor | None = None,  # [N] float32: weight is e4m3, scaled per channel
+    w_scale: torch.Tensor | None = None,  # float32: weight is e4m3, [N] per channel
+    w_block: tuple[int, int] | None = None,  # (bn, bk): w_scale per block, [N / bn, K / bk]
 ):  # -> y [M, N], residual.dtype (x.dtype without one); with next_norm (y, xw, ssq)
     """``residual + x @ weight.T`` in one launch (the projection rounded to the dtype first;
     with ``w_scale``, ``weight * w_scale[:, None]`` for an e4m3 weight, in registers);
@@ -421,6 +435,7 @@ def gemv_residual(
             next_norm=next_norm,
             tuning=tuning,
             w_scale=w_scale,
+            w_block=w_block,
         )
     if next_norm is None:
         return y

@@ -26,7 +26,8 @@ from ...tuning import DecodeTuning, default_tuning
 from ..elementwise.rope_kv import rope_kv_reference
 from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
-from .fp8_gemv import fp8_scales
+from .block_scales import fit_tile
+from .fp8_gemv import W_BLOCK, fp8_scales, scale_args
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -132,7 +133,8 @@ def _qkv_rope_kernel(
     w_desc,
     x_desc,
     ssq_ptr,
-    s_ptr,  # W_FP8: the weight's float32 scales per output channel
+    s_ptr,  # W_FP8: the weight's float32 scales (per output channel, or block)
+    stride_sn,  # W_FP8 == 2: between rows of block scales
     M,
     K,
     eps,
@@ -158,8 +160,10 @@ def _qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr (tma_tiles.proj_loop)
+    W_FP8: tl.constexpr,  # e4m3 weight, scales at s_ptr: 1 per channel, 2 per block (proj_loop)
     A8: tl.constexpr,  # W_FP8 and x quantized to e4m3 per row per chunk (gemv_tiles.dot_a8)
+    SCALE_BN: tl.constexpr,  # W_FP8 == 2: the scale blocks' rows and columns
+    SCALE_BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     k_lo, k_hi, pid_k = k_range(K, SPLIT_K, BLOCK_K)
@@ -218,6 +222,7 @@ def _qkv_rope_kernel(
         stride_sm,
         n_parts,
         s_ptr,
+        stride_sn,
         TMA,
         NORM,
         True,
@@ -228,6 +233,8 @@ def _qkv_rope_kernel(
         SSQ_PAD,
         W_FP8,
         A8,
+        SCALE_BN,
+        SCALE_BK,
     )
     pdl_trigger_late(USE_PDL)
     if SPLIT_K > 1:  # the last program of this tile holds the sums; the others store nothing
@@ -324,14 +331,15 @@ def qkv_rope(
     blocks=None,  # a proj_tiles.Tile or (BLOCK_D, BLOCK_K, num_warps[, num_stages])
     ssq: torch.Tensor | None = None,  # r's sums of squares, x = r * norm_w (norm_handoff)
     tuning: DecodeTuning | None = None,  # its tiles, PDL, TMA, prefetch; None: the default
-    w_scale: torch.Tensor | None = None,  # [rows] float32: weight is e4m3, per channel
+    w_scale: torch.Tensor | None = None,  # float32: weight is e4m3, [rows] per channel
+    w_block: tuple[int, int] | None = None,  # (bn, bk): w_scale per block, [rows / bn, K / bk]
 ) -> torch.Tensor:  # [M, n_heads, head_dim], rotated q
     """Norm, qkv projection, RoPE and KV write in one launch; returns q (with ``ssq``, the
     norm of the ``r`` that ``x = r * norm_w`` came from; with ``w_scale``, the projection of an
     e4m3 weight times its scales, in registers, before the bias). Slots are not bounds-checked
     on the device (padded graph rows must point at scratch slots)."""
     check_handoff(norm_w, ssq, "qkv_rope")
-    fp8 = fp8_scales(weight, w_scale, "qkv_rope")
+    fp8 = fp8_scales(weight, w_scale, "qkv_rope", w_block)
     m, k = x.shape
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]
     half = hd // 2
@@ -345,7 +353,10 @@ def qkv_rope(
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
+        if fp8 == W_BLOCK:
+            tile = fit_tile("qkv_rope", tile, m, x.element_size(), w_block, half)
         bm = launch_block_m(tile, m, fp8, x)
+        s_arg, stride_sn, scale_block = scale_args(w_scale, fp8, w_block, q)
         if bd & (bd - 1) or (bd < half and half % bd):
             raise ConfigError(
                 f"qkv_rope: BLOCK_D={bd} must be a power of two dividing head_dim / 2 = {half} "
@@ -375,7 +386,8 @@ def qkv_rope(
             tickets,
             *(descs or (x, x)),
             sums,
-            w_scale if fp8 else q,
+            s_arg,
+            stride_sn,
             m,
             k,
             eps,
@@ -407,6 +419,7 @@ def qkv_rope(
             SPLIT_K=tile.split_k,
             W_FP8=fp8,
             A8=act_e4m3(tile, m, fp8, x),
+            **scale_block,
             **tile.launch(),
             **launch_options(pdl),
         )

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..launch_math import cdiv
 from ..pdl import hopper_or_later
+from .block_scales import k_scales
 from .gemv_tiles import (
     FENCE,
     chunk_acc,
@@ -147,7 +148,11 @@ def tma_loop(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    A8: tl.constexpr = False,
+    sp1,
+    sp2,
+    A8: tl.constexpr,
+    KS: tl.constexpr,
+    SCALE_BK: tl.constexpr,
 ):
     # gemv_tiles.gemv_loop with the weight through its descriptor, every load inside the loop
     # (the software pipeliner keeps num_stages of them in flight; a tile loaded into registers
@@ -169,7 +174,9 @@ def tma_loop(
             x = tma_x_tile(x_desc, nw_ptr, k0, K, inv_rms, NORM, BLOCK_K)
         else:
             x = x_tile(x_ptr, nw_ptr, stride_xm, k0, M, k_hi, inv_rms, NORM, BLOCK_M, BLOCK_K)
-        a1, a2 = chunk_acc(a1, a2, w1, w2, x, A8, SWAP, PAIRED, BLOCK_M)
+        s1 = k_scales(sp1, k0, k_hi, KS, SCALE_BK, BLOCK_K)
+        s2 = k_scales(sp2, k0, k_hi, KS, SCALE_BK, BLOCK_K)
+        a1, a2 = chunk_acc(a1, a2, w1, w2, x, s1, s2, A8, SWAP, PAIRED, BLOCK_M, KS)
     if SWAP:
         a1 = tl.trans(a1)
         if PAIRED:
@@ -241,6 +248,7 @@ def proj_loop(
     stride_sm,
     n_parts,
     s_ptr,
+    stride_sn,
     TMA: tl.constexpr,
     NORM: tl.constexpr,
     PAIRED: tl.constexpr,
@@ -250,7 +258,9 @@ def proj_loop(
     NORM_BLOCK: tl.constexpr,
     SSQ_PAD: tl.constexpr,
     W_FP8: tl.constexpr,
-    A8: tl.constexpr = False,
+    A8: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
 ):
     # The part after the wait: each row's 1 / RMS when NORM (ones for an x that needs no norm:
     # o_proj, down, or x normed by its own kernel), then the K loop through descriptors
@@ -259,14 +269,20 @@ def proj_loop(
     # 1 / RMS of r comes from the sums of squares its writer left (norm_handoff.ssq_inv_rms),
     # a scale of each row of the products after the loop: the loop is a normed x's.
     # W_FP8: the weight is e4m3 (any loop: converted to x's dtype in registers, exactly) with
-    # float32 scales per output channel at s_ptr, applied to the sums of rows row1.. (and
-    # row2..) after the loop. TMA 3: the pointer loop swap-AB (gemv_loop's SWAP). A8 (e4m3
-    # weights, bf16/fp16 x, BLOCK_M >= 16): W8A8, x quantized per row per chunk (dot_a8).
+    # float32 scales at s_ptr. 1 (W_CHANNEL): a scale per output channel, applied to the sums
+    # of rows row1.. (and row2..) after the loop. 2 (W_BLOCK): a scale per (SCALE_BN,
+    # SCALE_BK) block, stride_sn between block rows, applied to x chunk by chunk inside the
+    # loop (block_scales; each row set inside one block: block_scales.rows_fit). TMA 3: the
+    # pointer loop swap-AB (gemv_loop's SWAP). A8 (e4m3 weights, bf16/fp16 x, BLOCK_M >= 16):
+    # W8A8, x quantized per row per chunk (dot_a8).
     # -> (acc1, acc2), [BLOCK_M, BLOCK_N] float32 (acc2 = acc1 unless PAIRED)
     if NORM:
         inv_rms = row_inv_rms(x_ptr, stride_xm, M, K, eps, BLOCK_M, NORM_BLOCK)  # [BLOCK_M]
     else:
         inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    KS: tl.constexpr = W_FP8 == 2
+    sp1 = s_ptr + (row1 // SCALE_BN) * stride_sn  # the block rows' scales (KS only)
+    sp2 = s_ptr + (row2 // SCALE_BN) * stride_sn
     if TMA % 3 != 0:
         a1, a2 = tma_loop(
             w_desc,
@@ -287,7 +303,11 @@ def proj_loop(
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
+            sp1,
+            sp2,
             A8,
+            KS,
+            SCALE_BK,
         )
     else:
         a1, a2 = gemv_loop(
@@ -308,10 +328,14 @@ def proj_loop(
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
+            sp1,
+            sp2,
             TMA == 3,
             A8,
+            KS,
+            SCALE_BK,
         )
-    if W_FP8:
+    if W_FP8 == 1:
         offs_s = tl.arange(0, BLOCK_N)
         a1 = a1 * tl.load(s_ptr + row1 + offs_s, mask=mask_n, other=0.0)[None, :]
         if PAIRED:

@@ -182,7 +182,8 @@ def _qkv(
         blocks=plan.tile,
         ssq=ssq,
         tuning=t,
-        w_scale=getattr(attn.qkv_proj, "weight_scale", None),  # an Fp8Linear's, per channel
+        w_scale=getattr(attn.qkv_proj, "weight_scale", None),  # an Fp8Linear's
+        w_block=getattr(attn.qkv_proj, "block", None),  # its scale blocks (None: per channel)
     )
 
 

@@ -36,7 +36,8 @@ def row(
     partials`` (rounded once more than the reference path's ``r + all_reduce(partials)``: the
     two agree within bf16 rounding, not bit for bit)."""
     if type(proj) is not RowParallelLinear or proj.world_size == 1:
-        scale = getattr(proj, "weight_scale", None)  # an Fp8Linear's, per channel
+        scale = getattr(proj, "weight_scale", None)  # an Fp8Linear's
+        block = getattr(proj, "block", None)  # its scale blocks (None: per channel)
         if next_norm is not None:
             y, xw, ssq = gemv_residual(
                 x,
@@ -47,10 +48,18 @@ def row(
                 next_norm=next_norm,
                 tuning=tuning,
                 w_scale=scale,
+                w_block=block,
             )
             return y, (xw, ssq)
         y = gemv_residual(
-            x, proj.weight, r, use_pdl=use_pdl, blocks=blocks, tuning=tuning, w_scale=scale
+            x,
+            proj.weight,
+            r,
+            use_pdl=use_pdl,
+            blocks=blocks,
+            tuning=tuning,
+            w_scale=scale,
+            w_block=block,
         )
         return y, None
     y = gemv_residual(
@@ -85,7 +94,8 @@ def mlp_half(
     down = plan.down_last if last else plan.down
     nw_next = (model.norm if last else model.layers[i + 1].input_layernorm).weight
     gate_up, w_gu = plan.gate_up, mlp.gate_up_proj.weight
-    s_gu = getattr(mlp.gate_up_proj, "weight_scale", None)  # an Fp8Linear's, per channel
+    s_gu = getattr(mlp.gate_up_proj, "weight_scale", None)  # an Fp8Linear's
+    b_gu = getattr(mlp.gate_up_proj, "block", None)  # its scale blocks (None: per channel)
     r, hand = row(
         o, attn.o_proj, r, use_pdl, norm2.weight if plan.o_proj.hands else None, t, plan.o_proj.tile
     )
@@ -102,6 +112,7 @@ def mlp_half(
             ssq=hand[1],
             tuning=t,
             w_scale=s_gu,
+            w_block=b_gu,
         )
     elif gate_up.how == SEPARATE:
         a = gate_up_silu(
@@ -113,6 +124,7 @@ def mlp_half(
             blocks=gate_up.tile,
             tuning=t,
             w_scale=s_gu,
+            w_block=b_gu,
         )
     else:
         a = gate_up_silu(
@@ -124,6 +136,7 @@ def mlp_half(
             blocks=gate_up.tile,
             tuning=t,
             w_scale=s_gu,
+            w_block=b_gu,
         )
     return row(a, mlp.down_proj, r, use_pdl, nw_next if down.hands else None, t, down.tile)
 

@@ -9,12 +9,13 @@ from ...buckets import default_capture_sizes
 from ...kernels.proj.proj_tiles import Tile, block_m
 from ...tuning import DecodeTuning, default_tuning
 from ..config import ModelConfig
+from ..fp8_linear import load_format
 from .fused_decode import FUSED_MAX_BS
 from .step_attention import describe
 from .step_plan import (
     CUBLAS,
     CUBLAS_HANDOFF,
-    FP8_FUSED,
+    FP8_FORMATS,
     HANDOFF,
     PIECE_KERNELS,
     SEPARATE,
@@ -43,15 +44,22 @@ def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def config_shapes(
-    config: ModelConfig, elem_bytes: int = 2, weight_format: str = "plain"
+    config: ModelConfig,
+    elem_bytes: int = 2,
+    weight_format: str = "plain",
+    scale_block: tuple[int, int] | None = None,
 ) -> StepShapes:
     """The plan's ``StepShapes`` of an unsharded model of ``config`` (the H200's
     multiprocessors, any context: the split ladder's cap); ``weight_format`` ``"fp8-channel"``:
     the projections' weights quantized to e4m3 per channel, as ``--quantization fp8`` loads
-    them."""
+    them; ``"fp8-block"`` with ``scale_block``: per block, as ``--quantization fp8-block``."""
     attn = (config.num_heads, config.num_kv_heads, config.head_dim)
     return StepShapes(
-        **piece_shapes(config), attention=attn, elem_bytes=elem_bytes, weight_format=weight_format
+        **piece_shapes(config),
+        attention=attn,
+        elem_bytes=elem_bytes,
+        weight_format=weight_format,
+        scale_block=scale_block,
     )
 
 
@@ -120,11 +128,13 @@ def kernel_plan(
     buckets=None,
     tuning: DecodeTuning | None = None,
     weight_format: str = "plain",
+    scale_block: tuple[int, int] | None = None,
 ):
     """``[(bucket, path, {piece: choice})]`` for the default buckets up to ``FUSED_MAX_BS``: the
     step's plan at each (choices empty where the reference kernels run)."""
-    shapes, t = config_shapes(config, elem_bytes, weight_format), default_tuning(tuning)
-    fp8 = weight_format == FP8_FUSED
+    shapes = config_shapes(config, elem_bytes, weight_format, scale_block)
+    t = default_tuning(tuning)
+    fp8 = weight_format in FP8_FORMATS
     out = []
     for b in buckets or default_capture_sizes(FUSED_MAX_BS):
         plan = plan_step(shapes, b, b, t)
@@ -140,14 +150,18 @@ def format_plan(
     tuning: DecodeTuning | None = None,
     quantization: str | None = None,
 ) -> str:
-    """The plan as ``stepgraph info --model [--quantization fp8]`` prints it."""
-    weights = ", FP8 (e4m3) projection weights per channel" if quantization == "fp8" else ""
+    """The plan as ``stepgraph info --model [--quantization fp8|fp8-block]`` prints it."""
+    fmt, block = ("plain", None) if quantization is None else load_format(quantization)
+    weights = ""
+    if quantization is not None:
+        per = "channel" if block is None else f"{block[0]}x{block[1]} block"
+        weights = f", FP8 (e4m3) projection weights per {per}"
     lines = [
         f"decode kernels of {name} ({dtype}{weights}, the fused step on CUDA; `--kernels "
         "reference` runs the reference kernels everywhere):"
     ]
-    fmt = FP8_FUSED if quantization == "fp8" else "plain"
-    for b, path, pieces in kernel_plan(config, elem_bytes, tuning=tuning, weight_format=fmt):
+    plan = kernel_plan(config, elem_bytes, tuning=tuning, weight_format=fmt, scale_block=block)
+    for b, path, pieces in plan:
         lines.append(f"  bs bucket {b}: {path}")
         lines += [f"    {p:<9} {c}" for p, c in pieces.items()]
     lines.append(f"  above {FUSED_MAX_BS} rows: reference kernels (the fused kernels take 64 rows)")

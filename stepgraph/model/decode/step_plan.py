@@ -15,13 +15,14 @@ The choices follow ``DecodeTuning`` (docs/tuning.md), each field with its eviden
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from ...kernels.decode.flash_decode import DEFAULT_MAX_SPLITS
 from ...kernels.decode.splits import H200_NUM_SMS, SplitLadder, ladder_cap, num_splits_for
 from ...kernels.pdl import TRIGGER_MODES
+from ...kernels.proj.block_scales import block_tile, rows_fit, set_rows
 from ...kernels.proj.proj_tiles import (
     Tile,
     fp8_table_tile,
@@ -86,6 +87,7 @@ class StepShapes:
     # "plain", or fp8_linear.weight_format's ("fp8-channel", "fp8-block", "mixed"): FP8
     # weights are looked up in the tables at the activations' element size (elem_bytes)
     weight_format: str = "plain"
+    scale_block: tuple[int, int] | None = None  # "fp8-block": every projection's (bn, bk)
 
     def shape(self, piece: str) -> tuple[int, int]:
         return getattr(self, piece)
@@ -133,15 +135,18 @@ class StepPlan:
 
 UNMEASURED = "no measured tiles for these shapes; docs/tuning.md"
 FP8_REFERENCE = (
-    "FP8 weights with block scales (or mixed): the projections run the FP8-weight GEMV "
+    "FP8 weights of mixed formats or scale blocks: the projections run the FP8-weight GEMV "
     "(kernels/proj/fp8_gemv)"
 )
-FP8_FUSED = "fp8-channel"  # the weight format the fused kernels stream (W_FP8; FP8_TILES)
+FP8_FUSED = "fp8-channel"  # ``--quantization fp8``'s weight format
+# the weight formats the fused kernels stream (W_FP8; FP8_TILES): scales per channel, or per
+# block where every program's rows lie inside one row block (kernels/proj/block_scales)
+FP8_FORMATS = ("fp8-channel", "fp8-block")
 
 
 def _fp8(shapes: StepShapes, piece: str) -> bool:
     """Whether ``piece`` streams e4m3 weights through the fused kernels (not the LM head)."""
-    return shapes.weight_format == FP8_FUSED and piece != "lm_head"
+    return shapes.weight_format in FP8_FORMATS and piece != "lm_head"
 
 
 def measured_all(shapes: StepShapes, bucket: int, tables=None) -> bool:
@@ -166,7 +171,9 @@ def reference_reason(shapes: StepShapes, bucket: int, tuning: DecodeTuning) -> s
     shapes, float32, shards); a bucket the model measured faster on the reference kernels."""
     if bucket in tuning.reference_rows:
         return "reference_rows"
-    if shapes.weight_format not in ("plain", FP8_FUSED):
+    if shapes.weight_format not in ("plain", *FP8_FORMATS) or (
+        shapes.weight_format == "fp8-block" and shapes.scale_block is None
+    ):
         return FP8_REFERENCE
     if bucket > 1 and not measured_all(shapes, bucket, tuning.tables):
         return UNMEASURED
@@ -219,8 +226,8 @@ def bucket_splits(shapes: StepShapes, bucket: int, tuning: DecodeTuning) -> int:
 
 
 def _cublas(shapes: StepShapes, piece: str, rows: int, tuning: DecodeTuning) -> bool:
-    if shapes.weight_format == FP8_FUSED and piece != "lm_head":
-        return False  # cuBLAS takes no e4m3 weight scaled per channel: the fused kernel runs
+    if _fp8(shapes, piece):
+        return False  # cuBLAS takes no scaled e4m3 weight here: the fused kernel runs
     e = shapes.elem_bytes
     return prefer_cublas(PIECE_KERNELS[piece], rows, *shapes.shape(piece), e, tuning.tables)
 
@@ -319,8 +326,36 @@ def plan_step(
     key = (shapes, rows, bucket)
     plan = cache.get(key)
     if plan is None:
-        plan = cache[key] = _plan(shapes, rows, bucket, t)
+        plan = _plan(shapes, rows, bucket, t)
+        if plan.fused and shapes.weight_format == "fp8-block":
+            plan = block_plan(shapes, plan)
+        cache[key] = plan
     return plan
+
+
+def block_plan(shapes: StepShapes, plan: StepPlan) -> StepPlan:
+    """``plan`` for FP8 weights with block scales: each projection's tile as block scales run
+    it (``block_scales.block_tile``: W8A8 from two rows of 2-byte activations), or the
+    reference kernels where a tile's rows would straddle two row blocks."""
+    bn = shapes.scale_block[0]
+    half = shapes.attention[2] // 2
+    changes = {}
+    for name in ("qkv0", "qkv", "o_proj", "gate_up", "down", "down_last"):
+        p = getattr(plan, name)
+        if p is None or p.tile is None:
+            continue
+        piece = name.removesuffix("0").removesuffix("_last")
+        kernel = PIECE_KERNELS[piece]
+        offset = shapes.gate_up[0] // 2 if piece == "gate_up" else 0
+        if not rows_fit(kernel, p.tile, bn, half, offset):
+            return StepPlan(
+                plan.rows,
+                plan.bucket,
+                reference=f"FP8 block scales of {bn} rows: {piece}'s tile takes "
+                f"{set_rows(kernel, p.tile, half)} rows a program; the FP8-weight GEMV runs",
+            )
+        changes[name] = replace(p, tile=block_tile(p.tile, plan.rows, shapes.elem_bytes))
+    return replace(plan, **changes)
 
 
 def step_weight_format(model) -> str:
@@ -354,6 +389,8 @@ def step_shapes(model, backend=None) -> StepShapes:
         )
     fmt = step_weight_format(model)
     fp8 = fmt != "plain"  # the tables' element size: the activations' (the model dtype's)
+    blocks = {m.block for m in fp8_modules(model).values()}
+    scale_block = blocks.pop() if fmt == "fp8-block" and len(blocks) == 1 else None
     shapes = StepShapes(
         qkv=tuple(w.shape),
         o_proj=tuple(attn.o_proj.weight.shape),
@@ -367,6 +404,7 @@ def step_shapes(model, backend=None) -> StepShapes:
         head_bias=getattr(model.lm_head, "bias", None) is not None,
         plain_embed=type(model.embed_tokens) is nn.Embedding,
         weight_format=fmt,
+        scale_block=scale_block,
         **extra,
     )
     ref = weakref.ref(backend) if backend is not None else (lambda: None)
@@ -376,6 +414,8 @@ def step_shapes(model, backend=None) -> StepShapes:
 
 __all__ = [
     "PIECE_KERNELS",
+    "block_plan",
+    "FP8_FORMATS",
     "FP8_REFERENCE",
     "UNMEASURED",
     "ProjPlan",
