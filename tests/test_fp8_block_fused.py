@@ -46,8 +46,8 @@ def w8a8_reference(x, data, scale, block, block_k) -> torch.Tensor:
     chunk (``quantized_x``), against the e4m3 data."""
     n, k = data.shape
     bn, bk = block
-    cols = torch.arange(k) // bk
-    out = torch.empty(x.shape[0], n, dtype=torch.float64)
+    cols = torch.arange(k, device=data.device) // bk
+    out = torch.empty(x.shape[0], n, dtype=torch.float64, device=data.device)
     for nb in range(scale.shape[0]):
         rows = slice(nb * bn, min(n, (nb + 1) * bn))
         xs = x.float() * scale[nb, cols][None, :]

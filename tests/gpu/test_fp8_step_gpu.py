@@ -1,7 +1,8 @@
 """FP8 weights in the decode step on a real GPU (random weights quantized per channel on load, 2
-layers of the llama-3.2-1b shapes; block scales from a fine-grained layout): the fused step at bs
-1 and 8 against the same weights dequantized; the plan's routing; exact equals eager bit for
-bit in bf16 (``stepgraph check --quantization fp8``'s comparison); float32 graph equals eager.
+layers of the llama-3.2-1b shapes; block scales whose row blocks the tiles straddle): the fused
+step at bs 1 and 8 against the same weights dequantized; the plan's routing; exact equals eager
+bit for bit in bf16 (``stepgraph check --quantization fp8``'s comparison); float32 graph equals
+eager. Block scales the tiles fit: ``test_fp8_block_gpu.py``.
 
 Nothing touches CUDA at import time: without a GPU the module imports and every test skips.
 """
@@ -18,7 +19,6 @@ from stepgraph.check import Mix, compare, random_mix, run_check
 from stepgraph.engine import Engine
 from stepgraph.model import ModelRunner
 from stepgraph.model.decode.fused_decode import step_plan
-from stepgraph.model.decode.step_plan import FP8_REFERENCE
 from stepgraph.model.fp8_linear import Fp8Linear, fp8_modules
 from stepgraph.model.fp8_weight import quantize_per_block
 from stepgraph.tuning import DecodeTuning, NormHandoff
@@ -149,16 +149,18 @@ def test_float32_fp8_step_equals_dequantized_float32(bs):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_block_scales_run_the_fp8_gemv():
+def test_block_scales_whose_row_blocks_the_tiles_straddle_run_the_fp8_gemv():
+    """16-row scale blocks: the one-row tiles (4-8 rows a program) fit them and run fused; the
+    tensor-core tiles (32-64 rows) do not, and the step runs the FP8-weight GEMV there."""
     mr = _runner(torch.bfloat16)
     with torch.no_grad():
         for name, mod in list(fp8_modules(mr.model).items()):
-            fw = quantize_per_block(mod.fp8.dequantize(torch.float32), (128, 128))
+            fw = quantize_per_block(mod.fp8.dequantize(torch.float32), (16, 128))
             parent, _, child = name.rpartition(".")
             setattr(mr.model.get_submodule(parent), child, Fp8Linear.from_weight(fw, mod.bias))
-    for bs in (1, 8):
-        plan = step_plan(bs, mr.model, mr.attn_backend, mr.tuning)
-        assert plan.reference == FP8_REFERENCE
+    assert step_plan(1, mr.model, mr.attn_backend, mr.tuning).fused
+    plan = step_plan(8, mr.model, mr.attn_backend, mr.tuning)
+    assert "FP8 block scales of 16 rows" in plan.reference
     got, tokens = _logits(mr, 8)
     ref, _ = _logits(_dequantized_twin(mr), 8)
     assert (got - ref).abs().max() / ref.abs().max() < 3e-2
