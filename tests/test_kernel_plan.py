@@ -127,17 +127,30 @@ def test_info_prints_the_fp8_plan(capsys):
             PRESETS["llama-3.2-1b"], 2, None, None, "fp8-channel"
         )
     }
-    assert fp8[1]["o_proj"] == "gemv_residual 8x2048 w4 W8A16"  # the one-row GEMV
+    assert fp8[1]["o_proj"] == "gemv_residual 8x2048 w4 e4m3 GEMV"  # the one-row GEMV
     assert FP8_TILES[("gemv_residual", 2048, 2048, 1)] == kernel_plan.Tile(8, 2048, 4)
     assert fp8[32]["down"].startswith("gemv_residual 64x256 w4 s3 split8 TMA1 W8A8")
     assert "    down      gemv_residual 64x256 w4 s3 split8 TMA1 W8A8" in out
-    for pieces in fp8.values():
+    for b, pieces in fp8.items():
         assert "W8" not in pieces["lm_head"] and "W8" not in pieces["attention"]
+        forms = ("e4m3 GEMV",) if b == 1 else ("W8A8", "W8A16")
         assert all(
-            ("W8A8" in c) != ("W8A16" in c)
+            sum(f in c for f in forms) == 1
             for p, c in pieces.items()
             if p not in ("lm_head", "attention")
+        ), (b, pieces)
+    # block scales: every projection from two rows W8A8 (the block-scaled x rounded to e4m3)
+    block = {
+        b: c
+        for b, _, c in kernel_plan.kernel_plan(
+            PRESETS["llama-3.2-1b"], 2, None, None, "fp8-block", (128, 128)
         )
+    }
+    for b, pieces in block.items():
+        projs = [c for p, c in pieces.items() if p not in ("lm_head", "attention")]
+        assert projs and all(("W8A8" in c) == (b > 1) for c in projs), (b, pieces)
+    assert main(["info", "--model", "llama-3.2-1b", "--quantization", "fp8-block"]) == 0
+    assert "per 128x128 block" in capsys.readouterr().out
     plain = by_bucket(PRESETS["llama-3.2-1b"])
     assert not any("W8" in c for _, pieces in plain.values() for c in pieces.values())
 

@@ -63,21 +63,28 @@ def config_shapes(
     )
 
 
-def tile_text(t: Tile, fp8: bool = False) -> str:
+def tile_text(t: Tile, fp8: bool = False, one_row: bool = False) -> str:
     """``Tile(64, 128, 4, 5, 4, 1)`` -> ``64x128 w4 s5 split4 TMA1`` (defaults left out); with
     ``fp8`` (e4m3 weights) the tile's activations too: ``W8A8`` (x quantized per row on FP8
-    tensor cores, an ``a8`` tile) or ``W8A16``."""
+    tensor cores, an ``a8`` tile), ``W8A16`` (the weight converted for bf16 tensor cores), or
+    at one row ``e4m3 GEMV`` (the weight converted to float32 in registers)."""
     parts = [f"{t.block_n}x{t.block_k}", f"w{t.num_warps}"]
     parts += [f"s{t.num_stages}"] if t.num_stages else []
     parts += [f"split{t.split_k}"] if t.split_k > 1 else []
     parts += [f"TMA{t.tma}"] if t.tma else []
-    parts += [("W8A8" if t.a8 else "W8A16")] if fp8 else []
+    parts += [("W8A8" if t.a8 else "e4m3 GEMV" if one_row else "W8A16")] if fp8 else []
     return " ".join(parts)
 
 
-def proj_text(piece: str, p: ProjPlan, layer0: ProjPlan | None = None, fp8: bool = False) -> str:
+def proj_text(
+    piece: str,
+    p: ProjPlan,
+    layer0: ProjPlan | None = None,
+    fp8: bool = False,
+    one_row: bool = False,
+) -> str:
     """One projection of the plan as text (``layer0``: qkv's form at layer 0, where it
-    differs; ``fp8``: the projection streams e4m3 weights)."""
+    differs; ``fp8``: the projection streams e4m3 weights, ``one_row`` in the GEMV)."""
     kernel = PIECE_KERNELS[piece]
     if p.how == CUBLAS_HANDOFF and piece == "qkv":
         return (
@@ -91,23 +98,25 @@ def proj_text(piece: str, p: ProjPlan, layer0: ProjPlan | None = None, fp8: bool
         )
     if p.how == CUBLAS:
         return f"norm + cuBLAS + {BESIDE[piece]}"
-    text = f"{'norm, then ' if p.how == SEPARATE else ''}{kernel} {tile_text(p.tile, fp8)}"
+    tile = tile_text(p.tile, fp8, one_row)
+    text = f"{'norm, then ' if p.how == SEPARATE else ''}{kernel} {tile}"
     if p.how == HANDOFF:
         text += SUMS
         if layer0 is not None:  # layer 0's input is the embedding: no sums beside it
-            text += f" (layer 0: {proj_text(piece, layer0, fp8=fp8)})"
+            text += f" (layer 0: {proj_text(piece, layer0, fp8=fp8, one_row=one_row)})"
     return text
 
 
 def choices(plan: StepPlan, fp8: bool = False) -> dict[str, str]:
     """``{piece: text}`` in the step's order, the attention's after qkv (``fp8``: the
     projections stream e4m3 weights, the LM head its own dtype)."""
+    one = plan.rows == 1
     return {
-        "qkv": proj_text("qkv", plan.qkv, plan.qkv0, fp8),
+        "qkv": proj_text("qkv", plan.qkv, plan.qkv0, fp8, one),
         "attention": describe(plan.attention),
-        "o_proj": proj_text("o_proj", plan.o_proj, fp8=fp8),
-        "gate_up": proj_text("gate_up", plan.gate_up, fp8=fp8),
-        "down": proj_text("down", plan.down, fp8=fp8),
+        "o_proj": proj_text("o_proj", plan.o_proj, fp8=fp8, one_row=one),
+        "gate_up": proj_text("gate_up", plan.gate_up, fp8=fp8, one_row=one),
+        "down": proj_text("down", plan.down, fp8=fp8, one_row=one),
         "lm_head": proj_text("lm_head", plan.lm_head),
     }
 
