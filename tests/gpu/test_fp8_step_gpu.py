@@ -1,8 +1,9 @@
 """FP8 weights in the decode step on a real GPU (random weights quantized per channel on load, 2
 layers of the llama-3.2-1b shapes; block scales whose row blocks the tiles straddle): the fused
-step at bs 1 and 8 against the same weights dequantized; the plan's routing; exact equals eager
-bit for bit in bf16 (``stepgraph check --quantization fp8``'s comparison); float32 graph equals
-eager. Block scales the tiles fit: ``test_fp8_block_gpu.py``.
+step at bs 1 and 8 against the same weights dequantized (float32: per channel and per 128 x 128
+block); the plan's routing; exact equals eager bit for bit in bf16 for both (``stepgraph check
+--quantization fp8``'s comparison); float32 graph equals eager. Block scales' kernels:
+``test_fp8_block_gpu.py``.
 
 Nothing touches CUDA at import time: without a GPU the module imports and every test skips.
 """
@@ -140,9 +141,10 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor, bs: int) -> float:
 A8_ALLOWANCE = 3.5  # 3e-2 x 3.5 = 0.105 of the norm: 1.6 x the 6.6% measured
 
 
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
 @pytest.mark.parametrize("bs", [1, 8])
-def test_float32_fp8_step_equals_dequantized_float32(bs):
-    mr = _runner(torch.float32)
+def test_float32_fp8_step_equals_dequantized_float32(bs, quant):
+    mr = _runner(torch.float32, quantization=quant)
     got, _ = _logits(mr, bs)
     ref, _ = _logits(_dequantized_twin(mr), bs)
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4
@@ -167,9 +169,10 @@ def test_block_scales_whose_row_blocks_the_tiles_straddle_run_the_fp8_gemv():
     assert torch.equal(tokens, got.argmax(-1))
 
 
-def test_exact_equals_eager_bit_for_bit_with_fp8_weights():
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_exact_equals_eager_bit_for_bit_with_fp8_weights(quant):
     rows = 8
-    mr = _runner(torch.bfloat16, max_bs=rows, seed=5)
+    mr = _runner(torch.bfloat16, max_bs=rows, seed=5, quantization=quant)
     rng = random.Random(1)
     mixes = [random_mix(rng, mr.config.vocab_size, rows, 200) for _ in range(6)]
     results = run_check(mr, mixes, ["eager", "graph", "exact"], rows, log=lambda line: None)

@@ -38,30 +38,21 @@ def row(
     if type(proj) is not RowParallelLinear or proj.world_size == 1:
         scale = getattr(proj, "weight_scale", None)  # an Fp8Linear's
         block = getattr(proj, "block", None)  # its scale blocks (None: per channel)
-        if next_norm is not None:
-            y, xw, ssq = gemv_residual(
-                x,
-                proj.weight,
-                r,
-                use_pdl=use_pdl,
-                blocks=blocks,
-                next_norm=next_norm,
-                tuning=tuning,
-                w_scale=scale,
-                w_block=block,
-            )
-            return y, (xw, ssq)
-        y = gemv_residual(
+        out = gemv_residual(
             x,
             proj.weight,
             r,
             use_pdl=use_pdl,
             blocks=blocks,
+            next_norm=next_norm,
             tuning=tuning,
             w_scale=scale,
             w_block=block,
         )
-        return y, None
+        if next_norm is None:
+            return out, None
+        y, xw, ssq = out
+        return y, (xw, ssq)
     y = gemv_residual(
         x,
         proj.weight,
