@@ -32,9 +32,10 @@ def _one_error_line(capsys) -> str:
     return err[0]
 
 
-def test_generate_takes_quantization_fp8_and_refuses_others(capsys):
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_generate_takes_quantization_fp8_and_refuses_others(capsys, quant):
     with time_limit(60):
-        assert main([*GEN, "--prompt-ids", "1,2,3", "--quantization", "fp8", "--json"]) == 0
+        assert main([*GEN, "--prompt-ids", "1,2,3", "--quantization", quant, "--json"]) == 0
     fp8 = json.loads(capsys.readouterr().out)["outputs"]
     assert len(fp8[0]) == 4
     assert main([*GEN, "--prompt-ids", "1,2,3", "--quantization", "int4"]) == 2
@@ -52,8 +53,8 @@ def test_every_model_command_has_the_flag():
         ["serve", "--model", "tiny"],
         ["info", "--model", "tiny"],
     ):
-        args = parser.parse_args([*argv, "--quantization", "fp8"])
-        assert args.quantization == "fp8"
+        for quant in ("fp8", "fp8-block"):
+            assert parser.parse_args([*argv, "--quantization", quant]).quantization == quant
         assert parser.parse_args(argv).quantization is None
     with pytest.raises(UsageError, match="invalid choice: 'int4'"):
         parser.parse_args(["info", "--quantization", "int4"])
@@ -68,7 +69,8 @@ def test_serve_spec_carries_quantization():
     assert engine_spec(args, "cpu", "float32", 64).quantization == "fp8"
 
 
-def test_check_runs_with_fp8_weights(capsys):
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_check_runs_with_fp8_weights(capsys, quant):
     with time_limit(120):
         rc = main(
             [
@@ -78,7 +80,7 @@ def test_check_runs_with_fp8_weights(capsys):
                 "--device",
                 "cpu",
                 "--quantization",
-                "fp8",
+                quant,
                 "--trials",
                 "2",
                 "--max-bs",
