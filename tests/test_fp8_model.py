@@ -248,11 +248,8 @@ def test_the_plan_routes_fp8_weights_in_one_place(tmp_path):
     # block scales: the fused kernels too, where every program's rows lie inside a row
     # block; from two rows of bf16 every tile runs W8A8 (x scaled by the block's scales, then
     # rounded to e4m3); else the reference kernels (the FP8-weight GEMV)
-    mr = ModelRunner.from_preset(
-        "llama-3.2-1b", quantization="fp8-block", num_layers=1, max_context_len=64
-    )
-    blocks = replace(step_shapes(mr.model), elem_bytes=2)
-    assert blocks.weight_format == "fp8-block" and blocks.scale_block == (128, 128)
+    # (the plan reads the shapes alone: the 1B's, as --quantization fp8-block loads them)
+    blocks = replace(bf16, weight_format="fp8-block", scale_block=LOAD_BLOCKS["fp8-block"])
     for rows in (1, 8, 32, 64):
         plan = plan_step(blocks, rows, rows, t)
         assert plan.fused, (rows, plan.reference)
