@@ -409,18 +409,20 @@ def test_fp8_tiles_count_as_measured_for_unmeasured_shapes():
     assert step_plan.reference_reason(s, 8, DecodeTuning(tables=tables)) == step_plan.UNMEASURED
 
 
-def test_bench_memory_counts_the_fp8_model(monkeypatch):
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_bench_memory_counts_the_fp8_model(monkeypatch, quant):
     from stepgraph.bench.args import check_bench_args, quantized_model_bytes
     from stepgraph.bench.workload import bench_bytes, weight_bytes
     from stepgraph.cli_args import UsageError, model_config
     from stepgraph.model import ModelRunner, kv_cache
+    from stepgraph.model.fp8_linear import LOAD_BLOCKS
 
     mr = ModelRunner.from_preset(
-        "tiny", "cpu", torch.bfloat16, quantization="fp8", max_bs=2, max_context_len=64
+        "tiny", "cpu", torch.bfloat16, quantization=quant, max_bs=2, max_context_len=64
     )
     cfg = model_config("tiny")
     parts = bench_bytes(cfg, torch.bfloat16, 2, 16 + 64)
-    fp8_parts = quantized_model_bytes(parts, cfg, torch.bfloat16)
+    fp8_parts = quantized_model_bytes(parts, cfg, torch.bfloat16, LOAD_BLOCKS[quant])
     assert cfg.tie_word_embeddings  # so every weight the model holds is one a step reads
     assert fp8_parts["FP8 model's weights"] == weight_bytes(mr)
     assert fp8_parts["FP8 model's KV cache"] == parts["KV cache"]
@@ -435,7 +437,7 @@ def test_bench_memory_counts_the_fp8_model(monkeypatch):
         json=None,
         plot=None,
         tp=1,
-        quantization="fp8",
+        quantization=quant,
         serve=False,
         prefill=False,
     )

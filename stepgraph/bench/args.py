@@ -19,6 +19,7 @@ from ..cli_args import (
     resolve_device,
     resolve_dtype,
 )
+from ..model.fp8_linear import LOAD_BLOCKS
 from .constants import CPU_MAX_BS, CPU_MODES, DTYPES, GPU_MAX_BS
 from .modes import OUR_MODES
 from .peers import PEERS
@@ -125,22 +126,25 @@ def check_bench_args(args: argparse.Namespace) -> None:
         )
     dtype = DTYPES[args.dtype]
     parts = bench_bytes(config, dtype, max(sizes), max(contexts) + 64)
-    if getattr(args, "quantization", None):
-        parts.update(quantized_model_bytes(parts, config, dtype))
+    if quant := getattr(args, "quantization", None):
+        parts.update(quantized_model_bytes(parts, config, dtype, LOAD_BLOCKS[quant]))
     check_bench_memory(parts, args, args.tp)
 
 
-def quantized_model_bytes(parts: dict[str, int], config, dtype: torch.dtype) -> dict[str, int]:
+def quantized_model_bytes(
+    parts: dict[str, int], config, dtype: torch.dtype, block: tuple[int, int] | None = None
+) -> dict[str, int]:
     """The second model that ``--quantization fp8`` builds beside the first (``parts``, its
     ``bench_bytes``): a KV cache and logits as large, and its weights with the projections in
-    e4m3 (one byte an element, a float32 scale per output row) and the rest (embeddings, norms,
-    the LM head) in ``dtype``."""
+    e4m3 (one byte an element, a float32 scale per output row, or per ``block``) and the rest
+    (embeddings, norms, the LM head) in ``dtype``."""
     elt = torch.empty((), dtype=dtype).element_size()
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    elems = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h  # a layer's projections
-    rows = (q + 2 * kv) + h + 2 * inter + h  # their output rows: one scale each
+    shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]  # a layer's projections
+    elems = sum(n * k for n, k in shapes)
+    scales = sum(n if block is None else -(-n // block[0]) * -(-k // block[1]) for n, k in shapes)
     proj = config.num_layers * elems
-    fp8_weights = parts["weights"] - proj * elt + proj + 4 * config.num_layers * rows
+    fp8_weights = parts["weights"] - proj * elt + proj + 4 * config.num_layers * scales
     return {
         "FP8 model's KV cache": parts["KV cache"],
         "FP8 model's weights": fp8_weights,
