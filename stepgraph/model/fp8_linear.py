@@ -151,6 +151,12 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 {kind}"
 
 
+def scale_kwargs(proj: nn.Module) -> dict:
+    """A fused projection kernel's ``w_scale`` and ``w_block`` for ``proj``: an ``Fp8Linear``'s
+    scales and their block (None per channel), None for a weight in the model's dtype."""
+    return dict(w_scale=getattr(proj, "weight_scale", None), w_block=getattr(proj, "block", None))
+
+
 def fp8_modules(model: nn.Module) -> dict[str, Fp8Linear]:
     """The model's FP8 projections by module name (empty: an unquantized model)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
@@ -227,6 +233,7 @@ __all__ = [
     "load_format",
     "fp8_modules",
     "quantize_model",
+    "scale_kwargs",
     "swap_in_fp8",
     "weight_format",
 ]

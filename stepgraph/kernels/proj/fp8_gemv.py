@@ -31,6 +31,7 @@ import triton.language as tl
 from ...errors import ConfigError
 from ..launch_math import cdiv, next_pow2
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
+from .block_scales import fit_tile
 from .gemv_tiles import k_range, row_acc, row_products, splitk_reduce, w_cols
 from .proj_tiles import FP8_ROW_ELEMS, FP8_ROW_K, block_m, splitk_workspace
 from .tile_table import Tile
@@ -359,11 +360,26 @@ def fp8_scales(
     return W_CHANNEL if block is None else W_BLOCK
 
 
-def scale_args(w_scale, fmt: int, block, dummy: torch.Tensor) -> tuple[torch.Tensor, int, dict]:
-    """A fused kernel's scale arguments: ``(s_ptr, stride_sn, {SCALE_BN, SCALE_BK})``."""
+def scale_launch(
+    fmt: int,
+    kernel: str,
+    tile: Tile,
+    m: int,
+    x: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    block: tuple[int, int] | None,
+    dummy: torch.Tensor,
+    half: int | None = None,
+    offset: int = 0,
+) -> tuple[Tile, tuple[torch.Tensor, int], dict]:
+    """A fused kernel's launch under ``fmt`` (``fp8_scales``): the tile (under block scales as
+    ``block_scales.fit_tile`` runs it, or its ConfigError), the scale arguments ``(s_ptr,
+    stride_sn)`` (``dummy`` for a weight without scales) and the constexprs ``SCALE_BN``,
+    ``SCALE_BK``."""
     if fmt == W_BLOCK:
-        return w_scale, w_scale.stride(0), dict(SCALE_BN=block[0], SCALE_BK=block[1])
-    return (w_scale if fmt else dummy), 0, dict(SCALE_BN=1, SCALE_BK=1)
+        tile = fit_tile(kernel, tile, m, x.element_size(), block, half, offset)
+        return tile, (w_scale, w_scale.stride(0)), dict(SCALE_BN=block[0], SCALE_BK=block[1])
+    return tile, ((w_scale if fmt else dummy), 0), dict(SCALE_BN=1, SCALE_BK=1)
 
 
 def dequantize_reference(weight, scale, block=None, dtype=torch.float64) -> torch.Tensor:
@@ -393,7 +409,7 @@ __all__ = [
     "fp8_gemv_reference",
     "fp8_mul_acc",
     "fp8_scales",
-    "scale_args",
+    "scale_launch",
     "fp8_tile",
     "load_w_chunk",
     "x_chunk",

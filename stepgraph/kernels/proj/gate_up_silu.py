@@ -22,8 +22,7 @@ import triton.language as tl
 from ...tuning import DecodeTuning, default_tuning
 from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
-from .block_scales import fit_tile
-from .fp8_gemv import W_BLOCK, fp8_scales, scale_args
+from .fp8_gemv import fp8_scales, scale_launch
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -220,10 +219,10 @@ def gate_up_silu(
             )
         )
         check_tile("gate_up_silu", tile, m)
-        if fp8 == W_BLOCK:
-            tile = fit_tile("gate_up_silu", tile, m, x.element_size(), w_block, offset=inter)
+        tile, s_args, scale_block = scale_launch(
+            fp8, "gate_up_silu", tile, m, x, w_scale, w_block, out, offset=inter
+        )
         bm = launch_block_m(tile, m, fp8, x)
-        s_arg, stride_sn, scale_block = scale_args(w_scale, fp8, w_block, out)
         pdl = resolve_pdl(use_pdl, x.device, t)
         tiles = cdiv(inter, tile.block_n)
         ws, tickets = out, out
@@ -241,8 +240,7 @@ def gate_up_silu(
             tickets,
             *(descs or (x, x)),
             sums,
-            s_arg,
-            stride_sn,
+            *s_args,
             m,
             inter,
             k,

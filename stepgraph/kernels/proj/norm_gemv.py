@@ -24,8 +24,7 @@ from ...tuning import DecodeTuning, default_tuning
 from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
 from ..sampling.argmax_parts import fold_argmax, fold_block
-from .block_scales import fit_tile
-from .fp8_gemv import W_BLOCK, fp8_scales, scale_args
+from .fp8_gemv import fp8_scales, scale_launch
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -263,10 +262,8 @@ def _launch(
         )
     )
     check_tile(kernel, tile, m)
-    if fp8 == W_BLOCK:
-        tile = fit_tile(kernel, tile, m, x.element_size(), w_block)
+    tile, s_args, scale_block = scale_launch(fp8, kernel, tile, m, x, w_scale, w_block, y)
     bm = launch_block_m(tile, m, fp8, x)
-    s_arg, stride_sn, scale_block = scale_args(w_scale, fp8, w_block, y)
     part_val, part_idx = parts if parts is not None else (y, y)
     tiles = cdiv(n, tile.block_n)
     ws, tickets = y, y
@@ -297,8 +294,7 @@ def _launch(
         ssq,
         xw,
         tokens if tokens is not None else y,
-        s_arg,
-        stride_sn,
+        *s_args,
         m,
         n,
         k,

@@ -26,8 +26,7 @@ from ...tuning import DecodeTuning, default_tuning
 from ..elementwise.rope_kv import rope_kv_reference
 from ..launch_math import cdiv
 from ..pdl import launch_options, pdl_trigger_late, pdl_wait_then_trigger, resolve_pdl
-from .block_scales import fit_tile
-from .fp8_gemv import W_BLOCK, fp8_scales, scale_args
+from .fp8_gemv import fp8_scales, scale_launch
 from .gemv_tiles import (
     k_range,
     norm_block,
@@ -353,10 +352,10 @@ def qkv_rope(
         else:
             tile = as_tile(blocks)
         bd = check_tile("qkv_rope", tile, m).block_n
-        if fp8 == W_BLOCK:
-            tile = fit_tile("qkv_rope", tile, m, x.element_size(), w_block, half)
+        tile, s_args, scale_block = scale_launch(
+            fp8, "qkv_rope", tile, m, x, w_scale, w_block, q, half
+        )
         bm = launch_block_m(tile, m, fp8, x)
-        s_arg, stride_sn, scale_block = scale_args(w_scale, fp8, w_block, q)
         if bd & (bd - 1) or (bd < half and half % bd):
             raise ConfigError(
                 f"qkv_rope: BLOCK_D={bd} must be a power of two dividing head_dim / 2 = {half} "
@@ -386,8 +385,7 @@ def qkv_rope(
             tickets,
             *(descs or (x, x)),
             sums,
-            s_arg,
-            stride_sn,
+            *s_args,
             m,
             k,
             eps,

@@ -51,6 +51,7 @@ from ...kernels.proj.norm_gemv import norm_gemv
 from ...kernels.proj.qkv_rope import qkv_rope
 from ...kernels.sampling.lm_head_argmax import lm_head_argmax
 from ...tuning import DecodeTuning, default_tuning
+from ..fp8_linear import scale_kwargs
 from ..llama import LlamaModel, at_rows
 from . import fused_mlp, step_attention
 from .kernel_choice import KERNEL_CHOICES, check_kernels, default_kernels, unfusable_reason
@@ -182,8 +183,7 @@ def _qkv(
         blocks=plan.tile,
         ssq=ssq,
         tuning=t,
-        w_scale=getattr(attn.qkv_proj, "weight_scale", None),  # an Fp8Linear's
-        w_block=getattr(attn.qkv_proj, "block", None),  # its scale blocks (None: per channel)
+        **scale_kwargs(attn.qkv_proj),
     )
 
 

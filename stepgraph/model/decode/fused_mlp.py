@@ -16,6 +16,7 @@ from ...kernels.elementwise.fused_act import silu_mul
 from ...kernels.proj.gate_up_silu import gate_up_silu
 from ...kernels.proj.norm_gemv import gemv_residual
 from ...tuning import DecodeTuning, default_tuning
+from ..fp8_linear import scale_kwargs
 from ..parallel import RowParallelLinear
 from .step_plan import CUBLAS, HANDOFF, SEPARATE, StepPlan
 
@@ -36,8 +37,6 @@ def row(
     partials`` (rounded once more than the reference path's ``r + all_reduce(partials)``: the
     two agree within bf16 rounding, not bit for bit)."""
     if type(proj) is not RowParallelLinear or proj.world_size == 1:
-        scale = getattr(proj, "weight_scale", None)  # an Fp8Linear's
-        block = getattr(proj, "block", None)  # its scale blocks (None: per channel)
         out = gemv_residual(
             x,
             proj.weight,
@@ -46,8 +45,7 @@ def row(
             blocks=blocks,
             next_norm=next_norm,
             tuning=tuning,
-            w_scale=scale,
-            w_block=block,
+            **scale_kwargs(proj),
         )
         if next_norm is None:
             return out, None
@@ -85,8 +83,7 @@ def mlp_half(
     down = plan.down_last if last else plan.down
     nw_next = (model.norm if last else model.layers[i + 1].input_layernorm).weight
     gate_up, w_gu = plan.gate_up, mlp.gate_up_proj.weight
-    s_gu = getattr(mlp.gate_up_proj, "weight_scale", None)  # an Fp8Linear's
-    b_gu = getattr(mlp.gate_up_proj, "block", None)  # its scale blocks (None: per channel)
+    fp8_gu = scale_kwargs(mlp.gate_up_proj)
     r, hand = row(
         o, attn.o_proj, r, use_pdl, norm2.weight if plan.o_proj.hands else None, t, plan.o_proj.tile
     )
@@ -102,8 +99,7 @@ def mlp_half(
             blocks=gate_up.tile,
             ssq=hand[1],
             tuning=t,
-            w_scale=s_gu,
-            w_block=b_gu,
+            **fp8_gu,
         )
     elif gate_up.how == SEPARATE:
         a = gate_up_silu(
@@ -114,8 +110,7 @@ def mlp_half(
             use_pdl=use_pdl,
             blocks=gate_up.tile,
             tuning=t,
-            w_scale=s_gu,
-            w_block=b_gu,
+            **fp8_gu,
         )
     else:
         a = gate_up_silu(
@@ -126,8 +121,7 @@ def mlp_half(
             use_pdl=use_pdl,
             blocks=gate_up.tile,
             tuning=t,
-            w_scale=s_gu,
-            w_block=b_gu,
+            **fp8_gu,
         )
     return row(a, mlp.down_proj, r, use_pdl, nw_next if down.hands else None, t, down.tile)
 
